@@ -1,0 +1,24 @@
+// Device memory hooks backed by the CUDA runtime.
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/tensor.h"
+
+namespace mf {
+
+void* device_alloc(size_t nbytes) {
+    void* ptr = nullptr;
+    MF_CHECK_CUDA(cudaMalloc(&ptr, nbytes));
+    return ptr;
+}
+
+void device_free(void* ptr) { cudaFree(ptr); }
+
+void device_memset_zero(void* ptr, size_t nbytes) { MF_CHECK_CUDA(cudaMemset(ptr, 0, nbytes)); }
+
+bool cuda_available() {
+    int count = 0;
+    return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+}  // namespace mf

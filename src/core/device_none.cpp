@@ -1,0 +1,11 @@
+// Device memory hooks for builds without CUDA: every device request is an error.
+#include "core/tensor.h"
+
+namespace mf {
+
+void* device_alloc(size_t) { MF_FAIL("this moeforge was built without CUDA (MOEFORGE_CUDA=OFF)"); }
+void device_free(void*) {}
+void device_memset_zero(void*, size_t) { MF_FAIL("this moeforge was built without CUDA"); }
+bool cuda_available() { return false; }
+
+}  // namespace mf

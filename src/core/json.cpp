@@ -1,0 +1,383 @@
+#include "core/json.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+#include "core/check.h"
+
+namespace mf::json {
+
+const char* kind_name(Kind kind) {
+    switch (kind) {
+        case Kind::null: return "null";
+        case Kind::boolean: return "boolean";
+        case Kind::number: return "number";
+        case Kind::string: return "string";
+        case Kind::array: return "array";
+        case Kind::object: return "object";
+    }
+    return "?";
+}
+
+namespace {
+
+[[noreturn]] void wrong_kind(Kind want, Kind have) { fail("expected a JSON ", kind_name(want), ", got ", kind_name(have)); }
+
+class Parser {
+ public:
+    Parser(std::string_view text, const std::string& source, int max_depth)
+        : text_(text), source_(source), max_depth_(max_depth) {}
+
+    Value parse_document() {
+        skip_ws();
+        Value v = parse_value(0);
+        skip_ws();
+        if (pos_ != text_.size()) error("unexpected text after the JSON value");
+        return v;
+    }
+
+ private:
+    [[noreturn]] void error(const std::string& what) const {
+        size_t line = 1, col = 1;
+        for (size_t i = 0; i < pos_ && i < text_.size(); ++i) {
+            if (text_[i] == '\n') { ++line; col = 1; } else { ++col; }
+        }
+        fail(source_, ":", line, ":", col, ": invalid JSON: ", what);
+    }
+
+    void skip_ws() {
+        while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r'))
+            ++pos_;
+    }
+
+    bool consume(std::string_view lit) {
+        if (text_.substr(pos_, lit.size()) == lit) { pos_ += lit.size(); return true; }
+        return false;
+    }
+
+    Value parse_value(int depth) {
+        if (depth > max_depth_) error("nesting deeper than " + std::to_string(max_depth_));
+        if (pos_ >= text_.size()) error("unexpected end of input");
+        const char c = text_[pos_];
+        if (c == '{') return parse_object(depth);
+        if (c == '[') return parse_array(depth);
+        if (c == '"') return Value(parse_string());
+        if (consume("true")) return Value(true);
+        if (consume("false")) return Value(false);
+        if (consume("null")) return Value(nullptr);
+        if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
+        error(std::string("unexpected character '") + (c >= 32 && c < 127 ? std::string(1, c) : "\\x" + hex(c)) + "'");
+    }
+
+    static std::string hex(char c) {
+        char buf[3];
+        std::snprintf(buf, sizeof buf, "%02x", static_cast<unsigned char>(c));
+        return buf;
+    }
+
+    Value parse_object(int depth) {
+        ++pos_;  // '{'
+        Value::Object obj;
+        skip_ws();
+        if (pos_ < text_.size() && text_[pos_] == '}') { ++pos_; return Value(std::move(obj)); }
+        while (true) {
+            skip_ws();
+            if (pos_ >= text_.size() || text_[pos_] != '"') error("expected a string key");
+            std::string key = parse_string();
+            for (const auto& kv : obj)
+                if (kv.first == key) error("duplicate key \"" + key + "\"");
+            skip_ws();
+            if (pos_ >= text_.size() || text_[pos_] != ':') error("expected ':' after key \"" + key + "\"");
+            ++pos_;
+            skip_ws();
+            Value v = parse_value(depth + 1);
+            obj.emplace_back(std::move(key), std::move(v));
+            skip_ws();
+            if (pos_ < text_.size() && text_[pos_] == ',') { ++pos_; continue; }
+            if (pos_ < text_.size() && text_[pos_] == '}') { ++pos_; break; }
+            error("expected ',' or '}' in object");
+        }
+        return Value(std::move(obj));
+    }
+
+    Value parse_array(int depth) {
+        ++pos_;  // '['
+        Value::Array arr;
+        skip_ws();
+        if (pos_ < text_.size() && text_[pos_] == ']') { ++pos_; return Value(std::move(arr)); }
+        while (true) {
+            skip_ws();
+            arr.push_back(parse_value(depth + 1));
+            skip_ws();
+            if (pos_ < text_.size() && text_[pos_] == ',') { ++pos_; continue; }
+            if (pos_ < text_.size() && text_[pos_] == ']') { ++pos_; break; }
+            error("expected ',' or ']' in array");
+        }
+        return Value(std::move(arr));
+    }
+
+    uint32_t parse_hex4() {
+        if (pos_ + 4 > text_.size()) error("truncated \\u escape");
+        uint32_t v = 0;
+        for (int i = 0; i < 4; ++i) {
+            const char c = text_[pos_++];
+            v <<= 4;
+            if (c >= '0' && c <= '9') v |= c - '0';
+            else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
+            else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
+            else error("bad hex digit in \\u escape");
+        }
+        return v;
+    }
+
+    static void append_utf8(std::string& out, uint32_t cp) {
+        if (cp < 0x80) out += static_cast<char>(cp);
+        else if (cp < 0x800) { out += static_cast<char>(0xC0 | (cp >> 6)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
+        else if (cp < 0x10000) {
+            out += static_cast<char>(0xE0 | (cp >> 12));
+            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+            out += static_cast<char>(0x80 | (cp & 0x3F));
+        } else {
+            out += static_cast<char>(0xF0 | (cp >> 18));
+            out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+            out += static_cast<char>(0x80 | (cp & 0x3F));
+        }
+    }
+
+    std::string parse_string() {
+        ++pos_;  // '"'
+        std::string out;
+        while (true) {
+            if (pos_ >= text_.size()) error("unterminated string");
+            const unsigned char c = static_cast<unsigned char>(text_[pos_++]);
+            if (c == '"') break;
+            if (c < 0x20) error("control character in string");
+            if (c != '\\') { out += static_cast<char>(c); continue; }
+            if (pos_ >= text_.size()) error("unterminated escape");
+            const char e = text_[pos_++];
+            switch (e) {
+                case '"': out += '"'; break;
+                case '\\': out += '\\'; break;
+                case '/': out += '/'; break;
+                case 'b': out += '\b'; break;
+                case 'f': out += '\f'; break;
+                case 'n': out += '\n'; break;
+                case 'r': out += '\r'; break;
+                case 't': out += '\t'; break;
+                case 'u': {
+                    uint32_t cp = parse_hex4();
+                    if (cp >= 0xD800 && cp <= 0xDBFF) {
+                        if (!consume("\\u")) error("unpaired surrogate in \\u escape");
+                        const uint32_t lo = parse_hex4();
+                        if (lo < 0xDC00 || lo > 0xDFFF) error("bad low surrogate in \\u escape");
+                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                    } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                        error("unpaired surrogate in \\u escape");
+                    }
+                    append_utf8(out, cp);
+                    break;
+                }
+                default: error(std::string("bad escape '\\") + e + "'");
+            }
+        }
+        return out;
+    }
+
+    Value parse_number() {
+        const size_t start = pos_;
+        bool is_int = true;
+        if (text_[pos_] == '-') ++pos_;
+        if (pos_ >= text_.size() || !isdigit(text_[pos_])) error("bad number");
+        if (text_[pos_] == '0') ++pos_;
+        else while (pos_ < text_.size() && isdigit(text_[pos_])) ++pos_;
+        if (pos_ < text_.size() && text_[pos_] == '.') {
+            is_int = false;
+            ++pos_;
+            if (pos_ >= text_.size() || !isdigit(text_[pos_])) error("bad number: digit expected after '.'");
+            while (pos_ < text_.size() && isdigit(text_[pos_])) ++pos_;
+        }
+        if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
+            is_int = false;
+            ++pos_;
+            if (pos_ < text_.size() && (text_[pos_] == '+' || text_[pos_] == '-')) ++pos_;
+            if (pos_ >= text_.size() || !isdigit(text_[pos_])) error("bad number: digit expected in exponent");
+            while (pos_ < text_.size() && isdigit(text_[pos_])) ++pos_;
+        }
+        const std::string lit(text_.substr(start, pos_ - start));
+        if (is_int) {
+            errno = 0;
+            char* end = nullptr;
+            const long long v = std::strtoll(lit.c_str(), &end, 10);
+            if (errno == 0) return Value(static_cast<int64_t>(v));
+        }
+        const double d = std::strtod(lit.c_str(), nullptr);
+        if (!std::isfinite(d)) error("number out of range");
+        return Value(d);
+    }
+
+    static bool isdigit(char c) { return c >= '0' && c <= '9'; }
+
+    std::string_view text_;
+    const std::string& source_;
+    int max_depth_;
+    size_t pos_ = 0;
+};
+
+}  // namespace
+
+bool Value::as_bool() const {
+    if (kind_ != Kind::boolean) wrong_kind(Kind::boolean, kind_);
+    return bool_;
+}
+
+int64_t Value::as_int() const {
+    if (kind_ != Kind::number) wrong_kind(Kind::number, kind_);
+    if (is_int_) return int_;
+    if (std::floor(num_) == num_ && std::fabs(num_) < 9.0e15) return static_cast<int64_t>(num_);
+    fail("expected an integer, got ", num_);
+}
+
+double Value::as_double() const {
+    if (kind_ != Kind::number) wrong_kind(Kind::number, kind_);
+    return num_;
+}
+
+const std::string& Value::as_string() const {
+    if (kind_ != Kind::string) wrong_kind(Kind::string, kind_);
+    return str_;
+}
+
+const Value::Array& Value::as_array() const {
+    if (kind_ != Kind::array) wrong_kind(Kind::array, kind_);
+    return *arr_;
+}
+
+Value::Array& Value::as_array() {
+    if (kind_ != Kind::array) wrong_kind(Kind::array, kind_);
+    return *arr_;
+}
+
+const Value::Object& Value::as_object() const {
+    if (kind_ != Kind::object) wrong_kind(Kind::object, kind_);
+    return *obj_;
+}
+
+Value::Object& Value::as_object() {
+    if (kind_ != Kind::object) wrong_kind(Kind::object, kind_);
+    return *obj_;
+}
+
+const Value* Value::find(std::string_view key) const {
+    if (kind_ != Kind::object) return nullptr;
+    for (const auto& kv : *obj_)
+        if (kv.first == key) return &kv.second;
+    return nullptr;
+}
+
+void Value::set(std::string key, Value v) {
+    Object& obj = as_object();
+    for (auto& kv : obj)
+        if (kv.first == key) { kv.second = std::move(v); return; }
+    obj.emplace_back(std::move(key), std::move(v));
+}
+
+void Value::push_back(Value v) { as_array().push_back(std::move(v)); }
+
+size_t Value::size() const {
+    if (kind_ == Kind::array) return arr_->size();
+    if (kind_ == Kind::object) return obj_->size();
+    return 0;
+}
+
+std::string quote(std::string_view s) {
+    std::string out = "\"";
+    for (const char ch : s) {
+        const unsigned char c = static_cast<unsigned char>(ch);
+        switch (c) {
+            case '"': out += "\\\""; break;
+            case '\\': out += "\\\\"; break;
+            case '\n': out += "\\n"; break;
+            case '\r': out += "\\r"; break;
+            case '\t': out += "\\t"; break;
+            case '\b': out += "\\b"; break;
+            case '\f': out += "\\f"; break;
+            default:
+                if (c < 0x20) {
+                    char buf[8];
+                    std::snprintf(buf, sizeof buf, "\\u%04x", c);
+                    out += buf;
+                } else {
+                    out += ch;
+                }
+        }
+    }
+    return out + "\"";
+}
+
+static void newline(std::string& out, int indent, int depth) {
+    if (indent < 0) return;
+    out += '\n';
+    out.append(static_cast<size_t>(indent * depth), ' ');
+}
+
+void Value::dump_to(std::string& out, int indent, int depth) const {
+    switch (kind_) {
+        case Kind::null: out += "null"; break;
+        case Kind::boolean: out += bool_ ? "true" : "false"; break;
+        case Kind::number: {
+            if (is_int_) { out += std::to_string(int_); break; }
+            char buf[32];
+            // %.17g round-trips every double; keep a '.' so it reads back as a float.
+            std::snprintf(buf, sizeof buf, "%.17g", num_);
+            std::string s = buf;
+            // Prefer the shortest form that round-trips.
+            for (int prec = 6; prec < 17; ++prec) {
+                std::snprintf(buf, sizeof buf, "%.*g", prec, num_);
+                if (std::strtod(buf, nullptr) == num_) { s = buf; break; }
+            }
+            if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+            out += s;
+            break;
+        }
+        case Kind::string: out += quote(str_); break;
+        case Kind::array: {
+            out += '[';
+            for (size_t i = 0; i < arr_->size(); ++i) {
+                if (i) out += indent < 0 ? "," : ",";
+                newline(out, indent, depth + 1);
+                (*arr_)[i].dump_to(out, indent, depth + 1);
+            }
+            if (!arr_->empty()) newline(out, indent, depth);
+            out += ']';
+            break;
+        }
+        case Kind::object: {
+            out += '{';
+            for (size_t i = 0; i < obj_->size(); ++i) {
+                if (i) out += ",";
+                newline(out, indent, depth + 1);
+                out += quote((*obj_)[i].first);
+                out += indent < 0 ? ":" : ": ";
+                (*obj_)[i].second.dump_to(out, indent, depth + 1);
+            }
+            if (!obj_->empty()) newline(out, indent, depth);
+            out += '}';
+            break;
+        }
+    }
+}
+
+std::string Value::dump(int indent) const {
+    std::string out;
+    dump_to(out, indent, 0);
+    return out;
+}
+
+Value parse(std::string_view text, const std::string& source, int max_depth) {
+    return Parser(text, source, max_depth).parse_document();
+}
+
+}  // namespace mf::json

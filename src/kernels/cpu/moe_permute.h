@@ -1,0 +1,28 @@
+// Dropless token permutation for MoE. The N·K (token, slot) pairs are grouped by expert,
+// stable in pair order p = t·K + k, so every expert's rows are contiguous and in token order:
+//   expert_offsets[E + 1]   rows of expert e are [expert_offsets[e], expert_offsets[e + 1])
+//   sorted_pair[N·K]        row r holds pair sorted_pair[r]
+//   pair_row[N·K]           inverse: pair p sits at row pair_row[p]
+// Sums run in a fixed order (slot 0..K-1), never with atomics, so results are deterministic.
+#pragma once
+
+#include <cstdint>
+
+namespace mf::cpu {
+
+void moe_permute_indices(int32_t* expert_offsets, int32_t* sorted_pair, int32_t* pair_row, const int32_t* topk_idx,
+                         int64_t N, int64_t K, int64_t E);
+
+// x_perm[N·K, H]: row r = x[sorted_pair[r] / K].
+void moe_gather_forward(float* x_perm, const float* x, const int32_t* sorted_pair, int64_t N, int64_t K, int64_t H);
+// dx[N, H] += Σ_k dx_perm[pair_row[t·K + k]]  (k ascending).
+void moe_gather_backward(float* dx, const float* dx_perm, const int32_t* pair_row, int64_t N, int64_t K, int64_t H);
+
+// out[N, H] = Σ_k topk_weight[t, k] · y_perm[pair_row[t·K + k]]  (written, k ascending).
+void moe_unpermute_forward(float* out, const float* y_perm, const float* topk_weight, const int32_t* pair_row,
+                           int64_t N, int64_t K, int64_t H);
+// dy_perm[N·K, H] (written) = topk_weight · dout[token];  dtopk_weight[N, K] (written) = <dout[t], y_perm[row]>.
+void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* dout, const float* y_perm,
+                            const float* topk_weight, const int32_t* pair_row, int64_t N, int64_t K, int64_t H);
+
+}  // namespace mf::cpu

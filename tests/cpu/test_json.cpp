@@ -1,0 +1,41 @@
+#include <gtest/gtest.h>
+
+#include "core/json.h"
+
+using mf::json::parse;
+
+TEST(Json, RoundTrip) {
+    auto v = parse(R"({"a": 1, "b": [true, null, 2.5, "x\ny\u00e9\ud83d\ude00"], "c": {"d": -3e2}})", "t");
+    EXPECT_EQ(v.find("a")->as_int(), 1);
+    EXPECT_TRUE(v.find("a")->is_int());
+    EXPECT_FALSE(v.find("c")->find("d")->is_int());
+    EXPECT_EQ(v.find("c")->find("d")->as_double(), -300.0);
+    EXPECT_EQ(v.find("b")->as_array()[3].as_string(), "x\ny\xc3\xa9\xf0\x9f\x98\x80");
+    auto w = parse(v.dump(2), "t2");
+    EXPECT_EQ(w.dump(), v.dump());
+}
+
+TEST(Json, RejectsMalformed) {
+    const char* bad[] = {"", "{", "[1,]", "{\"a\":1,}", "{\"a\" 1}", "nul", "01", "1.", "\"abc", "\"\\x\"",
+                         "{\"a\":1,\"a\":2}", "[1] 2", "\"\\ud800\"", "-", "1e"};
+    for (const char* text : bad) {
+        EXPECT_THROW(parse(text, "bad.json"), mf::Error) << text;
+    }
+    try {
+        parse("{\n  \"a\": tru\n}", "cfg.json");
+        FAIL();
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cfg.json:2:8"), std::string::npos) << e.what();
+    }
+}
+
+TEST(Json, DepthLimit) {
+    std::string deep(1000, '[');
+    EXPECT_THROW(parse(deep, "deep.json"), mf::Error);
+}
+
+TEST(Json, KindErrors) {
+    auto v = parse(R"({"a": "x", "b": 1.5})", "t");
+    EXPECT_THROW(v.find("a")->as_int(), mf::Error);
+    EXPECT_THROW(v.find("b")->as_int(), mf::Error);
+}
