@@ -1,0 +1,268 @@
+// Implementation of io/file.h on POSIX: open/read/write/fsync/rename/mmap. Every system call
+// that can fail is checked; errors carry the path and strerror(errno). EINTR is retried.
+#include "io/file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+#include <utility>
+
+#include "core/check.h"
+
+namespace mf::io {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string os_error() { return std::strerror(errno); }
+
+// Closes a file descriptor on scope exit.
+class FdGuard {
+ public:
+    explicit FdGuard(int fd) : fd_(fd) {}
+    ~FdGuard() {
+        if (fd_ >= 0) ::close(fd_);
+    }
+    FdGuard(const FdGuard&) = delete;
+    FdGuard& operator=(const FdGuard&) = delete;
+    int get() const { return fd_; }
+
+ private:
+    int fd_;
+};
+
+int open_retry(const fs::path& path, int flags, mode_t mode = 0) {
+    int fd;
+    do {
+        fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+void write_all(int fd, const void* data, size_t nbytes, const fs::path& path) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (nbytes > 0) {
+        // Linux writes at most ~2 GiB per call; ask for no more than 1 GiB at a time.
+        const size_t chunk = nbytes < (size_t{1} << 30) ? nbytes : (size_t{1} << 30);
+        const ssize_t n = ::write(fd, p, chunk);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            fail("cannot write ", path.string(), ": ", os_error());
+        }
+        p += n;
+        nbytes -= static_cast<size_t>(n);
+    }
+}
+
+void fsync_fd(int fd, const fs::path& path) {
+    int rc;
+    do {
+        rc = ::fsync(fd);
+    } while (rc != 0 && errno == EINTR);
+    // Some file systems cannot fsync a directory (EINVAL); that is not a failure of ours.
+    if (rc != 0 && errno != EINVAL) fail("cannot fsync ", path.string(), ": ", os_error());
+}
+
+fs::path parent_or_dot(const fs::path& path) {
+    const fs::path parent = path.parent_path();
+    return parent.empty() ? fs::path(".") : parent;
+}
+
+// "out/" and "out" name the same directory; strip a trailing separator so that filename() works.
+fs::path strip_trailing_separator(fs::path path) {
+    while (!path.empty() && !path.has_filename() && path.has_parent_path() && path != path.root_path())
+        path = path.parent_path();
+    return path;
+}
+
+std::atomic<uint64_t> g_tmp_counter{0};
+
+void rename_or_fail(const fs::path& from, const fs::path& to) {
+    if (::rename(from.c_str(), to.c_str()) != 0)
+        fail("cannot rename ", from.string(), " to ", to.string(), ": ", os_error());
+}
+
+// fsyncs every regular file and directory under `root` (and root itself).
+void fsync_tree(const fs::path& root) {
+    std::error_code ec;
+    for (fs::recursive_directory_iterator it(root, ec), end; it != end; it.increment(ec)) {
+        if (ec) break;
+        const fs::file_status st = it->symlink_status(ec);
+        if (ec) break;
+        if (fs::is_regular_file(st) || fs::is_directory(st)) fsync_path(it->path());
+    }
+    if (ec) fail("cannot list ", root.string(), ": ", ec.message());
+    fsync_path(root);
+}
+
+}  // namespace
+
+// --- reading ----------------------------------------------------------------------------------
+
+std::string read_text_file(const fs::path& path, size_t max_bytes) {
+    const int raw_fd = open_retry(path, O_RDONLY);
+    if (raw_fd < 0) fail("cannot open ", path.string(), ": ", os_error());
+    FdGuard fd(raw_fd);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail("cannot stat ", path.string(), ": ", os_error());
+    if (!S_ISREG(st.st_mode)) fail(path.string(), " is not a regular file");
+    if (static_cast<uint64_t>(st.st_size) > max_bytes)
+        fail(path.string(), " is ", st.st_size, " bytes, larger than the limit of ", max_bytes, " bytes");
+    std::string out;
+    out.resize(static_cast<size_t>(st.st_size));
+    size_t got = 0;
+    // Read until EOF; the file may have changed size since fstat, so stay within max_bytes.
+    while (true) {
+        if (got == out.size()) {
+            if (out.size() > max_bytes) fail(path.string(), " is larger than the limit of ", max_bytes, " bytes");
+            out.resize(out.size() + 4096);
+        }
+        const ssize_t n = ::read(fd.get(), out.data() + got, out.size() - got);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            fail("cannot read ", path.string(), ": ", os_error());
+        }
+        if (n == 0) break;
+        got += static_cast<size_t>(n);
+    }
+    out.resize(got);
+    if (got > max_bytes) fail(path.string(), " is larger than the limit of ", max_bytes, " bytes");
+    return out;
+}
+
+MappedFile::MappedFile(const fs::path& path) : path_(path) {
+    const int raw_fd = open_retry(path, O_RDONLY);
+    if (raw_fd < 0) fail("cannot open ", path.string(), ": ", os_error());
+    FdGuard fd(raw_fd);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) fail("cannot stat ", path.string(), ": ", os_error());
+    if (!S_ISREG(st.st_mode)) fail(path.string(), " is not a regular file");
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ == 0) return;
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+    if (p == MAP_FAILED) {
+        size_ = 0;
+        fail("cannot map ", path.string(), ": ", os_error());
+    }
+    data_ = static_cast<const uint8_t*>(p);
+}
+
+MappedFile::~MappedFile() { release(); }
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), path_(std::move(other.path_)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+    if (this != &other) {
+        release();
+        data_ = std::exchange(other.data_, nullptr);
+        size_ = std::exchange(other.size_, 0);
+        path_ = std::move(other.path_);
+    }
+    return *this;
+}
+
+void MappedFile::release() noexcept {
+    if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+    data_ = nullptr;
+    size_ = 0;
+}
+
+// --- atomic writes ----------------------------------------------------------------------------
+
+void fsync_path(const fs::path& path) {
+    const int raw_fd = open_retry(path, O_RDONLY);
+    if (raw_fd < 0) fail("cannot open ", path.string(), " to fsync it: ", os_error());
+    FdGuard fd(raw_fd);
+    fsync_fd(fd.get(), path);
+}
+
+AtomicFileWriter::AtomicFileWriter(fs::path path) : path_(std::move(path)) {
+    MF_CHECK(path_.has_filename(), "atomic write target '", path_.string(), "' has no file name");
+    tmp_path_ = path_;
+    tmp_path_ += ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(g_tmp_counter.fetch_add(1));
+    fd_ = open_retry(tmp_path_, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd_ < 0) fail("cannot create ", tmp_path_.string(), " (to write ", path_.string(), "): ", os_error());
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_path_.c_str());
+}
+
+void AtomicFileWriter::write(const void* data, size_t nbytes) {
+    MF_CHECK(fd_ >= 0 && !committed_, "write to ", path_.string(), " after commit");
+    write_all(fd_, data, nbytes, tmp_path_);
+}
+
+void AtomicFileWriter::commit() {
+    MF_CHECK(fd_ >= 0 && !committed_, "commit of ", path_.string(), " twice");
+    fsync_fd(fd_, tmp_path_);
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) fail("cannot close ", tmp_path_.string(), ": ", os_error());
+    rename_or_fail(tmp_path_, path_);
+    committed_ = true;
+    fsync_path(parent_or_dot(path_));
+}
+
+void atomic_write_file(const fs::path& path, std::string_view bytes) {
+    AtomicFileWriter writer(path);
+    writer.write(bytes);
+    writer.commit();
+}
+
+// --- atomic directories -----------------------------------------------------------------------
+
+AtomicDir::AtomicDir(fs::path dir) : dir_(strip_trailing_separator(std::move(dir))) {
+    MF_CHECK(dir_.has_filename(), "cannot build directory '", dir_.string(), "' atomically: it has no name");
+    tmp_path_ = dir_;
+    tmp_path_ += ".tmp-" + std::to_string(::getpid());
+    std::error_code ec;
+    fs::create_directories(parent_or_dot(dir_), ec);
+    if (ec) fail("cannot create ", parent_or_dot(dir_).string(), ": ", ec.message());
+    fs::remove_all(tmp_path_, ec);
+    if (ec) fail("cannot remove stale ", tmp_path_.string(), ": ", ec.message());
+    if (!fs::create_directory(tmp_path_, ec) || ec)
+        fail("cannot create ", tmp_path_.string(), ": ", ec ? ec.message() : "already exists");
+}
+
+AtomicDir::~AtomicDir() {
+    if (!committed_) {
+        std::error_code ec;
+        fs::remove_all(tmp_path_, ec);  // best effort: a destructor must not throw
+    }
+}
+
+void AtomicDir::commit() {
+    MF_CHECK(!committed_, "commit of ", dir_.string(), " twice");
+    fsync_tree(tmp_path_);
+    std::error_code ec;
+    const fs::file_status old_status = fs::symlink_status(dir_, ec);
+    const bool old_exists = fs::exists(old_status);
+    fs::path old_path = dir_;
+    old_path += ".old-" + std::to_string(::getpid());
+    if (old_exists) {
+        if (!fs::is_directory(old_status)) fail("cannot replace ", dir_.string(), ": it exists and is not a directory");
+        fs::remove_all(old_path, ec);
+        if (ec) fail("cannot remove stale ", old_path.string(), ": ", ec.message());
+        rename_or_fail(dir_, old_path);
+    }
+    rename_or_fail(tmp_path_, dir_);
+    committed_ = true;
+    fsync_path(parent_or_dot(dir_));
+    if (old_exists) {
+        fs::remove_all(old_path, ec);
+        if (ec)
+            fail("replaced ", dir_.string(), " but cannot remove the old copy at ", old_path.string(), ": ",
+                 ec.message());
+    }
+}
+
+}  // namespace mf::io
