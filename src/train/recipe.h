@@ -1,0 +1,84 @@
+// The training recipe: one YAML file (the subset of train/yaml.h) plus `key.sub=value` overrides
+// from the command line, validated into a plain struct.
+//
+//   model: /models/Qwen3-30B-A3B          # HF model directory (required)
+//   data:  {train: data/sft.jsonl, format: messages}
+//   train: {steps: 1000, micro_batch: 4, seq_len: 4096}
+//   optim:
+//     lr: 2.0e-5
+//     betas: [0.9, 0.95]
+//     no_decay: ["*norm*", "*bias"]       # quoted: a leading '*' would read as a YAML alias
+//     schedule: cosine
+//     warmup_steps: 50
+//   out: runs/qwen3-sft                    # output directory (required)
+//
+// Invariants after parsing: every key is known (an unknown one is an error suggesting the closest
+// known key), required keys are present, every value has its type and lies in its range. Errors
+// name the source ("FILE:LINE" or "command line"), the key and what was expected. Integer fields
+// accept integral floats (1e3) but refuse 1.5; float fields accept integers. Optimizer defaults
+// are those of torch.optim.AdamW except the learning rate (1e-5, a fine-tuning rate).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/json.h"
+
+namespace mf::train {
+
+struct Recipe {
+    std::string source;  // path of the recipe file (for messages)
+    std::string model;   // HF model directory (required)
+
+    struct Data {
+        std::string train;              // dataset path (required)
+        std::string format = "tokens";  // tokens | auto | messages | prompt_completion | text
+        bool shuffle = true;
+        bool packing = true;
+        std::string on_error = "stop";  // stop | skip: what a malformed record does
+    } data;
+
+    struct Train {
+        int64_t steps = 0;       // optimizer steps (required, >= 1)
+        int64_t micro_batch = 1;  // sequences per forward pass, 1 .. 2^20
+        int64_t seq_len = 2048;   // tokens per sequence, 1 .. 2^24
+        int64_t grad_accum = 1;   // micro-batches per optimizer step, 1 .. 2^20
+        double grad_clip = 1.0;   // max global grad norm; 0 disables clipping
+        int64_t log_every = 1;    // steps between log lines, >= 1
+        std::string recompute = "none";  // none | moe | full
+    } train;
+
+    struct Optim {
+        double lr = 1e-5;  // peak learning rate, >= 0
+        double beta1 = 0.9, beta2 = 0.999;  // written as `betas: [b1, b2]`, each in [0, 1)
+        double eps = 1e-8;                  // > 0
+        double weight_decay = 0.01;         // >= 0, decoupled (AdamW)
+        std::vector<std::string> no_decay;  // globs (* and ?) over HF parameter names: no weight decay
+        std::string schedule = "constant";  // constant | cosine | linear (see lr_schedule.h)
+        int64_t warmup_steps = 0;           // 0 .. train.steps
+        double min_lr_ratio = 0.0;          // floor of the decay, as a fraction of lr, in [0, 1]
+    } optim;
+
+    int64_t seed = 0;              // >= 0
+    std::string device = "auto";   // auto | cpu | cuda
+    std::string precision = "bf16";  // bf16 | mixed (see DESIGN.md, Precision)
+    std::string out;               // output directory (required)
+
+    // Every recipe key with its value, nested as in the file (`source` is not a key, so it is left
+    // out), for writing next to the outputs.
+    json::Value to_json() const;
+};
+
+// Reads and parses `file`, then applies `overrides` ("key.sub=value", value parsed as a YAML
+// scalar or flow collection, '#' and a leading '*' taken literally) in order.
+Recipe load_recipe(const std::filesystem::path& file, const std::vector<std::string>& overrides);
+Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const std::vector<std::string>& overrides);
+
+// Glob match of the whole `name`: '*' matches any run of characters (dots included), '?' exactly
+// one character, everything else itself. Used for optim.no_decay against HF parameter names.
+bool matches_pattern(std::string_view pattern, std::string_view name);
+
+}  // namespace mf::train
