@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -116,6 +117,11 @@ Tensor Buffer::as(DType dtype, Shape shape, size_t byte_offset) const {
 Tensor Arena::alloc(DType dtype, Shape shape) {
     const int64_t n = shape_numel(shape);
     const size_t bytes = round_up(static_cast<size_t>(n) * dtype_size(dtype));
+    if (measuring_) {
+        top_ += bytes;
+        high_water_ = std::max(high_water_, top_);
+        return Tensor(nullptr, dtype, std::move(shape), device_);
+    }
     MF_CHECK(top_ + bytes <= buffer_.nbytes(), "activation arena exhausted: need ", top_ + bytes, " bytes, have ",
              buffer_.nbytes());
     Tensor t(static_cast<char*>(buffer_.data()) + top_, dtype, std::move(shape), buffer_.device());
@@ -126,6 +132,7 @@ Tensor Arena::alloc(DType dtype, Shape shape) {
 
 Tensor Arena::zeros(DType dtype, Shape shape) {
     Tensor t = alloc(dtype, std::move(shape));
+    if (measuring_) return t;
     if (t.device() == Device::cpu) std::memset(t.data(), 0, t.nbytes());
     else device_memset_zero(t.data(), t.nbytes());
     return t;

@@ -103,7 +103,15 @@ class Buffer {
 class Arena {
  public:
     Arena() = default;
-    Arena(size_t capacity, Device device) : buffer_(capacity, device) {}
+    Arena(size_t capacity, Device device) : buffer_(capacity, device), device_(device) {}
+    // An arena that hands out null views and only counts: running the real allocation sequence
+    // against it gives the exact capacity a step needs (the activation memory plan).
+    static Arena measuring(Device device) {
+        Arena a;
+        a.measuring_ = true;
+        a.device_ = device;
+        return a;
+    }
     Tensor alloc(DType dtype, Shape shape);
     // Same as alloc, filled with zeros.
     Tensor zeros(DType dtype, Shape shape);
@@ -114,6 +122,8 @@ class Arena {
 
  private:
     Buffer buffer_;
+    Device device_ = Device::cpu;
+    bool measuring_ = false;
     size_t top_ = 0;
     size_t high_water_ = 0;
 };

@@ -1,0 +1,67 @@
+// Minimal option parsing for the subcommands: `--name value`, `--flag`, and positionals.
+// Unknown options and missing values are errors naming the option.
+#pragma once
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/check.h"
+
+namespace mf::cli {
+
+class ParsedArgs {
+ public:
+    // `with_value`: options that take a value; `flags`: options that do not.
+    ParsedArgs(const Args& args, const std::set<std::string>& with_value, const std::set<std::string>& flags,
+               const char* command) {
+        for (size_t i = 0; i < args.size(); ++i) {
+            const std::string& a = args[i];
+            if (a.rfind("--", 0) == 0) {
+                std::string name = a.substr(2), value;
+                const size_t eq = name.find('=');
+                const bool inline_value = eq != std::string::npos;
+                if (inline_value) {
+                    value = name.substr(eq + 1);
+                    name = name.substr(0, eq);
+                }
+                if (with_value.count(name)) {
+                    if (!inline_value) {
+                        if (i + 1 >= args.size()) fail(command, ": option --", name, " needs a value");
+                        value = args[++i];
+                    }
+                    values_[name] = value;
+                } else if (flags.count(name) && !inline_value) {
+                    flags_.insert(name);
+                } else {
+                    fail(command, ": unknown option --", name);
+                }
+            } else {
+                positional_.push_back(a);
+            }
+        }
+    }
+    bool has(const std::string& name) const { return values_.count(name) || flags_.count(name); }
+    std::string get(const std::string& name, const std::string& fallback = "") const {
+        auto it = values_.find(name);
+        return it == values_.end() ? fallback : it->second;
+    }
+    std::string require(const std::string& name, const char* command) const {
+        auto it = values_.find(name);
+        if (it == values_.end()) fail(command, ": missing required option --", name);
+        return it->second;
+    }
+    const std::vector<std::string>& positional() const { return positional_; }
+
+ private:
+    std::map<std::string, std::string> values_;
+    std::set<std::string> flags_;
+    std::vector<std::string> positional_;
+};
+
+// Parses a non-negative integer option value, naming the option when it is not one.
+int64_t parse_int_option(const std::string& value, const char* option);
+
+}  // namespace mf::cli

@@ -1,0 +1,163 @@
+// `init`, `info` and `eval`: create, describe and evaluate HF model directories.
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/args.h"
+#include "data/batch.h"
+#include "data/token_dataset.h"
+#include "io/file.h"
+#include "model/qwen3_moe.h"
+#include "train/hf_checkpoint.h"
+
+namespace mf::cli {
+
+namespace fs = std::filesystem;
+
+int64_t parse_int_option(const std::string& value, const char* option) {
+    size_t used = 0;
+    long long v = -1;
+    try {
+        v = std::stoll(value, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    if (used != value.size() || v < 0) fail("option --", option, ": expected a non-negative integer, got \"", value, "\"");
+    return v;
+}
+
+namespace {
+
+// The demo/test model: every feature of the architecture, small enough to train on a laptop CPU.
+model::Qwen3MoeConfig tiny_preset() {
+    model::Qwen3MoeConfig c;
+    c.vocab_size = 2048;
+    c.hidden_size = 64;
+    c.intermediate_size = 128;
+    c.moe_intermediate_size = 64;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.num_experts = 8;
+    c.num_experts_per_tok = 2;
+    c.decoder_sparse_step = 1;
+    c.mlp_only_layers = {0};
+    c.norm_topk_prob = true;
+    c.tie_word_embeddings = false;
+    c.output_router_logits = true;
+    c.rms_norm_eps = 1e-6;
+    c.rope_theta = 10000.0;
+    c.router_aux_loss_coef = 0.01;
+    c.max_position_embeddings = 4096;
+    c.dtype = "float32";
+    return c;
+}
+
+}  // namespace
+
+int cmd_init(const Args& args) {
+    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std"}, {}, "init");
+    const std::string arch = a.get("arch", "qwen3_moe");
+    if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
+    model::Qwen3MoeConfig cfg;
+    if (a.has("config")) {
+        const fs::path file = a.get("config");
+        cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()), file.string());
+        if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
+    } else {
+        const std::string preset = a.get("preset", "tiny");
+        if (preset != "tiny") fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
+        cfg = tiny_preset();
+    }
+    if (a.has("vocab-size")) cfg.vocab_size = parse_int_option(a.get("vocab-size"), "vocab-size");
+    const fs::path out = a.require("out", "init");
+    const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
+    const float std_dev = std::stof(a.get("init-std", "0.02"));
+    model::Qwen3Moe m(cfg);
+    m.init_random(seed, std_dev);
+    io::AtomicDir dir(out);
+    train::save_hf_model(dir.tmp_path(), m, nullptr, {});
+    dir.commit();
+    std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
+                static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
+                static_cast<unsigned long long>(seed));
+    return 0;
+}
+
+int cmd_info(const Args& args) {
+    const ParsedArgs a(args, {"seq-len"}, {"json"}, "info");
+    if (a.positional().size() != 1) fail("info: expected one model directory");
+    const fs::path dir = a.positional()[0];
+    const model::Qwen3MoeConfig cfg = train::read_hf_config(dir);
+    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+    const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
+    const int64_t total = table.total(), active = model::qwen3_moe_active_params(cfg, table);
+    const double flops = model::qwen3_moe_flops_per_token(cfg, T);
+    if (a.has("json")) {
+        json::Value v = json::Value::object();
+        v.set("model_type", "qwen3_moe");
+        v.set("params", total);
+        v.set("active_params", active);
+        v.set("flops_per_token", json::Value(flops));
+        v.set("seq_len", T);
+        json::Value layers = json::Value::array();
+        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
+        v.set("layers", std::move(layers));
+        std::printf("%s\n", v.dump().c_str());
+        return 0;
+    }
+    std::printf("%s: qwen3_moe\n", dir.string().c_str());
+    std::printf("  parameters       %lld total, %lld active per token (%.1f%%)\n", static_cast<long long>(total),
+                static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
+    std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
+    std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
+                static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
+                cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);
+    std::printf("  layer plan:\n");
+    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+        std::printf("    %3lld  attention (%lld q heads, %lld kv heads, dim %lld, qk-norm, rope)  +  ",
+                    static_cast<long long>(l), static_cast<long long>(cfg.num_attention_heads),
+                    static_cast<long long>(cfg.num_key_value_heads), static_cast<long long>(cfg.head_dim));
+        if (cfg.is_moe_layer(l))
+            std::printf("moe (%lld experts, top-%lld%s, expert dim %lld)\n", static_cast<long long>(cfg.num_experts),
+                        static_cast<long long>(cfg.num_experts_per_tok), cfg.norm_topk_prob ? " renormalised" : "",
+                        static_cast<long long>(cfg.moe_intermediate_size));
+        else
+            std::printf("dense mlp (dim %lld)\n", static_cast<long long>(cfg.intermediate_size));
+    }
+    return 0;
+}
+
+int cmd_eval(const Args& args) {
+    const ParsedArgs a(args, {"model", "data"}, {"json"}, "eval");
+    const fs::path model_dir = a.require("model", "eval");
+    const fs::path data_file = a.require("data", "eval");
+    auto m = train::load_hf_model(model_dir);
+    const auto& cfg = m->config();
+    const data::TokenDataset ds = data::read_token_jsonl(data_file, cfg.vocab_size, false);
+    std::vector<std::vector<int32_t>> ids, labels;
+    int64_t T = 0;
+    for (const auto& d : ds.docs) {
+        ids.push_back(d.input_ids);
+        labels.push_back(d.labels);
+        T = std::max<int64_t>(T, static_cast<int64_t>(d.input_ids.size()));
+    }
+    const data::Batch batch = data::make_row_batch(ids, labels, T, 0);
+    const model::StepStats s = m->step(batch, nullptr);
+    const double ce = s.num_targets > 0 ? s.ce_sum / static_cast<double>(s.num_targets) : 0.0;
+    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
+    const double loss = ce + (add_aux ? cfg.router_aux_loss_coef * s.aux : 0.0);
+    if (a.has("json")) {
+        json::Value v = json::Value::object();
+        v.set("loss", json::Value(loss));
+        v.set("ce_loss", json::Value(ce));
+        v.set("aux_loss", json::Value(s.aux));
+        v.set("tokens", s.num_targets);
+        std::printf("%s\n", v.dump().c_str());
+    } else {
+        std::printf("loss %.6f | ce %.6f | aux %.6f | %lld tokens\n", loss, ce, s.aux, static_cast<long long>(s.num_targets));
+    }
+    return 0;
+}
+
+}  // namespace mf::cli

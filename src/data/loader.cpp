@@ -1,0 +1,86 @@
+#include "data/loader.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "core/check.h"
+
+namespace mf::data {
+
+Loader::Loader(const std::vector<Document>* docs, int64_t seq_len, int64_t micro_batch, bool packing, bool shuffle,
+               uint64_t seed, int32_t pad_id)
+    : docs_(docs), seq_len_(seq_len), micro_batch_(micro_batch), packing_(packing), shuffle_(shuffle), seed_(seed),
+      pad_id_(pad_id) {
+    MF_CHECK(docs != nullptr && !docs->empty(), "loader needs at least one document");
+    MF_CHECK(seq_len >= 2 && micro_batch >= 1, "bad loader shape");
+    build_order();
+}
+
+void Loader::build_order() {
+    order_.resize(docs_->size());
+    std::iota(order_.begin(), order_.end(), 0);
+    if (shuffle_) {
+        // Fisher-Yates with our own draws: std::shuffle's algorithm differs between libraries.
+        std::mt19937_64 rng(seed_ * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(state_.epoch) + 1);
+        for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng() % i]);
+    }
+}
+
+void Loader::restore(const LoaderState& s) {
+    state_ = s;
+    build_order();
+}
+
+const Document& Loader::next_doc() {
+    if (state_.cursor >= static_cast<int64_t>(order_.size())) {
+        ++state_.epoch;
+        state_.cursor = 0;
+        build_order();
+    }
+    return (*docs_)[static_cast<size_t>(order_[static_cast<size_t>(state_.cursor++)])];
+}
+
+Batch Loader::next() {
+    Batch b;
+    b.B = micro_batch_;
+    b.T = seq_len_;
+    const size_t n = static_cast<size_t>(micro_batch_ * seq_len_);
+    b.input_ids.assign(n, pad_id_);
+    b.targets.assign(n, kIgnoreIndex);
+    b.positions.assign(n, 0);
+    b.doc_ids.assign(n, -1);
+    b.is_pad.assign(n, 1);
+    for (int64_t r = 0; r < micro_batch_; ++r) {
+        int64_t used = 0;
+        int32_t doc_idx = 0;
+        while (used < seq_len_) {
+            const Document& d = next_doc();
+            const int64_t len = std::min<int64_t>(static_cast<int64_t>(d.input_ids.size()), seq_len_);
+            if (used > 0 && used + len > seq_len_) {  // does not fit: put it back, it opens the next row
+                --state_.cursor;
+                break;
+            }
+            for (int64_t t = 0; t < len; ++t) {
+                const size_t i = static_cast<size_t>(r * seq_len_ + used + t);
+                b.input_ids[i] = d.input_ids[static_cast<size_t>(t)];
+                b.positions[i] = static_cast<int32_t>(t);
+                b.doc_ids[i] = doc_idx;
+                b.is_pad[i] = 0;
+                if (t + 1 < len) b.targets[i] = d.labels[static_cast<size_t>(t + 1)];
+            }
+            used += len;
+            ++doc_idx;
+            if (!packing_) break;
+        }
+        // Padding: its own document, positions counting from 0, no targets.
+        for (int64_t t = used; t < seq_len_; ++t) {
+            const size_t i = static_cast<size_t>(r * seq_len_ + t);
+            b.doc_ids[i] = doc_idx;
+            b.positions[i] = static_cast<int32_t>(t - used);
+        }
+    }
+    return b;
+}
+
+}  // namespace mf::data

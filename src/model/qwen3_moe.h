@@ -1,0 +1,94 @@
+// Qwen3-MoE (HF model_type "qwen3_moe"), built from blocks, with a hand-written backward.
+//
+//   x = embed(ids)
+//   L × [ x += attention(rmsnorm(x));  x += ffn(rmsnorm(x)) ]     ffn = dropless MoE or dense MLP
+//   loss = mean CE(lm_head(rmsnorm(x)), targets) + coef · aux    (aux only when HF would add it:
+//                                                                  config.output_router_logits)
+// The aux loss is HF's load_balancing_loss_func: with counts C_e of top-k assignments and sums
+// P_e of router probabilities over the (non-padding) rows of ALL MoE layers together, R rows,
+//   aux = E · Σ_e (C_e / R) · (P_e / R).
+//
+// Memory: one flat fp32 parameter buffer, one gradient buffer of the same layout, and an
+// activation arena whose capacity is planned by replaying the step's allocation sequence on a
+// measuring arena. Parameter gradients accumulate (+=) across micro-batches; the trainer zeroes
+// them after each optimizer step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "data/batch.h"
+#include "model/attention_block.h"
+#include "model/ffn_blocks.h"
+#include "model/param_table.h"
+#include "model/qwen3_moe_config.h"
+
+namespace mf::model {
+
+struct StepStats {
+    double ce_sum = 0;        // Σ of per-token CE over counted targets
+    int64_t num_targets = 0;  // targets that count in the CE
+    double aux = 0;           // the aux (load-balancing) loss of this batch, unscaled
+};
+
+// Loss weights for backward: d(ce_scale · ce_sum + aux_scale · aux).
+struct LossScales {
+    double ce = 0;
+    double aux = 0;
+};
+
+// The parameter layout (HF v5 names, shapes, offsets) of a config, without allocating anything.
+ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c);
+// Parameters a single token touches (top-k of the experts).
+int64_t qwen3_moe_active_params(const Qwen3MoeConfig& c, const ParamTable& table);
+// Model FLOPs per token for training at sequence length T (BENCHMARKS.md formula).
+double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T);
+
+class Qwen3Moe {
+ public:
+    explicit Qwen3Moe(Qwen3MoeConfig config);
+    ~Qwen3Moe();
+    Qwen3Moe(const Qwen3Moe&) = delete;
+    Qwen3Moe& operator=(const Qwen3Moe&) = delete;
+
+    const Qwen3MoeConfig& config() const { return config_; }
+    const ParamTable& params() const { return table_; }
+    float* param_data() { return params_.as(DType::f32, {table_.total()}).ptr<float>(); }
+    float* grad_data() { return grads_.as(DType::f32, {table_.total()}).ptr<float>(); }
+    Tensor param(std::string_view name);
+    Tensor grad(std::string_view name);
+    void zero_grads() { grads_.zero(); }
+
+    // HF-style init: normal(0, std) for every matrix, ones for norms; deterministic in `seed`.
+    void init_random(uint64_t seed, float std);
+
+    // Forward over the batch; with `scales` also the backward (gradients accumulate). When
+    // `logits` is given it receives [N, V] logits (tests and small evaluations only).
+    StepStats step(const data::Batch& batch, const LossScales* scales, float* logits = nullptr);
+
+    // Bytes of activation memory the last step used (the arena's high-water mark).
+    size_t activation_bytes() const;
+
+    // Parameter counts: all, and those a single token touches (top-k experts only).
+    int64_t num_params() const { return table_.total(); }
+    int64_t num_active_params() const { return qwen3_moe_active_params(config_, table_); }
+    double flops_per_token(int64_t T) const { return qwen3_moe_flops_per_token(config_, T); }
+
+ private:
+    struct Layer;
+    struct Workspace;
+    void build_layers();
+    void plan(int64_t B, int64_t T);           // sizes the arena (once per shape) and allocates the step
+    void allocate_step(int64_t B, int64_t T);  // the step's allocation sequence
+    void validate(const data::Batch& batch) const;
+
+    Qwen3MoeConfig config_;
+    ParamTable table_;
+    Buffer params_, grads_;
+    std::vector<Layer> layers_;
+    std::unique_ptr<Workspace> ws_;
+};
+
+}  // namespace mf::model

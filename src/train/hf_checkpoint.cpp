@@ -1,0 +1,144 @@
+#include "train/hf_checkpoint.h"
+
+#include <cstring>
+#include <set>
+
+#include "core/bf16.h"
+#include "io/file.h"
+#include "io/safetensors.h"
+
+namespace mf::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr size_t kMaxConfigBytes = 4u << 20;
+
+// "model.layers.7.mlp.experts.gate_up_proj" -> "model.layers.7.mlp.experts."
+bool is_stacked(const model::ParamSpec& s) { return s.is_expert; }
+
+std::string expert_prefix(const std::string& stacked_name) {
+    return stacked_name.substr(0, stacked_name.rfind('.') + 1);
+}
+
+}  // namespace
+
+const std::vector<std::string>& tokenizer_file_names() {
+    static const std::vector<std::string> names = {"tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json",
+                                                   "vocab.json",      "merges.txt",            "added_tokens.json",
+                                                   "chat_template.jinja", "generation_config.json"};
+    return names;
+}
+
+model::Qwen3MoeConfig read_hf_config(const fs::path& dir, json::Value* raw) {
+    const fs::path file = dir / "config.json";
+    if (!fs::is_directory(dir)) fail(dir.string(), ": not a model directory (missing or not a directory)");
+    const std::string text = io::read_text_file(file, kMaxConfigBytes);
+    json::Value cfg = json::parse(text, file.string());
+    model::Qwen3MoeConfig c = model::Qwen3MoeConfig::from_json(cfg, file.string());
+    if (raw != nullptr) *raw = std::move(cfg);
+    return c;
+}
+
+std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config) {
+    auto m = std::make_unique<model::Qwen3Moe>(read_hf_config(dir, raw_config));
+    const io::ModelWeights weights = io::ModelWeights::open(dir);
+    const auto& cfg = m->config();
+    std::set<std::string> used;
+    for (const auto& spec : m->params().specs()) {
+        float* dst = m->param_data() + spec.offset;
+        if (!is_stacked(spec) || weights.find(spec.name) != nullptr) {
+            weights.read_f32(spec.name, spec.shape, dst);
+            used.insert(spec.name);
+            continue;
+        }
+        // Per-expert HF tensors into the stacked layout.
+        const std::string prefix = expert_prefix(spec.name);
+        const bool gate_up = spec.name.ends_with("gate_up_proj");
+        const int64_t E = cfg.num_experts, I = cfg.moe_intermediate_size, H = cfg.hidden_size;
+        for (int64_t e = 0; e < E; ++e) {
+            const std::string ep = prefix + std::to_string(e) + ".";
+            if (gate_up) {
+                float* base = dst + e * 2 * I * H;
+                weights.read_f32(ep + "gate_proj.weight", {I, H}, base);
+                weights.read_f32(ep + "up_proj.weight", {I, H}, base + I * H);
+                used.insert(ep + "gate_proj.weight");
+                used.insert(ep + "up_proj.weight");
+            } else {
+                weights.read_f32(ep + "down_proj.weight", {H, I}, dst + e * H * I);
+                used.insert(ep + "down_proj.weight");
+            }
+        }
+    }
+    for (const auto& name : weights.names()) {
+        if (used.count(name)) continue;
+        // HF drops a tied lm_head on save, but a checkpoint that still has it is fine.
+        if (name == "lm_head.weight" && cfg.tie_word_embeddings) continue;
+        fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this ", "qwen3_moe model (",
+             cfg.num_hidden_layers, " layers, ", cfg.num_experts, " experts)");
+    }
+    return m;
+}
+
+void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
+                   size_t max_shard_bytes) {
+    const auto& cfg = m.config();
+    json::Value config = raw_config != nullptr ? *raw_config : cfg.to_json();
+    io::StDType dtype = io::StDType::F32;
+    if (cfg.dtype == "bfloat16") dtype = io::StDType::BF16;
+    else if (cfg.dtype == "float16") fail("writing float16 checkpoints is not supported; set dtype to bfloat16 or float32");
+
+    // Convert into one staging buffer in the output dtype, laid out tensor after tensor in HF order.
+    struct Piece {
+        std::string name;
+        Shape shape;
+        const float* src;
+    };
+    std::vector<Piece> pieces;
+    const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
+    for (const auto& spec : m.params().specs()) {
+        const float* src = m.param_data() + spec.offset;
+        if (!is_stacked(spec)) {
+            pieces.push_back({spec.name, spec.shape, src});
+            continue;
+        }
+        const std::string prefix = expert_prefix(spec.name);
+        const bool gate_up = spec.name.ends_with("gate_up_proj");
+        for (int64_t e = 0; e < cfg.num_experts; ++e) {
+            const std::string ep = prefix + std::to_string(e) + ".";
+            if (gate_up) {
+                pieces.push_back({ep + "gate_proj.weight", {I, H}, src + e * 2 * I * H});
+                pieces.push_back({ep + "up_proj.weight", {I, H}, src + e * 2 * I * H + I * H});
+            } else {
+                pieces.push_back({ep + "down_proj.weight", {H, I}, src + e * H * I});
+            }
+        }
+    }
+    const size_t elem = io::st_dtype_size(dtype);
+    std::vector<uint8_t> staging(static_cast<size_t>(m.num_params()) * elem);
+    std::vector<io::StWriteTensor> tensors;
+    size_t off = 0;
+    for (const auto& p : pieces) {
+        const int64_t n = shape_numel(p.shape);
+        uint8_t* out = staging.data() + off;
+        if (dtype == io::StDType::F32) {
+            std::memcpy(out, p.src, static_cast<size_t>(n) * 4);
+        } else {
+            auto* o = reinterpret_cast<uint16_t*>(out);
+            for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(p.src[i]);
+        }
+        tensors.push_back({p.name, dtype, p.shape, out});
+        off += static_cast<size_t>(n) * elem;
+    }
+    io::write_model_weights(dir, tensors, max_shard_bytes);
+    io::atomic_write_file(dir / "config.json", config.dump(2) + "\n");
+    if (!tokenizer_dir.empty()) {
+        for (const auto& name : tokenizer_file_names()) {
+            const fs::path src = tokenizer_dir / name;
+            if (fs::is_regular_file(src)) io::atomic_write_file(dir / name, io::read_text_file(src, size_t{256} << 20));
+        }
+    }
+}
+
+}  // namespace mf::train

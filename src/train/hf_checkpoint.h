@@ -1,0 +1,37 @@
+// HF model directories in and out: config.json + safetensors (single or sharded) + tokenizer
+// files, mapped to and from the engine's parameter table.
+//
+// HF checkpoints of Qwen3-MoE hold one tensor per expert and projection
+// (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`); the engine stores experts stacked
+// (`gate_up [E, 2I, H]`, gate rows first, and `down [E, H, I]`). Loading stacks them, saving
+// splits them again, so `transformers` and vLLM read what we write. The v5 in-memory spelling
+// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted on load as well. A tensor the
+// model does not use, or one it needs and the directory lacks, is an error naming it.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "core/json.h"
+#include "model/qwen3_moe.h"
+
+namespace mf::train {
+
+// Reads DIR/config.json (parsed and validated; `raw` receives the JSON as written).
+model::Qwen3MoeConfig read_hf_config(const std::filesystem::path& dir, json::Value* raw = nullptr);
+
+// Reads config and weights of an HF model directory.
+std::unique_ptr<model::Qwen3Moe> load_hf_model(const std::filesystem::path& dir, json::Value* raw_config = nullptr);
+
+// Writes config.json (from `raw_config`, or the model's own when null), the weights in the
+// config's dtype (float32, bfloat16 or float16), and the tokenizer files found in `tokenizer_dir`
+// (when not empty) into `dir`, which must exist. Callers wanting all-or-nothing pass the
+// temporary path of an io::AtomicDir.
+void save_hf_model(const std::filesystem::path& dir, model::Qwen3Moe& model, const json::Value* raw_config,
+                   const std::filesystem::path& tokenizer_dir, size_t max_shard_bytes = size_t{5} << 30);
+
+// Tokenizer and generation files copied along with a model.
+const std::vector<std::string>& tokenizer_file_names();
+
+}  // namespace mf::train

@@ -1,0 +1,157 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/check.h"
+#include "data/loader.h"
+#include "data/token_dataset.h"
+#include "io/file.h"
+#include "model/qwen3_moe.h"
+#include "train/hf_checkpoint.h"
+#include "train/lr_schedule.h"
+#include "train/optimizer.h"
+
+namespace mf::train {
+
+namespace fs = std::filesystem;
+
+json::Value StepMetrics::to_json() const {
+    json::Value v = json::Value::object();
+    v.set("step", step);
+    v.set("loss", json::Value(loss));
+    v.set("ce_loss", json::Value(ce_loss));
+    v.set("aux_loss", json::Value(aux_loss));
+    v.set("grad_norm", json::Value(grad_norm));
+    v.set("lr", json::Value(lr));
+    v.set("tokens", tokens);
+    v.set("tokens_per_s", json::Value(tokens_per_s));
+    v.set("peak_mem_gib", json::Value(peak_mem_gib));
+    return v;
+}
+
+namespace {
+
+std::string resolve_device(const Recipe& r) {
+    if (r.device == "cuda")
+        fail(r.source, ": device: cuda is not available yet: this build trains on the CPU only (use device: cpu or auto)");
+    return "cpu";
+}
+
+void print_progress(int64_t step, int64_t total, bool tty) {
+    if (!tty) return;
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(total, 1));
+    std::printf("\r[%.*s%*s] %lld/%lld", filled, "##############################", kWidth - filled, "",
+                static_cast<long long>(step), static_cast<long long>(total));
+    std::fflush(stdout);
+}
+
+}  // namespace
+
+TrainSummary finetune(const Recipe& recipe) {
+    const auto t_start = std::chrono::steady_clock::now();
+    resolve_device(recipe);
+    const fs::path model_dir = recipe.model;
+    json::Value raw_config;
+    auto model = load_hf_model(model_dir, &raw_config);
+    const auto& cfg = model->config();
+
+    if (recipe.data.format != "tokens" && recipe.data.format != "auto")
+        fail(recipe.source, ": data.format: ", recipe.data.format, " is not supported yet (supported: tokens)");
+    const data::TokenDataset dataset =
+        data::read_token_jsonl(recipe.data.train, cfg.vocab_size, recipe.data.on_error == "skip");
+    data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
+                        recipe.data.shuffle, static_cast<uint64_t>(recipe.seed));
+
+    const fs::path out = recipe.out;
+    fs::create_directories(out);
+    io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
+    std::ofstream metrics_file(out / "metrics.jsonl", std::ios::trunc);
+    if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
+
+    AdamW optimizer(model->params(), recipe.optim);
+    const int64_t P = model->num_params();
+    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
+    const bool tty = isatty(fileno(stdout)) != 0;
+    std::printf("moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | cpu\n",
+                model_dir.string().c_str(), static_cast<long long>(P), static_cast<long long>(model->num_active_params()),
+                static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
+                static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum));
+
+    TrainSummary summary;
+    summary.out_dir = out.string();
+    for (int64_t step = 0; step < recipe.train.steps; ++step) {
+        const auto t0 = std::chrono::steady_clock::now();
+        std::vector<data::Batch> micro;
+        int64_t targets = 0, tokens = 0;
+        for (int64_t a = 0; a < recipe.train.grad_accum; ++a) {
+            micro.push_back(loader.next());
+            targets += micro.back().num_targets();
+            tokens += micro.back().num_real_tokens();
+        }
+        model::LossScales scales;
+        scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
+        scales.aux = add_aux ? cfg.router_aux_loss_coef / static_cast<double>(micro.size()) : 0.0;
+        double ce_sum = 0, aux_sum = 0;
+        for (const auto& b : micro) {
+            const model::StepStats s = model->step(b, &scales);
+            ce_sum += s.ce_sum;
+            aux_sum += s.aux;
+        }
+        StepMetrics m;
+        m.step = step + 1;
+        m.ce_loss = targets > 0 ? ce_sum / static_cast<double>(targets) : 0.0;
+        m.aux_loss = aux_sum / static_cast<double>(micro.size());
+        m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
+        m.grad_norm = clip_grad_norm(model->grad_data(), P, recipe.train.grad_clip);
+        m.lr = lr_at(recipe.optim, step, recipe.train.steps);
+        optimizer.step(model->param_data(), model->grad_data(), m.lr);
+        model->zero_grads();
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        m.tokens = tokens;
+        m.tokens_per_s = dt > 0 ? static_cast<double>(tokens) / dt : 0.0;
+        // params + grads + AdamW m, v (fp32 on CPU) + the activation arena's high-water mark.
+        m.peak_mem_gib = (4.0 * 4.0 * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
+                         (1024.0 * 1024.0 * 1024.0);
+        if (!std::isfinite(m.loss)) fail("step ", m.step, ": the loss is not finite (", m.loss, ")");
+
+        metrics_file << m.to_json().dump() << "\n";
+        metrics_file.flush();
+        if (step == 0) summary.first_loss = m.loss;
+        summary.last_loss = m.loss;
+        if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
+            if (tty) std::printf("\r\033[K");
+            std::printf("step %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s\n",
+                        static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss, m.ce_loss,
+                        m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s);
+        }
+        print_progress(m.step, recipe.train.steps, tty);
+    }
+    if (tty) std::printf("\r\033[K");
+    metrics_file.close();
+    if (dataset.skipped_lines > 0)
+        std::printf("skipped %lld bad dataset lines; first: %s\n", static_cast<long long>(dataset.skipped_lines),
+                    dataset.first_skip_reason.c_str());
+
+    // Export: everything into a temporary sibling directory, then one rename into place.
+    {
+        io::AtomicDir dir(out);
+        save_hf_model(dir.tmp_path(), *model, &raw_config, model_dir);
+        for (const char* name : {"metrics.jsonl", "recipe.json"})
+            io::atomic_write_file(dir.tmp_path() / name, io::read_text_file(out / name, size_t{1} << 30));
+        dir.commit();
+    }
+    summary.steps = recipe.train.steps;
+    summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    std::printf("wrote %s (HF model directory) in %.1f s; loss %.4f -> %.4f\n", out.string().c_str(), summary.seconds,
+                summary.first_loss, summary.last_loss);
+    return summary;
+}
+
+}  // namespace mf::train

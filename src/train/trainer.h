@@ -1,0 +1,39 @@
+// The fine-tuning loop: recipe -> model + data -> steps -> metrics -> HF directory.
+//
+// One optimizer step = grad_accum micro-batches. The step's loss is HF's loss over the union of
+// its micro-batches: Σ CE / Σ counted targets (+ router_aux_loss_coef × mean aux when the config
+// asks HF to add it, output_router_logits), so grad_accum × micro_batch behaves like one big
+// batch. Then: clip by the global norm, AdamW at the scheduled lr, zero the gradients.
+// Metrics go to OUT/metrics.jsonl (one object per step) and a log line per train.log_every
+// steps; at the end the model, config, tokenizer files, metrics and recipe are written to OUT as
+// one directory, atomically (io::AtomicDir).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/json.h"
+#include "train/recipe.h"
+
+namespace mf::train {
+
+struct StepMetrics {
+    int64_t step = 0;  // 1-based
+    double loss = 0, ce_loss = 0, aux_loss = 0, grad_norm = 0, lr = 0;
+    int64_t tokens = 0;  // non-padding tokens processed in the step
+    double tokens_per_s = 0;
+    double peak_mem_gib = 0;
+    json::Value to_json() const;
+};
+
+struct TrainSummary {
+    int64_t steps = 0;
+    double first_loss = 0, last_loss = 0;
+    double seconds = 0;
+    std::string out_dir;
+};
+
+TrainSummary finetune(const Recipe& recipe);
+
+}  // namespace mf::train
