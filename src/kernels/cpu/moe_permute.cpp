@@ -1,0 +1,138 @@
+// Dropless MoE token permutation, CPU reference.
+//   indices    a counting sort of the N·K (token, slot) pairs by expert, stable in pair order
+//              p = t·K + k: count per expert, exclusive prefix sum into expert_offsets, then place
+//              the pairs in order, so each expert's rows are contiguous and in token order.
+//   gather     x_perm[r] = x[sorted_pair[r] / K]                       (a row copy)
+//   unpermute  out[t] = Σ_k topk_weight[t, k] · y_perm[pair_row[t·K + k]]
+// Every sum over a token's K slots runs k = 0..K-1, starting from 0, on one thread, so results
+// are deterministic (no scatter-add, no atomics). An expert index outside [0, E) is an error.
+#include "kernels/cpu/moe_permute.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/check.h"
+
+namespace mf::cpu {
+
+namespace {
+
+constexpr int kLanes = 8;
+using LaneVec = float __attribute__((vector_size(kLanes * sizeof(float))));
+
+// Σ a[i]·b[i] over kLanes interleaved partial sums, a sequential tail, then a fixed combine.
+float dot(const float* a, const float* b, int64_t n) {
+    LaneVec acc = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+        LaneVec va, vb;
+        std::memcpy(&va, a + i, sizeof(va));
+        std::memcpy(&vb, b + i, sizeof(vb));
+        acc += va * vb;
+    }
+    float tail = 0.0f;
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
+}
+
+void check_shape(int64_t N, int64_t K, int64_t H) {
+    MF_CHECK(N >= 0 && K > 0 && H >= 0, "moe_permute: bad shape N=", N, " K=", K, " H=", H);
+    MF_CHECK(N <= std::numeric_limits<int32_t>::max() / K, "moe_permute: N·K = ", N, "·", K,
+             " does not fit the int32 row indices");
+}
+
+}  // namespace
+
+void moe_permute_indices(int32_t* expert_offsets, int32_t* sorted_pair, int32_t* pair_row, const int32_t* topk_idx,
+                         int64_t N, int64_t K, int64_t E) {
+    check_shape(N, K, 0);
+    MF_CHECK(E > 0, "moe_permute: need at least one expert, got E=", E);
+    const int64_t num_pairs = N * K;
+    std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+    for (int64_t p = 0; p < num_pairs; ++p) {
+        const int32_t e = topk_idx[p];
+        MF_CHECK(e >= 0 && e < E, "moe_permute: topk_idx[", p / K, ", ", p % K, "] = ", e, " outside [0, ", E, ")");
+        ++counts[e];
+    }
+    std::vector<int64_t> cursor(static_cast<size_t>(E));
+    int64_t offset = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        expert_offsets[e] = static_cast<int32_t>(offset);
+        cursor[e] = offset;
+        offset += counts[e];
+    }
+    expert_offsets[E] = static_cast<int32_t>(offset);
+    for (int64_t p = 0; p < num_pairs; ++p) {
+        const int64_t row = cursor[topk_idx[p]]++;
+        sorted_pair[row] = static_cast<int32_t>(p);
+        pair_row[p] = static_cast<int32_t>(row);
+    }
+}
+
+void moe_gather_forward(float* x_perm, const float* x, const int32_t* sorted_pair, int64_t N, int64_t K, int64_t H) {
+    check_shape(N, K, H);
+    const int64_t num_pairs = N * K;
+    for (int64_t r = 0; r < num_pairs; ++r) {
+        const int32_t p = sorted_pair[r];
+        MF_CHECK(p >= 0 && p < num_pairs, "moe_gather: sorted_pair[", r, "] = ", p, " outside [0, ", num_pairs, ")");
+        std::copy_n(x + (p / K) * H, H, x_perm + r * H);
+    }
+}
+
+void moe_gather_backward(float* dx, const float* dx_perm, const int32_t* pair_row, int64_t N, int64_t K, int64_t H) {
+    check_shape(N, K, H);
+    const int64_t num_pairs = N * K;
+    std::vector<float> acc(static_cast<size_t>(H));
+    for (int64_t t = 0; t < N; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t row = pair_row[t * K + k];
+            MF_CHECK(row >= 0 && row < num_pairs, "moe_gather: pair_row[", t * K + k, "] = ", row, " outside [0, ",
+                     num_pairs, ")");
+            const float* g = dx_perm + row * H;
+            for (int64_t h = 0; h < H; ++h) acc[h] += g[h];
+        }
+        float* d = dx + t * H;
+        for (int64_t h = 0; h < H; ++h) d[h] += acc[h];
+    }
+}
+
+void moe_unpermute_forward(float* out, const float* y_perm, const float* topk_weight, const int32_t* pair_row,
+                           int64_t N, int64_t K, int64_t H) {
+    check_shape(N, K, H);
+    const int64_t num_pairs = N * K;
+    for (int64_t t = 0; t < N; ++t) {
+        float* o = out + t * H;
+        std::fill(o, o + H, 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t row = pair_row[t * K + k];
+            MF_CHECK(row >= 0 && row < num_pairs, "moe_unpermute: pair_row[", t * K + k, "] = ", row, " outside [0, ",
+                     num_pairs, ")");
+            const float w = topk_weight[t * K + k];
+            const float* y = y_perm + row * H;
+            for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
+        }
+    }
+}
+
+void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* dout, const float* y_perm,
+                            const float* topk_weight, const int32_t* pair_row, int64_t N, int64_t K, int64_t H) {
+    check_shape(N, K, H);
+    const int64_t num_pairs = N * K;
+    for (int64_t t = 0; t < N; ++t) {
+        const float* g = dout + t * H;
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t row = pair_row[t * K + k];
+            MF_CHECK(row >= 0 && row < num_pairs, "moe_unpermute: pair_row[", t * K + k, "] = ", row, " outside [0, ",
+                     num_pairs, ")");
+            const float w = topk_weight[t * K + k];
+            float* dy = dy_perm + row * H;
+            for (int64_t h = 0; h < H; ++h) dy[h] = w * g[h];
+            dtopk_weight[t * K + k] = dot(g, y_perm + row * H, H);
+        }
+    }
+}
+
+}  // namespace mf::cpu

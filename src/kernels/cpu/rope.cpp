@@ -1,0 +1,64 @@
+// Rotary position embedding, HF "rotate_half" layout, fp32 CPU reference.
+// inv_freq[i] = 1 / θ^(2i/D), computed in fp32 exactly as HF writes it
+// (1.0 / (base ** (arange(0, D, 2).float() / D))); the angle of pair i at position p is the fp32
+// product (float)p · inv_freq[i] and its cos/sin are fp32. Within each head, element i < D/2 pairs
+// with element i + D/2 (both use the same angle):
+//   forward   y[i] = x[i]·cos − x[i+D/2]·sin      y[i+D/2] = x[i+D/2]·cos + x[i]·sin
+//   backward  the transposed rotation (angle → −angle), applied to the gradient in place.
+// The cos/sin row is computed once per token and shared by all its heads.
+#include "kernels/cpu/rope.h"
+
+#include <cmath>
+#include <vector>
+
+#include "core/check.h"
+
+namespace mf::cpu {
+
+namespace {
+
+// sign = +1 rotates by +angle (forward), −1 by −angle (backward).
+void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta,
+                 float sign) {
+    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads,
+             " D=", D, " (D must be even)");
+    MF_CHECK(theta > 0.0f, "rope: theta must be positive, got ", theta);
+    const int64_t half = D / 2;
+    std::vector<float> inv_freq(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+        inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    }
+    std::vector<float> cos_row(static_cast<size_t>(half));
+    std::vector<float> sin_row(static_cast<size_t>(half));
+    for (int64_t n = 0; n < N; ++n) {
+        const float pos = static_cast<float>(positions[n]);
+        for (int64_t i = 0; i < half; ++i) {
+            const float angle = pos * inv_freq[i];
+            cos_row[i] = std::cos(angle);
+            sin_row[i] = sign * std::sin(angle);
+        }
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float* lo = x + (n * num_heads + h) * D;
+            float* hi = lo + half;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = lo[i];
+                const float b = hi[i];
+                // Same operation order as HF: q·cos + rotate_half(q)·sin.
+                lo[i] = a * cos_row[i] + (-b) * sin_row[i];
+                hi[i] = b * cos_row[i] + a * sin_row[i];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta) {
+    rope_rotate(x, positions, N, num_heads, D, theta, 1.0f);
+}
+
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta) {
+    rope_rotate(dx, positions, N, num_heads, D, theta, -1.0f);
+}
+
+}  // namespace mf::cpu
