@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <unordered_set>
 
 #include "core/check.h"
 
@@ -79,15 +80,28 @@ class Parser {
 
     Value parse_object(int depth) {
         ++pos_;  // '{'
+        constexpr size_t kHashFrom = 16;
         Value::Object obj;
+        std::unordered_set<std::string> seen;
         skip_ws();
         if (pos_ < text_.size() && text_[pos_] == '}') { ++pos_; return Value(std::move(obj)); }
         while (true) {
             skip_ws();
             if (pos_ >= text_.size() || text_[pos_] != '"') error("expected a string key");
             std::string key = parse_string();
-            for (const auto& kv : obj)
-                if (kv.first == key) error("duplicate key \"" + key + "\"");
+            // Duplicate check: linear for small objects, a hash set once an object grows (a
+            // sharded index has tens of thousands of keys; a hostile one may have millions).
+            bool duplicate = false;
+            if (obj.size() < kHashFrom) {
+                for (const auto& kv : obj) duplicate = duplicate || kv.first == key;
+                if (obj.size() + 1 == kHashFrom) {
+                    for (const auto& kv : obj) seen.insert(kv.first);
+                    seen.insert(key);
+                }
+            } else {
+                duplicate = !seen.insert(key).second;
+            }
+            if (duplicate) error("duplicate key \"" + key + "\"");
             skip_ws();
             if (pos_ >= text_.size() || text_[pos_] != ':') error("expected ':' after key \"" + key + "\"");
             ++pos_;

@@ -39,3 +39,12 @@ TEST(Json, KindErrors) {
     EXPECT_THROW(v.find("a")->as_int(), mf::Error);
     EXPECT_THROW(v.find("b")->as_int(), mf::Error);
 }
+
+TEST(Json, DuplicateKeysInLargeObjects) {
+    std::string big = "{";
+    for (int i = 0; i < 20000; ++i) big += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":" + std::to_string(i);
+    EXPECT_EQ(parse(big + "}", "big.json").size(), 20000u);
+    EXPECT_THROW(parse(big + ",\"k17\":1}", "dup.json"), mf::Error);
+    EXPECT_THROW(parse(big + ",\"k19999\":1}", "dup.json"), mf::Error);
+    EXPECT_THROW(parse("{\"a\":1,\"b\":2,\"a\":3}", "dup.json"), mf::Error);
+}
