@@ -82,8 +82,8 @@ void expect_within_rule(const std::string& what, const FloatVec& got, const Doub
         scale = std::max(scale, std::abs(ref64[i]));
     }
     const double bound = 2.0 * naive_err + 1e-6 * scale;
-    EXPECT_LE(err, bound) << what << ": worst element " << worst << " got " << got[worst] << " want "
-                          << ref64[worst] << " (naive fp32 error " << naive_err << ")";
+    EXPECT_LE(err, bound) << what << ": worst element " << worst << " got " << got[worst] << " want " << ref64[worst]
+                          << " (naive fp32 error " << naive_err << ")";
 }
 
 void expect_bitwise_equal(const std::string& what, const FloatVec& a, const FloatVec& b) {
@@ -158,8 +158,8 @@ TEST(Matmul, ForwardMatchesTripleLoop) {
         FloatVec inp = random_vec(rng, s.N * s.C), w = random_vec(rng, s.OC * s.C);
         FloatVec out(s.N * s.OC, std::numeric_limits<float>::quiet_NaN());
         matmul_forward(out.data(), inp.data(), w.data(), s.N, s.C, s.OC);
-        const std::string name = "matmul " + std::to_string(s.N) + "x" + std::to_string(s.C) + "x" +
-                                 std::to_string(s.OC);
+        const std::string name =
+            "matmul " + std::to_string(s.N) + "x" + std::to_string(s.C) + "x" + std::to_string(s.OC);
         expect_within_rule(name, out, ref_matmul<double>(inp, w, s.N, s.C, s.OC),
                            ref_matmul<float>(inp, w, s.N, s.C, s.OC));
     }
@@ -174,7 +174,8 @@ TEST(Matmul, RowsDoNotDependOnBatch) {
     matmul_forward(all.data(), inp.data(), w.data(), N, C, OC);
     for (int64_t n = 0; n < N; ++n) {
         matmul_forward(one.data(), inp.data() + n * C, w.data(), 1, C, OC);
-        expect_bitwise_equal("row " + std::to_string(n), one, FloatVec(all.begin() + n * OC, all.begin() + (n + 1) * OC));
+        expect_bitwise_equal("row " + std::to_string(n), one,
+                             FloatVec(all.begin() + n * OC, all.begin() + (n + 1) * OC));
     }
 }
 
@@ -637,7 +638,8 @@ TEST(Router, GradientsFiniteDifference) {
             FloatVec dlogits(N * E, std::numeric_limits<float>::quiet_NaN());
             router_backward(dlogits.data(), r_w.data(), with_dprobs ? r_p.data() : nullptr, probs.data(), idx.data(), N,
                             E, K, norm);
-            const std::string name = std::string("router dlogits") + (norm ? " norm" : "") + (with_dprobs ? " +dprobs" : "");
+            const std::string name =
+                std::string("router dlogits") + (norm ? " norm" : "") + (with_dprobs ? " +dprobs" : "");
             check_grad(name, logits, dlogits, [&] {
                 FloatVec p(N * E), ww(N * K);
                 std::vector<int32_t> ii(N * K);
@@ -890,13 +892,13 @@ TEST(CrossEntropy, GradientsFiniteDifference) {
 TEST(CrossEntropy, RejectsBadTargets) {
     FloatVec h(4, 0.5f), w(6, 0.5f), losses(2);
     std::vector<int32_t> targets = {1, 3};
-    EXPECT_THROW(lm_head_cross_entropy(losses.data(), nullptr, nullptr, h.data(), w.data(), targets.data(), 2, 2, 3,
-                                       1.0f),
-                 mf::Error);
+    EXPECT_THROW(
+        lm_head_cross_entropy(losses.data(), nullptr, nullptr, h.data(), w.data(), targets.data(), 2, 2, 3, 1.0f),
+        mf::Error);
     targets[1] = -1;
-    EXPECT_THROW(lm_head_cross_entropy(losses.data(), nullptr, nullptr, h.data(), w.data(), targets.data(), 2, 2, 3,
-                                       1.0f),
-                 mf::Error);
+    EXPECT_THROW(
+        lm_head_cross_entropy(losses.data(), nullptr, nullptr, h.data(), w.data(), targets.data(), 2, 2, 3, 1.0f),
+        mf::Error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -913,7 +915,8 @@ void ref_adamw_step(std::vector<T>& p, std::vector<T>& m, std::vector<T>& v, con
         p[i] = p[i] * (T(1) - lr * wd);
         m[i] = b1 * m[i] + (T(1) - b1) * g[i];
         v[i] = b2 * v[i] + (T(1) - b2) * g[i] * g[i];
-        p[i] = p[i] - (lr / (T(1) - std::pow(b1, t))) * m[i] / (std::sqrt(v[i]) / std::sqrt(T(1) - std::pow(b2, t)) + eps);
+        p[i] =
+            p[i] - (lr / (T(1) - std::pow(b1, t))) * m[i] / (std::sqrt(v[i]) / std::sqrt(T(1) - std::pow(b2, t)) + eps);
     }
 }
 
@@ -942,8 +945,9 @@ TEST(AdamW, ThreeStepsMatchTorchFormula) {
         EXPECT_EQ(p[0], 0.0f);
     }
     FloatVec x(1);
-    EXPECT_THROW(adamw_update(x.data(), x.data(), x.data(), x.data(), 1, AdamWParams{1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0}),
-                 mf::Error);
+    EXPECT_THROW(
+        adamw_update(x.data(), x.data(), x.data(), x.data(), 1, AdamWParams{1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0}),
+        mf::Error);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -67,10 +67,18 @@ void run_tile(int64_t tile_rows, float* dst, int64_t dst_stride, int64_t width, 
               int64_t a_row, int64_t a_k, const float* panel, int64_t K) {
     static_assert(kTileRows == 4, "run_tile dispatches on 1..4 rows");
     switch (tile_rows) {
-        case 4: tile_kernel<4>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K); break;
-        case 3: tile_kernel<3>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K); break;
-        case 2: tile_kernel<2>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K); break;
-        default: tile_kernel<1>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K); break;
+        case 4:
+            tile_kernel<4>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K);
+            break;
+        case 3:
+            tile_kernel<3>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K);
+            break;
+        case 2:
+            tile_kernel<2>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K);
+            break;
+        default:
+            tile_kernel<1>(dst, dst_stride, width, accumulate, a, a_row, a_k, panel, kTileWidth, K);
+            break;
     }
 }
 
@@ -98,7 +106,8 @@ void gemm(float* dst, int64_t dst_stride, int64_t rows, int64_t cols, bool accum
             const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - tile * kTileRows);
             float* p = packed_a.data() + tile * K * kTileRows;
             for (int64_t k = 0; k < K; ++k) {
-                for (int64_t r = 0; r < tile_rows; ++r) p[k * kTileRows + r] = a[(tile * kTileRows + r) * a_row + k * a_k];
+                for (int64_t r = 0; r < tile_rows; ++r)
+                    p[k * kTileRows + r] = a[(tile * kTileRows + r) * a_row + k * a_k];
             }
         }
     }

@@ -18,10 +18,9 @@ namespace mf::cpu {
 namespace {
 
 // sign = +1 rotates by +angle (forward), −1 by −angle (backward).
-void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta,
-                 float sign) {
-    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads,
-             " D=", D, " (D must be even)");
+void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta, float sign) {
+    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads, " D=", D,
+             " (D must be even)");
     MF_CHECK(theta > 0.0f, "rope: theta must be positive, got ", theta);
     const int64_t half = D / 2;
     std::vector<float> inv_freq(static_cast<size_t>(half));

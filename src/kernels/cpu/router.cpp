@@ -21,8 +21,7 @@ namespace mf::cpu {
 namespace {
 
 void check_shape(int64_t N, int64_t E, int64_t K) {
-    MF_CHECK(N >= 0 && E > 0 && K > 0 && K <= E, "router: bad shape N=", N, " E=", E, " K=", K,
-             " (need 0 < K <= E)");
+    MF_CHECK(N >= 0 && E > 0 && K > 0 && K <= E, "router: bad shape N=", N, " E=", E, " K=", K, " (need 0 < K <= E)");
 }
 
 }  // namespace
