@@ -24,12 +24,30 @@ constexpr std::string_view kSections[] = {"data", "train", "optim"};
 
 constexpr std::string_view kKnownKeys[] = {
     "model",
-    "data.train", "data.format", "data.shuffle", "data.packing", "data.on_error",
-    "train.steps", "train.micro_batch", "train.seq_len", "train.grad_accum", "train.grad_clip", "train.log_every",
+    "data.train",
+    "data.format",
+    "data.shuffle",
+    "data.packing",
+    "data.on_error",
+    "train.steps",
+    "train.micro_batch",
+    "train.seq_len",
+    "train.grad_accum",
+    "train.grad_clip",
+    "train.log_every",
     "train.recompute",
-    "optim.lr", "optim.betas", "optim.eps", "optim.weight_decay", "optim.no_decay", "optim.schedule",
-    "optim.warmup_steps", "optim.min_lr_ratio",
-    "seed", "device", "precision", "out",
+    "optim.lr",
+    "optim.betas",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.no_decay",
+    "optim.schedule",
+    "optim.warmup_steps",
+    "optim.min_lr_ratio",
+    "seed",
+    "device",
+    "precision",
+    "out",
 };
 
 // Names other tools use for our keys (HF TrainingArguments and friends), for suggestions only.
@@ -99,11 +117,15 @@ std::string closest_key(std::string_view path) {
     size_t best_distance = SIZE_MAX;
     auto consider = [&](std::string_view candidate) {
         const size_t distance = edit_distance(leaf, leaf_of(candidate));
-        if (distance < best_distance) { best_distance = distance; best = std::string(candidate); }
+        if (distance < best_distance) {
+            best_distance = distance;
+            best = std::string(candidate);
+        }
     };
     for (const std::string_view key : kKnownKeys) {
         const size_t key_dot = key.find('.');
-        const std::string_view key_scope = key_dot == std::string_view::npos ? std::string_view() : key.substr(0, key_dot);
+        const std::string_view key_scope =
+            key_dot == std::string_view::npos ? std::string_view() : key.substr(0, key_dot);
         if (key_scope == scope) consider(key);
     }
     if (scope.empty())
@@ -133,16 +155,21 @@ std::string keys_of_section(std::string_view section) {
 
 std::string describe(const Value& v) {
     switch (v.kind()) {
-        case json::Kind::null: return "an empty value (null)";
-        case json::Kind::boolean: return v.as_bool() ? "true" : "false";
-        case json::Kind::number: return (v.is_int() ? "the integer " : "the number ") + v.dump();
+        case json::Kind::null:
+            return "an empty value (null)";
+        case json::Kind::boolean:
+            return v.as_bool() ? "true" : "false";
+        case json::Kind::number:
+            return (v.is_int() ? "the integer " : "the number ") + v.dump();
         case json::Kind::string: {
             std::string s = v.as_string();
             if (s.size() > 60) s = s.substr(0, 60) + "...";
             return "the string " + json::quote(s);
         }
-        case json::Kind::array: return "a list";
-        case json::Kind::object: return "a mapping";
+        case json::Kind::array:
+            return "a list";
+        case json::Kind::object:
+            return "a mapping";
     }
     return "?";
 }
@@ -178,7 +205,8 @@ class Converter {
         const Entry* e = find(path);
         if (e == nullptr) return;
         if (!e->value.is_string()) {
-            if (e->value.is_number() || e->value.is_bool()) bad(path, "a string (quote it: \"" + e->value.dump() + "\")");
+            if (e->value.is_number() || e->value.is_bool())
+                bad(path, "a string (quote it: \"" + e->value.dump() + "\")");
             bad(path, "a string");
         }
         if (e->value.as_string().empty()) bad(path, "a non-empty string");
@@ -297,6 +325,12 @@ std::map<std::string, Entry> flatten_file(const YamlDocument& doc, const std::st
                 entries[path] = Entry{sub_value, origin_of(path)};
             }
         } else {
+            const size_t dot = key.find('.');
+            if (dot != std::string::npos && is_known_key(key))
+                fail(origin_of(key), ": '", key, "': in a recipe file write nested keys ('", key.substr(0, dot),
+                     ":' then '  ", key.substr(dot + 1),
+                     ": ...' on the next line); the dotted form is for "
+                     "command-line overrides");
             if (!is_known_key(key)) unknown_key(origin_of(key), key);
             entries[key] = Entry{value, origin_of(key)};
         }
@@ -364,8 +398,8 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     conv.get_int("optim.warmup_steps", 0, kMaxInt, r.optim.warmup_steps);
     conv.get_number("optim.min_lr_ratio", 0, 1, false, false, "a number in [0, 1]", r.optim.min_lr_ratio);
     if (r.optim.warmup_steps > r.train.steps)
-        fail(conv.origin("optim.warmup_steps"), ": optim.warmup_steps: expected at most train.steps (",
-             r.train.steps, "), got ", r.optim.warmup_steps);
+        fail(conv.origin("optim.warmup_steps"), ": optim.warmup_steps: expected at most train.steps (", r.train.steps,
+             "), got ", r.optim.warmup_steps);
 
     conv.get_int("seed", 0, kMaxInt, r.seed);
     conv.get_choice("device", {"auto", "cpu", "cuda"}, r.device);
@@ -397,25 +431,25 @@ json::Value Recipe::to_json() const {
     return Value(Value::Object{
         {"model", model},
         {"data", Value(Value::Object{{"train", data.train},
-                                      {"format", data.format},
-                                      {"shuffle", data.shuffle},
-                                      {"packing", data.packing},
-                                      {"on_error", data.on_error}})},
+                                     {"format", data.format},
+                                     {"shuffle", data.shuffle},
+                                     {"packing", data.packing},
+                                     {"on_error", data.on_error}})},
         {"train", Value(Value::Object{{"steps", train.steps},
-                                       {"micro_batch", train.micro_batch},
-                                       {"seq_len", train.seq_len},
-                                       {"grad_accum", train.grad_accum},
-                                       {"grad_clip", train.grad_clip},
-                                       {"log_every", train.log_every},
-                                       {"recompute", train.recompute}})},
+                                      {"micro_batch", train.micro_batch},
+                                      {"seq_len", train.seq_len},
+                                      {"grad_accum", train.grad_accum},
+                                      {"grad_clip", train.grad_clip},
+                                      {"log_every", train.log_every},
+                                      {"recompute", train.recompute}})},
         {"optim", Value(Value::Object{{"lr", optim.lr},
-                                       {"betas", Value(Value::Array{optim.beta1, optim.beta2})},
-                                       {"eps", optim.eps},
-                                       {"weight_decay", optim.weight_decay},
-                                       {"no_decay", Value(std::move(no_decay_list))},
-                                       {"schedule", optim.schedule},
-                                       {"warmup_steps", optim.warmup_steps},
-                                       {"min_lr_ratio", optim.min_lr_ratio}})},
+                                      {"betas", Value(Value::Array{optim.beta1, optim.beta2})},
+                                      {"eps", optim.eps},
+                                      {"weight_decay", optim.weight_decay},
+                                      {"no_decay", Value(std::move(no_decay_list))},
+                                      {"schedule", optim.schedule},
+                                      {"warmup_steps", optim.warmup_steps},
+                                      {"min_lr_ratio", optim.min_lr_ratio}})},
         {"seed", seed},
         {"device", device},
         {"precision", precision},

@@ -42,17 +42,17 @@ struct Recipe {
     } data;
 
     struct Train {
-        int64_t steps = 0;       // optimizer steps (required, >= 1)
-        int64_t micro_batch = 1;  // sequences per forward pass, 1 .. 2^20
-        int64_t seq_len = 2048;   // tokens per sequence, 1 .. 2^24
-        int64_t grad_accum = 1;   // micro-batches per optimizer step, 1 .. 2^20
-        double grad_clip = 1.0;   // max global grad norm; 0 disables clipping
-        int64_t log_every = 1;    // steps between log lines, >= 1
+        int64_t steps = 0;               // optimizer steps (required, >= 1)
+        int64_t micro_batch = 1;         // sequences per forward pass, 1 .. 2^20
+        int64_t seq_len = 2048;          // tokens per sequence, 1 .. 2^24
+        int64_t grad_accum = 1;          // micro-batches per optimizer step, 1 .. 2^20
+        double grad_clip = 1.0;          // max global grad norm; 0 disables clipping
+        int64_t log_every = 1;           // steps between log lines, >= 1
         std::string recompute = "none";  // none | moe | full
     } train;
 
     struct Optim {
-        double lr = 1e-5;  // peak learning rate, >= 0
+        double lr = 1e-5;                   // peak learning rate, >= 0
         double beta1 = 0.9, beta2 = 0.999;  // written as `betas: [b1, b2]`, each in [0, 1)
         double eps = 1e-8;                  // > 0
         double weight_decay = 0.01;         // >= 0, decoupled (AdamW)
@@ -62,10 +62,10 @@ struct Recipe {
         double min_lr_ratio = 0.0;          // floor of the decay, as a fraction of lr, in [0, 1]
     } optim;
 
-    int64_t seed = 0;              // >= 0
-    std::string device = "auto";   // auto | cpu | cuda
+    int64_t seed = 0;                // >= 0
+    std::string device = "auto";     // auto | cpu | cuda
     std::string precision = "bf16";  // bf16 | mixed (see DESIGN.md, Precision)
-    std::string out;               // output directory (required)
+    std::string out;                 // output directory (required)
 
     // Every recipe key with its value, nested as in the file (`source` is not a key, so it is left
     // out), for writing next to the outputs.

@@ -45,9 +45,7 @@ std::string join_path(const std::string& parent, const std::string& key) {
     return parent.empty() ? key : parent + "." + key;
 }
 
-std::string index_path(const std::string& parent, size_t index) {
-    return parent + "[" + std::to_string(index) + "]";
-}
+std::string index_path(const std::string& parent, size_t index) { return parent + "[" + std::to_string(index) + "]"; }
 
 void append_utf8(std::string& out, uint32_t cp) {
     if (cp < 0x80) {
@@ -74,10 +72,18 @@ size_t utf8_sequence_length(std::string_view s, size_t i) {
     if (b0 < 0x80) return 1;
     size_t len = 0;
     uint32_t cp = 0;
-    if (b0 >= 0xC2 && b0 <= 0xDF) { len = 2; cp = b0 & 0x1F; }
-    else if (b0 >= 0xE0 && b0 <= 0xEF) { len = 3; cp = b0 & 0x0F; }
-    else if (b0 >= 0xF0 && b0 <= 0xF4) { len = 4; cp = b0 & 0x07; }
-    else return 0;
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+        len = 2;
+        cp = b0 & 0x1F;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+        len = 3;
+        cp = b0 & 0x0F;
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+        len = 4;
+        cp = b0 & 0x07;
+    } else {
+        return 0;
+    }
     if (i + len > s.size()) return 0;
     for (size_t k = 1; k < len; ++k) {
         const auto b = static_cast<unsigned char>(s[i + k]);
@@ -134,7 +140,8 @@ class Parser {
     // --- a single value on one line (command-line overrides) ---------------------------------
 
     Value parse_single_value(std::string_view text) {
-        if (text.size() > kMaxYamlBytes) error(0, "the value is longer than " + std::to_string(kMaxYamlBytes) + " bytes");
+        if (text.size() > kMaxYamlBytes)
+            error(0, "the value is longer than " + std::to_string(kMaxYamlBytes) + " bytes");
         check_characters(text, 0);
         Cursor c{text, 0, 0};
         c.skip_blanks();
@@ -163,7 +170,8 @@ class Parser {
     void check_characters(std::string_view text, int line) const {
         for (size_t i = 0; i < text.size();) {
             const auto c = static_cast<unsigned char>(text[i]);
-            if ((c < 0x20 && c != '\t') || c == 0x7F) error(line, "control character " + show_char(text[i]) + " in the text");
+            if ((c < 0x20 && c != '\t') || c == 0x7F)
+                error(line, "control character " + show_char(text[i]) + " in the text");
             const size_t len = utf8_sequence_length(text, i);
             if (len == 0) error(line, "invalid UTF-8 (" + show_char(text[i]) + ")");
             i += len;
@@ -190,8 +198,7 @@ class Parser {
             size_t first = indent;
             while (first < raw.size() && is_blank(raw[first])) ++first;
             if (first == raw.size() || raw[first] == '#') continue;  // blank or comment-only
-            if (first != indent)
-                error(number, "tab character in indentation (YAML indentation must use spaces only)");
+            if (first != indent) error(number, "tab character in indentation (YAML indentation must use spaces only)");
             std::string_view content = raw.substr(indent);
             if (indent == 0 && is_marker(content, "---")) {
                 if (seen_marker || !lines_.empty())
@@ -201,7 +208,8 @@ class Parser {
                 if (!at_end_or_comment(c)) error(number, "content on the '---' line is not supported");
                 continue;
             }
-            if (indent == 0 && is_marker(content, "...")) error(number, "the document end marker '...' is not supported");
+            if (indent == 0 && is_marker(content, "..."))
+                error(number, "the document end marker '...' is not supported");
             if (indent == 0 && content[0] == '%') error(number, "YAML directives ('%') are not supported");
             if (indent > 10000) error(number, "indentation deeper than 10000 columns");
             lines_.push_back(Line{number, static_cast<int>(indent), content});
@@ -224,8 +232,9 @@ class Parser {
         check_depth(depth, line.number);
         if (is_sequence_item(line.text)) return parse_sequence(indent, path, depth, false);
         if (is_mapping_entry(line)) return parse_mapping(indent, path, depth);
-        error(line.number, "expected 'key: value' or '- item' here; a value on its own line is not supported (write "
-                           "it on the line of its key)");
+        error(line.number,
+              "expected 'key: value' or '- item' here; a value on its own line is not supported (write "
+              "it on the line of its key)");
     }
 
     Value parse_mapping(int indent, const std::string& path, int depth) {
@@ -242,7 +251,8 @@ class Parser {
             std::string key = parse_block_key(c);
             const auto [it, inserted] = key_lines.emplace(key, line.number);
             if (!inserted)
-                error(line.number, "duplicate key '" + key + "' (first defined on line " + std::to_string(it->second) + ")");
+                error(line.number,
+                      "duplicate key '" + key + "' (first defined on line " + std::to_string(it->second) + ")");
             const std::string key_path = join_path(path, key);
             record(key_path, line.number);
             c.skip_blanks();
@@ -251,7 +261,8 @@ class Parser {
                 ++cur_;
                 if (cur_ < lines_.size() && lines_[cur_].indent > indent) {
                     value = parse_block(lines_[cur_].indent, key_path, depth + 1);
-                } else if (cur_ < lines_.size() && lines_[cur_].indent == indent && is_sequence_item(lines_[cur_].text)) {
+                } else if (cur_ < lines_.size() && lines_[cur_].indent == indent &&
+                           is_sequence_item(lines_[cur_].text)) {
                     // "key:\n- a\n- b": a sequence may sit at its key's own column.
                     value = parse_sequence(indent, key_path, depth + 1, true);
                 }  // else: an empty value, null
@@ -302,7 +313,8 @@ class Parser {
                     expect_line_end(c, "the sequence item");
                     ++cur_;
                     if (cur_ < lines_.size() && lines_[cur_].indent > indent)
-                        error(lines_[cur_].number, "unexpected indentation: the item on line " + std::to_string(line.number) +
+                        error(lines_[cur_].number, "unexpected indentation: the item on line " +
+                                                       std::to_string(line.number) +
                                                        " already has a value (multi-line values are not supported)");
                 }
             }
@@ -321,8 +333,10 @@ class Parser {
         Cursor c{line.text, 0, line.number};
         const char first = c.peek();
         if (first == '"' || first == '\'') {
-            if (first == '"') parse_double_quoted(c);
-            else parse_single_quoted(c);
+            if (first == '"')
+                parse_double_quoted(c);
+            else
+                parse_single_quoted(c);
             c.skip_blanks();
             return !c.done() && c.peek() == ':' && (c.pos + 1 == c.s.size() || is_blank(c.s[c.pos + 1]));
         }
@@ -348,8 +362,11 @@ class Parser {
             key = std::string(scan_plain(c, false));
         }
         c.skip_blanks();
-        if (c.done() || c.peek() != ':')
-            error(c.line, "expected 'key: value', found '" + clip(c.s) + "'");
+        if (c.done() || c.peek() != ':') {
+            const bool colon_without_space = c.s.find(':') != std::string_view::npos;
+            error(c.line, "expected 'key: value', found '" + clip(c.s) + "'" +
+                              (colon_without_space ? " (a space is needed after the ':' of a key)" : ""));
+        }
         ++c.pos;
         if (!c.done() && !is_blank(c.peek())) error(c.line, "expected a space after ':' following key '" + key + "'");
         if (key.empty()) error(c.line, "empty key before ':'");
@@ -371,27 +388,34 @@ class Parser {
     // Refuses the YAML features outside the subset that announce themselves by a first character.
     void check_plain_start(const Cursor& c, bool flow) const {
         const char ch = c.peek();
-        const bool next_is_space = c.pos + 1 >= c.s.size() || is_blank(c.s[c.pos + 1]) ||
-                                   (flow && is_flow_indicator(c.s[c.pos + 1]));
+        const bool next_is_space =
+            c.pos + 1 >= c.s.size() || is_blank(c.s[c.pos + 1]) || (flow && is_flow_indicator(c.s[c.pos + 1]));
         switch (ch) {
-            case '&': error(c.line, "anchors ('&name') are not supported");
+            case '&':
+                error(c.line, "anchors ('&name') are not supported");
             case '*':
                 if (command_line_) return;
-            {
-                size_t end = c.pos + 1;
-                while (end < c.s.size() && !is_blank(c.s[end]) && !is_flow_indicator(c.s[end])) ++end;
-                error(c.line, "aliases ('*name') are not supported; a glob pattern starting with '*' must be quoted, "
-                              "e.g. \"" + clip(c.s.substr(c.pos, end - c.pos), 20) + "\"");
-            }
-            case '!': error(c.line, "tags ('!') are not supported");
+                {
+                    size_t end = c.pos + 1;
+                    while (end < c.s.size() && !is_blank(c.s[end]) && !is_flow_indicator(c.s[end])) ++end;
+                    error(c.line,
+                          "aliases ('*name') are not supported; a glob pattern starting with '*' must be quoted, "
+                          "e.g. \"" +
+                              clip(c.s.substr(c.pos, end - c.pos), 20) + "\"");
+                }
+            case '!':
+                error(c.line, "tags ('!') are not supported");
             case '|':
-            case '>': error(c.line, "block scalars ('|' and '>') are not supported; write the value on one line");
+            case '>':
+                error(c.line, "block scalars ('|' and '>') are not supported; write the value on one line");
             case '%':
             case '@':
-            case '`': error(c.line, std::string("a plain value cannot start with '") + ch + "'; quote it");
+            case '`':
+                error(c.line, std::string("a plain value cannot start with '") + ch + "'; quote it");
             case ',':
             case ']':
-            case '}': error(c.line, std::string("unexpected '") + ch + "'");
+            case '}':
+                error(c.line, std::string("unexpected '") + ch + "'");
             case '?':
                 if (next_is_space) error(c.line, "complex keys ('? ') are not supported");
                 return;
@@ -401,7 +425,8 @@ class Parser {
             case '-':
                 if (next_is_space) error(c.line, "a sequence item ('- ') is not allowed here");
                 return;
-            default: return;
+            default:
+                return;
         }
     }
 
@@ -430,10 +455,14 @@ class Parser {
         for (int i = 0; i < 4; ++i) {
             const char h = c.s[c.pos++];
             v <<= 4;
-            if (h >= '0' && h <= '9') v |= static_cast<uint32_t>(h - '0');
-            else if (h >= 'a' && h <= 'f') v |= static_cast<uint32_t>(h - 'a' + 10);
-            else if (h >= 'A' && h <= 'F') v |= static_cast<uint32_t>(h - 'A' + 10);
-            else error(c.line, "bad hex digit " + show_char(h) + " in \\u escape");
+            if (h >= '0' && h <= '9')
+                v |= static_cast<uint32_t>(h - '0');
+            else if (h >= 'a' && h <= 'f')
+                v |= static_cast<uint32_t>(h - 'a' + 10);
+            else if (h >= 'A' && h <= 'F')
+                v |= static_cast<uint32_t>(h - 'A' + 10);
+            else
+                error(c.line, "bad hex digit " + show_char(h) + " in \\u escape");
         }
         return v;
     }
@@ -446,16 +475,31 @@ class Parser {
                 error(c.line, "unterminated double-quoted string (a quoted value must end on the line it starts)");
             const char ch = c.s[c.pos++];
             if (ch == '"') return out;
-            if (ch != '\\') { out += ch; continue; }
+            if (ch != '\\') {
+                out += ch;
+                continue;
+            }
             if (c.done()) error(c.line, "unterminated escape at the end of the line");
             const char e = c.s[c.pos++];
             switch (e) {
-                case '"': out += '"'; break;
-                case '\\': out += '\\'; break;
-                case '/': out += '/'; break;
-                case 'n': out += '\n'; break;
-                case 't': out += '\t'; break;
-                case 'r': out += '\r'; break;
+                case '"':
+                    out += '"';
+                    break;
+                case '\\':
+                    out += '\\';
+                    break;
+                case '/':
+                    out += '/';
+                    break;
+                case 'n':
+                    out += '\n';
+                    break;
+                case 't':
+                    out += '\t';
+                    break;
+                case 'r':
+                    out += '\r';
+                    break;
                 case 'u': {
                     uint32_t cp = parse_hex4(c);
                     if (cp >= 0xD800 && cp <= 0xDBFF) {
@@ -544,13 +588,22 @@ class Parser {
         ++c.pos;  // '['
         Value arr = Value::array();
         while (true) {
-            if (flow_next(c, ']') == ']') { ++c.pos; break; }  // also accepts a trailing comma, as YAML does
+            if (flow_next(c, ']') == ']') {
+                ++c.pos;
+                break;
+            }  // also accepts a trailing comma, as YAML does
             const std::string item_path = index_path(path, arr.size());
             record(item_path, c.line);
             arr.push_back(parse_flow_item(c, item_path, depth + 1, true));
             const char next = flow_next(c, ']');
-            if (next == ',') { ++c.pos; continue; }
-            if (next == ']') { ++c.pos; break; }
+            if (next == ',') {
+                ++c.pos;
+                continue;
+            }
+            if (next == ']') {
+                ++c.pos;
+                break;
+            }
             if (next == ':') error(c.line, "'key: value' pairs inside a flow sequence are not supported");
             error(c.line, "expected ',' or ']' in a flow sequence, found " + show_char(next));
         }
@@ -563,12 +616,18 @@ class Parser {
         Value obj = Value::object();
         std::map<std::string, int> seen;
         while (true) {
-            if (flow_next(c, '}') == '}') { ++c.pos; break; }
+            if (flow_next(c, '}') == '}') {
+                ++c.pos;
+                break;
+            }
             std::string key;
             const char first = c.peek();
-            if (first == '"') key = parse_double_quoted(c);
-            else if (first == '\'') key = parse_single_quoted(c);
-            else if (first == '[' || first == '{') error(c.line, "flow collections as keys are not supported");
+            if (first == '"')
+                key = parse_double_quoted(c);
+            else if (first == '\'')
+                key = parse_single_quoted(c);
+            else if (first == '[' || first == '{')
+                error(c.line, "flow collections as keys are not supported");
             else {
                 check_plain_start(c, true);
                 key = std::string(scan_plain(c, true));
@@ -585,8 +644,14 @@ class Parser {
             if (next != ',' && next != '}') value = parse_flow_item(c, key_path, depth + 1, false);
             obj.as_object().emplace_back(std::move(key), std::move(value));
             const char after = flow_next(c, '}');
-            if (after == ',') { ++c.pos; continue; }
-            if (after == '}') { ++c.pos; break; }
+            if (after == ',') {
+                ++c.pos;
+                continue;
+            }
+            if (after == '}') {
+                ++c.pos;
+                break;
+            }
             error(c.line, "expected ',' or '}' in a flow mapping, found " + show_char(after));
         }
         return obj;
@@ -609,11 +674,17 @@ class Parser {
         size_t i = 0;
         if (i < s.size() && (s[i] == '-' || s[i] == '+')) ++i;
         size_t int_digits = 0;
-        while (i < s.size() && is_digit(s[i])) { ++i; ++int_digits; }
+        while (i < s.size() && is_digit(s[i])) {
+            ++i;
+            ++int_digits;
+        }
         size_t frac_digits = 0;
         if (i < s.size() && s[i] == '.') {
             ++i;
-            while (i < s.size() && is_digit(s[i])) { ++i; ++frac_digits; }
+            while (i < s.size() && is_digit(s[i])) {
+                ++i;
+                ++frac_digits;
+            }
         }
         if (int_digits == 0 && frac_digits == 0) return false;
         if (i < s.size() && (s[i] == 'e' || s[i] == 'E')) {
@@ -631,7 +702,8 @@ class Parser {
         const uint64_t limit = negative ? uint64_t{1} << 63 : (uint64_t{1} << 63) - 1;
         if (ec != std::errc() || ptr != digits.data() + digits.size() || magnitude > limit)
             error(line, "integer " + clip(text) + " is out of range (64-bit signed)");
-        if (negative) return Value(magnitude == limit ? std::numeric_limits<int64_t>::min() : -static_cast<int64_t>(magnitude));
+        if (negative)
+            return Value(magnitude == limit ? std::numeric_limits<int64_t>::min() : -static_cast<int64_t>(magnitude));
         return Value(static_cast<int64_t>(magnitude));
     }
 
@@ -642,11 +714,14 @@ class Parser {
         const bool negative = s[0] == '-';
         const std::string_view unsigned_part = (s[0] == '-' || s[0] == '+') ? s.substr(1) : s;
         if (all_of(unsigned_part, is_digit)) return parse_int(unsigned_part, 10, negative, s, line);
-        if (s.size() > 2 && s.substr(0, 2) == "0o" && all_of(s.substr(2), is_octal)) return parse_int(s.substr(2), 8, false, s, line);
-        if (s.size() > 2 && s.substr(0, 2) == "0x" && all_of(s.substr(2), is_hex)) return parse_int(s.substr(2), 16, false, s, line);
+        if (s.size() > 2 && s.substr(0, 2) == "0o" && all_of(s.substr(2), is_octal))
+            return parse_int(s.substr(2), 8, false, s, line);
+        if (s.size() > 2 && s.substr(0, 2) == "0x" && all_of(s.substr(2), is_hex))
+            return parse_int(s.substr(2), 16, false, s, line);
         if (is_core_float(s)) {
             double v = 0;
-            const auto [ptr, ec] = std::from_chars(unsigned_part.data(), unsigned_part.data() + unsigned_part.size(), v);
+            const auto [ptr, ec] =
+                std::from_chars(unsigned_part.data(), unsigned_part.data() + unsigned_part.size(), v);
             if (ec != std::errc() || ptr != unsigned_part.data() + unsigned_part.size() || !std::isfinite(v))
                 error(line, "number " + clip(s) + " is out of range");
             return Value(negative ? -v : v);

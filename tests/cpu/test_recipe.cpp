@@ -311,7 +311,7 @@ TEST(Yaml, Refusals) {
         {"a: 1\nb: \x01\n", "t.yaml:2: control character"},
         {"a: \xff\n", "t.yaml:1: invalid UTF-8"},
         {"a: \"x\"y\n", "t.yaml:1: unexpected text 'y'"},
-        {"a:b\n", "t.yaml:1: expected 'key: value'"},
+        {"a:b\n", "t.yaml:1: expected 'key: value', found 'a:b' (a space is needed after the ':' of a key)"},
         {"  a: 1\nb: 2\n", "t.yaml:2: this line is indented less than the first line"},
         {"a:\n  plain on its own line\n", "t.yaml:2: expected 'key: value' or '- item' here"},
     };
@@ -325,7 +325,8 @@ TEST(Yaml, Refusals) {
 
 TEST(Yaml, Limits) {
     std::string deep;
-    for (int i = 0; i < 100; ++i) deep += std::string(static_cast<size_t>(2 * i), ' ') + "k" + std::to_string(i) + ":\n";
+    for (int i = 0; i < 100; ++i)
+        deep += std::string(static_cast<size_t>(2 * i), ' ') + "k" + std::to_string(i) + ":\n";
     EXPECT_NE(yaml_error(deep).find("nesting deeper than"), std::string::npos);
     std::string deep_flow = "a: " + std::string(100, '[') + std::string(100, ']') + "\n";
     EXPECT_NE(yaml_error(deep_flow).find("t.yaml:1: nesting deeper than"), std::string::npos);
@@ -480,12 +481,10 @@ TEST(Recipe, Overrides) {
                                       "optim.no_decay=[*norm*,*bias]",  // unquoted globs on the command line
                                       "data.shuffle=false",             // bool
                                       "out=runs/with # hash",           // '#' is literal on the command line
-                                      "optim.schedule=linear",
-                                      "optim.warmup_steps=5",
-                                      "seed=7",
-                                      "seed=8",                         // later overrides win
+                                      "optim.schedule=linear", "optim.warmup_steps=5", "seed=7",
+                                      "seed=8",  // later overrides win
                                       "model=\"quoted dir\"",
-                                      "  device = cpu",                 // blanks around the key are ignored
+                                      "  device = cpu",  // blanks around the key are ignored
                                   });
     EXPECT_EQ(r.optim.lr, 3e-4);
     EXPECT_EQ(r.train.steps, 20);
@@ -512,7 +511,8 @@ TEST(Recipe, ToJsonHasEveryKey) {
     const Recipe r = parse_recipe(
         "model: m\n"
         "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip}\n"
-        "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: full}\n"
+        "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
+        "full}\n"
         "optim:\n"
         "  lr: 0.125\n"
         "  betas: [0.5, 0.75]\n"
@@ -575,45 +575,70 @@ TEST(Recipe, BadRecipes) {
     };
     const std::vector<Case> cases = {
         // unknown keys, with suggestions
-        {base + "optim:\n  lr_rate: 1\n", {}, {"r.yaml:8:", "unknown key 'optim.lr_rate'", "did you mean 'optim.lr'", "keys of optim:"}},
+        {base + "optim:\n  lr_rate: 1\n",
+         {},
+         {"r.yaml:8:", "unknown key 'optim.lr_rate'", "did you mean 'optim.lr'", "keys of optim:"}},
         {base + "learning_rate: 1e-4\n", {}, {"r.yaml:7:", "unknown key 'learning_rate'", "did you mean 'optim.lr'"}},
         {base + "train2:\n  x: 1\n", {}, {"r.yaml:7:", "unknown key 'train2'", "did you mean 'train'"}},
         {base + "optim:\n  warmup: 10\n", {}, {"r.yaml:8:", "'optim.warmup'", "did you mean 'optim.warmup_steps'"}},
-        {base, {"optim.betass=[0.9,0.9]"}, {"command line", "unknown key 'optim.betass'", "did you mean 'optim.betas'"}},
+        {base,
+         {"optim.betass=[0.9,0.9]"},
+         {"command line", "unknown key 'optim.betass'", "did you mean 'optim.betas'"}},
         {base, {"train.lr=1"}, {"command line", "unknown key 'train.lr'", "did you mean 'optim.lr'"}},
         // wrong types
-        {"model: m\ndata: {train: d}\ntrain:\n  steps: abc\nout: o\n", {}, {"r.yaml:4:", "train.steps", "expected an integer >= 1", "the string \"abc\""}},
+        {"model: m\ndata: {train: d}\ntrain:\n  steps: abc\nout: o\n",
+         {},
+         {"r.yaml:4:", "train.steps", "expected an integer >= 1", "the string \"abc\""}},
         {base + "train:\n  micro_batch: 2\n", {}, {"r.yaml:7:", "duplicate key 'train' (first defined on line 4)"}},
-        {"model: m\ndata: {train: d}\ntrain: {steps: 10, micro_batch: 1.5}\nout: o\n", {}, {"r.yaml:3:", "train.micro_batch", "expected an integer", "the number 1.5"}},
+        {"model: m\ndata: {train: d}\ntrain: {steps: 10, micro_batch: 1.5}\nout: o\n",
+         {},
+         {"r.yaml:3:", "train.micro_batch", "expected an integer", "the number 1.5"}},
         {base + "optim: 3\n", {}, {"r.yaml:7:", "optim: expected a mapping"}},
         {base + "seed: [1]\n", {}, {"r.yaml:7:", "seed: expected an integer >= 0", "a list"}},
         {base + "data2: 1\n", {}, {"r.yaml:7:", "unknown key 'data2'", "did you mean 'data'"}},
-        {"model: 123\ndata: {train: d}\ntrain: {steps: 1}\nout: o\n", {}, {"r.yaml:1:", "model: expected a string (quote it: \"123\")"}},
+        {base + "optim.lr: 1\n", {}, {"r.yaml:7:", "'optim.lr': in a recipe file write nested keys"}},
+        {"model: 123\ndata: {train: d}\ntrain: {steps: 1}\nout: o\n",
+         {},
+         {"r.yaml:1:", "model: expected a string (quote it: \"123\")"}},
         {base + "device: yes\n", {}, {"r.yaml:7:", "device: expected one of auto, cpu, cuda", "\"yes\""}},
-        {base + "optim:\n  no_decay: [\"*norm*\", 3]\n", {}, {"r.yaml:8:", "optim.no_decay: expected a list of non-empty strings", "the integer 3"}},
+        {base + "optim:\n  no_decay: [\"*norm*\", 3]\n",
+         {},
+         {"r.yaml:8:", "optim.no_decay: expected a list of non-empty strings", "the integer 3"}},
         {base + "optim:\n  no_decay: \"*norm*\"\n", {}, {"r.yaml:8:", "optim.no_decay: expected a list"}},
         {base, {"data.packing=yes"}, {"command line ('data.packing=yes')", "data.packing: expected true or false"}},
-        {base, {"optim.lr=fast"}, {"command line ('optim.lr=fast')", "optim.lr: expected a finite number >= 0", "\"fast\""}},
+        {base,
+         {"optim.lr=fast"},
+         {"command line ('optim.lr=fast')", "optim.lr: expected a finite number >= 0", "\"fast\""}},
         // YAML-level problems inside a recipe
         {"model: m\ndata:\n\ttrain: d\n", {}, {"r.yaml:3:", "tab character in indentation"}},
-        {base + "optim:\n  lr: 1\n  eps: 1e-9\n  lr: 2\n", {}, {"r.yaml:10:", "duplicate key 'lr' (first defined on line 8)"}},
+        {base + "optim:\n  lr: 1\n  eps: 1e-9\n  lr: 2\n",
+         {},
+         {"r.yaml:10:", "duplicate key 'lr' (first defined on line 8)"}},
         {base + "optim:\n  schedule: \"cosine\n", {}, {"r.yaml:8:", "unterminated double-quoted"}},
         {base + "optim:\n  no_decay: [*norm*]\n", {}, {"r.yaml:8:", "aliases", "must be quoted"}},
         {base + "device: &dev cpu\n", {}, {"r.yaml:7:", "anchors"}},
         {base + "out2: |\n  x\n", {}, {"r.yaml:7:", "block scalars"}},
         // ranges
         {base + "optim:\n  betas: [0.9]\n", {}, {"r.yaml:8:", "optim.betas: expected a list of two numbers", "a list"}},
-        {base + "optim:\n  betas: [0.9, 1.0]\n", {}, {"r.yaml:8:", "optim.betas", "each in [0, 1)", "the number 1.0 in the list"}},
+        {base + "optim:\n  betas: [0.9, 1.0]\n",
+         {},
+         {"r.yaml:8:", "optim.betas", "each in [0, 1)", "the number 1.0 in the list"}},
         {base + "optim:\n  betas: [-0.1, 0.9]\n", {}, {"r.yaml:8:", "optim.betas", "the number -0.1 in the list"}},
         {"data: {train: d}\ntrain: {steps: 1}\nout: o\n", {}, {"r.yaml: missing required key 'model'"}},
         {"model: m\ntrain: {steps: 1}\nout: o\n", {}, {"r.yaml: missing required key 'data.train'"}},
         {"model: m\ndata: {train: d}\nout: o\n", {}, {"r.yaml: missing required key 'train.steps'"}},
         {"model: m\ndata: {train: d}\ntrain: {steps: 1}\n", {}, {"r.yaml: missing required key 'out'"}},
-        {"model: m\ndata: {train: d}\ntrain:\n  steps: -5\nout: o\n", {}, {"r.yaml:4:", "train.steps: expected an integer >= 1", "-5"}},
+        {"model: m\ndata: {train: d}\ntrain:\n  steps: -5\nout: o\n",
+         {},
+         {"r.yaml:4:", "train.steps: expected an integer >= 1", "-5"}},
         {base, {"train.steps=0"}, {"command line ('train.steps=0')", "train.steps: expected an integer >= 1"}},
-        {base + "optim:\n  schedule: exponential\n", {}, {"r.yaml:8:", "optim.schedule: expected one of constant, cosine, linear", "\"exponential\""}},
+        {base + "optim:\n  schedule: exponential\n",
+         {},
+         {"r.yaml:8:", "optim.schedule: expected one of constant, cosine, linear", "\"exponential\""}},
         {base + "precision: fp8\n", {}, {"r.yaml:7:", "precision: expected one of bf16, mixed"}},
-        {base, {"data.format=parquet"}, {"command line", "data.format: expected one of tokens, auto, messages, prompt_completion, text"}},
+        {base,
+         {"data.format=parquet"},
+         {"command line", "data.format: expected one of tokens, auto, messages, prompt_completion, text"}},
         {base, {"data.on_error=ignore"}, {"command line", "data.on_error: expected one of stop, skip"}},
         {base, {"train.recompute=some"}, {"command line", "train.recompute: expected one of none, moe, full"}},
         {base + "optim:\n  lr: -1e-4\n", {}, {"r.yaml:8:", "optim.lr: expected a finite number >= 0"}},
@@ -621,12 +646,18 @@ TEST(Recipe, BadRecipes) {
         {base + "optim:\n  eps: .inf\n", {}, {"r.yaml:8:", "optim.eps: expected a finite number > 0"}},
         {base + "optim:\n  weight_decay: -0.1\n", {}, {"r.yaml:8:", "optim.weight_decay"}},
         {base + "optim:\n  min_lr_ratio: 1.5\n", {}, {"r.yaml:8:", "optim.min_lr_ratio: expected a number in [0, 1]"}},
-        {base, {"train.micro_batch=0"}, {"command line ('train.micro_batch=0')", "train.micro_batch: expected an integer in [1, 1048576]"}},
+        {base,
+         {"train.micro_batch=0"},
+         {"command line ('train.micro_batch=0')", "train.micro_batch: expected an integer in [1, 1048576]"}},
         {base, {"train.seq_len=100000000"}, {"command line", "train.seq_len: expected an integer in [1, 16777216]"}},
         {base, {"train.log_every=0"}, {"command line", "train.log_every"}},
         {base, {"train.grad_clip=-1"}, {"command line", "train.grad_clip: expected a finite number >= 0"}},
-        {base + "optim:\n  warmup_steps: 101\n", {}, {"r.yaml:8:", "optim.warmup_steps: expected at most train.steps (100), got 101"}},
-        {base + "optim:\n  warmup_steps: 50\n", {"train.steps=10"}, {"r.yaml:8:", "optim.warmup_steps: expected at most train.steps (10), got 50"}},
+        {base + "optim:\n  warmup_steps: 101\n",
+         {},
+         {"r.yaml:8:", "optim.warmup_steps: expected at most train.steps (100), got 101"}},
+        {base + "optim:\n  warmup_steps: 50\n",
+         {"train.steps=10"},
+         {"r.yaml:8:", "optim.warmup_steps: expected at most train.steps (10), got 50"}},
         {base, {"seed=-1"}, {"command line", "seed: expected an integer >= 0"}},
         // override syntax
         {base, {"optim.lr"}, {"command line ('optim.lr')", "needs '='", "key=value"}},
@@ -639,7 +670,8 @@ TEST(Recipe, BadRecipes) {
     for (const Case& c : cases) {
         const std::string msg = error_of([&] { parse_recipe(c.text, "r.yaml", c.overrides); });
         for (const std::string& want : c.expect)
-            EXPECT_NE(msg.find(want), std::string::npos) << "recipe:\n" << c.text << "\nwant: " << want << "\nmessage: " << msg;
+            EXPECT_NE(msg.find(want), std::string::npos) << "recipe:\n"
+                                                         << c.text << "\nwant: " << want << "\nmessage: " << msg;
         EXPECT_TRUE(messages.insert(msg).second) << "another bad recipe gave the same message: " << msg;
     }
 }
@@ -722,13 +754,13 @@ TEST(LrSchedule, Cosine) {
     const double lr = 1e-3;
     const int64_t total = 110, warmup = 10;  // 100 decay steps
     const auto o = schedule("cosine", warmup);
-    EXPECT_EQ(lr_at(o, 0, total), 0.0);                     // HF: the first step of a warm-up runs at 0
-    EXPECT_NEAR(lr_at(o, 5, total), lr * 0.5, 1e-18);       // half-way through warm-up
-    EXPECT_NEAR(lr_at(o, 9, total), lr * 0.9, 1e-18);       // last warm-up step
-    EXPECT_NEAR(lr_at(o, 10, total), lr, 1e-18);            // warm-up end: the peak
+    EXPECT_EQ(lr_at(o, 0, total), 0.0);                // HF: the first step of a warm-up runs at 0
+    EXPECT_NEAR(lr_at(o, 5, total), lr * 0.5, 1e-18);  // half-way through warm-up
+    EXPECT_NEAR(lr_at(o, 9, total), lr * 0.9, 1e-18);  // last warm-up step
+    EXPECT_NEAR(lr_at(o, 10, total), lr, 1e-18);       // warm-up end: the peak
     EXPECT_NEAR(lr_at(o, 35, total), lr * (0.5 + std::sqrt(2.0) / 4.0), 1e-15);  // a quarter of the decay
-    EXPECT_NEAR(lr_at(o, 60, total), lr * 0.5, 1e-15);      // half of the decay
-    const double last = std::pow(std::sin(std::numbers::pi * 0.005), 2.0);  // p = 99/100
+    EXPECT_NEAR(lr_at(o, 60, total), lr * 0.5, 1e-15);                           // half of the decay
+    const double last = std::pow(std::sin(std::numbers::pi * 0.005), 2.0);       // p = 99/100
     EXPECT_NEAR(lr_at(o, 109, total), lr * last, 1e-15);
     EXPECT_NEAR(lr_at(o, 109, total), 2.467198171342e-7, 1e-17);
     // With a floor: r + (1 - r) * d.
@@ -785,8 +817,8 @@ TEST(LrSchedule, ConstantAndEdges) {
 
 // A recipe's schedule drives lr_at end to end.
 TEST(LrSchedule, FromRecipe) {
-    const Recipe r = parse_recipe(kMinimal, "min.yaml",
-                                  {"optim.schedule=cosine", "optim.warmup_steps=20", "optim.lr=1e-4"});
+    const Recipe r =
+        parse_recipe(kMinimal, "min.yaml", {"optim.schedule=cosine", "optim.warmup_steps=20", "optim.lr=1e-4"});
     EXPECT_EQ(lr_at(r.optim, 0, r.train.steps), 0.0);
     EXPECT_NEAR(lr_at(r.optim, 20, r.train.steps), 1e-4, 1e-19);
     EXPECT_NEAR(lr_at(r.optim, 60, r.train.steps), 0.5e-4, 1e-18);  // (60 - 20) / 80 = 0.5
