@@ -343,6 +343,7 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
         case Kind::boolean: out += bool_ ? "true" : "false"; break;
         case Kind::number: {
             if (is_int_) { out += std::to_string(int_); break; }
+            if (!std::isfinite(num_)) { out += "null"; break; }  // JSON has no NaN/Inf
             char buf[32];
             // %.17g round-trips every double; keep a '.' so it reads back as a float.
             std::snprintf(buf, sizeof buf, "%.17g", num_);

@@ -28,6 +28,9 @@ void Loader::build_order() {
 }
 
 void Loader::restore(const LoaderState& s) {
+    if (s.epoch < 0 || s.cursor < 0 || s.cursor > static_cast<int64_t>(docs_->size()))
+        fail("data-loader state (epoch ", s.epoch, ", cursor ", s.cursor, ") does not fit a dataset of ", docs_->size(),
+             " documents");
     state_ = s;
     build_order();
 }

@@ -169,6 +169,36 @@ double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T) {
     return 6.0 * matmul + 3.0 * attention;
 }
 
+namespace {
+bool finite(const Tensor& t) {
+    const float* p = static_cast<const float*>(t.data());
+    for (int64_t i = 0; i < t.numel(); ++i)
+        if (!std::isfinite(p[i])) return false;
+    return true;
+}
+}  // namespace
+
+std::string Qwen3Moe::locate_nonfinite_activation() const {
+    const Workspace& ws = *ws_;
+    if (ws.resid.empty()) return "(no forward pass yet)";
+    if (!finite(ws.resid[0])) return "the token embeddings";
+    for (size_t l = 0; l < ws.layers.size(); ++l) {
+        if (!finite(ws.layers[l].x_mid)) return "layer " + std::to_string(l) + " (self-attention output)";
+        if (!finite(ws.resid[l + 1]))
+            return "layer " + std::to_string(l) + (layers_[l].is_moe ? " (MoE output)" : " (MLP output)");
+    }
+    if (!finite(ws.lnf)) return "the final norm";
+    return "the loss head (logits / cross-entropy)";
+}
+
+std::string Qwen3Moe::locate_nonfinite_gradient() {
+    const float* g = grad_data();
+    for (const auto& s : table_.specs())
+        for (int64_t i = 0; i < s.numel; ++i)
+            if (!std::isfinite(g[s.offset + i])) return s.name;
+    return "(none)";
+}
+
 size_t Qwen3Moe::activation_bytes() const { return ws_->arena.high_water(); }
 
 void Qwen3Moe::plan(int64_t B, int64_t T) {

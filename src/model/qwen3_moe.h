@@ -68,6 +68,11 @@ class Qwen3Moe {
     // `logits` is given it receives [N, V] logits (tests and small evaluations only).
     StepStats step(const data::Batch& batch, const LossScales* scales, float* logits = nullptr);
 
+    // Where a non-finite value first appears: the first layer whose activations hold a NaN/Inf
+    // in the last forward, and the first parameter (in layer order) whose gradient does.
+    std::string locate_nonfinite_activation() const;
+    std::string locate_nonfinite_gradient();
+
     // Bytes of activation memory the last step used (the arena's high-water mark).
     size_t activation_bytes() const;
 

@@ -20,7 +20,7 @@ namespace {
 
 using json::Value;
 
-constexpr std::string_view kSections[] = {"data", "train", "optim"};
+constexpr std::string_view kSections[] = {"data", "train", "optim", "checkpoint"};
 
 constexpr std::string_view kKnownKeys[] = {
     "model",
@@ -36,6 +36,7 @@ constexpr std::string_view kKnownKeys[] = {
     "train.grad_clip",
     "train.log_every",
     "train.recompute",
+    "train.on_nonfinite",
     "optim.lr",
     "optim.betas",
     "optim.eps",
@@ -44,6 +45,8 @@ constexpr std::string_view kKnownKeys[] = {
     "optim.schedule",
     "optim.warmup_steps",
     "optim.min_lr_ratio",
+    "checkpoint.every",
+    "checkpoint.keep",
     "seed",
     "device",
     "precision",
@@ -388,6 +391,7 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
                     r.train.grad_clip);
     conv.get_int("train.log_every", 1, kMaxInt, r.train.log_every);
     conv.get_choice("train.recompute", {"none", "moe", "full"}, r.train.recompute);
+    conv.get_choice("train.on_nonfinite", {"stop", "skip"}, r.train.on_nonfinite);
 
     conv.get_number("optim.lr", 0, kInf, false, false, "a finite number >= 0", r.optim.lr);
     conv.get_betas("optim.betas", r.optim.beta1, r.optim.beta2);
@@ -400,6 +404,9 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     if (r.optim.warmup_steps > r.train.steps)
         fail(conv.origin("optim.warmup_steps"), ": optim.warmup_steps: expected at most train.steps (", r.train.steps,
              "), got ", r.optim.warmup_steps);
+
+    conv.get_int("checkpoint.every", 0, kMaxInt, r.checkpoint.every);
+    conv.get_int("checkpoint.keep", 1, 1 << 20, r.checkpoint.keep);
 
     conv.get_int("seed", 0, kMaxInt, r.seed);
     conv.get_choice("device", {"auto", "cpu", "cuda"}, r.device);
@@ -441,7 +448,8 @@ json::Value Recipe::to_json() const {
                                       {"grad_accum", train.grad_accum},
                                       {"grad_clip", train.grad_clip},
                                       {"log_every", train.log_every},
-                                      {"recompute", train.recompute}})},
+                                      {"recompute", train.recompute},
+                                      {"on_nonfinite", train.on_nonfinite}})},
         {"optim", Value(Value::Object{{"lr", optim.lr},
                                       {"betas", Value(Value::Array{optim.beta1, optim.beta2})},
                                       {"eps", optim.eps},
@@ -450,6 +458,7 @@ json::Value Recipe::to_json() const {
                                       {"schedule", optim.schedule},
                                       {"warmup_steps", optim.warmup_steps},
                                       {"min_lr_ratio", optim.min_lr_ratio}})},
+        {"checkpoint", Value(Value::Object{{"every", checkpoint.every}, {"keep", checkpoint.keep}})},
         {"seed", seed},
         {"device", device},
         {"precision", precision},

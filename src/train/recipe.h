@@ -49,6 +49,7 @@ struct Recipe {
         double grad_clip = 1.0;          // max global grad norm; 0 disables clipping
         int64_t log_every = 1;           // steps between log lines, >= 1
         std::string recompute = "none";  // none | moe | full
+        std::string on_nonfinite = "stop";  // stop | skip: a NaN/Inf loss or gradient stops the run or skips the update
     } train;
 
     struct Optim {
@@ -61,6 +62,11 @@ struct Recipe {
         int64_t warmup_steps = 0;           // 0 .. train.steps
         double min_lr_ratio = 0.0;          // floor of the decay, as a fraction of lr, in [0, 1]
     } optim;
+
+    struct Checkpoint {
+        int64_t every = 0;  // optimizer steps between training checkpoints; 0 = none
+        int64_t keep = 2;   // newest checkpoints kept, >= 1
+    } checkpoint;
 
     int64_t seed = 0;                // >= 0
     std::string device = "auto";     // auto | cpu | cuda

@@ -13,6 +13,7 @@
 #include "data/token_dataset.h"
 #include "io/file.h"
 #include "model/qwen3_moe.h"
+#include "train/checkpoint.h"
 #include "train/hf_checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/optimizer.h"
@@ -54,7 +55,7 @@ void print_progress(int64_t step, int64_t total, bool tty) {
 
 }  // namespace
 
-TrainSummary finetune(const Recipe& recipe) {
+TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     const auto t_start = std::chrono::steady_clock::now();
     resolve_device(recipe);
     const fs::path model_dir = recipe.model;
@@ -72,10 +73,47 @@ TrainSummary finetune(const Recipe& recipe) {
     const fs::path out = recipe.out;
     fs::create_directories(out);
     io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
-    std::ofstream metrics_file(out / "metrics.jsonl", std::ios::trunc);
+    AdamW optimizer(model->params(), recipe.optim);
+    const fs::path ckpt_root = out / "checkpoints";
+    int64_t first_step = 0;
+    if (!resume.from.empty()) {
+        std::optional<fs::path> dir;
+        if (resume.from == "auto") dir = latest_checkpoint(ckpt_root);
+        else dir = fs::path(resume.from);
+        if (!dir) {
+            std::printf("resume: no checkpoint under %s, starting from step 0\n", ckpt_root.string().c_str());
+        } else {
+            const CheckpointState st = load_checkpoint(*dir, recipe, *model, optimizer, resume.force);
+            if (st.step > recipe.train.steps)
+                fail(dir->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
+            loader.restore(st.loader);
+            first_step = st.step;
+            std::printf("resumed from %s (step %lld)\n", dir->string().c_str(), static_cast<long long>(st.step));
+        }
+    }
+    // metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
+    {
+        std::string kept;
+        if (first_step > 0 && fs::exists(out / "metrics.jsonl")) {
+            const std::string old = io::read_text_file(out / "metrics.jsonl", size_t{1} << 30);
+            size_t pos = 0;
+            while (pos < old.size()) {
+                size_t end = old.find('\n', pos);
+                if (end == std::string::npos) break;  // a torn last line is dropped
+                const std::string line = old.substr(pos, end - pos);
+                pos = end + 1;
+                try {
+                    const json::Value v = json::parse(line, "metrics.jsonl");
+                    if (v.find("step") != nullptr && v.find("step")->as_int() <= first_step) kept += line + "\n";
+                } catch (const Error&) {
+                }
+            }
+        }
+        io::atomic_write_file(out / "metrics.jsonl", kept);
+    }
+    std::ofstream metrics_file(out / "metrics.jsonl", std::ios::app);
     if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
 
-    AdamW optimizer(model->params(), recipe.optim);
     const int64_t P = model->num_params();
     const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
     const bool tty = isatty(fileno(stdout)) != 0;
@@ -86,7 +124,7 @@ TrainSummary finetune(const Recipe& recipe) {
 
     TrainSummary summary;
     summary.out_dir = out.string();
-    for (int64_t step = 0; step < recipe.train.steps; ++step) {
+    for (int64_t step = first_step; step < recipe.train.steps; ++step) {
         const auto t0 = std::chrono::steady_clock::now();
         std::vector<data::Batch> micro;
         int64_t targets = 0, tokens = 0;
@@ -111,7 +149,22 @@ TrainSummary finetune(const Recipe& recipe) {
         m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
         m.grad_norm = clip_grad_norm(model->grad_data(), P, recipe.train.grad_clip);
         m.lr = lr_at(recipe.optim, step, recipe.train.steps);
-        optimizer.step(model->param_data(), model->grad_data(), m.lr);
+        bool skipped = false;
+        if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+            const std::string where = !std::isfinite(m.loss) ? "loss " + std::to_string(m.loss) + ", first in " +
+                                                                   model->locate_nonfinite_activation()
+                                                             : "gradient norm, first in the gradient of " +
+                                                                   model->locate_nonfinite_gradient();
+            if (recipe.train.on_nonfinite == "stop") {
+                metrics_file << m.to_json().dump() << "\n";
+                fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
+            }
+            std::printf("step %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n",
+                        static_cast<long long>(m.step), where.c_str());
+            skipped = true;
+        } else {
+            optimizer.step(model->param_data(), model->grad_data(), m.lr);
+        }
         model->zero_grads();
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         m.tokens = tokens;
@@ -119,11 +172,19 @@ TrainSummary finetune(const Recipe& recipe) {
         // params + grads + AdamW m, v (fp32 on CPU) + the activation arena's high-water mark.
         m.peak_mem_gib = (4.0 * 4.0 * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
                          (1024.0 * 1024.0 * 1024.0);
-        if (!std::isfinite(m.loss)) fail("step ", m.step, ": the loss is not finite (", m.loss, ")");
-
-        metrics_file << m.to_json().dump() << "\n";
+        json::Value line = m.to_json();
+        if (skipped) line.set("skipped", true);
+        metrics_file << line.dump() << "\n";
         metrics_file.flush();
-        if (step == 0) summary.first_loss = m.loss;
+        if (recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) {
+            CheckpointState st;
+            st.step = m.step;
+            st.adam_step = optimizer.step_count();
+            st.loader = loader.state();
+            st.recipe = recipe.to_json();
+            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep);
+        }
+        if (step == first_step) summary.first_loss = m.loss;
         summary.last_loss = m.loss;
         if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
             if (tty) std::printf("\r\033[K");
@@ -145,6 +206,15 @@ TrainSummary finetune(const Recipe& recipe) {
         save_hf_model(dir.tmp_path(), *model, &raw_config, model_dir);
         for (const char* name : {"metrics.jsonl", "recipe.json"})
             io::atomic_write_file(dir.tmp_path() / name, io::read_text_file(out / name, size_t{1} << 30));
+        // Checkpoints move along as hard links: until the commit the old OUT still has them.
+        if (fs::is_directory(ckpt_root)) {
+            for (const auto& ckpt : fs::directory_iterator(ckpt_root)) {
+                if (!ckpt.is_directory() || ckpt.path().filename().string().find(".tmp-") != std::string::npos) continue;
+                const fs::path dst = dir.tmp_path() / "checkpoints" / ckpt.path().filename();
+                fs::create_directories(dst);
+                for (const auto& f : fs::directory_iterator(ckpt.path())) fs::create_hard_link(f.path(), dst / f.path().filename());
+            }
+        }
         dir.commit();
     }
     summary.steps = recipe.train.steps;

@@ -6,7 +6,10 @@
 // batch. Then: clip by the global norm, AdamW at the scheduled lr, zero the gradients.
 // Metrics go to OUT/metrics.jsonl (one object per step) and a log line per train.log_every
 // steps; at the end the model, config, tokenizer files, metrics and recipe are written to OUT as
-// one directory, atomically (io::AtomicDir).
+// one directory, atomically (io::AtomicDir). With checkpoint.every, a resumable training
+// checkpoint is written under OUT/checkpoints (train/checkpoint.h) and `resume` continues from one.
+// A NaN/Inf loss or gradient is caught in its step: train.on_nonfinite = stop ends the run with
+// the step and the first layer or tensor where it appeared; skip drops that update.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +37,11 @@ struct TrainSummary {
     std::string out_dir;
 };
 
-TrainSummary finetune(const Recipe& recipe);
+struct ResumeOptions {
+    std::string from;    // "" = fresh run; "auto" = newest checkpoint under OUT/checkpoints; else a checkpoint dir
+    bool force = false;  // resume even if the recipe changed in a way that matters
+};
+
+TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume = {});
 
 }  // namespace mf::train
