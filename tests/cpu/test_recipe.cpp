@@ -512,7 +512,8 @@ TEST(Recipe, ToJsonHasEveryKey) {
         "model: m\n"
         "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip}\n"
         "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
-        "full}\n"
+        "full, on_nonfinite: skip}\n"
+        "checkpoint: {every: 3, keep: 5}\n"
         "optim:\n"
         "  lr: 0.125\n"
         "  betas: [0.5, 0.75]\n"
@@ -538,7 +539,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
             ++num_leaves;
         }
     }
-    EXPECT_EQ(num_leaves, 25u);
+    EXPECT_EQ(num_leaves, 28u);
     const Recipe back = parse_recipe("", "back", overrides);
     EXPECT_EQ(back.to_json().dump(), j.dump());
     EXPECT_EQ(back.optim.no_decay, r.optim.no_decay);
