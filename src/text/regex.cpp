@@ -474,13 +474,6 @@ class Parser {
             case 'S': s.not_white_space = true; return kInfinite;
             case 'd': s.category_mask |= category_bit(Category::Nd); return kInfinite;
             case 'D': s.not_category.push_back(category_bit(Category::Nd)); return kInfinite;
-            case 'w':
-                s.category_mask |= kLetterMask | kMarkMask | category_bit(Category::Nd) | category_bit(Category::Pc);
-                return kInfinite;
-            case 'W':
-                s.not_category.push_back(kLetterMask | kMarkMask | category_bit(Category::Nd) |
-                                         category_bit(Category::Pc));
-                return kInfinite;
             case 'p':
             case 'P': {
                 if (peek() != '{') error(at, "\\", show(e), " needs {name}");
@@ -520,6 +513,9 @@ class Parser {
             case 'A': case 'z': case 'Z': case 'G': what = " (anchor)"; break;
             case 'k': case 'g': what = " (backreference or subexpression call)"; break;
             case 'h': case 'H': what = " (hexadecimal digit class)"; break;
+            case 'w': case 'W':
+                what = " (Oniguruma's Unicode word class needs the Alphabetic property; use \\p{L}, \\p{N}...)";
+                break;
             case 'R': case 'X': case 'N': case 'O': case 'K': case 'y': case 'Y': what = ""; break;
             default:
                 if (e >= '0' && e <= '9') what = " (backreference or octal escape)";

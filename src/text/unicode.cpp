@@ -178,6 +178,7 @@ void nfc_segment(const char32_t* cps, size_t n, std::u32string& scratch, std::u3
 }  // namespace
 
 const char* unicode_version() { return kUnicodeVersion; }
+const char* nfc_unicode_version() { return kNfcUnicodeVersion; }
 
 Category category(char32_t cp) { return static_cast<Category>(flags(cp) & kCategoryBits); }
 

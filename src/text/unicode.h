@@ -31,7 +31,10 @@ constexpr uint32_t kLetterMask = category_bit(Category::Lu) | category_bit(Categ
 constexpr uint32_t kMarkMask = category_bit(Category::Mn) | category_bit(Category::Mc) | category_bit(Category::Me);
 constexpr uint32_t kNumberMask = category_bit(Category::Nd) | category_bit(Category::Nl) | category_bit(Category::No);
 
+// Unicode version of the category tables, and of the NFC tables (HF's normalizer uses Unicode 9.0
+// normalisation data: later code points are left alone by nfc, as there).
 const char* unicode_version();
+const char* nfc_unicode_version();
 
 Category category(char32_t cp);                 // Cn for unassigned and out-of-range values
 inline bool in_categories(char32_t cp, uint32_t mask) { return (mask >> static_cast<uint32_t>(category(cp))) & 1u; }
