@@ -1,0 +1,348 @@
+// Fused QK-norm + RoPE, CUDA. A block (128 threads) works on one token at a time:
+//   1. threads compute the token's cos/sin row (D/2 angles, fp32 cosf/sinf of pos · inv_freq[i],
+//      inv_freq computed on the host exactly as the CPU reference does) into shared memory, once
+//      for all its Hq + Hkv heads;
+//   2. a group of G lanes (a power of two <= 32) takes one head: lane l of the group owns the pair
+//      chunks c = l, l + G, ... (kVec = 8 consecutive pairs with 16-byte loads when D/2 % 8 == 0,
+//      else single pairs), holding both halves x[c] and x[c + D/2] in registers; Σx² is a xor
+//      butterfly inside the group; then norm, weight and rotation are applied and written.
+// Backward: the same walk; dn = inverse rotation of dy, then the RMSNorm backward per head. The
+// weight gradients dn ⊙ x̂ accumulate per group in shared memory (fixed columns per lane, heads
+// and tokens in a fixed order), groups are added in order into scratch [2][block][D] (q, then k),
+// and reduce_partial_rows sums the blocks in order. The backward grid depends on N only, so the
+// result is bitwise reproducible. No atomics.
+// Every lane of a warp runs the same number of head iterations (idle groups pass zeros through
+// the shuffles), so the full-mask shuffles are always converged.
+#include "kernels/cuda/rope_qknorm.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+
+#include "core/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
+
+namespace mf::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kMaxHeadDim = 256;
+constexpr int64_t kMaxBackwardBlocks = 1024;
+
+struct InvFreq {
+    float v[kMaxHeadDim / 2];
+};
+
+// Chunks one lane holds: with 8-wide chunks D <= 256 needs at most 16 chunks, so G >= chunks and
+// one per lane; single pairs need up to 128 / 32 = 4 per lane.
+template <int kVec>
+constexpr int kPerLane = kVec == 8 ? 1 : 4;
+
+InvFreq make_inv_freq(int64_t D, float theta) {
+    // Exactly as kernels/cpu/rope.cpp: 1 / pow(theta, (float)(2i) / (float)D) in fp32.
+    InvFreq f{};
+    for (int64_t i = 0; i < D / 2; ++i) {
+        f.v[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    }
+    return f;
+}
+
+int group_width(int64_t chunks) {
+    int g = 1;
+    while (g < chunks && g < 32) g *= 2;
+    return g;
+}
+
+int64_t backward_blocks(int64_t N) { return std::clamp<int64_t>(N, 1, kMaxBackwardBlocks); }
+
+// ----------------------------------------------------------------------------------------------
+// kernels
+
+__device__ __forceinline__ float group_sum_width(float v, int width) {
+    for (int offset = width / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(detail::kFullMask, v, offset);
+    return v;
+}
+
+// Fills cos_s/sin_s [D/2] for one token (all threads take part; syncs before and after).
+__device__ __forceinline__ void fill_angles(float* cos_s, float* sin_s, const InvFreq& inv_freq, int32_t position,
+                                            int half) {
+    __syncthreads();
+    const float pos = static_cast<float>(position);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float angle = pos * inv_freq.v[i];
+        cos_s[i] = cosf(angle);
+        sin_s[i] = sinf(angle);
+    }
+    __syncthreads();
+}
+
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+    rope_qknorm_forward_kernel(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                               const bf16* q_weight, const bf16* k_weight, const int32_t* positions, InvFreq inv_freq,
+                               int64_t N, int Hq, int Hkv, int D, int G, float eps) {
+    constexpr int kLane = kPerLane<kVec>;
+    extern __shared__ float smem[];
+    const int half = D / 2;
+    float* cos_s = smem;
+    float* sin_s = smem + half;
+    const int chunks = half / kVec;
+    const int groups = blockDim.x / G;
+    const int group = threadIdx.x / G;
+    const int lane_g = threadIdx.x % G;
+    const int H = Hq + Hkv;
+
+    for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
+        fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
+        for (int h0 = 0; h0 < H; h0 += groups) {
+            const int h = h0 + group;
+            const bool active = h < H;
+            const bool is_q = h < Hq;
+            const int64_t head_row = is_q ? token * Hq + h : token * Hkv + (h - Hq);
+            const bf16* x = (is_q ? q : k) + head_row * D;
+            const bf16* w = is_q ? q_weight : k_weight;
+
+            float lo[kLane][kVec], hi[kLane][kVec];
+            float sum_sq = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+                const int c = lane_g + G * j;
+                if (active && c < chunks) {
+                    detail::load_f32<kVec>(lo[j], x + c * kVec);
+                    detail::load_f32<kVec>(hi[j], x + half + c * kVec);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) sum_sq += lo[j][e] * lo[j][e] + hi[j][e] * hi[j][e];
+                }
+            }
+            sum_sq = group_sum_width(sum_sq, G);
+            if (!active) continue;
+            const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(D) + eps);
+            if (lane_g == 0) (is_q ? q_rstd : k_rstd)[head_row] = r;
+            bf16* y = (is_q ? q_out : k_out) + head_row * D;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+                const int c = lane_g + G * j;
+                if (c < chunks) {
+                    float w_lo[kVec], w_hi[kVec], y_lo[kVec], y_hi[kVec];
+                    detail::load_f32<kVec>(w_lo, w + c * kVec);
+                    detail::load_f32<kVec>(w_hi, w + half + c * kVec);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) {
+                        const int i = c * kVec + e;
+                        const float a = w_lo[e] * (lo[j][e] * r);
+                        const float b = w_hi[e] * (hi[j][e] * r);
+                        y_lo[e] = a * cos_s[i] + (-b) * sin_s[i];
+                        y_hi[e] = b * cos_s[i] + a * sin_s[i];
+                    }
+                    detail::store_f32<kVec>(y + c * kVec, y_lo);
+                    detail::store_f32<kVec>(y + half + c * kVec, y_hi);
+                }
+            }
+        }
+    }
+}
+
+// Shared memory: cos[D/2], sin[D/2], then dw[groups][2][D] (q, k) when partial != null.
+// partial: [2][gridDim.x][D] (q block rows, then k block rows).
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+    rope_qknorm_backward_kernel(bf16* dq, bf16* dk, float* partial, const bf16* dq_out, const bf16* dk_out,
+                                const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
+                                const float* q_rstd, const float* k_rstd, const int32_t* positions, InvFreq inv_freq,
+                                int64_t N, int Hq, int Hkv, int D, int G) {
+    constexpr int kLane = kPerLane<kVec>;
+    extern __shared__ float smem[];
+    const int half = D / 2;
+    float* cos_s = smem;
+    float* sin_s = smem + half;
+    float* dw_s = smem + D;
+    const int chunks = half / kVec;
+    const int groups = blockDim.x / G;
+    const int group = threadIdx.x / G;
+    const int lane_g = threadIdx.x % G;
+    const int H = Hq + Hkv;
+    if (partial != nullptr) {
+        for (int i = threadIdx.x; i < groups * 2 * D; i += blockDim.x) dw_s[i] = 0.0f;
+    }  // fill_angles syncs before anyone accumulates
+
+    for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
+        fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
+        for (int h0 = 0; h0 < H; h0 += groups) {
+            const int h = h0 + group;
+            const bool active = h < H;
+            const bool is_q = h < Hq;
+            const int64_t head_row = is_q ? token * Hq + h : token * Hkv + (h - Hq);
+            const bf16* x = (is_q ? q : k) + head_row * D;
+            const bf16* dy = (is_q ? dq_out : dk_out) + head_row * D;
+            const bf16* w = is_q ? q_weight : k_weight;
+            const float r = active ? (is_q ? q_rstd : k_rstd)[head_row] : 0.0f;
+            float* dw = dw_s + (group * 2 + (is_q ? 0 : 1)) * D;
+
+            // dn (inverse rotation of dy) and x̂, both halves; Σ g·x̂ over the head.
+            float dn_lo[kLane][kVec], dn_hi[kLane][kVec], xh_lo[kLane][kVec], xh_hi[kLane][kVec];
+            float sum_gx = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+                const int c = lane_g + G * j;
+                if (active && c < chunks) {
+                    float a[kVec], b[kVec], w_lo[kVec], w_hi[kVec];
+                    detail::load_f32<kVec>(a, dy + c * kVec);
+                    detail::load_f32<kVec>(b, dy + half + c * kVec);
+                    detail::load_f32<kVec>(xh_lo[j], x + c * kVec);
+                    detail::load_f32<kVec>(xh_hi[j], x + half + c * kVec);
+                    detail::load_f32<kVec>(w_lo, w + c * kVec);
+                    detail::load_f32<kVec>(w_hi, w + half + c * kVec);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) {
+                        const int i = c * kVec + e;
+                        const float s = -sin_s[i];
+                        dn_lo[j][e] = a[e] * cos_s[i] + (-b[e]) * s;
+                        dn_hi[j][e] = b[e] * cos_s[i] + a[e] * s;
+                        xh_lo[j][e] *= r;
+                        xh_hi[j][e] *= r;
+                        sum_gx += (dn_lo[j][e] * w_lo[e]) * xh_lo[j][e] + (dn_hi[j][e] * w_hi[e]) * xh_hi[j][e];
+                        if (partial != nullptr) {
+                            dw[i] += dn_lo[j][e] * xh_lo[j][e];
+                            dw[half + i] += dn_hi[j][e] * xh_hi[j][e];
+                        }
+                    }
+                }
+            }
+            sum_gx = group_sum_width(sum_gx, G);
+            if (!active) continue;
+            const float mean_gx = sum_gx / static_cast<float>(D);
+            bf16* dx = (is_q ? dq : dk) + head_row * D;
+#pragma unroll
+            for (int j = 0; j < kLane; ++j) {
+                const int c = lane_g + G * j;
+                if (c < chunks) {
+                    float w_lo[kVec], w_hi[kVec], out_lo[kVec], out_hi[kVec];
+                    detail::load_f32<kVec>(w_lo, w + c * kVec);
+                    detail::load_f32<kVec>(w_hi, w + half + c * kVec);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e) {
+                        out_lo[e] = r * (dn_lo[j][e] * w_lo[e] - xh_lo[j][e] * mean_gx);
+                        out_hi[e] = r * (dn_hi[j][e] * w_hi[e] - xh_hi[j][e] * mean_gx);
+                    }
+                    detail::store_f32<kVec>(dx + c * kVec, out_lo);
+                    detail::store_f32<kVec>(dx + half + c * kVec, out_hi);
+                }
+            }
+        }
+    }
+
+    if (partial == nullptr) return;
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
+        const int which = i / D;
+        const int col = i % D;
+        float sum = 0.0f;
+        for (int g = 0; g < groups; ++g) sum += dw_s[(g * 2 + which) * D + col];
+        partial[(static_cast<int64_t>(which) * gridDim.x + blockIdx.x) * D + col] = sum;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// launchers
+
+void check_shape(const char* op, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, float theta) {
+    MF_CHECK(N >= 0 && Hq >= 0 && Hkv >= 0 && D > 0 && D % 2 == 0 && D <= kMaxHeadDim, op, ": bad shape N=", N,
+             " Hq=", Hq, " Hkv=", Hkv, " D=", D, " (D must be even and <= ", kMaxHeadDim, ")");
+    MF_CHECK(Hq + Hkv <= 65536, op, ": too many heads (", Hq, " + ", Hkv, ")");
+    MF_CHECK(theta > 0.0f, op, ": theta must be positive, got ", theta);
+}
+
+bool use_vectors(int64_t D, std::initializer_list<const void*> ptrs) {
+    if ((D / 2) % 8 != 0) return false;
+    for (const void* p : ptrs)
+        if (!aligned_to(16, p)) return false;
+    return true;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// public entries
+
+void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                         const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
+                         int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream) {
+    check_shape("rope_qknorm_forward", N, Hq, Hkv, D, theta);
+    MF_CHECK(eps >= 0.0f, "rope_qknorm_forward: eps must be >= 0, got ", eps);
+    if (N == 0 || Hq + Hkv == 0) return;
+    MF_CHECK(positions != nullptr, "rope_qknorm_forward: null positions");
+    MF_CHECK(Hq == 0 || (q_out != nullptr && q_rstd != nullptr && q != nullptr && q_weight != nullptr),
+             "rope_qknorm_forward: null query buffer");
+    MF_CHECK(Hkv == 0 || (k_out != nullptr && k_rstd != nullptr && k != nullptr && k_weight != nullptr),
+             "rope_qknorm_forward: null key buffer");
+    const InvFreq inv_freq = make_inv_freq(D, theta);
+    const bool vec = use_vectors(D, {q_out, k_out, q, k, q_weight, k_weight});
+    const int kvec = vec ? 8 : 1;
+    const int G = group_width(D / 2 / kvec);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, 1 << 20));
+    const size_t shared = static_cast<size_t>(D) * sizeof(float);
+    if (vec) {
+        rope_qknorm_forward_kernel<8><<<blocks, kThreads, shared, stream>>>(
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
+            static_cast<int>(Hkv), static_cast<int>(D), G, eps);
+    } else {
+        rope_qknorm_forward_kernel<1><<<blocks, kThreads, shared, stream>>>(
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
+            static_cast<int>(Hkv), static_cast<int>(D), G, eps);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+size_t rope_qknorm_backward_scratch_bytes(int64_t N, int64_t D) {
+    MF_CHECK(N >= 0 && D > 0 && D <= kMaxHeadDim, "rope_qknorm_backward: bad shape N=", N, " D=", D);
+    return static_cast<size_t>(2 * backward_blocks(N) * D) * sizeof(float);
+}
+
+void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype, const bf16* dq_out,
+                          const bf16* dk_out, const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
+                          const float* q_rstd, const float* k_rstd, const int32_t* positions, int64_t N, int64_t Hq,
+                          int64_t Hkv, int64_t D, float theta, void* scratch, size_t scratch_bytes,
+                          cudaStream_t stream) {
+    check_shape("rope_qknorm_backward", N, Hq, Hkv, D, theta);
+    MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
+             "rope_qknorm_backward: dweight dtype must be f32 or bf16, got ", dtype_name(dweight_dtype));
+    if (N == 0 || Hq + Hkv == 0) return;
+    MF_CHECK(positions != nullptr, "rope_qknorm_backward: null positions");
+    MF_CHECK(Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
+             "rope_qknorm_backward: null query buffer");
+    MF_CHECK(Hkv == 0 ||
+                 (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
+             "rope_qknorm_backward: null key buffer");
+    const bool want_dw = dq_weight != nullptr || dk_weight != nullptr;
+    float* partial = nullptr;
+    if (want_dw) {
+        const size_t needed = rope_qknorm_backward_scratch_bytes(N, D);
+        MF_CHECK(scratch != nullptr && scratch_bytes >= needed, "rope_qknorm_backward: scratch has ", scratch_bytes,
+                 " bytes, needs ", needed);
+        MF_CHECK(aligned_to(16, scratch), "rope_qknorm_backward: scratch must be 16-byte aligned");
+        partial = static_cast<float*>(scratch);
+    }
+    const InvFreq inv_freq = make_inv_freq(D, theta);
+    const bool vec = use_vectors(D, {dq, dk, dq_out, dk_out, q, k, q_weight, k_weight});
+    const int kvec = vec ? 8 : 1;
+    const int G = group_width(D / 2 / kvec);
+    const int64_t blocks = backward_blocks(N);
+    const size_t shared = static_cast<size_t>(D + (want_dw ? (kThreads / G) * 2 * D : 0)) * sizeof(float);
+    if (vec) {
+        rope_qknorm_backward_kernel<8><<<static_cast<unsigned>(blocks), kThreads, shared, stream>>>(
+            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
+            static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
+    } else {
+        rope_qknorm_backward_kernel<1><<<static_cast<unsigned>(blocks), kThreads, shared, stream>>>(
+            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
+            static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+    if (dq_weight != nullptr) reduce_partial_rows(dq_weight, dweight_dtype, partial, blocks, D, true, stream);
+    if (dk_weight != nullptr) {
+        reduce_partial_rows(dk_weight, dweight_dtype, partial + blocks * D, blocks, D, true, stream);
+    }
+}
+
+}  // namespace mf::cuda

@@ -1,0 +1,44 @@
+// Fused per-head RMSNorm (Qwen3's q_norm / k_norm, weight [D]) + rotary position embedding (HF
+// rotate_half layout) on the query and key heads, bf16 storage, fp32 math. Per head of D:
+//   rstd = 1 / sqrt(mean(x²) + eps),  n = w ⊙ (x · rstd)
+//   y[i] = n[i]·cos − n[i+D/2]·sin,  y[i+D/2] = n[i+D/2]·cos + n[i]·sin   (i < D/2)
+//   angle = (float)position · inv_freq[i],  inv_freq[i] = 1 / θ^(2i/D) in fp32 as kernels/cpu/rope.h
+// CPU reference and spec: kernels/cpu/rmsnorm.h (per head, C = D) followed by kernels/cpu/rope.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "kernels/cuda/cast.cuh"
+
+namespace mf::cuda {
+
+// q [N, Hq, D], k [N, Hkv, D] bf16 (the projections, before the norm) -> q_out, k_out (same shapes,
+// written; may alias q and k: in place). q_rstd [N·Hq], k_rstd [N·Hkv] fp32 (written, for backward).
+// q_weight, k_weight [D] bf16. positions [N] int32. D even, D <= 256.
+// NOTE: the backward needs the pre-norm q and k; run in place only when they are kept or recomputed.
+void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                         const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
+                         int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream);
+
+// Bytes of scratch rope_qknorm_backward needs (per-block weight-gradient partial sums).
+size_t rope_qknorm_backward_scratch_bytes(int64_t N, int64_t D);
+
+// From the output gradients dq_out [N, Hq, D], dk_out [N, Hkv, D] (bf16):
+//   dn = the inverse rotation of dy;  g = dn ⊙ w;  x̂ = x · rstd
+//   dq, dk (bf16, written; may alias dq_out, dk_out) = rstd · (g − x̂ · mean(g ⊙ x̂))
+//   dq_weight, dk_weight [D] (+=, f32 or bf16 per dweight_dtype; skipped when null) = Σ_heads dn ⊙ x̂,
+//   deterministic: per-block fp32 partials in scratch, added in a fixed order (block count from N only).
+// q, k: the forward's inputs (pre-norm); q_rstd, k_rstd from the forward.
+// scratch: rope_qknorm_backward_scratch_bytes(N, D) bytes, 16-byte aligned (may be null when both
+// dweights are).
+void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype, const bf16* dq_out,
+                          const bf16* dk_out, const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
+                          const float* q_rstd, const float* k_rstd, const int32_t* positions, int64_t N, int64_t Hq,
+                          int64_t Hkv, int64_t D, float theta, void* scratch, size_t scratch_bytes,
+                          cudaStream_t stream);
+
+}  // namespace mf::cuda
