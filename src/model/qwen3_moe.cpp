@@ -4,24 +4,16 @@
 #include <cstring>
 #include <random>
 
-#include "kernels/cpu/cross_entropy.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/matmul.h"
-#include "kernels/cpu/rmsnorm.h"
+#include "ops/ops.h"
 
 namespace mf::model {
 
 struct Qwen3Moe::Layer {
     bool is_moe = false;
-    float *ln1, *ln2;
-    AttentionWeights attn;
-    MoeWeights moe{};
-    MlpWeights mlp{};
-    // Offsets of the same tensors, to point into the gradient buffer.
-    float *g_ln1, *g_ln2;
-    AttentionWeights g_attn;
-    MoeWeights g_moe{};
-    MlpWeights g_mlp{};
+    Tensor ln1, ln2, g_ln1, g_ln2;
+    AttentionWeights attn, g_attn;
+    MoeWeights moe, g_moe;
+    MlpWeights mlp, g_mlp;
 };
 
 struct Qwen3Moe::Workspace {
@@ -33,9 +25,12 @@ struct Qwen3Moe::Workspace {
         MoeActs moe;
         MlpActs mlp;
     };
+    // Batch, on the model's device.
+    Tensor ids, targets, positions, doc_ids, mask;
     std::vector<Tensor> resid;  // L + 1: resid[l] is the input of layer l
     std::vector<LayerActs> layers;
-    Tensor lnf, lnf_rstd, losses, token_mask;
+    Tensor lnf, lnf_rstd, losses;
+    Tensor aux_counts, aux_prob_sums;  // [E] f32, summed over MoE layers
     // backward
     Tensor d_resid, d_mid, d_ln, dprobs;
     AttentionScratch attn_scratch;
@@ -44,8 +39,6 @@ struct Qwen3Moe::Workspace {
 };
 
 namespace {
-
-float* slice(Buffer& buf, const ParamSpec& spec) { return static_cast<float*>(buf.data()) + spec.offset; }
 
 AttentionDims attention_dims(const Qwen3MoeConfig& c) {
     return {c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
@@ -88,16 +81,66 @@ ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c) {
     return table;
 }
 
-Qwen3Moe::Qwen3Moe(Qwen3MoeConfig config)
-    : config_(std::move(config)), table_(qwen3_moe_param_table(config_)), ws_(std::make_unique<Workspace>()) {
-    params_ = Buffer(static_cast<size_t>(table_.total()) * sizeof(float), Device::cpu);
-    grads_ = Buffer(static_cast<size_t>(table_.total()) * sizeof(float), Device::cpu);
+Qwen3Moe::Qwen3Moe(Qwen3MoeConfig config, ModelPlacement placement)
+    : config_(std::move(config)), placement_(placement),
+      param_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16), act_dtype_(param_dtype_),
+      table_(qwen3_moe_param_table(config_)), ws_(std::make_unique<Workspace>()) {
+    MF_CHECK(placement.device == Device::cuda || placement.grad_dtype == DType::f32, "CPU models keep f32 gradients");
+    MF_CHECK(placement.grad_dtype == DType::f32 || placement.grad_dtype == DType::bf16, "gradients are f32 or bf16");
+    const size_t P = static_cast<size_t>(table_.total());
+    params_ = Buffer(P * dtype_size(param_dtype_), placement.device);
+    grads_ = Buffer(P * dtype_size(placement.grad_dtype), placement.device);
     params_.zero();
     grads_.zero();
     build_layers();
 }
 
 Qwen3Moe::~Qwen3Moe() = default;
+
+Tensor Qwen3Moe::param(std::string_view name) const {
+    const ParamSpec& s = table_.get(name);
+    return params_.as(param_dtype_, s.shape, static_cast<size_t>(s.offset) * dtype_size(param_dtype_));
+}
+
+Tensor Qwen3Moe::grad(std::string_view name) const {
+    const ParamSpec& s = table_.get(name);
+    return grads_.as(placement_.grad_dtype, s.shape, static_cast<size_t>(s.offset) * dtype_size(placement_.grad_dtype));
+}
+
+float* Qwen3Moe::param_data() {
+    MF_CHECK(placement_.device == Device::cpu, "param_data() is for CPU models");
+    return params_tensor().ptr<float>();
+}
+
+float* Qwen3Moe::grad_data() {
+    MF_CHECK(placement_.device == Device::cpu, "grad_data() is for CPU models");
+    return grads_tensor().ptr<float>();
+}
+
+void Qwen3Moe::set_params_from_host(const float* src) {
+    const Tensor dst = params_tensor();
+    if (dst.device() == Device::cpu) {
+        ops::copy_from_host(dst, src);
+        return;
+    }
+    Buffer staging(dst.numel() * sizeof(float), Device::cuda);
+    const Tensor f32 = staging.as(DType::f32, {dst.numel()});
+    ops::copy_from_host(f32, src);
+    ops::cast(dst, f32);
+    ops::synchronize(Device::cuda);
+}
+
+void Qwen3Moe::get_params_to_host(float* dst) const {
+    const Tensor src = params_tensor();
+    if (src.device() == Device::cpu) {
+        ops::copy_to_host(dst, src);
+        return;
+    }
+    Buffer staging(src.numel() * sizeof(float), Device::cuda);
+    const Tensor f32 = staging.as(DType::f32, {src.numel()});
+    ops::cast(f32, src);
+    ops::copy_to_host(dst, f32);
+}
 
 void Qwen3Moe::build_layers() {
     layers_.clear();
@@ -106,8 +149,7 @@ void Qwen3Moe::build_layers() {
         Layer L;
         L.is_moe = config_.is_moe_layer(l);
         for (int pass = 0; pass < 2; ++pass) {
-            Buffer& buf = pass == 0 ? params_ : grads_;
-            auto at = [&](const std::string& name) { return slice(buf, table_.get(p + name)); };
+            auto at = [&](const std::string& name) { return pass == 0 ? param(p + name) : grad(p + name); };
             AttentionWeights a{at("self_attn.q_proj.weight"), at("self_attn.k_proj.weight"),
                                at("self_attn.v_proj.weight"), at("self_attn.o_proj.weight"),
                                at("self_attn.q_norm.weight"), at("self_attn.k_norm.weight")};
@@ -118,31 +160,26 @@ void Qwen3Moe::build_layers() {
                 (pass == 0 ? L.moe : L.g_moe) =
                     MoeWeights{at("mlp.gate.weight"), at("mlp.experts.gate_up_proj"), at("mlp.experts.down_proj")};
             } else {
-                (pass == 0 ? L.mlp : L.g_mlp) = MlpWeights{at("mlp.gate_proj.weight"), at("mlp.down_proj.weight")};
+                // gate_proj and up_proj are adjacent: one fused [2I, H] view over both.
+                const Tensor gate = at("mlp.gate_proj.weight");
+                const Tensor gate_up(gate.data(), gate.dtype(), {2 * config_.intermediate_size, config_.hidden_size},
+                                     gate.device());
+                (pass == 0 ? L.mlp : L.g_mlp) = MlpWeights{gate_up, at("mlp.down_proj.weight")};
             }
         }
         layers_.push_back(L);
     }
 }
 
-Tensor Qwen3Moe::param(std::string_view name) {
-    const ParamSpec& s = table_.get(name);
-    return params_.as(DType::f32, s.shape, static_cast<size_t>(s.offset) * sizeof(float));
-}
-
-Tensor Qwen3Moe::grad(std::string_view name) {
-    const ParamSpec& s = table_.get(name);
-    return grads_.as(DType::f32, s.shape, static_cast<size_t>(s.offset) * sizeof(float));
-}
-
 void Qwen3Moe::init_random(uint64_t seed, float std) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, std);
-    float* p = param_data();
+    std::vector<float> host(static_cast<size_t>(table_.total()));
     for (const auto& s : table_.specs()) {
         const bool is_norm = s.shape.size() == 1;
-        for (int64_t i = 0; i < s.numel; ++i) p[s.offset + i] = is_norm ? 1.0f : normal(rng);
+        for (int64_t i = 0; i < s.numel; ++i) host[static_cast<size_t>(s.offset + i)] = is_norm ? 1.0f : normal(rng);
     }
+    set_params_from_host(host.data());
 }
 
 int64_t qwen3_moe_active_params(const Qwen3MoeConfig& c, const ParamTable& table) {
@@ -169,45 +206,34 @@ double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T) {
     return 6.0 * matmul + 3.0 * attention;
 }
 
-namespace {
-bool finite(const Tensor& t) {
-    const float* p = static_cast<const float*>(t.data());
-    for (int64_t i = 0; i < t.numel(); ++i)
-        if (!std::isfinite(p[i])) return false;
-    return true;
-}
-}  // namespace
+size_t Qwen3Moe::activation_bytes() const { return ws_->arena.high_water(); }
 
 std::string Qwen3Moe::locate_nonfinite_activation() const {
     const Workspace& ws = *ws_;
     if (ws.resid.empty()) return "(no forward pass yet)";
-    if (!finite(ws.resid[0])) return "the token embeddings";
+    if (!ops::all_finite(ws.resid[0])) return "the token embeddings";
     for (size_t l = 0; l < ws.layers.size(); ++l) {
-        if (!finite(ws.layers[l].x_mid)) return "layer " + std::to_string(l) + " (self-attention output)";
-        if (!finite(ws.resid[l + 1]))
+        if (!ops::all_finite(ws.layers[l].x_mid)) return "layer " + std::to_string(l) + " (self-attention output)";
+        if (!ops::all_finite(ws.resid[l + 1]))
             return "layer " + std::to_string(l) + (layers_[l].is_moe ? " (MoE output)" : " (MLP output)");
     }
-    if (!finite(ws.lnf)) return "the final norm";
+    if (!ops::all_finite(ws.lnf)) return "the final norm";
     return "the loss head (logits / cross-entropy)";
 }
 
-std::string Qwen3Moe::locate_nonfinite_gradient() {
-    const float* g = grad_data();
+std::string Qwen3Moe::locate_nonfinite_gradient() const {
     for (const auto& s : table_.specs())
-        for (int64_t i = 0; i < s.numel; ++i)
-            if (!std::isfinite(g[s.offset + i])) return s.name;
+        if (!ops::all_finite(grad(s.name))) return s.name;
     return "(none)";
 }
-
-size_t Qwen3Moe::activation_bytes() const { return ws_->arena.high_water(); }
 
 void Qwen3Moe::plan(int64_t B, int64_t T) {
     Workspace& ws = *ws_;
     if (ws.B != B || ws.T != T) {
         // Replay the allocation sequence on a measuring arena, then allocate exactly that much.
-        ws.arena = Arena::measuring(Device::cpu);
+        ws.arena = Arena::measuring(placement_.device);
         allocate_step(B, T);
-        ws.arena = Arena(ws.arena.high_water(), Device::cpu);
+        ws.arena = Arena(ws.arena.high_water(), placement_.device);
         ws.B = B;
         ws.T = T;
     }
@@ -219,39 +245,46 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     Workspace& ws = *ws_;
     const auto& c = config_;
     const int64_t N = B * T, H = c.hidden_size;
+    const DType act = act_dtype_;
     const AttentionDims ad = attention_dims(c);
     const MoeDims md = moe_dims(c);
     Arena& A = ws.arena;
+    ws.ids = A.alloc(DType::i32, {N});
+    ws.targets = A.alloc(DType::i32, {N});
+    ws.positions = A.alloc(DType::i32, {N});
+    ws.doc_ids = A.alloc(DType::i32, {N});
+    ws.mask = A.alloc(DType::f32, {N});
     ws.resid.assign(static_cast<size_t>(c.num_hidden_layers + 1), Tensor());
     ws.layers.assign(static_cast<size_t>(c.num_hidden_layers), Workspace::LayerActs());
-    ws.resid[0] = A.alloc(DType::f32, {N, H});
+    ws.resid[0] = A.alloc(act, {N, H});
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
         auto& la = ws.layers[static_cast<size_t>(l)];
-        la.ln1 = A.alloc(DType::f32, {N, H});
+        la.ln1 = A.alloc(act, {N, H});
         la.ln1_rstd = A.alloc(DType::f32, {N});
-        la.attn.alloc(A, ad, B, T);
-        la.attn_out = A.alloc(DType::f32, {N, H});
-        la.x_mid = A.alloc(DType::f32, {N, H});
-        la.ln2 = A.alloc(DType::f32, {N, H});
+        la.attn.alloc(A, ad, B, T, act);
+        la.attn_out = A.alloc(act, {N, H});
+        la.x_mid = A.alloc(act, {N, H});
+        la.ln2 = A.alloc(act, {N, H});
         la.ln2_rstd = A.alloc(DType::f32, {N});
-        if (c.is_moe_layer(l)) la.moe.alloc(A, md, N);
-        else la.mlp.alloc(A, N, c.intermediate_size);
-        la.ffn_out = A.alloc(DType::f32, {N, H});
-        ws.resid[static_cast<size_t>(l + 1)] = A.alloc(DType::f32, {N, H});
+        if (c.is_moe_layer(l)) la.moe.alloc(A, md, N, act);
+        else la.mlp.alloc(A, N, c.intermediate_size, act);
+        la.ffn_out = A.alloc(act, {N, H});
+        ws.resid[static_cast<size_t>(l + 1)] = A.alloc(act, {N, H});
     }
-    ws.lnf = A.alloc(DType::f32, {N, H});
+    ws.lnf = A.alloc(act, {N, H});
     ws.lnf_rstd = A.alloc(DType::f32, {N});
     ws.losses = A.alloc(DType::f32, {N});
-    ws.token_mask = A.alloc(DType::f32, {N});
-    ws.d_resid = A.alloc(DType::f32, {N, H});
-    ws.d_mid = A.alloc(DType::f32, {N, H});
-    ws.d_ln = A.alloc(DType::f32, {N, H});
-    ws.attn_scratch.alloc(A, ad, B, T);
+    ws.d_resid = A.alloc(act, {N, H});
+    ws.d_mid = A.alloc(act, {N, H});
+    ws.d_ln = A.alloc(act, {N, H});
+    ws.attn_scratch.alloc(A, ad, B, T, act);
     if (c.num_experts > 0) {
+        ws.aux_counts = A.alloc(DType::f32, {c.num_experts});
+        ws.aux_prob_sums = A.alloc(DType::f32, {c.num_experts});
         ws.dprobs = A.alloc(DType::f32, {N, c.num_experts});
-        ws.moe_scratch.alloc(A, md, N);
+        ws.moe_scratch.alloc(A, md, N, act);
     }
-    ws.mlp_scratch.alloc(A, N, c.intermediate_size);
+    ws.mlp_scratch.alloc(A, N, c.intermediate_size, act);
 }
 
 void Qwen3Moe::validate(const data::Batch& b) const {
@@ -273,118 +306,109 @@ void Qwen3Moe::validate(const data::Batch& b) const {
 StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, float* logits) {
     validate(batch);
     const auto& c = config_;
-    const int64_t B = batch.B, T = batch.T, N = B * T, H = c.hidden_size, V = c.vocab_size;
+    const int64_t B = batch.B, T = batch.T, N = B * T, H = c.hidden_size;
     plan(B, T);
     Workspace& ws = *ws_;
     const AttentionDims ad = attention_dims(c);
     const MoeDims md = moe_dims(c);
-    const int32_t* pos = batch.positions.data();
-    const int32_t* docs = batch.doc_ids.data();
     const float eps = static_cast<float>(c.rms_norm_eps);
-    float* P = param_data();
-    float* G = grad_data();
-    const float* wte = P + table_.get("model.embed_tokens.weight").offset;
-    const ParamSpec& head_spec = table_.get(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-    const ParamSpec& normf_spec = table_.get("model.norm.weight");
+    const Tensor wte = param("model.embed_tokens.weight");
+    const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
+    const Tensor head = param(head_name);
+    const Tensor normf = param("model.norm.weight");
+
+    std::vector<float> mask(static_cast<size_t>(N));
+    double rows_per_layer = 0;
+    for (int64_t i = 0; i < N; ++i) {
+        mask[static_cast<size_t>(i)] = batch.is_pad[static_cast<size_t>(i)] ? 0.0f : 1.0f;
+        rows_per_layer += mask[static_cast<size_t>(i)];
+    }
+    ops::copy_from_host(ws.ids, batch.input_ids.data());
+    ops::copy_from_host(ws.targets, batch.targets.data());
+    ops::copy_from_host(ws.positions, batch.positions.data());
+    ops::copy_from_host(ws.doc_ids, batch.doc_ids.data());
+    ops::copy_from_host(ws.mask, mask.data());
 
     // --- forward -----------------------------------------------------------------------------------
-    cpu::embedding_forward(ws.resid[0].ptr<float>(), batch.input_ids.data(), wte, N, H);
+    ops::embedding_forward(ws.resid[0], ws.ids, wte);
+    int64_t num_moe_layers = 0;
+    if (c.num_experts > 0) {
+        ops::zero(ws.aux_counts);
+        ops::zero(ws.aux_prob_sums);
+    }
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
         const Layer& L = layers_[static_cast<size_t>(l)];
         auto& la = ws.layers[static_cast<size_t>(l)];
-        const float* x = ws.resid[static_cast<size_t>(l)].ptr<float>();
-        float* x_mid = la.x_mid.ptr<float>();
-        float* x_out = ws.resid[static_cast<size_t>(l + 1)].ptr<float>();
-        cpu::rmsnorm_forward(la.ln1.ptr<float>(), la.ln1_rstd.ptr<float>(), x, L.ln1, N, H, eps);
-        attention_block_forward(la.attn_out.ptr<float>(), la.attn, la.ln1.ptr<float>(), L.attn, ad, B, T, pos, docs);
-        const float* ao = la.attn_out.ptr<float>();
-        for (int64_t i = 0; i < N * H; ++i) x_mid[i] = x[i] + ao[i];
-        cpu::rmsnorm_forward(la.ln2.ptr<float>(), la.ln2_rstd.ptr<float>(), x_mid, L.ln2, N, H, eps);
-        if (L.is_moe) moe_block_forward(la.ffn_out.ptr<float>(), la.moe, la.ln2.ptr<float>(), L.moe, md, N);
-        else mlp_block_forward(la.ffn_out.ptr<float>(), la.mlp, la.ln2.ptr<float>(), L.mlp, N, H, c.intermediate_size);
-        const float* fo = la.ffn_out.ptr<float>();
-        for (int64_t i = 0; i < N * H; ++i) x_out[i] = x_mid[i] + fo[i];
+        const Tensor& x = ws.resid[static_cast<size_t>(l)];
+        ops::rmsnorm_forward(la.ln1, la.ln1_rstd, x, L.ln1, eps);
+        attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, ad, B, T, ws.positions, ws.doc_ids);
+        ops::add(la.x_mid, x, la.attn_out);
+        ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
+        if (L.is_moe) {
+            moe_block_forward(la.ffn_out, la.moe, la.ln2, L.moe, md);
+            ops::moe_aux_stats(ws.aux_counts, ws.aux_prob_sums, la.moe.topk_idx, la.moe.probs, ws.mask);
+            ++num_moe_layers;
+        } else {
+            mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
+        }
+        ops::add(ws.resid[static_cast<size_t>(l + 1)], la.x_mid, la.ffn_out);
     }
-    const float* x_final = ws.resid.back().ptr<float>();
-    cpu::rmsnorm_forward(ws.lnf.ptr<float>(), ws.lnf_rstd.ptr<float>(), x_final, P + normf_spec.offset, N, H, eps);
-    if (logits != nullptr) cpu::matmul_forward(logits, ws.lnf.ptr<float>(), P + head_spec.offset, N, H, V);
+    const Tensor& x_final = ws.resid.back();
+    ops::rmsnorm_forward(ws.lnf, ws.lnf_rstd, x_final, normf, eps);
+    if (logits != nullptr) {
+        MF_CHECK(placement_.device == Device::cpu, "logits output is for CPU models");
+        ops::matmul_forward(Tensor(logits, DType::f32, {N, c.vocab_size}), ws.lnf, head);
+    }
 
     // Loss head: CE over counted targets (and, with scales, dL/d lnf and the head's weight grad).
-    float* d_ln = ws.d_ln.ptr<float>();
-    if (scales != nullptr) std::memset(d_ln, 0, static_cast<size_t>(N * H) * sizeof(float));
-    cpu::lm_head_cross_entropy(ws.losses.ptr<float>(), scales ? d_ln : nullptr, scales ? G + head_spec.offset : nullptr,
-                               ws.lnf.ptr<float>(), P + head_spec.offset, batch.targets.data(), N, H, V,
-                               scales ? static_cast<float>(scales->ce) : 0.0f);
+    if (scales != nullptr) ops::zero(ws.d_ln);
+    ops::lm_head_cross_entropy(ws.losses, scales ? ws.d_ln : Tensor(), scales ? grad(head_name) : Tensor(), ws.lnf,
+                               head, ws.targets, scales ? static_cast<float>(scales->ce) : 0.0f);
     StepStats stats;
-    for (int64_t i = 0; i < N; ++i) stats.ce_sum += ws.losses.ptr<float>()[i];
+    stats.ce_sum = ops::sum(ws.losses);
     stats.num_targets = batch.num_targets();
 
     // Aux loss over all MoE layers together (HF's load_balancing_loss_func, padding excluded).
-    float* mask = ws.token_mask.ptr<float>();
-    double rows_per_layer = 0;
-    for (int64_t i = 0; i < N; ++i) {
-        mask[i] = batch.is_pad[static_cast<size_t>(i)] ? 0.0f : 1.0f;
-        rows_per_layer += mask[i];
-    }
-    const int64_t E = c.num_experts, K = c.num_experts_per_tok;
-    std::vector<double> counts(static_cast<size_t>(E), 0.0), prob_sums(static_cast<size_t>(E), 0.0);
-    double rows = 0;
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-        if (!layers_[static_cast<size_t>(l)].is_moe) continue;
-        const auto& m = ws.layers[static_cast<size_t>(l)].moe;
-        const int32_t* idx = m.topk_idx.ptr<int32_t>();
-        const float* probs = m.probs.ptr<float>();
-        for (int64_t t = 0; t < N; ++t) {
-            if (mask[t] == 0.0f) continue;
-            for (int64_t k = 0; k < K; ++k) counts[static_cast<size_t>(idx[t * K + k])] += 1.0;
-            for (int64_t e = 0; e < E; ++e) prob_sums[static_cast<size_t>(e)] += probs[t * E + e];
-        }
-        rows += rows_per_layer;
-    }
-    if (rows > 0) {
+    const int64_t E = c.num_experts;
+    const double rows = rows_per_layer * static_cast<double>(num_moe_layers);
+    std::vector<float> counts(static_cast<size_t>(E)), prob_sums(static_cast<size_t>(E));
+    if (num_moe_layers > 0 && rows > 0) {
+        ops::copy_to_host(counts.data(), ws.aux_counts);
+        ops::copy_to_host(prob_sums.data(), ws.aux_prob_sums);
         double s = 0;
-        for (int64_t e = 0; e < E; ++e) s += counts[static_cast<size_t>(e)] * prob_sums[static_cast<size_t>(e)];
+        for (int64_t e = 0; e < E; ++e) s += static_cast<double>(counts[static_cast<size_t>(e)]) * prob_sums[static_cast<size_t>(e)];
         stats.aux = static_cast<double>(E) * s / (rows * rows);
     }
     if (scales == nullptr) return stats;
 
     // --- backward ----------------------------------------------------------------------------------
     // d aux / d probs[t, e] = E · C_e / R² for every counted row t of every MoE layer.
-    if (E > 0 && rows > 0) {
-        float* dp = ws.dprobs.ptr<float>();
-        for (int64_t t = 0; t < N; ++t)
-            for (int64_t e = 0; e < E; ++e)
-                dp[t * E + e] = static_cast<float>(scales->aux * static_cast<double>(E) * counts[static_cast<size_t>(e)] /
-                                                   (rows * rows)) * mask[t];
-    }
-    float* d_resid = ws.d_resid.ptr<float>();
-    float* d_mid = ws.d_mid.ptr<float>();
-    const size_t act_bytes = static_cast<size_t>(N * H) * sizeof(float);
-    std::memset(d_resid, 0, act_bytes);
-    cpu::rmsnorm_backward(d_resid, G + normf_spec.offset, d_ln, x_final, P + normf_spec.offset, ws.lnf_rstd.ptr<float>(),
-                          N, H);
+    const bool aux_grad = num_moe_layers > 0 && rows > 0 && scales->aux != 0.0;
+    if (aux_grad) ops::moe_aux_dprobs(ws.dprobs, ws.aux_counts, ws.mask,
+                                      static_cast<float>(scales->aux * static_cast<double>(E) / (rows * rows)));
+    ops::zero(ws.d_resid);
+    ops::rmsnorm_backward(ws.d_resid, grad("model.norm.weight"), ws.d_ln, x_final, normf, ws.lnf_rstd);
     for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
         const Layer& L = layers_[static_cast<size_t>(l)];
         auto& la = ws.layers[static_cast<size_t>(l)];
         // x_out = x_mid + ffn(rmsnorm(x_mid))
-        std::memcpy(d_mid, d_resid, act_bytes);
-        std::memset(d_ln, 0, act_bytes);
+        ops::copy(ws.d_mid, ws.d_resid);
+        ops::zero(ws.d_ln);
         if (L.is_moe)
-            moe_block_backward(d_ln, L.g_moe, ws.moe_scratch, d_resid, rows > 0 ? ws.dprobs.ptr<float>() : nullptr,
-                               la.ln2.ptr<float>(), la.moe, L.moe, md, N);
+            moe_block_backward(ws.d_ln, L.g_moe, ws.moe_scratch, ws.d_resid, aux_grad ? ws.dprobs : Tensor(), la.ln2,
+                               la.moe, L.moe, md);
         else
-            mlp_block_backward(d_ln, L.g_mlp, ws.mlp_scratch, d_resid, la.ln2.ptr<float>(), la.mlp, L.mlp, N, H,
-                               c.intermediate_size);
-        cpu::rmsnorm_backward(d_mid, L.g_ln2, d_ln, la.x_mid.ptr<float>(), L.ln2, la.ln2_rstd.ptr<float>(), N, H);
+            mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);
+        ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd);
         // x_mid = x + attention(rmsnorm(x))
-        std::memcpy(d_resid, d_mid, act_bytes);
-        std::memset(d_ln, 0, act_bytes);
-        attention_block_backward(d_ln, L.g_attn, ws.attn_scratch, d_mid, la.ln1.ptr<float>(), la.attn, L.attn, ad, B, T,
-                                 pos, docs);
-        cpu::rmsnorm_backward(d_resid, L.g_ln1, d_ln, ws.resid[static_cast<size_t>(l)].ptr<float>(), L.ln1,
-                              la.ln1_rstd.ptr<float>(), N, H);
+        ops::copy(ws.d_resid, ws.d_mid);
+        ops::zero(ws.d_ln);
+        attention_block_backward(ws.d_ln, L.g_attn, ws.attn_scratch, ws.d_mid, la.ln1, la.attn, L.attn, ad, B, T,
+                                 ws.positions, ws.doc_ids);
+        ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd);
     }
-    cpu::embedding_backward(G + table_.get("model.embed_tokens.weight").offset, d_resid, batch.input_ids.data(), N, H);
+    ops::embedding_backward(grad("model.embed_tokens.weight"), ws.d_resid, ws.ids);
+    (void)H;
     return stats;
 }
 

@@ -46,32 +46,50 @@ int64_t qwen3_moe_active_params(const Qwen3MoeConfig& c, const ParamTable& table
 // Model FLOPs per token for training at sequence length T (BENCHMARKS.md formula).
 double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T);
 
+// Where the model lives and in which dtypes: CPU = f32 everywhere (the reference); CUDA = bf16
+// parameters and activations with f32 router/softmax/loss math, gradients bf16 or f32 (the
+// precision policy; fp32 master weights, when used, belong to the optimizer).
+struct ModelPlacement {
+    Device device = Device::cpu;
+    DType grad_dtype = DType::f32;
+};
+
 class Qwen3Moe {
  public:
-    explicit Qwen3Moe(Qwen3MoeConfig config);
+    explicit Qwen3Moe(Qwen3MoeConfig config, ModelPlacement placement = {});
     ~Qwen3Moe();
     Qwen3Moe(const Qwen3Moe&) = delete;
     Qwen3Moe& operator=(const Qwen3Moe&) = delete;
 
     const Qwen3MoeConfig& config() const { return config_; }
     const ParamTable& params() const { return table_; }
-    float* param_data() { return params_.as(DType::f32, {table_.total()}).ptr<float>(); }
-    float* grad_data() { return grads_.as(DType::f32, {table_.total()}).ptr<float>(); }
-    Tensor param(std::string_view name);
-    Tensor grad(std::string_view name);
+    Device device() const { return placement_.device; }
+    DType param_dtype() const { return param_dtype_; }
+    DType grad_dtype() const { return placement_.grad_dtype; }
+    // The flat buffers as tensors [P] (device and dtype as placed).
+    Tensor params_tensor() const { return params_.as(param_dtype_, {table_.total()}); }
+    Tensor grads_tensor() const { return grads_.as(placement_.grad_dtype, {table_.total()}); }
+    // CPU models only: the flat f32 buffers.
+    float* param_data();
+    float* grad_data();
+    Tensor param(std::string_view name) const;
+    Tensor grad(std::string_view name) const;
     void zero_grads() { grads_.zero(); }
+    // Parameters to and from host f32 (converted as the placement needs).
+    void set_params_from_host(const float* src);
+    void get_params_to_host(float* dst) const;
 
     // HF-style init: normal(0, std) for every matrix, ones for norms; deterministic in `seed`.
     void init_random(uint64_t seed, float std);
 
     // Forward over the batch; with `scales` also the backward (gradients accumulate). When
-    // `logits` is given it receives [N, V] logits (tests and small evaluations only).
+    // `logits` is given it receives [N, V] f32 logits on the host (tests and small evaluations).
     StepStats step(const data::Batch& batch, const LossScales* scales, float* logits = nullptr);
 
     // Where a non-finite value first appears: the first layer whose activations hold a NaN/Inf
     // in the last forward, and the first parameter (in layer order) whose gradient does.
     std::string locate_nonfinite_activation() const;
-    std::string locate_nonfinite_gradient();
+    std::string locate_nonfinite_gradient() const;
 
     // Bytes of activation memory the last step used (the arena's high-water mark).
     size_t activation_bytes() const;
@@ -90,6 +108,8 @@ class Qwen3Moe {
     void validate(const data::Batch& batch) const;
 
     Qwen3MoeConfig config_;
+    ModelPlacement placement_;
+    DType param_dtype_, act_dtype_;
     ParamTable table_;
     Buffer params_, grads_;
     std::vector<Layer> layers_;

@@ -41,13 +41,15 @@ model::Qwen3MoeConfig read_hf_config(const fs::path& dir, json::Value* raw) {
     return c;
 }
 
-std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config) {
-    auto m = std::make_unique<model::Qwen3Moe>(read_hf_config(dir, raw_config));
+std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config,
+                                               model::ModelPlacement placement) {
+    auto m = std::make_unique<model::Qwen3Moe>(read_hf_config(dir, raw_config), placement);
+    std::vector<float> host(static_cast<size_t>(m->num_params()));
     const io::ModelWeights weights = io::ModelWeights::open(dir);
     const auto& cfg = m->config();
     std::set<std::string> used;
     for (const auto& spec : m->params().specs()) {
-        float* dst = m->param_data() + spec.offset;
+        float* dst = host.data() + spec.offset;
         if (!is_stacked(spec) || weights.find(spec.name) != nullptr) {
             weights.read_f32(spec.name, spec.shape, dst);
             used.insert(spec.name);
@@ -78,6 +80,7 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
         fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this ", "qwen3_moe model (",
              cfg.num_hidden_layers, " layers, ", cfg.num_experts, " experts)");
     }
+    m->set_params_from_host(host.data());
     return m;
 }
 
@@ -97,8 +100,10 @@ void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* r
     };
     std::vector<Piece> pieces;
     const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
+    std::vector<float> host(static_cast<size_t>(m.num_params()));
+    m.get_params_to_host(host.data());
     for (const auto& spec : m.params().specs()) {
-        const float* src = m.param_data() + spec.offset;
+        const float* src = host.data() + spec.offset;
         if (!is_stacked(spec)) {
             pieces.push_back({spec.name, spec.shape, src});
             continue;

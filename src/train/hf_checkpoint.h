@@ -22,7 +22,8 @@ namespace mf::train {
 model::Qwen3MoeConfig read_hf_config(const std::filesystem::path& dir, json::Value* raw = nullptr);
 
 // Reads config and weights of an HF model directory.
-std::unique_ptr<model::Qwen3Moe> load_hf_model(const std::filesystem::path& dir, json::Value* raw_config = nullptr);
+std::unique_ptr<model::Qwen3Moe> load_hf_model(const std::filesystem::path& dir, json::Value* raw_config = nullptr,
+                                               model::ModelPlacement placement = {});
 
 // Writes config.json (from `raw_config`, or the model's own when null), the weights in the
 // config's dtype (float32, bfloat16 or float16), and the tokenizer files found in `tokenizer_dir`

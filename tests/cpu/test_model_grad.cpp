@@ -45,6 +45,16 @@ using namespace mf::model;
 
 namespace {
 
+// Tensor views over test vectors (the blocks take Tensors).
+Tensor tv(std::vector<float>& v, Shape shape) { return Tensor(v.data(), DType::f32, std::move(shape)); }
+Tensor tc_(const std::vector<float>& v, Shape shape) {
+    return Tensor(const_cast<float*>(v.data()), DType::f32, std::move(shape));
+}
+Tensor ti(const std::vector<int32_t>& v) {
+    return Tensor(const_cast<int32_t*>(v.data()), DType::i32, {static_cast<int64_t>(v.size())});
+}
+
+
 constexpr double kRelTol = 2e-2;
 constexpr double kAbsTol = 1e-3;
 constexpr int64_t kSampleAll = 48;
@@ -238,14 +248,15 @@ TEST(BlockGrad, Attention) {
                        wv = normal_vec(rng, Dkv * H, 0.3), wo = normal_vec(rng, H * Dq, 0.3);
     std::vector<float> qn = uniform_vec(rng, d.head_dim, 0.8, 1.2), kn = uniform_vec(rng, d.head_dim, 0.8, 1.2);
     const std::vector<float> R = normal_vec(rng, N * H, 1.0);
-    AttentionWeights w{wq.data(), wk.data(), wv.data(), wo.data(), qn.data(), kn.data()};
+    AttentionWeights w{tv(wq, {Dq, H}), tv(wk, {Dkv, H}), tv(wv, {Dkv, H}),
+                       tv(wo, {H, Dq}), tv(qn, {d.head_dim}), tv(kn, {d.head_dim})};
 
     AttentionActs acts;
     AttentionScratch scratch;
     Arena arena = make_arena([&](Arena& a) {
         a.reset();
-        acts.alloc(a, d, B, T);
-        scratch.alloc(a, d, B, T);
+        acts.alloc(a, d, B, T, DType::f32);
+        scratch.alloc(a, d, B, T, DType::f32);
     });
     for (const Tensor* t :
          {&acts.q_raw, &acts.k_raw, &acts.q_rstd, &acts.k_rstd, &acts.q, &acts.k, &acts.v, &acts.attn, &acts.lse,
@@ -255,7 +266,7 @@ TEST(BlockGrad, Attention) {
     std::vector<float> y(static_cast<size_t>(N * H));
     auto forward = [&] {
         std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());  // forward must write y
-        attention_block_forward(y.data(), acts, x.data(), w, d, B, T, pos.data(), docs.data());
+        attention_block_forward(tv(y, {N, H}), acts, tv(x, {N, H}), w, d, B, T, ti(pos), ti(docs));
         return Eval{dot(y.data(), R.data(), N * H), true};
     };
     forward();
@@ -265,10 +276,10 @@ TEST(BlockGrad, Attention) {
     for (int64_t n : {N * H, Dq * H, Dkv * H, Dkv * H, H * Dq, d.head_dim, d.head_dim})
         before.push_back(normal_vec(rng, n, 1.0));
     std::vector<std::vector<float>> after = before;
-    AttentionWeights g{after[1].data(), after[2].data(), after[3].data(),
-                       after[4].data(), after[5].data(), after[6].data()};
-    attention_block_backward(after[0].data(), g, scratch, R.data(), x.data(), acts, w, d, B, T, pos.data(),
-                             docs.data());
+    AttentionWeights g{tv(after[1], {Dq, H}), tv(after[2], {Dkv, H}), tv(after[3], {Dkv, H}),
+                       tv(after[4], {H, Dq}), tv(after[5], {d.head_dim}), tv(after[6], {d.head_dim})};
+    attention_block_backward(tv(after[0], {N, H}), g, scratch, tc_(R, {N, H}), tv(x, {N, H}), acts, w, d, B, T,
+                             ti(pos), ti(docs));
 
     FdChecker fd("attention block (QK-norm, RoPE, GQA, docs)", 1e-2, 7);
     const char* names[] = {"x", "wq", "wk", "wv", "wo", "q_norm", "k_norm"};
@@ -290,17 +301,18 @@ TEST(BlockGrad, AttentionMasking) {
     std::vector<float> wq = normal_vec(rng, Dq * H, 0.3), wk = normal_vec(rng, Dkv * H, 0.3),
                        wv = normal_vec(rng, Dkv * H, 0.3), wo = normal_vec(rng, H * Dq, 0.3);
     std::vector<float> qn = uniform_vec(rng, d.head_dim, 0.8, 1.2), kn = uniform_vec(rng, d.head_dim, 0.8, 1.2);
-    AttentionWeights w{wq.data(), wk.data(), wv.data(), wo.data(), qn.data(), kn.data()};
+    AttentionWeights w{tv(wq, {Dq, H}), tv(wk, {Dkv, H}), tv(wv, {Dkv, H}),
+                       tv(wo, {H, Dq}), tv(qn, {d.head_dim}), tv(kn, {d.head_dim})};
     AttentionActs acts;
     Arena arena = make_arena([&](Arena& a) {
         a.reset();
-        acts.alloc(a, d, B, T);
+        acts.alloc(a, d, B, T, DType::f32);
     });
     std::vector<float> y0(static_cast<size_t>(N * H)), y1(y0.size());
-    attention_block_forward(y0.data(), acts, x.data(), w, d, B, T, pos.data(), docs.data());
+    attention_block_forward(tv(y0, {N, H}), acts, tv(x, {N, H}), w, d, B, T, ti(pos), ti(docs));
     const int64_t perturbed = 4;  // row 0, doc 1, second token
     for (int64_t c = 0; c < H; ++c) x[static_cast<size_t>(perturbed * H + c)] += 0.5f;
-    attention_block_forward(y1.data(), acts, x.data(), w, d, B, T, pos.data(), docs.data());
+    attention_block_forward(tv(y1, {N, H}), acts, tv(x, {N, H}), w, d, B, T, ti(pos), ti(docs));
     for (int64_t t = 0; t < N; ++t) {
         const bool may_change = t == 4 || t == 5;  // itself and the later token of the same document
         bool changed = false;
@@ -322,28 +334,28 @@ TEST(BlockGrad, Mlp) {
     std::vector<float> x = normal_vec(rng, N * H, 1.0);
     std::vector<float> gate_up = normal_vec(rng, 2 * I * H, 0.3), down = normal_vec(rng, H * I, 0.3);
     const std::vector<float> R = normal_vec(rng, N * H, 1.0);
-    MlpWeights w{gate_up.data(), down.data()};
+    MlpWeights w{tv(gate_up, {2 * I, H}), tv(down, {H, I})};
     MlpActs acts;
     MlpScratch scratch;
     Arena arena = make_arena([&](Arena& a) {
         a.reset();
-        acts.alloc(a, N, I);
-        scratch.alloc(a, N, I);
+        acts.alloc(a, N, I, DType::f32);
+        scratch.alloc(a, N, I, DType::f32);
     });
     for (const Tensor* t : {&acts.h, &acts.a, &scratch.dh, &scratch.da}) poison(*t);
 
     std::vector<float> y(static_cast<size_t>(N * H));
     auto forward = [&] {
         std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
-        mlp_block_forward(y.data(), acts, x.data(), w, N, H, I);
+        mlp_block_forward(tv(y, {N, H}), acts, tv(x, {N, H}), w);
         return Eval{dot(y.data(), R.data(), N * H), true};
     };
     forward();
     std::vector<std::vector<float>> before = {normal_vec(rng, N * H, 1.0), normal_vec(rng, 2 * I * H, 1.0),
                                               normal_vec(rng, H * I, 1.0)};
     std::vector<std::vector<float>> after = before;
-    MlpWeights g{after[1].data(), after[2].data()};
-    mlp_block_backward(after[0].data(), g, scratch, R.data(), x.data(), acts, w, N, H, I);
+    MlpWeights g{tv(after[1], {2 * I, H}), tv(after[2], {H, I})};
+    mlp_block_backward(tv(after[0], {N, H}), g, scratch, tc_(R, {N, H}), tv(x, {N, H}), acts, w);
 
     FdChecker fd("dense SwiGLU MLP block", 1e-2, 8);
     fd.check("x", x.data(), added(after[0], before[0]), forward);
@@ -388,13 +400,13 @@ TEST_P(MoeBlockGrad, Gradients) {
     }
     const std::vector<float> R = normal_vec(rng, N * H, 1.0);
     const std::vector<float> Dp = normal_vec(rng, N * E, 1.0);
-    MoeWeights w{router.data(), gate_up.data(), down.data()};
+    MoeWeights w{tv(router, {E, H}), tv(gate_up, {E, 2 * I, H}), tv(down, {E, H, I})};
     MoeActs acts;
     MoeScratch scratch;
     Arena arena = make_arena([&](Arena& a) {
         a.reset();
-        acts.alloc(a, d, N);
-        scratch.alloc(a, d, N);
+        acts.alloc(a, d, N, DType::f32);
+        scratch.alloc(a, d, N, DType::f32);
     });
     for (const Tensor* t :
          {&acts.logits, &acts.probs, &acts.topk_idx, &acts.topk_weight, &acts.expert_offsets, &acts.sorted_pair,
@@ -406,7 +418,7 @@ TEST_P(MoeBlockGrad, Gradients) {
     std::vector<int32_t> base_sets;
     auto forward = [&] {
         std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
-        moe_block_forward(y.data(), acts, x.data(), w, d, N);
+        moe_block_forward(tv(y, {N, H}), acts, tv(x, {N, H}), w, d);
         double loss = dot(y.data(), R.data(), N * H);
         if (tc.with_dprobs) loss += dot(acts.probs.ptr<float>(), Dp.data(), N * E);
         return Eval{loss, topk_sets(acts, N, K) == base_sets};
@@ -431,9 +443,9 @@ TEST_P(MoeBlockGrad, Gradients) {
     std::vector<std::vector<float>> before = {normal_vec(rng, N * H, 1.0), normal_vec(rng, E * H, 1.0),
                                               normal_vec(rng, E * 2 * I * H, 1.0), normal_vec(rng, E * H * I, 1.0)};
     std::vector<std::vector<float>> after = before;
-    MoeWeights g{after[1].data(), after[2].data(), after[3].data()};
-    moe_block_backward(after[0].data(), g, scratch, R.data(), tc.with_dprobs ? Dp.data() : nullptr, x.data(), acts, w,
-                       d, N);
+    MoeWeights g{tv(after[1], {E, H}), tv(after[2], {E, 2 * I, H}), tv(after[3], {E, H, I})};
+    moe_block_backward(tv(after[0], {N, H}), g, scratch, tc_(R, {N, H}), tc.with_dprobs ? tc_(Dp, {N, E}) : Tensor(),
+                       tv(x, {N, H}), acts, w, d);
 
     if (tc.starve_expert) {
         // Exactly nothing may be added to the starved expert's weights.
@@ -559,10 +571,13 @@ class RoutingProbe {
         const MoeDims md{H, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob};
         const float eps = static_cast<float>(c.rms_norm_eps);
         auto P = [&](const std::string& name) { return m_.param(name).ptr<float>(); };
+        auto PT = [&](const std::string& name) { return m_.param(name); };
         arena_.reset();
-        float* x = arena_.alloc(DType::f32, {N, H}).ptr<float>();
-        float* ln = arena_.alloc(DType::f32, {N, H}).ptr<float>();
-        float* out = arena_.alloc(DType::f32, {N, H}).ptr<float>();
+        const Tensor xt = arena_.alloc(DType::f32, {N, H}), lnt = arena_.alloc(DType::f32, {N, H}),
+                     outt = arena_.alloc(DType::f32, {N, H});
+        float* x = xt.ptr<float>();
+        float* ln = lnt.ptr<float>();
+        float* out = outt.ptr<float>();
         float* rstd = arena_.alloc(DType::f32, {N}).ptr<float>();
         cpu::embedding_forward(x, b.input_ids.data(), P("model.embed_tokens.weight"), N, H);
         std::vector<int32_t> sets;
@@ -570,26 +585,27 @@ class RoutingProbe {
             const std::string p = "model.layers." + std::to_string(l) + ".";
             cpu::rmsnorm_forward(ln, rstd, x, P(p + "input_layernorm.weight"), N, H, eps);
             AttentionActs aa;
-            aa.alloc(arena_, ad, B, T);
-            const AttentionWeights aw{P(p + "self_attn.q_proj.weight"), P(p + "self_attn.k_proj.weight"),
-                                      P(p + "self_attn.v_proj.weight"), P(p + "self_attn.o_proj.weight"),
-                                      P(p + "self_attn.q_norm.weight"), P(p + "self_attn.k_norm.weight")};
-            attention_block_forward(out, aa, ln, aw, ad, B, T, b.positions.data(), b.doc_ids.data());
+            aa.alloc(arena_, ad, B, T, DType::f32);
+            const AttentionWeights aw{PT(p + "self_attn.q_proj.weight"), PT(p + "self_attn.k_proj.weight"),
+                                      PT(p + "self_attn.v_proj.weight"), PT(p + "self_attn.o_proj.weight"),
+                                      PT(p + "self_attn.q_norm.weight"), PT(p + "self_attn.k_norm.weight")};
+            attention_block_forward(outt, aa, lnt, aw, ad, B, T, ti(b.positions), ti(b.doc_ids));
             for (int64_t i = 0; i < N * H; ++i) x[i] = x[i] + out[i];
             cpu::rmsnorm_forward(ln, rstd, x, P(p + "post_attention_layernorm.weight"), N, H, eps);
             if (c.is_moe_layer(l)) {
                 MoeActs ma;
-                ma.alloc(arena_, md, N);
-                const MoeWeights mw{P(p + "mlp.gate.weight"), P(p + "mlp.experts.gate_up_proj"),
-                                    P(p + "mlp.experts.down_proj")};
-                moe_block_forward(out, ma, ln, mw, md, N);
+                ma.alloc(arena_, md, N, DType::f32);
+                const MoeWeights mw{PT(p + "mlp.gate.weight"), PT(p + "mlp.experts.gate_up_proj"),
+                                    PT(p + "mlp.experts.down_proj")};
+                moe_block_forward(outt, ma, lnt, mw, md);
                 const std::vector<int32_t> s = topk_sets(ma, N, md.top_k);
                 sets.insert(sets.end(), s.begin(), s.end());
             } else {
                 MlpActs ma;
-                ma.alloc(arena_, N, c.intermediate_size);
-                const MlpWeights mw{P(p + "mlp.gate_proj.weight"), P(p + "mlp.down_proj.weight")};
-                mlp_block_forward(out, ma, ln, mw, N, H, c.intermediate_size);
+                ma.alloc(arena_, N, c.intermediate_size, DType::f32);
+                const MlpWeights mw{Tensor(P(p + "mlp.gate_proj.weight"), DType::f32, {2 * c.intermediate_size, H}),
+                                    PT(p + "mlp.down_proj.weight")};
+                mlp_block_forward(outt, ma, lnt, mw);
             }
             for (int64_t i = 0; i < N * H; ++i) x[i] = x[i] + out[i];
         }

@@ -1,0 +1,60 @@
+// The CUDA side of ops.h: the same entries (already checked by ops.cpp), implemented in
+// cuda_ops.cu over the kernels in kernels/cuda, or refusing in cuda_ops_none.cpp when moeforge is
+// built without CUDA. Only ops.cpp calls these.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace mf::ops::cuda_impl {
+
+void zero(const Tensor& t);
+void copy(const Tensor& dst, const Tensor& src);
+void copy_from_host(const Tensor& dst, const void* src);
+void copy_to_host(void* dst, const Tensor& src);
+void add(const Tensor& out, const Tensor& a, const Tensor& b);
+void cast(const Tensor& dst, const Tensor& src);
+void synchronize();
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                     const Tensor& weight);
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
+void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd);
+void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight,
+                         const Tensor& positions, int64_t num_heads, float eps, float theta);
+void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw,
+                          const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads,
+                          float theta);
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
+                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
+void swiglu_forward(const Tensor& out, const Tensor& inp);
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);
+void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
+                    bool norm_topk_prob);
+void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
+                     const Tensor& topk_idx, bool norm_topk_prob);
+void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
+                   const Tensor& mask);
+void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale);
+void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
+                         const Tensor& topk_idx, int64_t num_experts);
+void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k);
+void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k);
+void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
+                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets);
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                             const Tensor& weight, const Tensor& offsets);
+void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
+                           const Tensor& targets, float grad_scale);
+double sum(const Tensor& x);
+double sum_squares(const Tensor& x);
+bool all_finite(const Tensor& x);
+
+}  // namespace mf::ops::cuda_impl

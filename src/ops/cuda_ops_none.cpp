@@ -1,0 +1,46 @@
+// Builds without CUDA: every CUDA op refuses with one clear message.
+#include "core/check.h"
+#include "ops/cuda_ops.h"
+
+namespace mf::ops::cuda_impl {
+
+namespace {
+[[noreturn]] void no_cuda() { fail("this moeforge was built without CUDA (MOEFORGE_CUDA=OFF): device tensors are not supported"); }
+}  // namespace
+
+void zero(const Tensor& t) { no_cuda(); }
+void copy(const Tensor& dst, const Tensor& src) { no_cuda(); }
+void copy_from_host(const Tensor& dst, const void* src) { no_cuda(); }
+void copy_to_host(void* dst, const Tensor& src) { no_cuda(); }
+void add(const Tensor& out, const Tensor& a, const Tensor& b) { no_cuda(); }
+void cast(const Tensor& dst, const Tensor& src) { no_cuda(); }
+void synchronize() { no_cuda(); }
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) { no_cuda(); }
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight) { no_cuda(); }
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) { no_cuda(); }
+void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd) { no_cuda(); }
+void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight, const Tensor& positions, int64_t num_heads, float eps, float theta) { no_cuda(); }
+void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw, const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads, float theta) { no_cuda(); }
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
+void swiglu_forward(const Tensor& out, const Tensor& inp) { no_cuda(); }
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) { no_cuda(); }
+void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits, bool norm_topk_prob) { no_cuda(); }
+void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs, const Tensor& topk_idx, bool norm_topk_prob) { no_cuda(); }
+void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs, const Tensor& mask) { no_cuda(); }
+void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) { no_cuda(); }
+void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row, const Tensor& topk_idx, int64_t num_experts) { no_cuda(); }
+void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) { no_cuda(); }
+void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) { no_cuda(); }
+void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
+void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale) { no_cuda(); }
+double sum(const Tensor& x) { no_cuda(); }
+double sum_squares(const Tensor& x) { no_cuda(); }
+bool all_finite(const Tensor& x) { no_cuda(); }
+
+}  // namespace mf::ops::cuda_impl

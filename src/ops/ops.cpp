@@ -1,0 +1,321 @@
+// ops.h: argument checks and dispatch. CPU tensors run the reference kernels in kernels/cpu
+// (f32 activations and parameters); CUDA tensors go to cuda_ops (bf16 activations).
+#include "ops/ops.h"
+
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/grouped_matmul.h"
+#include "kernels/cpu/matmul.h"
+#include "kernels/cpu/moe_permute.h"
+#include "kernels/cpu/reduce.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/router.h"
+#include "kernels/cpu/swiglu.h"
+#include "ops/cuda_ops.h"
+
+namespace mf::ops {
+
+namespace {
+
+// All defined tensors on one device; returns it.
+Device device_of(std::initializer_list<const Tensor*> ts) {
+    Device d = Device::cpu;
+    bool first = true;
+    for (const Tensor* t : ts) {
+        if (t == nullptr || t->data() == nullptr) continue;
+        if (first) { d = t->device(); first = false; }
+        MF_CHECK(t->device() == d, "op mixes cpu and cuda tensors");
+    }
+    return d;
+}
+
+bool defined(const Tensor& t) { return t.data() != nullptr; }
+float* f(const Tensor& t) { return defined(t) ? t.ptr<float>() : nullptr; }
+const int32_t* i32(const Tensor& t) { return defined(t) ? t.ptr<int32_t>() : nullptr; }
+int64_t rows(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / t.dim(-1); }
+
+}  // namespace
+
+// --- memory ----------------------------------------------------------------------------------------
+
+void zero(const Tensor& t) {
+    if (!defined(t)) return;
+    if (t.device() == Device::cuda) return cuda_impl::zero(t);
+    std::memset(t.data(), 0, t.nbytes());
+}
+
+void copy(const Tensor& dst, const Tensor& src) {
+    MF_CHECK(dst.nbytes() == src.nbytes() && dst.dtype() == src.dtype(), "copy between different tensors");
+    if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::copy(dst, src);
+    std::memmove(dst.data(), src.data(), dst.nbytes());
+}
+
+void copy_from_host(const Tensor& dst, const void* src) {
+    if (dst.device() == Device::cuda) return cuda_impl::copy_from_host(dst, src);
+    std::memcpy(dst.data(), src, dst.nbytes());
+}
+
+void copy_to_host(void* dst, const Tensor& src) {
+    if (src.device() == Device::cuda) return cuda_impl::copy_to_host(dst, src);
+    std::memcpy(dst, src.data(), src.nbytes());
+}
+
+void add(const Tensor& out, const Tensor& a, const Tensor& b) {
+    MF_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add of different sizes");
+    if (device_of({&out, &a, &b}) == Device::cuda) return cuda_impl::add(out, a, b);
+    float* o = f(out);
+    const float *x = f(a), *y = f(b);
+    for (int64_t i = 0; i < out.numel(); ++i) o[i] = x[i] + y[i];
+}
+
+void cast(const Tensor& dst, const Tensor& src) {
+    MF_CHECK(dst.numel() == src.numel(), "cast of different sizes");
+    if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::cast(dst, src);
+    if (dst.dtype() == src.dtype()) return copy(dst, src);
+    MF_CHECK(false, "CPU tensors are f32 only");
+}
+
+void synchronize(Device device) {
+    if (device == Device::cuda) cuda_impl::synchronize();
+}
+
+// --- dense -----------------------------------------------------------------------------------------
+
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
+    const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
+    MF_CHECK(weight.numel() == OC * C && out.numel() == N * OC, "matmul shapes: inp ", shape_str(inp.shape()), " weight ",
+             shape_str(weight.shape()), " out ", shape_str(out.shape()));
+    if (device_of({&out, &inp, &weight}) == Device::cuda) return cuda_impl::matmul_forward(out, inp, weight);
+    cpu::matmul_forward(f(out), f(inp), f(weight), N, C, OC);
+}
+
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                     const Tensor& weight) {
+    const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
+    MF_CHECK(dout.numel() == N * OC, "matmul backward shapes");
+    if (device_of({&dinp, &dweight, &dout, &inp, &weight}) == Device::cuda)
+        return cuda_impl::matmul_backward(dinp, dweight, dout, inp, weight);
+    cpu::matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), N, C, OC);
+}
+
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
+    MF_CHECK(out.numel() == ids.numel() * wte.dim(-1), "embedding shapes");
+    if (device_of({&out, &ids, &wte}) == Device::cuda) return cuda_impl::embedding_forward(out, ids, wte);
+    cpu::embedding_forward(f(out), i32(ids), f(wte), ids.numel(), wte.dim(-1));
+}
+
+void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) {
+    if (device_of({&dwte, &dout, &ids}) == Device::cuda) return cuda_impl::embedding_backward(dwte, dout, ids);
+    cpu::embedding_backward(f(dwte), f(dout), i32(ids), ids.numel(), dwte.dim(-1));
+}
+
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
+    const int64_t C = weight.numel(), N = inp.numel() / C;
+    MF_CHECK(out.numel() == inp.numel() && rstd.numel() == N, "rmsnorm shapes");
+    if (device_of({&out, &rstd, &inp, &weight}) == Device::cuda)
+        return cuda_impl::rmsnorm_forward(out, rstd, inp, weight, eps);
+    cpu::rmsnorm_forward(f(out), f(rstd), f(inp), f(weight), N, C, eps);
+}
+
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd) {
+    const int64_t C = weight.numel(), N = inp.numel() / C;
+    if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd}) == Device::cuda)
+        return cuda_impl::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
+    cpu::rmsnorm_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), f(rstd), N, C);
+}
+
+void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight,
+                         const Tensor& positions, int64_t num_heads, float eps, float theta) {
+    const int64_t D = weight.numel(), N = positions.numel();
+    MF_CHECK(x_raw.numel() == N * num_heads * D && out.numel() == x_raw.numel() && rstd.numel() == N * num_heads,
+             "qk-norm/rope shapes");
+    if (device_of({&out, &rstd, &x_raw, &weight, &positions}) == Device::cuda)
+        return cuda_impl::qknorm_rope_forward(out, rstd, x_raw, weight, positions, num_heads, eps, theta);
+    cpu::rmsnorm_forward(f(out), f(rstd), f(x_raw), f(weight), N * num_heads, D, eps);
+    cpu::rope_forward(f(out), i32(positions), N, num_heads, D, theta);
+}
+
+void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw,
+                          const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads,
+                          float theta) {
+    const int64_t D = weight.numel(), N = positions.numel();
+    if (device_of({&dx_raw, &dweight, &dout, &x_raw, &weight, &rstd, &positions}) == Device::cuda)
+        return cuda_impl::qknorm_rope_backward(dx_raw, dweight, dout, x_raw, weight, rstd, positions, num_heads, theta);
+    cpu::rope_backward(f(dout), i32(positions), N, num_heads, D, theta);
+    cpu::rmsnorm_backward(f(dx_raw), f(dweight), f(dout), f(x_raw), f(weight), f(rstd), N * num_heads, D);
+}
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t D = q.numel() / (B * T * num_heads);
+    MF_CHECK(k.numel() == B * T * num_kv_heads * D && lse.numel() == B * num_heads * T, "attention shapes");
+    if (device_of({&out, &lse, &q, &k, &v, &doc_ids}) == Device::cuda)
+        return cuda_impl::attention_forward(out, lse, q, k, v, doc_ids, B, T, num_heads, num_kv_heads);
+    cpu::attention_forward(f(out), f(lse), f(q), f(k), f(v), i32(doc_ids), {B, T, num_heads, num_kv_heads, D});
+}
+
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
+                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t D = q.numel() / (B * T * num_heads);
+    if (device_of({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, &doc_ids}) == Device::cuda)
+        return cuda_impl::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, num_heads, num_kv_heads);
+    cpu::attention_backward(f(dq), f(dk), f(dv), f(dout), f(q), f(k), f(v), f(out), f(lse), i32(doc_ids),
+                            {B, T, num_heads, num_kv_heads, D});
+}
+
+void swiglu_forward(const Tensor& out, const Tensor& inp) {
+    const int64_t I = out.dim(-1), N = rows(out);
+    MF_CHECK(inp.numel() == 2 * N * I, "swiglu shapes");
+    if (device_of({&out, &inp}) == Device::cuda) return cuda_impl::swiglu_forward(out, inp);
+    cpu::swiglu_forward(f(out), f(inp), N, I);
+}
+
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+    const int64_t I = dout.dim(-1), N = rows(dout);
+    if (device_of({&dinp, &dout, &inp}) == Device::cuda) return cuda_impl::swiglu_backward(dinp, dout, inp);
+    cpu::swiglu_backward(f(dinp), f(dout), f(inp), N, I);
+}
+
+// --- MoE -------------------------------------------------------------------------------------------
+
+void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
+                    bool norm_topk_prob) {
+    const int64_t N = logits.dim(0), E = logits.dim(1), K = topk_idx.dim(-1);
+    MF_CHECK(logits.dtype() == DType::f32 && probs.dtype() == DType::f32, "router math is f32");
+    if (device_of({&probs, &topk_idx, &topk_weight, &logits}) == Device::cuda)
+        return cuda_impl::router_forward(probs, topk_idx, topk_weight, logits, norm_topk_prob);
+    cpu::router_forward(f(probs), topk_idx.ptr<int32_t>(), f(topk_weight), f(logits), N, E, K, norm_topk_prob);
+}
+
+void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
+                     const Tensor& topk_idx, bool norm_topk_prob) {
+    const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
+    if (device_of({&dlogits, &dtopk_weight, &dprobs, &probs, &topk_idx}) == Device::cuda)
+        return cuda_impl::router_backward(dlogits, dtopk_weight, dprobs, probs, topk_idx, norm_topk_prob);
+    cpu::router_backward(f(dlogits), f(dtopk_weight), f(dprobs), f(probs), i32(topk_idx), N, E, K, norm_topk_prob);
+}
+
+void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
+                   const Tensor& mask) {
+    if (device_of({&counts, &prob_sums, &topk_idx, &probs, &mask}) == Device::cuda)
+        return cuda_impl::moe_aux_stats(counts, prob_sums, topk_idx, probs, mask);
+    const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
+    float *c = f(counts), *ps = f(prob_sums);
+    const float *p = f(probs), *m = f(mask);
+    const int32_t* idx = i32(topk_idx);
+    // Per-expert sums in token order, in double, then added once (deterministic).
+    std::vector<double> cs(static_cast<size_t>(E), 0.0), pss(static_cast<size_t>(E), 0.0);
+    for (int64_t t = 0; t < N; ++t) {
+        if (m[t] == 0.0f) continue;
+        for (int64_t k = 0; k < K; ++k) cs[static_cast<size_t>(idx[t * K + k])] += m[t];
+        for (int64_t e = 0; e < E; ++e) pss[static_cast<size_t>(e)] += static_cast<double>(m[t]) * p[t * E + e];
+    }
+    for (int64_t e = 0; e < E; ++e) {
+        c[e] += static_cast<float>(cs[static_cast<size_t>(e)]);
+        ps[e] += static_cast<float>(pss[static_cast<size_t>(e)]);
+    }
+}
+
+void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) {
+    if (device_of({&dprobs, &counts, &mask}) == Device::cuda) return cuda_impl::moe_aux_dprobs(dprobs, counts, mask, scale);
+    const int64_t N = dprobs.dim(0), E = dprobs.dim(1);
+    float* dp = f(dprobs);
+    const float *c = f(counts), *m = f(mask);
+    for (int64_t t = 0; t < N; ++t)
+        for (int64_t e = 0; e < E; ++e) dp[t * E + e] = scale * c[e] * m[t];
+}
+
+void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
+                         const Tensor& topk_idx, int64_t num_experts) {
+    MF_CHECK(expert_offsets.numel() == num_experts + 1, "expert_offsets must have E + 1 entries");
+    if (device_of({&expert_offsets, &sorted_pair, &pair_row, &topk_idx}) == Device::cuda)
+        return cuda_impl::moe_permute_indices(expert_offsets, sorted_pair, pair_row, topk_idx, num_experts);
+    cpu::moe_permute_indices(expert_offsets.ptr<int32_t>(), sorted_pair.ptr<int32_t>(), pair_row.ptr<int32_t>(),
+                             i32(topk_idx), topk_idx.dim(0), topk_idx.dim(-1), num_experts);
+}
+
+void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) {
+    if (device_of({&x_perm, &x, &sorted_pair}) == Device::cuda)
+        return cuda_impl::moe_gather_forward(x_perm, x, sorted_pair, top_k);
+    cpu::moe_gather_forward(f(x_perm), f(x), i32(sorted_pair), rows(x), top_k, x.dim(-1));
+}
+
+void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) {
+    if (device_of({&dx, &dx_perm, &pair_row}) == Device::cuda)
+        return cuda_impl::moe_gather_backward(dx, dx_perm, pair_row, top_k);
+    cpu::moe_gather_backward(f(dx), f(dx_perm), i32(pair_row), rows(dx), top_k, dx.dim(-1));
+}
+
+void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    if (device_of({&out, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
+        return cuda_impl::moe_unpermute_forward(out, y_perm, topk_weight, pair_row);
+    cpu::moe_unpermute_forward(f(out), f(y_perm), f(topk_weight), i32(pair_row), rows(out), topk_weight.dim(-1),
+                               out.dim(-1));
+}
+
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
+                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    if (device_of({&dy_perm, &dtopk_weight, &dout, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
+        return cuda_impl::moe_unpermute_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
+    cpu::moe_unpermute_backward(f(dy_perm), f(dtopk_weight), f(dout), f(y_perm), f(topk_weight), i32(pair_row),
+                                rows(dout), topk_weight.dim(-1), dout.dim(-1));
+}
+
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) {
+    const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+    MF_CHECK(inp.dim(-1) == C && out.dim(-1) == OC && rows(out) == rows(inp) && offsets.numel() == E + 1,
+             "grouped matmul shapes");
+    if (device_of({&out, &inp, &weight, &offsets}) == Device::cuda)
+        return cuda_impl::grouped_matmul_forward(out, inp, weight, offsets);
+    cpu::grouped_matmul_forward(f(out), f(inp), f(weight), i32(offsets), E, C, OC);
+}
+
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                             const Tensor& weight, const Tensor& offsets) {
+    const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+    if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
+        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets);
+    cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
+}
+
+// --- loss ------------------------------------------------------------------------------------------
+
+void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
+                           const Tensor& targets, float grad_scale) {
+    const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
+    MF_CHECK(losses.numel() == N && targets.numel() == N && w.dim(1) == C, "lm head shapes");
+    if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
+        return cuda_impl::lm_head_cross_entropy(losses, dh, dw, h, w, targets, grad_scale);
+    cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale);
+}
+
+// --- reductions ------------------------------------------------------------------------------------
+
+double sum(const Tensor& x) {
+    if (x.device() == Device::cuda) return cuda_impl::sum(x);
+    double s = 0;
+    const float* p = f(x);
+    for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
+    return s;
+}
+
+double sum_squares(const Tensor& x) {
+    if (x.device() == Device::cuda) return cuda_impl::sum_squares(x);
+    return cpu::sum_squares(f(x), x.numel());
+}
+
+bool all_finite(const Tensor& x) {
+    if (x.device() == Device::cuda) return cuda_impl::all_finite(x);
+    return cpu::all_finite(f(x), x.numel());
+}
+
+}  // namespace mf::ops

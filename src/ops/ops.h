@@ -1,0 +1,93 @@
+// The backend-neutral op API the model is written against.
+//
+// Every op takes Tensor views, checks shapes, dtypes and that all tensors live on one device,
+// then runs the CPU reference kernel (f32 activations) or the CUDA kernel (bf16 activations,
+// fp32 accumulation; fp32 for router, softmax and loss math). Accumulation semantics follow the
+// kernels: forward outputs are written; backward outputs marked "+=" accumulate, so callers zero
+// an activation gradient once and several consumers add into it. Parameter gradients may be f32
+// or bf16 on the GPU (the precision policy), f32 on the CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace mf::ops {
+
+// --- memory ----------------------------------------------------------------------------------------
+void zero(const Tensor& t);
+void copy(const Tensor& dst, const Tensor& src);                    // same dtype, same device
+void copy_from_host(const Tensor& dst, const void* src);            // dst.nbytes() bytes
+void copy_to_host(void* dst, const Tensor& src);
+void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
+void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
+void synchronize(Device device);
+
+// --- dense -----------------------------------------------------------------------------------------
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);  // out[N,OC] = inp[N,C]·wᵀ
+// dinp[N,C] += dout·w (dinp may be undefined to skip); dweight[OC,C] += doutᵀ·inp (may be undefined).
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                     const Tensor& weight);
+
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
+void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);  // dwte +=
+
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd);  // dinp +=, dweight +=
+
+// Per-head RMSNorm then RoPE: x_raw[N, H·D] -> out[N, H·D], rstd[N·H].
+void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight,
+                         const Tensor& positions, int64_t num_heads, float eps, float theta);
+// dx_raw[N, H·D] +=, dweight[D] +=, from dout (the gradient at `out`; it is used as scratch).
+void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw,
+                          const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads,
+                          float theta);
+
+// q[B,T,Hq·D], k/v[B,T,Hkv·D] (token-major), doc_ids[B·T]; out[B,T,Hq·D], lse[B,Hq,T] (f32).
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
+                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv +=
+
+void swiglu_forward(const Tensor& out, const Tensor& inp);   // inp[N, 2I] -> out[N, I]
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
+
+// --- MoE -------------------------------------------------------------------------------------------
+// logits[N,E] (f32) -> probs[N,E] f32, topk_idx[N,K] i32, topk_weight[N,K] f32.
+void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
+                    bool norm_topk_prob);
+// dlogits[N,E] f32 written; dprobs may be undefined.
+void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
+                     const Tensor& topk_idx, bool norm_topk_prob);
+// Aux-loss statistics, accumulated over layers: counts[E] += Σ_t mask_t·#{k: idx=e}, prob_sums[E] += Σ_t mask_t·p_te.
+void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
+                   const Tensor& mask);
+// dprobs[t, e] = scale · counts[e] · mask[t]  (written; f32).
+void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale);
+
+void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
+                         const Tensor& topk_idx, int64_t num_experts);
+void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k);
+void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k);  // dx +=
+void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
+                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
+
+// out[M, OC] = inp[M, C]·W[e]ᵀ per expert row group; weight[E, OC, C]; offsets[E+1] on the device.
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets);
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                             const Tensor& weight, const Tensor& offsets);  // both +=, either may be undefined
+
+// --- loss ------------------------------------------------------------------------------------------
+// losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).
+void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
+                           const Tensor& targets, float grad_scale);
+
+// --- reductions ------------------------------------------------------------------------------------
+double sum(const Tensor& x);          // Σ x (f32 tensors), in a fixed order
+double sum_squares(const Tensor& x);  // Σ x², in a fixed order
+bool all_finite(const Tensor& x);
+
+}  // namespace mf::ops
