@@ -1,7 +1,7 @@
 // Deterministic reductions.
-//   sum_squares   pass 1: kSumBlocks blocks (a constant, not the SM count) of kSumThreads threads;
+//   sum_squares, sum_values   pass 1: kSumBlocks blocks (a constant, not the SM count) of kSumThreads threads;
 //                 thread t of the grid owns the 8-element groups t, t + S, t + 2S, ... (S = grid
-//                 threads) and sums their squares in double in element order; a block combines its
+//                 threads) and sums their squares (or values) in double in element order; a block combines its
 //                 threads by a fixed shuffle tree and a fixed pass over its warps into partial[b].
 //                 pass 2: one block adds partial[0..kSumBlocks) by a fixed tree into *out.
 //                 The grouping is the same whether 16-byte loads are used or not, so the bits do
@@ -50,8 +50,9 @@ __device__ double block_sum_double(double v) {
     return total;
 }
 
-template <typename T, bool kVector>
-__global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t n) {
+// kSquare: Σ x² (else Σ x).
+template <typename T, bool kVector, bool kSquare>
+__global__ void sum_partial_kernel(double* partial, const T* x, int64_t n) {
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     double acc = 0.0;
     for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g * 8 < n; g += stride) {
@@ -60,11 +61,11 @@ __global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t 
             float v[8];
             detail::load_f32<8>(v, x + base);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc += static_cast<double>(v[j]) * static_cast<double>(v[j]);
+            for (int j = 0; j < 8; ++j) acc += kSquare ? static_cast<double>(v[j]) * v[j] : static_cast<double>(v[j]);
         } else {
             for (int64_t i = base; i < base + 8 && i < n; ++i) {
                 const double v = detail::to_f32(x[i]);
-                acc += v * v;
+                acc += kSquare ? v * v : v;
             }
         }
     }
@@ -117,12 +118,12 @@ __global__ void reduce_partial_rows_kernel(T* out, const float* partial, int64_t
 // ----------------------------------------------------------------------------------------------
 // launchers
 
-template <typename T>
-void launch_sum_squares(double* out, const T* x, int64_t n, bool accumulate, double* partial, cudaStream_t stream) {
+template <bool kSquare, typename T>
+void launch_sum(double* out, const T* x, int64_t n, bool accumulate, double* partial, cudaStream_t stream) {
     if (aligned_to(16, x)) {
-        sum_squares_partial_kernel<T, true><<<kSumBlocks, kSumThreads, 0, stream>>>(partial, x, n);
+        sum_partial_kernel<T, true, kSquare><<<kSumBlocks, kSumThreads, 0, stream>>>(partial, x, n);
     } else {
-        sum_squares_partial_kernel<T, false><<<kSumBlocks, kSumThreads, 0, stream>>>(partial, x, n);
+        sum_partial_kernel<T, false, kSquare><<<kSumBlocks, kSumThreads, 0, stream>>>(partial, x, n);
     }
     MF_CHECK_CUDA(cudaGetLastError());
     sum_squares_final_kernel<<<1, kSumBlocks, 0, stream>>>(out, partial, accumulate);
@@ -150,23 +151,34 @@ void launch_scale(T* x, const float* scale, int64_t n, cudaStream_t stream) {
 
 size_t sum_squares_scratch_bytes() { return kSumBlocks * sizeof(double); }
 
-void sum_squares(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
-                 cudaStream_t stream) {
-    MF_CHECK(n >= 0, "sum_squares: negative element count ", n);
-    MF_CHECK(out != nullptr && scratch != nullptr, "sum_squares: null output or scratch");
-    MF_CHECK(n == 0 || x != nullptr, "sum_squares: null input with n = ", n);
-    MF_CHECK(aligned_to(8, scratch), "sum_squares: scratch must be 8-byte aligned");
+template <bool kSquare>
+void sum_entry(const char* op, double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
+               cudaStream_t stream) {
+    MF_CHECK(n >= 0, op, ": negative element count ", n);
+    MF_CHECK(out != nullptr && scratch != nullptr, op, ": null output or scratch");
+    MF_CHECK(n == 0 || x != nullptr, op, ": null input with n = ", n);
+    MF_CHECK(aligned_to(8, scratch), op, ": scratch must be 8-byte aligned");
     double* partial = static_cast<double*>(scratch);
     switch (dtype) {
         case DType::f32:
-            launch_sum_squares(out, static_cast<const float*>(x), n, accumulate, partial, stream);
+            launch_sum<kSquare>(out, static_cast<const float*>(x), n, accumulate, partial, stream);
             break;
         case DType::bf16:
-            launch_sum_squares(out, static_cast<const bf16*>(x), n, accumulate, partial, stream);
+            launch_sum<kSquare>(out, static_cast<const bf16*>(x), n, accumulate, partial, stream);
             break;
         default:
-            MF_FAIL("sum_squares: dtype must be f32 or bf16, got ", dtype_name(dtype));
+            MF_FAIL(op, ": dtype must be f32 or bf16, got ", dtype_name(dtype));
     }
+}
+
+void sum_squares(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
+                 cudaStream_t stream) {
+    sum_entry<true>("sum_squares", out, x, dtype, n, accumulate, scratch, stream);
+}
+
+void sum_values(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
+                cudaStream_t stream) {
+    sum_entry<false>("sum_values", out, x, dtype, n, accumulate, scratch, stream);
 }
 
 void clip_scale(float* scale, float* norm, const double* sumsq, float max_norm, cudaStream_t stream) {

@@ -24,6 +24,14 @@ size_t sum_squares_scratch_bytes();
 void sum_squares(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
                  cudaStream_t stream);
 
+// *out = (or += when accumulate) Σ_i x[i] in double; same grid, order and scratch as sum_squares.
+void sum_values(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
+                cudaStream_t stream);
+
+// NOTE: every element of x is finite exactly when its sum_squares result is (a non-finite input
+// makes the double sum inf or NaN, while finite fp32 squares cannot overflow a double), so an
+// all-finite check is isfinite(sum_squares).
+
 // From a device Σ g²: *norm = sqrt(sumsq) (norm may be null) and
 // *scale = min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_ computes it
 // (max_norm <= 0 disables clipping: scale = 1). All on the device, no host sync.

@@ -1,0 +1,146 @@
+// AdamW, CUDA. The per-call constants (decay factor, lerp weight, −lr / (1 − β1^t),
+// sqrt(1 − β2^t), ...) are computed on the host in double and cast to fp32 exactly as
+// kernels/cpu/adamw.cpp does; the per-element math uses the same fp32 operations in the same order,
+// written with the _rn intrinsics so that nvcc cannot contract them into FMAs: on the same fp32
+// inputs the GPU reproduces the CPU reference bit for bit (sqrtf and division are IEEE).
+// A grid-stride loop over groups of 8 elements (16-byte accesses when every buffer is 16-byte
+// aligned, else single elements); the n % 8 tail is done element by element. Elementwise, so
+// deterministic.
+#include "kernels/cuda/adamw.cuh"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/cuda_check.h"
+
+namespace mf::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65536;
+
+struct AdamWConstants {
+    float decay, lerp_weight, one_minus_lerp_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps;
+    bool lerp_from_start;
+};
+
+AdamWConstants make_constants(const AdamWParams& p) {
+    MF_CHECK(p.step >= 1, "adamw: step must start at 1, got ", p.step);
+    const double lr = p.lr;
+    const double beta1 = p.beta1;
+    const double beta2 = p.beta2;
+    AdamWConstants c{};
+    c.decay = static_cast<float>(1.0 - lr * static_cast<double>(p.weight_decay));
+    c.lerp_weight = static_cast<float>(1.0 - beta1);
+    c.one_minus_lerp_weight = 1.0f - c.lerp_weight;
+    c.beta2 = static_cast<float>(beta2);
+    c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(p.step));
+    const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(p.step));
+    c.neg_step_size = static_cast<float>(-(lr / bias_correction1));
+    c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+    c.eps = p.eps;
+    c.lerp_from_start = c.lerp_weight < 0.5f;
+    return c;
+}
+
+// ----------------------------------------------------------------------------------------------
+// kernels
+
+// One element; p, m, v updated in place (fp32 registers).
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g, const AdamWConstants& c) {
+    const float p_decayed = __fmul_rn(p, c.decay);
+    const float diff = __fsub_rn(g, m);
+    m = c.lerp_from_start ? __fadd_rn(m, __fmul_rn(c.lerp_weight, diff))
+                          : __fsub_rn(g, __fmul_rn(diff, c.one_minus_lerp_weight));
+    v = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bias_correction2_sqrt), c.eps);
+    p = __fadd_rn(p_decayed, __fmul_rn(c.neg_step_size, __fdiv_rn(m, denom)));
+}
+
+// TP: param storage (master) type; TS: m, v storage type; TG: gradient type. param_copy: optional bf16.
+template <int kVec, typename TP, typename TS, typename TG>
+__global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n,
+                             AdamWConstants c, const float* grad_scale) {
+    const float gs = grad_scale != nullptr ? *grad_scale : 1.0f;
+    const bool scaled = grad_scale != nullptr;
+    const int64_t num_vec = n / kVec;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec; i += stride) {
+        const int64_t at = i * kVec;
+        float pf[kVec], mf[kVec], vf[kVec], gf[kVec];
+        detail::load_f32<kVec>(pf, param + at);
+        detail::load_f32<kVec>(mf, m + at);
+        detail::load_f32<kVec>(vf, v + at);
+        detail::load_f32<kVec>(gf, grad + at);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) adamw_element(pf[e], mf[e], vf[e], scaled ? __fmul_rn(gf[e], gs) : gf[e], c);
+        detail::store_f32<kVec>(param + at, pf);
+        detail::store_f32<kVec>(m + at, mf);
+        detail::store_f32<kVec>(v + at, vf);
+        if (param_copy != nullptr) detail::store_f32<kVec>(param_copy + at, pf);
+    }
+    const int64_t tail = num_vec * kVec + threadIdx.x;
+    if (blockIdx.x == 0 && tail < n) {
+        float pf = detail::to_f32(param[tail]), mf = detail::to_f32(m[tail]), vf = detail::to_f32(v[tail]);
+        const float gf = detail::to_f32(grad[tail]);
+        adamw_element(pf, mf, vf, scaled ? __fmul_rn(gf, gs) : gf, c);
+        param[tail] = detail::from_f32<TP>(pf);
+        m[tail] = detail::from_f32<TS>(mf);
+        v[tail] = detail::from_f32<TS>(vf);
+        if (param_copy != nullptr) param_copy[tail] = __float2bfloat16_rn(pf);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// launchers
+
+template <typename TP, typename TS, typename TG>
+void launch_adamw(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n, const AdamWConstants& c,
+                  const float* grad_scale, cudaStream_t stream) {
+    if (n == 0) return;
+    const bool vec = aligned_to(16, param, m, v, grad, param_copy);
+    const int64_t work = vec ? n / 8 : n;
+    const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
+    if (vec) {
+        adamw_kernel<8><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+    } else {
+        adamw_kernel<1><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// public entries
+
+void adamw_update_bf16(bf16* param, bf16* m, bf16* v, const bf16* grad, int64_t n, const AdamWParams& p,
+                       const float* grad_scale, cudaStream_t stream) {
+    MF_CHECK(n >= 0, "adamw_update_bf16: negative element count ", n);
+    const AdamWConstants c = make_constants(p);
+    if (n == 0) return;
+    MF_CHECK(param != nullptr && m != nullptr && v != nullptr && grad != nullptr, "adamw_update_bf16: null buffer");
+    launch_adamw(param, m, v, grad, static_cast<bf16*>(nullptr), n, c, grad_scale, stream);
+}
+
+void adamw_update_mixed(float* master, float* m, float* v, const void* grad, DType grad_dtype, bf16* param_bf16,
+                        int64_t n, const AdamWParams& p, const float* grad_scale, cudaStream_t stream) {
+    MF_CHECK(n >= 0, "adamw_update_mixed: negative element count ", n);
+    const AdamWConstants c = make_constants(p);
+    if (n == 0) return;
+    MF_CHECK(master != nullptr && m != nullptr && v != nullptr && grad != nullptr, "adamw_update_mixed: null buffer");
+    switch (grad_dtype) {
+        case DType::f32:
+            launch_adamw(master, m, v, static_cast<const float*>(grad), param_bf16, n, c, grad_scale, stream);
+            break;
+        case DType::bf16:
+            launch_adamw(master, m, v, static_cast<const bf16*>(grad), param_bf16, n, c, grad_scale, stream);
+            break;
+        default:
+            MF_FAIL("adamw_update_mixed: grad dtype must be f32 or bf16, got ", dtype_name(grad_dtype));
+    }
+}
+
+}  // namespace mf::cuda

@@ -1,0 +1,37 @@
+// Fused LM head + cross-entropy on the GPU: logits for a chunk of tokens are computed with cuBLAS,
+// turned into the loss and its gradient, and dropped, so [N, V] logits never exist at once.
+//   logits[n] = h[n] · wᵀ (w [V, C]);  loss[n] = logsumexp(logits[n]) − logits[n][target[n]]
+// Targets equal to -100 (kIgnoreIndex) are ignored: loss 0, no gradient. A target outside [0, V)
+// that is not -100 gives loss NaN and no gradient (visible, never an out-of-bounds read).
+// CPU reference and spec: kernels/cpu/cross_entropy.h.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "kernels/cuda/cast.cuh"
+
+namespace mf::cuda {
+
+// Bytes of scratch lm_head_cross_entropy needs for chunks of `chunk` tokens: one [chunk, V] fp32
+// logits buffer, which the loss kernel overwrites in place with the bf16 dlogits.
+size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V);
+
+// losses [N] fp32 (written). When dh / dw are non-null, the gradients of Σ_n grad_scale · loss[n]:
+//   dh [N, C] bf16 += dlogits · w          dw [V, C] (dw_dtype f32 or bf16) += dlogitsᵀ · h
+// with dlogits[n, v] = grad_scale · (softmax(logits[n])[v] − [v == target[n]]) rounded to bf16.
+// h [N, C] bf16, w [V, C] bf16, targets [N] int32. Per chunk of `chunk` tokens (the last may be
+// shorter): one GEMM (bf16 in, fp32 logits out), one kernel (per-row max and Σ exp in fp32, the
+// loss, dlogits written in place as bf16 rows of stride 2V), two GEMMs accumulating dh and dw
+// (fp32 accumulation; dw rounded to bf16 once per chunk when it is bf16). cuBLAS results are
+// deterministic for a given GPU and library. The handle is set to `stream`.
+// scratch: lm_head_cross_entropy_scratch_bytes(chunk, V) bytes, 16-byte aligned.
+void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
+                           const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
+                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream);
+
+}  // namespace mf::cuda

@@ -1,0 +1,376 @@
+// Dropless MoE token permutation, CUDA.
+//   indices   a stable counting sort of the pairs by expert, in three kernels:
+//             1. histogram: the pairs are cut into tiles of kTile consecutive pairs, one warp per
+//                tile; tile_counts[tile][e] = pairs of tile with expert e (shared-memory integer
+//                atomics: exact, order-free);
+//             2. scan (one block): per expert, an exclusive scan over the tiles, then an exclusive
+//                scan over the experts gives expert_offsets and base[tile][e] = the first row of
+//                expert e's pairs of that tile;
+//             3. rank: each warp walks its tile in steps of 32 pairs in pair order; lanes with the
+//                same expert find each other with __match_any_sync, a lane's row is
+//                cursor[e] + (number of lower lanes with e), and the group's lowest lane advances
+//                cursor[e]. Pair order is kept inside a step, across steps and across tiles, so the
+//                result is exactly the CPU reference's.
+//   gather / unpermute   one thread per 8-column group of an output row (16-byte accesses when
+//             H % 8 == 0 and the buffers are aligned), summing the K source rows in k order in fp32.
+//   unpermute backward   one warp per token: dout[t] is read once per column group and reused for
+//             the K rows of dy_perm and the K partial dot products, which are reduced by xor
+//             butterflies at the end (fixed order).
+// No floating-point atomics anywhere; every output element has one writer.
+#include "kernels/cuda/moe_permute.cuh"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/cuda_check.h"
+
+namespace mf::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kIndexWarps = 4;  // warps per block in the histogram and rank kernels
+constexpr int kTile = 512;      // pairs per warp tile
+constexpr int kScanThreads = 1024;
+constexpr int kMaxExperts = 4096;
+constexpr int64_t kMaxBlocks = 65536;
+
+int64_t num_tiles(int64_t num_pairs) { return (num_pairs + kTile - 1) / kTile; }
+
+// ----------------------------------------------------------------------------------------------
+// kernels: indices
+
+__global__ void permute_histogram_kernel(int32_t* tile_counts, const int32_t* topk_idx, int64_t num_pairs, int E,
+                                         int64_t tiles) {
+    extern __shared__ int32_t hist[];  // [kIndexWarps][E]
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    for (int i = threadIdx.x; i < kIndexWarps * E; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * kIndexWarps + warp;
+    if (tile < tiles) {
+        const int64_t begin = tile * kTile;
+        const int64_t end = min(num_pairs, begin + kTile);
+        for (int64_t p = begin + lane; p < end; p += 32) {
+            const int32_t e = topk_idx[p];
+            if (e >= 0 && e < E) atomicAdd(&hist[warp * E + e], 1);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kIndexWarps * E; i += blockDim.x) {
+        const int64_t t = static_cast<int64_t>(blockIdx.x) * kIndexWarps + i / E;
+        if (t < tiles) tile_counts[t * E + i % E] = hist[i];
+    }
+}
+
+// One block. tile_counts [tiles][E] becomes base [tiles][E] (absolute first row per tile and expert).
+__global__ void permute_scan_kernel(int32_t* expert_offsets, int32_t* tile_counts, int32_t* sorted_pair,
+                                    int64_t num_pairs, int E, int64_t tiles) {
+    extern __shared__ int32_t totals[];  // [E + 1]
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int32_t running = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int32_t c = tile_counts[t * E + e];
+            tile_counts[t * E + e] = running;
+            running += c;
+        }
+        totals[e] = running;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t offset = 0;
+        for (int e = 0; e < E; ++e) {
+            const int32_t c = totals[e];
+            totals[e] = offset;
+            expert_offsets[e] = offset;
+            offset += c;
+        }
+        totals[E] = offset;
+        expert_offsets[E] = offset;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int32_t base = totals[e];
+        for (int64_t t = 0; t < tiles; ++t) tile_counts[t * E + e] += base;
+    }
+    // Rows past the valid pairs (only when some expert index was out of range) hold no pair.
+    for (int64_t r = totals[E] + threadIdx.x; r < num_pairs; r += blockDim.x) sorted_pair[r] = -1;
+}
+
+__global__ void permute_rank_kernel(int32_t* sorted_pair, int32_t* pair_row, const int32_t* base,
+                                    const int32_t* topk_idx, int64_t num_pairs, int E, int64_t tiles) {
+    extern __shared__ int32_t cursor_all[];  // [kIndexWarps][E]
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * kIndexWarps + warp;
+    if (tile >= tiles) return;  // whole warp
+    int32_t* cursor = cursor_all + warp * E;
+    for (int e = lane; e < E; e += 32) cursor[e] = base[tile * E + e];
+    __syncwarp();
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const int64_t begin = tile * kTile;
+    const int64_t end = min(num_pairs, begin + kTile);
+    for (int64_t p0 = begin; p0 < end; p0 += 32) {
+        const int64_t p = p0 + lane;
+        int32_t e = p < end ? topk_idx[p] : -1;
+        if (e >= E) e = -1;
+        const unsigned peers = __match_any_sync(detail::kFullMask, e);
+        int32_t row = -1;
+        if (e >= 0) row = cursor[e] + __popc(peers & lanes_below);
+        __syncwarp();
+        if (e >= 0 && (peers & lanes_below) == 0) cursor[e] += __popc(peers);
+        __syncwarp();
+        if (p < end) {
+            pair_row[p] = row;
+            if (row >= 0) sorted_pair[row] = static_cast<int32_t>(p);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// kernels: data movement
+
+template <int kVec>
+__global__ void gather_forward_kernel(bf16* x_perm, const bf16* x, const int32_t* sorted_pair, int64_t num_pairs,
+                                      int K, int64_t H) {
+    using Raw = detail::Bf16Raw<kVec>;
+    const int64_t vec_per_row = H / kVec;
+    const int64_t total = num_pairs * vec_per_row;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t r = i / vec_per_row;
+        const int64_t c = (i - r * vec_per_row) * kVec;
+        const int32_t p = sorted_pair[r];
+        Raw value;
+        if (p >= 0 && p < num_pairs) {
+            value = detail::load_raw<kVec>(x + (p / K) * H + c);
+        } else if constexpr (kVec == 8) {
+            value = make_uint4(0, 0, 0, 0);
+        } else {
+            value = __ushort_as_bfloat16(0);
+        }
+        *reinterpret_cast<Raw*>(x_perm + r * H + c) = value;
+    }
+}
+
+// out[t] = (or += when accumulate) Σ_k weight(t, k) · src[pair_row[t·K + k]]; weight 1 when weights is null.
+template <int kVec>
+__global__ void combine_rows_kernel(bf16* out, bool accumulate, const bf16* src, const float* weights,
+                                    const int32_t* pair_row, int64_t N, int K, int64_t H) {
+    const int64_t num_pairs = N * K;
+    const int64_t vec_per_row = H / kVec;
+    const int64_t total = N * vec_per_row;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t t = i / vec_per_row;
+        const int64_t c = (i - t * vec_per_row) * kVec;
+        float acc[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+            const int32_t row = pair_row[t * K + k];
+            if (row < 0 || row >= num_pairs) continue;
+            float v[kVec];
+            detail::load_f32<kVec>(v, src + row * H + c);
+            if (weights != nullptr) {
+                const float w = weights[t * K + k];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) acc[e] += w * v[e];
+            } else {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) acc[e] += v[e];
+            }
+        }
+        bf16* o = out + t * H + c;
+        if (accumulate) {
+            float old[kVec];
+            detail::load_f32<kVec>(old, o);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[e] = old[e] + acc[e];
+        }
+        detail::store_f32<kVec>(o, acc);
+    }
+}
+
+// One warp per token; kMaxK bounds the per-slot dot-product registers.
+template <int kVec, int kMaxK>
+__global__ void __launch_bounds__(kThreads)
+    unpermute_backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
+                              const float* topk_weight, const int32_t* pair_row, int64_t N, int K, int64_t H) {
+    const int lane = threadIdx.x % 32;
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+    if (t >= N) return;  // whole warp
+    const int64_t num_pairs = N * K;
+    int64_t rows[kMaxK];
+    float w[kMaxK], dot[kMaxK];
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) {
+        rows[k] = -1;
+        w[k] = 0.0f;
+        dot[k] = 0.0f;
+        if (k < K) {
+            const int32_t row = pair_row[t * K + k];
+            if (row >= 0 && row < num_pairs) rows[k] = row;
+            w[k] = topk_weight[t * K + k];
+        }
+    }
+    const int64_t num_vec = H / kVec;
+    for (int64_t v = lane; v < num_vec; v += 32) {
+        const int64_t c = v * kVec;
+        float g[kVec];
+        detail::load_f32<kVec>(g, dout + t * H + c);
+#pragma unroll
+        for (int k = 0; k < kMaxK; ++k) {
+            if (rows[k] < 0) continue;
+            float y[kVec], d[kVec];
+            detail::load_f32<kVec>(y, y_perm + rows[k] * H + c);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                dot[k] += g[e] * y[e];
+                d[e] = w[k] * g[e];
+            }
+            detail::store_f32<kVec>(dy_perm + rows[k] * H + c, d);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxK; ++k) {
+        if (k >= K) break;
+        const float total = detail::group_sum<32>(dot[k]);
+        if (lane == 0) dtopk_weight[t * K + k] = total;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// launchers
+
+void check_shape(const char* op, int64_t N, int64_t K, int64_t H) {
+    MF_CHECK(N >= 0 && K > 0 && H >= 0, op, ": bad shape N=", N, " K=", K, " H=", H);
+    MF_CHECK(N <= std::numeric_limits<int32_t>::max() / K, op, ": N·K = ", N, "·", K,
+             " does not fit the int32 row indices");
+}
+
+int grid_for(int64_t work) {
+    return static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+bool use_vectors(int64_t H, const void* a, const void* b) { return H % 8 == 0 && aligned_to(16, a, b); }
+
+void launch_combine(bf16* out, bool accumulate, const bf16* src, const float* weights, const int32_t* pair_row,
+                    int64_t N, int64_t K, int64_t H, cudaStream_t stream) {
+    if (use_vectors(H, out, src)) {
+        combine_rows_kernel<8><<<grid_for(N * H / 8), kThreads, 0, stream>>>(out, accumulate, src, weights, pair_row,
+                                                                              N, static_cast<int>(K), H);
+    } else {
+        combine_rows_kernel<1><<<grid_for(N * H), kThreads, 0, stream>>>(out, accumulate, src, weights, pair_row, N,
+                                                                          static_cast<int>(K), H);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// public entries
+
+size_t moe_permute_indices_scratch_bytes(int64_t N, int64_t K, int64_t E) {
+    check_shape("moe_permute_indices", N, K, 0);
+    MF_CHECK(E > 0 && E <= kMaxExperts, "moe_permute_indices: E = ", E, " outside [1, ", kMaxExperts, "]");
+    return static_cast<size_t>(std::max<int64_t>(num_tiles(N * K), 1) * E) * sizeof(int32_t);
+}
+
+void moe_permute_indices(int32_t* expert_offsets, int32_t* sorted_pair, int32_t* pair_row, const int32_t* topk_idx,
+                         int64_t N, int64_t K, int64_t E, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    const size_t needed = moe_permute_indices_scratch_bytes(N, K, E);
+    MF_CHECK(expert_offsets != nullptr, "moe_permute_indices: null expert_offsets");
+    const int64_t num_pairs = N * K;
+    MF_CHECK(num_pairs == 0 || (sorted_pair != nullptr && pair_row != nullptr && topk_idx != nullptr),
+             "moe_permute_indices: null buffer");
+    MF_CHECK(scratch != nullptr && scratch_bytes >= needed, "moe_permute_indices: scratch has ", scratch_bytes,
+             " bytes, needs ", needed);
+    MF_CHECK(aligned_to(16, scratch), "moe_permute_indices: scratch must be 16-byte aligned");
+    int32_t* tile_counts = static_cast<int32_t*>(scratch);
+    const int64_t tiles = num_tiles(num_pairs);
+    const int e32 = static_cast<int>(E);
+    const size_t warp_tables = static_cast<size_t>(kIndexWarps) * E * sizeof(int32_t);
+    const unsigned blocks = static_cast<unsigned>(std::max<int64_t>((tiles + kIndexWarps - 1) / kIndexWarps, 1));
+    MF_CHECK_CUDA(cudaFuncSetAttribute(permute_histogram_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(warp_tables)));
+    MF_CHECK_CUDA(cudaFuncSetAttribute(permute_rank_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(warp_tables)));
+    if (tiles > 0) {
+        permute_histogram_kernel<<<blocks, kIndexWarps * 32, warp_tables, stream>>>(tile_counts, topk_idx, num_pairs,
+                                                                                    e32, tiles);
+        MF_CHECK_CUDA(cudaGetLastError());
+    }
+    permute_scan_kernel<<<1, kScanThreads, (E + 1) * sizeof(int32_t), stream>>>(expert_offsets, tile_counts,
+                                                                                sorted_pair, num_pairs, e32, tiles);
+    MF_CHECK_CUDA(cudaGetLastError());
+    if (tiles > 0) {
+        permute_rank_kernel<<<blocks, kIndexWarps * 32, warp_tables, stream>>>(sorted_pair, pair_row, tile_counts,
+                                                                               topk_idx, num_pairs, e32, tiles);
+        MF_CHECK_CUDA(cudaGetLastError());
+    }
+}
+
+void moe_gather_forward(bf16* x_perm, const bf16* x, const int32_t* sorted_pair, int64_t N, int64_t K, int64_t H,
+                        cudaStream_t stream) {
+    check_shape("moe_gather_forward", N, K, H);
+    if (N == 0 || H == 0) return;
+    MF_CHECK(x_perm != nullptr && x != nullptr && sorted_pair != nullptr, "moe_gather_forward: null buffer");
+    const int64_t num_pairs = N * K;
+    if (use_vectors(H, x_perm, x)) {
+        gather_forward_kernel<8><<<grid_for(num_pairs * H / 8), kThreads, 0, stream>>>(x_perm, x, sorted_pair,
+                                                                                        num_pairs, static_cast<int>(K), H);
+    } else {
+        gather_forward_kernel<1><<<grid_for(num_pairs * H), kThreads, 0, stream>>>(x_perm, x, sorted_pair, num_pairs,
+                                                                                    static_cast<int>(K), H);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+void moe_gather_backward(bf16* dx, bool accumulate, const bf16* dx_perm, const int32_t* pair_row, int64_t N, int64_t K,
+                         int64_t H, cudaStream_t stream) {
+    check_shape("moe_gather_backward", N, K, H);
+    if (N == 0 || H == 0) return;
+    MF_CHECK(dx != nullptr && dx_perm != nullptr && pair_row != nullptr, "moe_gather_backward: null buffer");
+    launch_combine(dx, accumulate, dx_perm, nullptr, pair_row, N, K, H, stream);
+}
+
+void moe_unpermute_forward(bf16* out, const bf16* y_perm, const float* topk_weight, const int32_t* pair_row, int64_t N,
+                           int64_t K, int64_t H, cudaStream_t stream) {
+    check_shape("moe_unpermute_forward", N, K, H);
+    if (N == 0 || H == 0) return;
+    MF_CHECK(out != nullptr && y_perm != nullptr && topk_weight != nullptr && pair_row != nullptr,
+             "moe_unpermute_forward: null buffer");
+    launch_combine(out, false, y_perm, topk_weight, pair_row, N, K, H, stream);
+}
+
+void moe_unpermute_backward(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
+                            const float* topk_weight, const int32_t* pair_row, int64_t N, int64_t K, int64_t H,
+                            cudaStream_t stream) {
+    check_shape("moe_unpermute_backward", N, K, H);
+    MF_CHECK(K <= 32, "moe_unpermute_backward: K = ", K, " above the supported 32");
+    if (N == 0) return;
+    MF_CHECK(dy_perm != nullptr && dtopk_weight != nullptr && dout != nullptr && y_perm != nullptr &&
+                 topk_weight != nullptr && pair_row != nullptr,
+             "moe_unpermute_backward: null buffer");
+    const unsigned blocks = static_cast<unsigned>((N + kThreads / 32 - 1) / (kThreads / 32));
+    const bool vec = H % 8 == 0 && aligned_to(16, dy_perm, dout, y_perm);
+    const int k32 = static_cast<int>(K);
+    if (vec && K <= 8) {
+        unpermute_backward_kernel<8, 8><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
+                                                                          topk_weight, pair_row, N, k32, H);
+    } else if (vec) {
+        unpermute_backward_kernel<8, 32><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
+                                                                           topk_weight, pair_row, N, k32, H);
+    } else if (K <= 8) {
+        unpermute_backward_kernel<1, 8><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
+                                                                          topk_weight, pair_row, N, k32, H);
+    } else {
+        unpermute_backward_kernel<1, 32><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
+                                                                           topk_weight, pair_row, N, k32, H);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace mf::cuda
