@@ -1,0 +1,803 @@
+// Flash attention (FlashAttention-2 style) with mma.sync tensor cores: GQA, causal, packed documents.
+//
+// Forward: a block of 4 warps owns 64 queries of one (batch row, query head); each warp owns 16 of
+//   them and keeps its output rows, running max m and running sum l in registers. Key/value tiles
+//   of 64 rows stream through a 2-stage cp.async ring; per tile a warp computes S = Q·Kᵀ (fp32),
+//   masks it, rescales (online softmax in base 2: x = scale·log2(e)·S), turns P into bf16 mma
+//   operands straight from the accumulator registers and adds P·V. lse = (m + log2 l)·ln 2.
+// Backward, three kernels, none with atomics:
+//   delta   D_t = Σ_d dout_t · out_t per (row, head), into the workspace;
+//   dK/dV   a block owns 64 keys of one KV head (16 per warp, dK/dV accumulators in registers) and
+//           loops over the query heads of its group and the 32-query tiles that can see its keys:
+//           Sᵀ = K·Qᵀ, Pᵀ = exp2(x − lse), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dV += Pᵀ·dO, dK += dSᵀ·Q;
+//   dQ      a block owns 64 queries of one head and loops over its key tiles: S, P, dP = dO·Vᵀ,
+//           dS = P∘(dP − D), dQ += dS·K.
+// Every sum runs in a fixed order, so results are bitwise reproducible. Tiles are chosen from the
+// allowed key range [run_start(t), t] (documents are contiguous runs); inside a tile that is not
+// entirely allowed, each score is masked exactly by position and doc id. Masked scores have P = 0
+// and a row with nothing allowed so far keeps m = -inf without producing NaN.
+#include "kernels/cuda/attention.cuh"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/check.h"
+#include "core/cuda_check.h"
+
+namespace mf::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps
+constexpr int kTileQ = 64;     // forward and dQ: queries per block (16 per warp)
+constexpr int kTileKV = 64;    // keys per tile (forward, dQ) and per block (dK/dV, 16 per warp)
+constexpr int kTileQB = 32;    // dK/dV: queries per inner tile
+constexpr int kScanPerThread = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kD>
+constexpr int tile_ld() {
+    return kD + 8;  // rows 16 bytes apart mod 128: ldmatrix reads 8 rows without bank conflicts
+}
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(smem)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(smem)));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// fragment helpers (tiles stored [row][d] with ld = kD + 8)
+//
+// mma m16n8k16 register layouts, lane = 4·g + t: A (16 x 16) r0 = (row g, k 2t..2t+1),
+// r1 = (row g+8, same k), r2 = (row g, k 2t+8..), r3 = (row g+8, k 2t+8..); B (16 x 8) b0 = (k 2t..2t+1,
+// col g), b1 = (k 2t+8.., col g); C (16 x 8) c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, same).
+
+// A fragment: rows row0..row0+15 of a [row][k] tile, k columns k0..k0+15.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int ld, int row0, int k0, int lane) {
+    ldmatrix_x4(a, tile + (row0 + (lane % 8) + ((lane / 8) % 2) * 8) * ld + k0 + (lane / 16) * 8);
+}
+// B fragments for two n8 tiles (cols n0..n0+15) when the tile is stored [n][k] (k contiguous):
+// r0, r1 = (n0.., k lo / hi), r2, r3 = (n0+8.., k lo / hi).
+__device__ __forceinline__ void load_b_nk(uint32_t (&r)[4], const bf16* tile, int ld, int n0, int k0, int lane) {
+    ldmatrix_x4(r, tile + (n0 + (lane % 8) + (lane / 16) * 8) * ld + k0 + ((lane / 8) % 2) * 8);
+}
+// B fragments for two n8 tiles (cols n0..n0+15) when the tile is stored [k][n] (n contiguous).
+__device__ __forceinline__ void load_b_kn(uint32_t (&r)[4], const bf16* tile, int ld, int n0, int k0, int lane) {
+    ldmatrix_x4_trans(r, tile + (k0 + (lane % 8) + ((lane / 8) % 2) * 8) * ld + n0 + (lane / 16) * 8);
+}
+
+// acc[2·j + i] (16 x 8 tiles, j over n pairs) += A(16 x kD, from tile_a rows row0..) · B where B is
+// stored [n][k] (rows n of tile_b, k = d): i.e. S = A · tile_bᵀ over kD.
+template <int kD, int kNTiles>
+__device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], const bf16* tile_a, int row0, const bf16* tile_b,
+                                         int lane) {
+    constexpr int kLd = tile_ld<kD>();
+#pragma unroll
+    for (int kd = 0; kd < kD / 16; ++kd) {
+        uint32_t a[4];
+        load_a(a, tile_a, kLd, row0, kd * 16, lane);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            uint32_t r[4];
+            load_b_nk(r, tile_b, kLd, np * 16, kd * 16, lane);
+            mma_bf16(acc[2 * np], a, r[0], r[1]);
+            mma_bf16(acc[2 * np + 1], a, r[2], r[3]);
+        }
+    }
+}
+
+// acc (16 x kD) += P (16 x 16·kKSteps, fp32 C fragments p[2·kk + 0/1]) · tile_b rows 0.. (stored [k][d]).
+template <int kD, int kKSteps>
+__device__ __forceinline__ void gemm_pv(float (&acc)[kD / 8][4], const float (&p)[2 * kKSteps][4],
+                                        const bf16* tile_b, int lane) {
+    constexpr int kLd = tile_ld<kD>();
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t a[4];
+        a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+        a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+        a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+            uint32_t r[4];
+            load_b_kn(r, tile_b, kLd, dp * 16, kk * 16, lane);
+            mma_bf16(acc[2 * dp], a, r[0], r[1]);
+            mma_bf16(acc[2 * dp + 1], a, r[2], r[3]);
+        }
+    }
+}
+
+// rows [0, num_rows) x kD of a [T, stride] matrix starting at row t0 -> tile; rows >= T zero-filled.
+template <int kD>
+__device__ __forceinline__ void load_rows(bf16* tile, const bf16* row0_ptr, int64_t row_stride, int rows_valid,
+                                          int num_rows) {
+    constexpr int kChunks = kD / 8;
+    constexpr int kLd = tile_ld<kD>();
+    for (int c = static_cast<int>(threadIdx.x); c < num_rows * kChunks; c += kThreads) {
+        const int r = c / kChunks;
+        const int dc = (c % kChunks) * 8;
+        const bool valid = r < rows_valid;
+        cp_async_16(tile + r * kLd + dc, valid ? row0_ptr + r * row_stride + dc : row0_ptr, valid);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) x[i][c] = 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// document runs (block-wide; every thread gets the same answer)
+
+// First position of the run of equal doc ids that holds t (0 without doc ids).
+__device__ int block_run_start(const int32_t* doc, int t, int* scratch) {
+    if (doc == nullptr) return 0;
+    const int id = doc[t];
+    if (doc[0] == id) return 0;
+    const int tid = static_cast<int>(threadIdx.x);
+    int hi = t;
+    while (true) {
+        const int lo = max(0, hi - kThreads * kScanPerThread + 1);
+        if (tid == 0) *scratch = -1;
+        __syncthreads();
+        int found = -1;
+#pragma unroll
+        for (int i = 0; i < kScanPerThread; ++i) {
+            const int p = lo + i * kThreads + tid;
+            if (p <= hi && doc[p] != id) found = max(found, p);
+        }
+        if (found >= 0) atomicMax(scratch, found);
+        __syncthreads();
+        const int last_other = *scratch;
+        __syncthreads();
+        if (last_other >= 0) return last_other + 1;
+        if (lo == 0) return 0;
+        hi = lo - 1;
+    }
+}
+
+// Last position of the run of equal doc ids that holds t (T - 1 without doc ids).
+__device__ int block_run_end(const int32_t* doc, int t, int T, int* scratch) {
+    if (doc == nullptr) return T - 1;
+    const int id = doc[t];
+    if (doc[T - 1] == id) return T - 1;
+    const int tid = static_cast<int>(threadIdx.x);
+    int lo = t;
+    while (true) {
+        const int hi = min(T - 1, lo + kThreads * kScanPerThread - 1);
+        if (tid == 0) *scratch = INT_MAX;
+        __syncthreads();
+        int found = INT_MAX;
+#pragma unroll
+        for (int i = 0; i < kScanPerThread; ++i) {
+            const int p = lo + i * kThreads + tid;
+            if (p <= hi && doc[p] != id) found = min(found, p);
+        }
+        if (found != INT_MAX) atomicMin(scratch, found);
+        __syncthreads();
+        const int first_other = *scratch;
+        __syncthreads();
+        if (first_other != INT_MAX) return first_other - 1;
+        if (hi == T - 1) return T - 1;
+        lo = hi + 1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// forward
+
+struct FwdParams {
+    bf16* out;
+    float* lse;
+    const bf16* q;
+    const bf16* k;
+    const bf16* v;
+    const int32_t* doc_ids;
+    int B, T, Hq, Hkv;
+    float scale_log2;
+};
+
+template <int kD>
+constexpr int fwd_smem_bytes() {
+    return (kTileQ + 4 * kTileKV) * tile_ld<kD>() * 2;
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p) {
+    constexpr int kLd = tile_ld<kD>();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* q_tile = reinterpret_cast<bf16*>(smem_raw);
+    bf16* k_tiles = q_tile + kTileQ * kLd;        // [2][kTileKV][kLd]
+    bf16* v_tiles = k_tiles + 2 * kTileKV * kLd;  // [2][kTileKV][kLd]
+    __shared__ int q_doc[kTileQ];
+    __shared__ int kv_doc[2][kTileKV];
+    __shared__ int scan_scratch;
+
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int num_q_tiles = (p.T + kTileQ - 1) / kTileQ;
+    const int bh_count = p.B * p.Hq;
+    // Later query tiles see more keys: hand them out first.
+    const int q_tile_idx = num_q_tiles - 1 - static_cast<int>(blockIdx.x) / bh_count;
+    const int bh = static_cast<int>(blockIdx.x) % bh_count;
+    const int b = bh / p.Hq;
+    const int h = bh % p.Hq;
+    const int hk = h / (p.Hq / p.Hkv);
+    const int q0 = q_tile_idx * kTileQ;
+    const int q_end = min(q0 + kTileQ, p.T);
+
+    const int64_t q_stride = static_cast<int64_t>(p.Hq) * kD;
+    const int64_t kv_stride = static_cast<int64_t>(p.Hkv) * kD;
+    const bf16* q_base = p.q + static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
+    const bf16* k_base = p.k + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
+    const bf16* v_base = p.v + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
+    const int32_t* doc = p.doc_ids != nullptr ? p.doc_ids + static_cast<int64_t>(b) * p.T : nullptr;
+
+    if (tid < kTileQ) q_doc[tid] = (doc != nullptr && q0 + tid < p.T) ? doc[q0 + tid] : 0;
+    const int kv_first = block_run_start(doc, q0, &scan_scratch);
+    const int tile_begin = kv_first / kTileKV;
+    const int tile_end = (q_end + kTileKV - 1) / kTileKV;
+
+    auto load_kv = [&](int tile, int buf) {
+        const int kv0 = tile * kTileKV;
+        load_rows<kD>(k_tiles + buf * kTileKV * kLd, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
+        load_rows<kD>(v_tiles + buf * kTileKV * kLd, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
+        if (tid < kTileKV) kv_doc[buf][tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
+    };
+    load_rows<kD>(q_tile, q_base + q0 * q_stride, q_stride, p.T - q0, kTileQ);
+    load_kv(tile_begin, 0);
+    cp_async_commit();
+
+    float o[kD / 8][4];
+    zero(o);
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.0f, 0.0f};
+    const int warp_q0 = q0 + warp * 16;
+    const int row_q[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int buf = (tile - tile_begin) % 2;
+        __syncthreads();  // every warp is done with the buffer the prefetch overwrites
+        if (tile + 1 < tile_end) load_kv(tile + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const int kv0 = tile * kTileKV;
+        const bf16* k_tile = k_tiles + buf * kTileKV * kLd;
+        const bf16* v_tile = v_tiles + buf * kTileKV * kLd;
+        float s[kTileKV / 8][4];
+        zero(s);
+        gemm_abt<kD, kTileKV / 8>(s, q_tile, warp * 16, k_tile, lane);
+
+        // A tile needs no mask when all its keys precede all 16 queries of the warp, the queries
+        // exist and every doc id involved is the same.
+        bool full = kv0 + kTileKV - 1 <= warp_q0 && warp_q0 + 15 < p.T;
+        if (doc != nullptr) {
+            const int id = q_doc[warp * 16];
+            const bool same = kv_doc[buf][lane] == id && kv_doc[buf][lane + 32] == id &&
+                              (lane >= 16 || q_doc[warp * 16 + lane] == id);
+            full = __all_sync(0xffffffffu, same) && full;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kTileKV / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float x = s[nt][c] * p.scale_log2;
+                if (!full) {
+                    const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
+                    const int key = kv0 + key_local;
+                    const int qpos = row_q[c / 2];
+                    bool allowed = key <= qpos && qpos < p.T;
+                    if (doc != nullptr) allowed = allowed && kv_doc[buf][key_local] == q_doc[qpos - q0];
+                    if (!allowed) x = -INFINITY;
+                }
+                s[nt][c] = x;
+            }
+        }
+        // Online softmax per row (rows g and g + 8 of the warp; a row lives in one lane quad).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < kTileKV / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing allowed yet: keep p = 0, no NaN
+            const float alpha = exp2f(m[r] - m_use);
+            m[r] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < kTileKV / 8; ++nt) {
+                s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
+                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+                sum += s[nt][2 * r] + s[nt][2 * r + 1];
+            }
+            l[r] = l[r] * alpha + sum;
+#pragma unroll
+            for (int dn = 0; dn < kD / 8; ++dn) {
+                o[dn][2 * r] *= alpha;
+                o[dn][2 * r + 1] *= alpha;
+            }
+        }
+        gemm_pv<kD, kTileKV / 16>(o, s, v_tile, lane);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int qpos = row_q[r];
+        if (qpos >= p.T) continue;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        bf16* out_row = p.out + (static_cast<int64_t>(b) * p.T + qpos) * q_stride + static_cast<int64_t>(h) * kD;
+#pragma unroll
+        for (int dn = 0; dn < kD / 8; ++dn) {
+            const int col = dn * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
+                __floats2bfloat162_rn(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
+        }
+        if (lane % 4 == 0) p.lse[(static_cast<int64_t>(b) * p.Hq + h) * p.T + qpos] = (m[r] + log2f(sum)) * kLn2;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// backward: D_t = dout_t · out_t
+
+__global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf16* out, int B, int T, int Hq,
+                                       int D) {
+    const int64_t num_rows = static_cast<int64_t>(B) * T * Hq;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+    for (int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; row < num_rows;
+         row += warps_total) {
+        const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + row * D);
+        const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(out + row * D);
+        float sum = 0.0f;
+        for (int i = lane; i < D / 2; i += 32) {
+            const float2 x = __bfloat1622float2(a[i]);
+            const float2 y = __bfloat1622float2(o[i]);
+            sum += x.x * y.x + x.y * y.y;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) {
+            // row = (b · T + t) · Hq + h  ->  delta[(b · Hq + h) · T + t]
+            const int64_t h = row % Hq;
+            const int64_t bt = row / Hq;
+            const int64_t b = bt / T;
+            const int64_t t = bt % T;
+            delta[(b * Hq + h) * T + t] = sum;
+        }
+    }
+}
+
+struct BwdParams {
+    bf16* dq;
+    bf16* dk;
+    bf16* dv;
+    const bf16* dout;
+    const bf16* q;
+    const bf16* k;
+    const bf16* v;
+    const float* lse;
+    const float* delta;
+    const int32_t* doc_ids;
+    int B, T, Hq, Hkv;
+    float scale;
+    float scale_log2;
+};
+
+// ---------------------------------------------------------------------------------------------
+// backward: dK, dV (block = 64 keys of one KV head)
+
+template <int kD>
+constexpr int dkv_smem_bytes() {
+    return (2 * kTileKV + 4 * kTileQB) * tile_ld<kD>() * 2;
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdParams p) {
+    constexpr int kLd = tile_ld<kD>();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* k_tile = reinterpret_cast<bf16*>(smem_raw);
+    bf16* v_tile = k_tile + kTileKV * kLd;
+    bf16* q_tiles = v_tile + kTileKV * kLd;        // [2][kTileQB][kLd]
+    bf16* do_tiles = q_tiles + 2 * kTileQB * kLd;  // [2][kTileQB][kLd]
+    __shared__ float lse_s[2][kTileQB];            // log2 units
+    __shared__ float delta_s[2][kTileQB];
+    __shared__ int q_doc[2][kTileQB];
+    __shared__ int k_doc[kTileKV];
+    __shared__ int scan_scratch;
+
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int bh_count = p.B * p.Hkv;
+    // Early key tiles are seen by more queries: hand them out first.
+    const int k_tile_idx = static_cast<int>(blockIdx.x) / bh_count;
+    const int bh = static_cast<int>(blockIdx.x) % bh_count;
+    const int b = bh / p.Hkv;
+    const int hk = bh % p.Hkv;
+    const int group = p.Hq / p.Hkv;
+    const int k0 = k_tile_idx * kTileKV;
+    const int k_last = min(k0 + kTileKV, p.T) - 1;
+
+    const int64_t q_stride = static_cast<int64_t>(p.Hq) * kD;
+    const int64_t kv_stride = static_cast<int64_t>(p.Hkv) * kD;
+    const int64_t kv_off = static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
+    const int32_t* doc = p.doc_ids != nullptr ? p.doc_ids + static_cast<int64_t>(b) * p.T : nullptr;
+
+    if (tid < kTileKV) k_doc[tid] = (doc != nullptr && k0 + tid < p.T) ? doc[k0 + tid] : 0;
+    const int q_last = block_run_end(doc, k_last, p.T, &scan_scratch);
+    const int qt_begin = k0 / kTileQB;
+    const int qt_count = q_last / kTileQB + 1 - qt_begin;
+    const int num_iters = group * qt_count;
+
+    auto load_q = [&](int iter, int buf) {
+        const int h = hk * group + iter / qt_count;
+        const int qs = (qt_begin + iter % qt_count) * kTileQB;
+        const int64_t off = static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
+        load_rows<kD>(q_tiles + buf * kTileQB * kLd, p.q + off + qs * q_stride, q_stride, p.T - qs, kTileQB);
+        load_rows<kD>(do_tiles + buf * kTileQB * kLd, p.dout + off + qs * q_stride, q_stride, p.T - qs, kTileQB);
+        if (tid < kTileQB) {
+            const int t = qs + tid;
+            const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + t;
+            const bool in = t < p.T;
+            lse_s[buf][tid] = in ? p.lse[row] * kLog2e : 0.0f;
+            delta_s[buf][tid] = in ? p.delta[row] : 0.0f;
+            q_doc[buf][tid] = (doc != nullptr && in) ? doc[t] : 0;
+        }
+    };
+    load_rows<kD>(k_tile, p.k + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
+    load_rows<kD>(v_tile, p.v + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
+    load_q(0, 0);
+    cp_async_commit();
+
+    float dk[kD / 8][4];
+    float dv[kD / 8][4];
+    zero(dk);
+    zero(dv);
+    const int warp_k0 = k0 + warp * 16;
+    const int row_k[2] = {warp_k0 + lane / 4, warp_k0 + lane / 4 + 8};
+
+    for (int iter = 0; iter < num_iters; ++iter) {
+        const int buf = iter % 2;
+        __syncthreads();
+        if (iter + 1 < num_iters) load_q(iter + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const int qs = (qt_begin + iter % qt_count) * kTileQB;
+        const bf16* q_tile = q_tiles + buf * kTileQB * kLd;
+        const bf16* do_tile = do_tiles + buf * kTileQB * kLd;
+
+        float st[kTileQB / 8][4];  // Sᵀ: 16 keys x 32 queries, then Pᵀ
+        zero(st);
+        gemm_abt<kD, kTileQB / 8>(st, k_tile, warp * 16, q_tile, lane);
+        float dpt[kTileQB / 8][4];  // dPᵀ, then dSᵀ
+        zero(dpt);
+        gemm_abt<kD, kTileQB / 8>(dpt, v_tile, warp * 16, do_tile, lane);
+
+        bool full = warp_k0 + 15 <= qs && qs + kTileQB - 1 < p.T;
+        if (doc != nullptr) {
+            const int id = k_doc[warp * 16];
+            const bool same = q_doc[buf][lane] == id && (lane >= 16 || k_doc[warp * 16 + lane] == id);
+            full = __all_sync(0xffffffffu, same) && full;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kTileQB / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int q_local = nt * 8 + (lane % 4) * 2 + (c & 1);
+                bool allowed = true;
+                if (!full) {
+                    const int qpos = qs + q_local;
+                    const int key = row_k[c / 2];
+                    allowed = key <= qpos && qpos < p.T;
+                    if (doc != nullptr) allowed = allowed && q_doc[buf][q_local] == k_doc[key - k0];
+                }
+                const float prob = allowed ? exp2f(st[nt][c] * p.scale_log2 - lse_s[buf][q_local]) : 0.0f;
+                st[nt][c] = prob;
+                dpt[nt][c] = prob * (dpt[nt][c] - delta_s[buf][q_local]);
+            }
+        }
+        gemm_pv<kD, kTileQB / 16>(dv, st, do_tile, lane);
+        gemm_pv<kD, kTileQB / 16>(dk, dpt, q_tile, lane);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = row_k[r];
+        if (key >= p.T) continue;
+        const int64_t off = kv_off + static_cast<int64_t>(key) * kv_stride;
+#pragma unroll
+        for (int dn = 0; dn < kD / 8; ++dn) {
+            const int col = dn * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(p.dk + off + col) =
+                __floats2bfloat162_rn(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
+            *reinterpret_cast<__nv_bfloat162*>(p.dv + off + col) =
+                __floats2bfloat162_rn(dv[dn][2 * r], dv[dn][2 * r + 1]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// backward: dQ (block = 64 queries of one head)
+
+template <int kD>
+constexpr int dq_smem_bytes() {
+    return (2 * kTileQ + 4 * kTileKV) * tile_ld<kD>() * 2;
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(BwdParams p) {
+    constexpr int kLd = tile_ld<kD>();
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    bf16* q_tile = reinterpret_cast<bf16*>(smem_raw);
+    bf16* do_tile = q_tile + kTileQ * kLd;
+    bf16* k_tiles = do_tile + kTileQ * kLd;       // [2][kTileKV][kLd]
+    bf16* v_tiles = k_tiles + 2 * kTileKV * kLd;  // [2][kTileKV][kLd]
+    __shared__ int q_doc[kTileQ];
+    __shared__ int kv_doc[2][kTileKV];
+    __shared__ int scan_scratch;
+
+    const int tid = static_cast<int>(threadIdx.x);
+    const int lane = tid % 32;
+    const int warp = tid / 32;
+    const int num_q_tiles = (p.T + kTileQ - 1) / kTileQ;
+    const int bh_count = p.B * p.Hq;
+    const int q_tile_idx = num_q_tiles - 1 - static_cast<int>(blockIdx.x) / bh_count;
+    const int bh = static_cast<int>(blockIdx.x) % bh_count;
+    const int b = bh / p.Hq;
+    const int h = bh % p.Hq;
+    const int hk = h / (p.Hq / p.Hkv);
+    const int q0 = q_tile_idx * kTileQ;
+    const int q_end = min(q0 + kTileQ, p.T);
+
+    const int64_t q_stride = static_cast<int64_t>(p.Hq) * kD;
+    const int64_t kv_stride = static_cast<int64_t>(p.Hkv) * kD;
+    const int64_t q_off = static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
+    const bf16* k_base = p.k + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
+    const bf16* v_base = p.v + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
+    const int32_t* doc = p.doc_ids != nullptr ? p.doc_ids + static_cast<int64_t>(b) * p.T : nullptr;
+
+    if (tid < kTileQ) q_doc[tid] = (doc != nullptr && q0 + tid < p.T) ? doc[q0 + tid] : 0;
+    const int kv_first = block_run_start(doc, q0, &scan_scratch);
+    const int tile_begin = kv_first / kTileKV;
+    const int tile_end = (q_end + kTileKV - 1) / kTileKV;
+
+    auto load_kv = [&](int tile, int buf) {
+        const int kv0 = tile * kTileKV;
+        load_rows<kD>(k_tiles + buf * kTileKV * kLd, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
+        load_rows<kD>(v_tiles + buf * kTileKV * kLd, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
+        if (tid < kTileKV) kv_doc[buf][tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
+    };
+    load_rows<kD>(q_tile, p.q + q_off + q0 * q_stride, q_stride, p.T - q0, kTileQ);
+    load_rows<kD>(do_tile, p.dout + q_off + q0 * q_stride, q_stride, p.T - q0, kTileQ);
+    load_kv(tile_begin, 0);
+    cp_async_commit();
+
+    const int warp_q0 = q0 + warp * 16;
+    const int row_q[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const bool in = row_q[r] < p.T;
+        const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + row_q[r];
+        lse2[r] = in ? p.lse[row] * kLog2e : 0.0f;
+        delta[r] = in ? p.delta[row] : 0.0f;
+    }
+    float dq[kD / 8][4];
+    zero(dq);
+
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        const int buf = (tile - tile_begin) % 2;
+        __syncthreads();
+        if (tile + 1 < tile_end) load_kv(tile + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        const int kv0 = tile * kTileKV;
+        const bf16* k_tile = k_tiles + buf * kTileKV * kLd;
+        const bf16* v_tile = v_tiles + buf * kTileKV * kLd;
+        float s[kTileKV / 8][4];  // S, then P
+        zero(s);
+        gemm_abt<kD, kTileKV / 8>(s, q_tile, warp * 16, k_tile, lane);
+        float dp[kTileKV / 8][4];  // dP, then dS
+        zero(dp);
+        gemm_abt<kD, kTileKV / 8>(dp, do_tile, warp * 16, v_tile, lane);
+
+        bool full = kv0 + kTileKV - 1 <= warp_q0 && warp_q0 + 15 < p.T;
+        if (doc != nullptr) {
+            const int id = q_doc[warp * 16];
+            const bool same = kv_doc[buf][lane] == id && kv_doc[buf][lane + 32] == id &&
+                              (lane >= 16 || q_doc[warp * 16 + lane] == id);
+            full = __all_sync(0xffffffffu, same) && full;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kTileKV / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                bool allowed = true;
+                if (!full) {
+                    const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
+                    const int key = kv0 + key_local;
+                    const int qpos = row_q[c / 2];
+                    allowed = key <= qpos && qpos < p.T;
+                    if (doc != nullptr) allowed = allowed && kv_doc[buf][key_local] == q_doc[qpos - q0];
+                }
+                const float prob = allowed ? exp2f(s[nt][c] * p.scale_log2 - lse2[c / 2]) : 0.0f;
+                dp[nt][c] = prob * (dp[nt][c] - delta[c / 2]);
+            }
+        }
+        gemm_pv<kD, kTileKV / 16>(dq, dp, k_tile, lane);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int qpos = row_q[r];
+        if (qpos >= p.T) continue;
+        bf16* dq_row = p.dq + q_off + static_cast<int64_t>(qpos) * q_stride;
+#pragma unroll
+        for (int dn = 0; dn < kD / 8; ++dn) {
+            const int col = dn * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(dq_row + col) =
+                __floats2bfloat162_rn(dq[dn][2 * r] * p.scale, dq[dn][2 * r + 1] * p.scale);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// launchers
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+void check_shape(const char* what, const AttentionShape& s) {
+    MF_CHECK(s.B >= 0 && s.T >= 0 && s.Hq > 0 && s.Hkv > 0, what, ": bad shape B=", s.B, " T=", s.T, " Hq=", s.Hq,
+             " Hkv=", s.Hkv);
+    MF_CHECK(s.D == 16 || s.D == 32 || s.D == 64 || s.D == 128, what, ": head dim D=", s.D,
+             " is not supported (16, 32, 64 or 128)");
+    MF_CHECK(s.Hq % s.Hkv == 0, what, ": Hq=", s.Hq, " is not a multiple of Hkv=", s.Hkv);
+    MF_CHECK(s.B < (int64_t{1} << 20) && s.T < (int64_t{1} << 30) && s.Hq < (int64_t{1} << 16), what,
+             ": shape too large (B=", s.B, " T=", s.T, " Hq=", s.Hq, ")");
+    MF_CHECK(s.B * s.T * s.Hq * s.D < (int64_t{1} << 40), what, ": B·T·Hq·D is too large");
+    const int64_t blocks = ((s.T + kTileQ - 1) / kTileQ) * s.B * s.Hq;
+    MF_CHECK(blocks < (int64_t{1} << 31), what, ": grid of ", blocks, " blocks is too large");
+}
+
+float softmax_scale(int64_t D) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))); }
+
+template <int kD>
+void launch_forward(const FwdParams& p, cudaStream_t stream) {
+    constexpr int kSmem = fwd_smem_bytes<kD>();
+    MF_CHECK_CUDA(cudaFuncSetAttribute(attention_forward_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    const int64_t blocks = static_cast<int64_t>((p.T + kTileQ - 1) / kTileQ) * p.B * p.Hq;
+    attention_forward_kernel<kD><<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+template <int kD>
+void launch_backward(const BwdParams& p, cudaStream_t stream) {
+    constexpr int kSmemDkv = dkv_smem_bytes<kD>();
+    constexpr int kSmemDq = dq_smem_bytes<kD>();
+    MF_CHECK_CUDA(cudaFuncSetAttribute(attention_backward_dkv_kernel<kD>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDkv));
+    MF_CHECK_CUDA(
+        cudaFuncSetAttribute(attention_backward_dq_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDq));
+    const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv;
+    attention_backward_dkv_kernel<kD><<<static_cast<unsigned>(dkv_blocks), kThreads, kSmemDkv, stream>>>(p);
+    MF_CHECK_CUDA(cudaGetLastError());
+    const int64_t dq_blocks = static_cast<int64_t>((p.T + kTileQ - 1) / kTileQ) * p.B * p.Hq;
+    attention_backward_dq_kernel<kD><<<static_cast<unsigned>(dq_blocks), kThreads, kSmemDq, stream>>>(p);
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename Fn>
+void dispatch_head_dim(int64_t D, Fn&& fn) {
+    switch (D) {
+        case 16: fn(std::integral_constant<int, 16>{}); break;
+        case 32: fn(std::integral_constant<int, 32>{}); break;
+        case 64: fn(std::integral_constant<int, 64>{}); break;
+        case 128: fn(std::integral_constant<int, 128>{}); break;
+        default: MF_FAIL("attention: unsupported head dim ", D);
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// public entries
+
+void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, const int32_t* doc_ids,
+                       const AttentionShape& shape, cudaStream_t stream) {
+    check_shape("attention_forward", shape);
+    if (shape.B == 0 || shape.T == 0) return;
+    MF_CHECK(out != nullptr && lse != nullptr && q != nullptr && k != nullptr && v != nullptr,
+             "attention_forward: null tensor pointer");
+    MF_CHECK(aligned16(out) && aligned16(q) && aligned16(k) && aligned16(v), "attention_forward: q, k, v and out must be 16-byte aligned");
+    const FwdParams p{out, lse, q, k, v, doc_ids, static_cast<int>(shape.B), static_cast<int>(shape.T),
+                      static_cast<int>(shape.Hq), static_cast<int>(shape.Hkv), softmax_scale(shape.D) * kLog2e};
+    dispatch_head_dim(shape.D, [&](auto d) { launch_forward<decltype(d)::value>(p, stream); });
+}
+
+size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
+    check_shape("attention_backward_workspace_bytes", shape);
+    return static_cast<size_t>(shape.B * shape.Hq * shape.T) * sizeof(float);
+}
+
+void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                        const bf16* out, const float* lse, const int32_t* doc_ids, const AttentionShape& shape,
+                        void* workspace, cudaStream_t stream) {
+    check_shape("attention_backward", shape);
+    if (shape.B == 0 || shape.T == 0) return;
+    MF_CHECK(dq != nullptr && dk != nullptr && dv != nullptr && dout != nullptr && q != nullptr && k != nullptr &&
+                 v != nullptr && out != nullptr && lse != nullptr && workspace != nullptr,
+             "attention_backward: null pointer");
+    MF_CHECK(aligned16(dq) && aligned16(dk) && aligned16(dv) && aligned16(dout) && aligned16(q) && aligned16(k) &&
+                 aligned16(v) && aligned16(out) && aligned16(workspace),
+             "attention_backward: tensors and workspace must be 16-byte aligned");
+    float* delta = static_cast<float*>(workspace);
+    const int64_t rows = shape.B * shape.T * shape.Hq;
+    const int64_t delta_blocks = std::min<int64_t>((rows + 7) / 8, int64_t{1} << 20);
+    attention_delta_kernel<<<static_cast<unsigned>(delta_blocks), 256, 0, stream>>>(
+        delta, dout, out, static_cast<int>(shape.B), static_cast<int>(shape.T), static_cast<int>(shape.Hq),
+        static_cast<int>(shape.D));
+    MF_CHECK_CUDA(cudaGetLastError());
+    const float scale = softmax_scale(shape.D);
+    const BwdParams p{dq,     dk,          dv,       dout, q, k, v, lse, delta, doc_ids, static_cast<int>(shape.B),
+                      static_cast<int>(shape.T), static_cast<int>(shape.Hq), static_cast<int>(shape.Hkv), scale,
+                      scale * kLog2e};
+    dispatch_head_dim(shape.D, [&](auto d) { launch_backward<decltype(d)::value>(p, stream); });
+}
+
+}  // namespace mf::cuda

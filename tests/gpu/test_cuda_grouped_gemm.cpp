@@ -1,0 +1,458 @@
+// GPU parity of the grouped expert GEMMs (kernels/cuda/grouped_gemm.cuh) against the fp32 CPU
+// reference (kernels/cpu/grouped_matmul.h), fed the same bf16-rounded inputs; offsets live on the device.
+//
+// Tolerance rule (CONVENTIONS.md): max_i |gpu_i − ref_i| <= 2 · max_i |naive_i − ref_i| + floor, where
+// ref is the CPU kernel and naive is the same computation stored the way a bf16 kernel stores it
+// (the fp32 result rounded to bf16; for fp32 outputs naive = ref). floor = 2^-16 · max(1, max|ref|)
+// covers fp32 summation-order differences. Outputs are poisoned with NaN before every GPU call, so an
+// element never written fails, and rows outside the groups must come back untouched. Sweeps: empty
+// experts, single rows, ragged groups, sizes that are no tile multiple, 130 experts. MF_BENCH=1 times
+// the Qwen3-30B-A3B expert shapes.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/cuda_check.h"
+#include "kernels/cpu/grouped_matmul.h"
+#include "kernels/cuda/gemm.cuh"
+#include "kernels/cuda/grouped_gemm.cuh"
+#include "test_util.h"
+
+namespace {
+
+using mf::cuda::bf16;
+
+class GpuEnvironment : public ::testing::Environment {
+ public:
+    void SetUp() override { mf::test::require_gpu(); }
+};
+const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuEnvironment);
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+class DeviceBuffer {
+ public:
+    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16))); }
+    ~DeviceBuffer() { cudaFree(ptr_); }
+    DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+    template <typename T>
+    T* as() const {
+        return static_cast<T*>(ptr_);
+    }
+    size_t bytes() const { return bytes_; }
+
+ private:
+    void* ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+std::vector<float> random_bf16_values(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(dist(rng)));
+    return v;
+}
+
+std::vector<float> round_bf16(std::vector<float> v) {
+    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(x));
+    return v;
+}
+
+void upload_bf16(const DeviceBuffer& dst, const std::vector<float>& v) {
+    std::vector<uint16_t> bits(v.size());
+    for (size_t i = 0; i < v.size(); ++i) bits[i] = mf::f32_to_bf16(v[i]);
+    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
+}
+void upload_f32(const DeviceBuffer& dst, const std::vector<float>& v) {
+    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+}
+std::vector<float> download_bf16(const DeviceBuffer& src, size_t n) {
+    std::vector<uint16_t> bits(n);
+    MF_CHECK_CUDA(cudaMemcpy(bits.data(), src.as<void>(), n * 2, cudaMemcpyDeviceToHost));
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = mf::bf16_to_f32(bits[i]);
+    return v;
+}
+std::vector<float> download_f32(const DeviceBuffer& src, size_t n) {
+    std::vector<float> v(n);
+    MF_CHECK_CUDA(cudaMemcpy(v.data(), src.as<void>(), n * 4, cudaMemcpyDeviceToHost));
+    return v;
+}
+// Fills n bf16 values with a random block of at most 2^22 values repeated (fast for big buffers).
+void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
+    const size_t block = std::min<size_t>(n, size_t{1} << 22);
+    DeviceBuffer src(block * 2);
+    upload_bf16(src, random_bf16_values(rng, block));
+    for (size_t i = 0; i < n; i += block)
+        MF_CHECK_CUDA(cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2,
+                                 cudaMemcpyDeviceToDevice));
+}
+void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
+
+// The tolerance rule of the file comment; NaN or a size mismatch fails.
+void expect_parity(const std::string& what, const std::vector<float>& gpu, const std::vector<float>& ref,
+                   const std::vector<float>& naive) {
+    ASSERT_EQ(gpu.size(), ref.size()) << what;
+    double err = 0.0, naive_err = 0.0, ref_max = 0.0, diff_sq = 0.0, ref_sq = 0.0;
+    size_t worst = 0, non_finite = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (!std::isfinite(gpu[i])) {
+            ++non_finite;
+            continue;
+        }
+        const double e = std::fabs(static_cast<double>(gpu[i]) - ref[i]);
+        if (e > err) err = e, worst = i;
+        naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
+        ref_max = std::max(ref_max, std::fabs(static_cast<double>(ref[i])));
+        diff_sq += e * e;
+        ref_sq += static_cast<double>(ref[i]) * ref[i];
+    }
+    const double tol = 2.0 * naive_err + std::ldexp(std::max(1.0, ref_max), -16);
+    EXPECT_EQ(non_finite, 0u) << what << ": " << non_finite << " elements are not finite (never written?)";
+    EXPECT_LE(err, tol) << what << ": max error " << err << " at " << worst << " (gpu " << gpu[worst] << ", ref "
+                        << ref[worst] << "), tolerance " << tol;
+    std::printf("  %-48s max err %.3e  tol %.3e  rel-l2 %.3e\n", what.c_str(), err, tol,
+                ref_sq > 0 ? std::sqrt(diff_sq / ref_sq) : 0.0);
+}
+
+template <typename Fn>
+double median_us(Fn&& fn, int reps = 20) {
+    cudaEvent_t start, stop;
+    MF_CHECK_CUDA(cudaEventCreate(&start));
+    MF_CHECK_CUDA(cudaEventCreate(&stop));
+    for (int i = 0; i < 3; ++i) fn();
+    std::vector<float> times;
+    for (int i = 0; i < reps; ++i) {
+        MF_CHECK_CUDA(cudaEventRecord(start));
+        fn();
+        MF_CHECK_CUDA(cudaEventRecord(stop));
+        MF_CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        MF_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms * 1000.0f);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+}
+
+// ---------------------------------------------------------------------------------------------
+// cases
+
+struct GroupCase {
+    int64_t E, C, OC;
+    std::vector<int32_t> sizes;  // rows per expert
+    int32_t lead = 0;            // rows before offsets[0] (never touched)
+    int32_t tail = 0;            // rows after offsets[E] (never touched)
+
+    int64_t rows() const {
+        int64_t m = lead + tail;
+        for (int32_t s : sizes) m += s;
+        return m;
+    }
+    std::vector<int32_t> offsets() const {
+        std::vector<int32_t> off(E + 1);
+        off[0] = lead;
+        for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + sizes[e];
+        return off;
+    }
+    std::string label(const char* op) const {
+        return std::string(op) + " E=" + std::to_string(E) + " C=" + std::to_string(C) + " OC=" + std::to_string(OC) +
+               " M=" + std::to_string(rows());
+    }
+};
+
+std::vector<GroupCase> make_cases() {
+    std::vector<GroupCase> cases = {
+        {4, 64, 48, {0, 1, 130, 37}},                 // an empty expert, a single row, > one row tile
+        {5, 200, 136, {3, 0, 0, 257, 64}, 5, 7},      // no tile multiples; rows outside the groups
+        {8, 128, 256, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},  // one busy expert among empty ones
+        {1, 512, 384, {300}},                          // long K loop
+        {3, 8, 8, {1, 2, 3}, 2, 0},                    // tiny
+    };
+    // Many experts (the group table scan runs over several 32-expert chunks), ragged, many empty.
+    std::mt19937 rng(42);
+    GroupCase many{130, 32, 24, {}, 1, 1};
+    for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 40));
+    cases.push_back(many);
+    return cases;
+}
+
+// Rows of a [M, width] matrix split into those inside [off[0], off[E]) and those outside.
+void split_rows(const std::vector<float>& all, int64_t width, const std::vector<int32_t>& off,
+                std::vector<float>* inside, std::vector<float>* outside) {
+    const int64_t rows = static_cast<int64_t>(all.size()) / std::max<int64_t>(width, 1);
+    for (int64_t r = 0; r < rows; ++r) {
+        auto* dst = (r >= off.front() && r < off.back()) ? inside : outside;
+        dst->insert(dst->end(), all.begin() + r * width, all.begin() + (r + 1) * width);
+    }
+}
+
+// Outside rows must be bitwise what they were before the call (NaN poison counts as equal).
+void expect_untouched(const std::string& what, const std::vector<float>& now, const std::vector<float>& before) {
+    ASSERT_EQ(now.size(), before.size());
+    size_t changed = 0;
+    for (size_t i = 0; i < now.size(); ++i)
+        changed += !(now[i] == before[i] || (std::isnan(now[i]) && std::isnan(before[i])));
+    EXPECT_EQ(changed, 0u) << what << ": " << changed << " elements outside the groups were written";
+}
+
+DeviceBuffer upload_offsets(const std::vector<int32_t>& off) {
+    DeviceBuffer d(off.size() * 4);
+    MF_CHECK_CUDA(cudaMemcpy(d.as<void>(), off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// parity
+
+TEST(CudaGroupedGemm, ForwardParity) {
+    std::mt19937 rng(11);
+    for (const GroupCase& g : make_cases()) {
+        const int64_t M = g.rows();
+        const auto off = g.offsets();
+        const auto inp = random_bf16_values(rng, M * g.C);
+        const auto weight = random_bf16_values(rng, g.E * g.OC * g.C);
+        std::vector<float> ref(M * g.OC, 0.0f);
+        mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
+
+        DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+        const DeviceBuffer d_off = upload_offsets(off);
+        upload_bf16(d_inp, inp);
+        upload_bf16(d_w, weight);
+        poison(d_out);
+        mf::cuda::grouped_matmul_forward(d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M,
+                                         g.E, g.C, g.OC, nullptr);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto gpu = download_bf16(d_out, ref.size());
+        std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
+        split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
+        split_rows(ref, g.OC, off, &ref_in, &ref_out);
+        expect_parity(g.label("forward"), gpu_in, ref_in, round_bf16(ref_in));
+        expect_untouched(g.label("forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
+    }
+}
+
+TEST(CudaGroupedGemm, BackwardInputParity) {
+    std::mt19937 rng(12);
+    for (const GroupCase& g : make_cases()) {
+        for (bool accumulate : {false, true}) {
+            const int64_t M = g.rows();
+            const auto off = g.offsets();
+            const auto dout = random_bf16_values(rng, M * g.OC);
+            const auto weight = random_bf16_values(rng, g.E * g.OC * g.C);
+            const auto before = random_bf16_values(rng, M * g.C);
+            std::vector<float> ref = accumulate ? before : std::vector<float>(M * g.C, 0.0f);
+            mf::cpu::grouped_matmul_backward(ref.data(), nullptr, dout.data(), nullptr, weight.data(), off.data(),
+                                             g.E, g.C, g.OC);
+
+            DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
+            const DeviceBuffer d_off = upload_offsets(off);
+            upload_bf16(d_dout, dout);
+            upload_bf16(d_w, weight);
+            if (accumulate)
+                upload_bf16(d_dinp, before);
+            else
+                poison(d_dinp);
+            mf::cuda::grouped_matmul_backward_input(d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(),
+                                                    d_off.as<int32_t>(), M, g.E, g.C, g.OC, accumulate, nullptr);
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            const auto gpu = download_bf16(d_dinp, ref.size());
+            std::vector<float> gpu_in, gpu_out, ref_in, ref_out, before_in, before_out;
+            split_rows(gpu, g.C, off, &gpu_in, &gpu_out);
+            split_rows(ref, g.C, off, &ref_in, &ref_out);
+            split_rows(before, g.C, off, &before_in, &before_out);
+            const char* op = accumulate ? "backward input +=" : "backward input =";
+            expect_parity(g.label(op), gpu_in, ref_in, round_bf16(ref_in));
+            expect_untouched(g.label(op), gpu_out,
+                             accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
+        }
+    }
+}
+
+TEST(CudaGroupedGemm, BackwardWeightParity) {
+    std::mt19937 rng(13);
+    for (const GroupCase& g : make_cases()) {
+        for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+            const int64_t M = g.rows();
+            const auto off = g.offsets();
+            const auto dout = random_bf16_values(rng, M * g.OC);
+            const auto inp = random_bf16_values(rng, M * g.C);
+            const auto before = random_bf16_values(rng, g.E * g.OC * g.C);
+            std::vector<float> ref = before;
+            mf::cpu::grouped_matmul_backward(nullptr, ref.data(), dout.data(), inp.data(), nullptr, off.data(), g.E,
+                                             g.C, g.OC);
+
+            const bool f32 = dtype == mf::DType::f32;
+            DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
+            const DeviceBuffer d_off = upload_offsets(off);
+            upload_bf16(d_dout, dout);
+            upload_bf16(d_inp, inp);
+            if (f32)
+                upload_f32(d_dw, before);
+            else
+                upload_bf16(d_dw, before);
+            mf::cuda::grouped_matmul_backward_weight(d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                                                     d_off.as<int32_t>(), M, g.E, g.C, g.OC, nullptr);
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            if (f32) {
+                const auto gpu = download_f32(d_dw, ref.size());
+                expect_parity(g.label("backward weight f32 +="), gpu, ref, ref);
+                // Empty experts keep their gradient bit for bit.
+                for (int64_t e = 0; e < g.E; ++e) {
+                    if (g.sizes[e] != 0) continue;
+                    const int64_t n = g.OC * g.C;
+                    EXPECT_TRUE(std::equal(gpu.begin() + e * n, gpu.begin() + (e + 1) * n, before.begin() + e * n))
+                        << g.label("backward weight") << ": empty expert " << e << " changed";
+                }
+            } else {
+                expect_parity(g.label("backward weight bf16 +="), download_bf16(d_dw, ref.size()), ref,
+                              round_bf16(ref));
+            }
+        }
+    }
+}
+
+TEST(CudaGroupedGemm, Deterministic) {
+    std::mt19937 rng(14);
+    const GroupCase g{6, 256, 192, {100, 0, 513, 7, 250, 129}};
+    const int64_t M = g.rows();
+    const auto off = g.offsets();
+    DeviceBuffer d_dout(M * g.OC * 2), d_inp(M * g.C * 2), d_dw(g.E * g.OC * g.C * 4);
+    const DeviceBuffer d_off = upload_offsets(off);
+    upload_bf16(d_dout, random_bf16_values(rng, M * g.OC));
+    upload_bf16(d_inp, random_bf16_values(rng, M * g.C));
+    std::vector<float> first;
+    for (int run = 0; run < 3; ++run) {
+        MF_CHECK_CUDA(cudaMemset(d_dw.as<void>(), 0, d_dw.bytes()));
+        mf::cuda::grouped_matmul_backward_weight(d_dw.as<void>(), mf::DType::f32, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                                                 d_off.as<int32_t>(), M, g.E, g.C, g.OC, nullptr);
+        const auto now = download_f32(d_dw, g.E * g.OC * g.C);
+        if (run == 0)
+            first = now;
+        else
+            EXPECT_EQ(std::memcmp(first.data(), now.data(), now.size() * 4), 0) << "run " << run << " differs";
+    }
+}
+
+// Offsets that break the contract are clamped on the device (running max, then [0, M]) instead of
+// reading or writing outside the buffers; the result equals the CPU on the clamped offsets.
+TEST(CudaGroupedGemm, BadOffsetsStayInBounds) {
+    std::mt19937 rng(15);
+    const int64_t E = 4, C = 64, OC = 32, M = 100;
+    const std::vector<int32_t> bad = {-5, 40, 20, 90, 1000};  // negative, decreasing, past M
+    const std::vector<int32_t> clamped = {0, 40, 40, 90, 100};
+    const auto inp = random_bf16_values(rng, M * C);
+    const auto weight = random_bf16_values(rng, E * OC * C);
+    std::vector<float> ref(M * OC, 0.0f);
+    mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), clamped.data(), E, C, OC);
+    DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+    const DeviceBuffer d_off = upload_offsets(bad);
+    upload_bf16(d_inp, inp);
+    upload_bf16(d_w, weight);
+    poison(d_out);
+    mf::cuda::grouped_matmul_forward(d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, E, C,
+                                     OC, nullptr);
+    MF_CHECK_CUDA(cudaDeviceSynchronize());
+    expect_parity("forward with clamped offsets", download_bf16(d_out, ref.size()), ref, round_bf16(ref));
+}
+
+TEST(CudaGroupedGemm, ArgumentErrors) {
+    DeviceBuffer buf(4096);
+    const auto* off = buf.as<int32_t>();
+    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 12, 8,
+                                                  nullptr),
+                 mf::Error);  // C not a multiple of 8
+    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 5000, 8, 8,
+                                                  nullptr),
+                 mf::Error);  // too many experts
+    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>() + 1, buf.as<bf16>(), off, 4, 1, 8, 8,
+                                                  nullptr),
+                 mf::Error);  // misaligned
+    EXPECT_THROW(mf::cuda::grouped_matmul_backward_weight(buf.as<void>(), mf::DType::i64, buf.as<bf16>(),
+                                                          buf.as<bf16>(), off, 4, 1, 8, 8, nullptr),
+                 mf::Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MF_BENCH=1: Qwen3-30B-A3B expert GEMMs, 16384 tokens x top-8 = 131072 rows over 128 experts,
+// uneven (log-normal expert loads, two experts empty); the dense cuBLASLt GEMM of the same total
+// size is timed alongside as the baseline.
+
+TEST(CudaGroupedGemm, Benchmark) {
+    const char* bench = std::getenv("MF_BENCH");
+    if (bench == nullptr || std::string(bench) != "1") GTEST_SKIP() << "set MF_BENCH=1 to time";
+    const int64_t E = 128, M = 16384 * 8;
+    std::mt19937 rng(77);
+    std::lognormal_distribution<double> load(0.0, 0.6);
+    std::vector<double> w(E);
+    for (double& x : w) x = load(rng);
+    w[7] = w[77] = 0.0;
+    double total = 0.0;
+    for (double x : w) total += x;
+    std::vector<int32_t> off(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + static_cast<int32_t>(M * w[e] / total);
+    off[E] = static_cast<int32_t>(M);
+    int32_t min_rows = INT32_MAX, max_rows = 0;
+    for (int64_t e = 0; e < E; ++e)
+        if (w[e] > 0) min_rows = std::min(min_rows, off[e + 1] - off[e]), max_rows = std::max(max_rows, off[e + 1] - off[e]);
+    std::printf("BENCH grouped rows per expert: min %d max %d (2 empty)\n", min_rows, max_rows);
+    const DeviceBuffer d_off = upload_offsets(off);
+    mf::cuda::GemmContext ctx;
+    struct Case {
+        const char* label;
+        int64_t C, OC;
+    };
+    for (const Case& c : {Case{"gate_up", 2048, 1536}, Case{"down", 768, 2048}}) {
+        DeviceBuffer inp(M * c.C * 2), wt(E * c.OC * c.C * 2), out(M * c.OC * 2), dinp(M * c.C * 2),
+            dw32(E * c.OC * c.C * 4), dw16(E * c.OC * c.C * 2), dense_w(c.OC * c.C * 2);
+        fill_random_bf16(inp, M * c.C, rng);
+        fill_random_bf16(wt, E * c.OC * c.C, rng);
+        fill_random_bf16(out, M * c.OC, rng);
+        fill_random_bf16(dense_w, c.OC * c.C, rng);
+        MF_CHECK_CUDA(cudaMemset(dw32.as<void>(), 0, dw32.bytes()));
+        MF_CHECK_CUDA(cudaMemset(dw16.as<void>(), 0, dw16.bytes()));
+        const double flops = 2.0 * M * c.C * c.OC;
+        const double fwd = median_us([&] {
+            mf::cuda::grouped_matmul_forward(out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
+                                             c.C, c.OC, nullptr);
+        });
+        const double bwd_in = median_us([&] {
+            mf::cuda::grouped_matmul_backward_input(dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(),
+                                                    M, E, c.C, c.OC, false, nullptr);
+        });
+        const double bwd_w32 = median_us([&] {
+            mf::cuda::grouped_matmul_backward_weight(dw32.as<void>(), mf::DType::f32, out.as<bf16>(), inp.as<bf16>(),
+                                                     d_off.as<int32_t>(), M, E, c.C, c.OC, nullptr);
+        });
+        const double bwd_w16 = median_us([&] {
+            mf::cuda::grouped_matmul_backward_weight(dw16.as<void>(), mf::DType::bf16, out.as<bf16>(), inp.as<bf16>(),
+                                                     d_off.as<int32_t>(), M, E, c.C, c.OC, nullptr);
+        });
+        const double dense = median_us([&] {
+            mf::cuda::matmul_forward(ctx, out.as<bf16>(), inp.as<bf16>(), dense_w.as<bf16>(), M, c.C, c.OC, nullptr);
+        });
+        std::printf("BENCH grouped %-8s C=%-5lld OC=%-5lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
+                    "bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f | dense cuBLASLt same size %8.1f us %6.1f\n",
+                    c.label, static_cast<long long>(c.C), static_cast<long long>(c.OC), fwd, flops / fwd * 1e-6,
+                    bwd_in, flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16, flops / bwd_w16 * 1e-6,
+                    dense, flops / dense * 1e-6);
+    }
+}
+
+}  // namespace
