@@ -5,7 +5,8 @@
 //   kSet s          one code point in set s
 //   kRepeatSet s    a run of code points in set s, min..max times, greedy / lazy / possessive; the
 //                   greedy form pushes one stack frame that gives characters back one at a time
-//   kSplit x y      try x, on failure y
+//   kSplit x y      try x, on failure y; with a guard (the sets that can start x, when x cannot
+//                   match empty), go straight to y when the next character is in none of them
 //   kJmp x
 //   kLook x y neg   run the sub-program at x (ending in kMatch) at the current position, atomically;
 //                   continue at y when it matched (neg: when it did not)
@@ -26,6 +27,7 @@ constexpr uint32_t kInfinite = std::numeric_limits<uint32_t>::max();
 constexpr uint32_t kMaxCount = 1000;          // largest n or m in {n,m}
 constexpr size_t kMaxProgram = 1u << 16;      // instructions
 constexpr int kMaxDepth = 64;                 // group nesting
+constexpr size_t kMaxGuardSets = 16;          // sets checked before trying an alternative
 enum class Mode : uint8_t { kGreedy, kLazy, kPossessive };
 }  // namespace
 
@@ -86,6 +88,7 @@ struct Regex::Inst {
     uint32_t set = 0;
     uint32_t x = 0, y = 0;
     uint32_t min = 0, max = 0;
+    uint32_t guard_begin = 0, guard_count = 0;  // kSplit: sets in Regex::guards_ that can start x
 };
 
 namespace {
@@ -99,6 +102,39 @@ struct Node {
     Mode mode = Mode::kGreedy;
     bool negate = false;
 };
+
+// What can start a match of a node: kSolid when one of the collected sets must match the first
+// character (the node never matches empty), kNullable when it may also match empty, kUnknown when a
+// lookahead stands in the way.
+enum class Start { kSolid, kNullable, kUnknown };
+
+Start first_sets(const Node& n, std::vector<uint32_t>& out) {
+    switch (n.kind) {
+        case Node::kEmpty: return Start::kNullable;
+        case Node::kSet: out.push_back(n.set); return Start::kSolid;
+        case Node::kConcat:
+            for (const Node& k : n.kids) {
+                const Start r = first_sets(k, out);
+                if (r != Start::kNullable) return r;
+            }
+            return Start::kNullable;
+        case Node::kAlt: {
+            Start all = Start::kSolid;
+            for (const Node& k : n.kids) {
+                const Start r = first_sets(k, out);
+                if (r == Start::kUnknown) return r;
+                if (r == Start::kNullable) all = Start::kNullable;
+            }
+            return all;
+        }
+        case Node::kRepeat: {
+            const Start r = first_sets(n.kids[0], out);
+            return r == Start::kUnknown ? r : n.min == 0 ? Start::kNullable : r;
+        }
+        case Node::kLook: return Start::kUnknown;
+    }
+    return Start::kUnknown;
+}
 
 bool nullable(const Node& n) {
     switch (n.kind) {
@@ -596,7 +632,8 @@ class Parser {
 
 class Compiler {
  public:
-    Compiler(std::vector<Regex::Inst>& prog, const std::string& source) : prog_(prog), source_(source) {}
+    Compiler(std::vector<Regex::Inst>& prog, std::vector<uint32_t>& guards, const std::string& source)
+        : prog_(prog), guards_(guards), source_(source) {}
 
     void compile(const Node& n) {
         if (prog_.size() > kMaxProgram) fail("regex /", source_, "/: pattern too large once repeats are unrolled");
@@ -617,6 +654,14 @@ class Compiler {
                 for (size_t a = 0; a < n.kids.size(); ++a) {
                     if (a + 1 < n.kids.size()) {
                         const size_t split = emit(Regex::Inst::kSplit);
+                        std::vector<uint32_t> first;
+                        if (first_sets(n.kids[a], first) == Start::kSolid && first.size() <= kMaxGuardSets) {
+                            std::sort(first.begin(), first.end());
+                            first.erase(std::unique(first.begin(), first.end()), first.end());
+                            prog_[split].guard_begin = static_cast<uint32_t>(guards_.size());
+                            prog_[split].guard_count = static_cast<uint32_t>(first.size());
+                            guards_.insert(guards_.end(), first.begin(), first.end());
+                        }
                         prog_[split].x = static_cast<uint32_t>(prog_.size());
                         compile(n.kids[a]);
                         jumps.push_back(emit(Regex::Inst::kJmp));
@@ -692,6 +737,7 @@ class Compiler {
     }
 
     std::vector<Regex::Inst>& prog_;
+    std::vector<uint32_t>& guards_;
     const std::string& source_;
 };
 
@@ -716,7 +762,7 @@ struct Regex::Context {
 Regex::Regex(std::string_view pattern) : pattern_(pattern) {
     Parser parser(pattern, sets_);
     const Node root = parser.parse();
-    Compiler compiler(program_, pattern_);
+    Compiler compiler(program_, guards_, pattern_);
     compiler.compile(root);
     Inst match;
     match.op = Inst::kMatch;
@@ -768,6 +814,18 @@ bool Regex::run(Context& ctx, uint32_t pc, size_t pos, size_t* end) const {
                 continue;
             }
             case Inst::kSplit:
+                if (in.guard_count != 0) {
+                    bool may_start = false;
+                    if (pos < n) {
+                        const uint32_t* g = guards_.data() + in.guard_begin;
+                        for (uint32_t k = 0; k < in.guard_count && !may_start; ++k)
+                            may_start = sets_[g[k]].matches(text[pos]);
+                    }
+                    if (!may_start) {
+                        pc = in.y;
+                        continue;
+                    }
+                }
                 ctx.stack.push_back({Context::kPlain, in.y, pos, 0});
                 pc = in.x;
                 continue;
@@ -835,8 +893,12 @@ bool Regex::search(std::u32string_view text, size_t from, size_t* begin, size_t*
     return false;
 }
 
-std::vector<std::pair<size_t, size_t>> Regex::split_isolated(std::u32string_view text) const {
-    std::vector<std::pair<size_t, size_t>> pieces;
+std::vector<Regex::Piece> Regex::find_matches(std::u32string_view text) const {
+    std::vector<Piece> pieces;
+    if (text.empty()) {
+        pieces.push_back({0, 0, false});
+        return pieces;
+    }
     Context ctx;
     ctx.text = text;
     ctx.step_limit = kBaseSteps + kStepsPerChar * text.size();
@@ -863,12 +925,19 @@ std::vector<std::pair<size_t, size_t>> Regex::split_isolated(std::u32string_view
         search_from = e;
         have_last = true;
         last_match_end = e;
-        if (prev != b) pieces.push_back({prev, b});
-        if (b != e) pieces.push_back({b, e});
+        if (prev != b) pieces.push_back({prev, b, false});
+        pieces.push_back({b, e, true});
         prev = e;
     }
-    if (prev != text.size()) pieces.push_back({prev, text.size()});
+    if (prev != text.size()) pieces.push_back({prev, text.size(), false});
     return pieces;
+}
+
+std::vector<std::pair<size_t, size_t>> Regex::split_isolated(std::u32string_view text) const {
+    std::vector<std::pair<size_t, size_t>> out;
+    for (const Piece& p : find_matches(text))
+        if (p.end > p.begin) out.push_back({p.begin, p.end});
+    return out;
 }
 
 std::vector<std::string> Regex::split_isolated(std::string_view utf8) const {

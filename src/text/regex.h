@@ -43,8 +43,15 @@ class Regex {
     bool match_at(std::u32string_view text, size_t pos, size_t* end) const;
     // Leftmost match starting at or after `from`.
     bool search(std::u32string_view text, size_t from, size_t* begin, size_t* end) const;
-    // HF's Split(pattern, behavior=Isolated): the matches and the gaps between them, in order, as
-    // non-empty [begin, end) code point ranges covering the text. Empty matches only split gaps.
+    // The matches and the gaps between them, in order, covering the text, as HF's find_matches over
+    // the onig crate's find_iter: an empty match right after the previous match is skipped, other
+    // empty matches are listed (they split gaps); an empty text gives one empty gap.
+    struct Piece {
+        size_t begin, end;  // code point offsets
+        bool is_match;
+    };
+    std::vector<Piece> find_matches(std::u32string_view text) const;
+    // HF's Split(pattern, behavior=Isolated): find_matches without the empty pieces.
     std::vector<std::pair<size_t, size_t>> split_isolated(std::u32string_view text) const;
     // The same on UTF-8 text (valid UTF-8 required), returning the pieces; for tests and tools.
     std::vector<std::string> split_isolated(std::string_view utf8) const;
@@ -63,6 +70,7 @@ class Regex {
     std::string pattern_;
     std::vector<CharSet> sets_;
     std::vector<Inst> program_;
+    std::vector<uint32_t> guards_;  // set indices referenced by kSplit guards
 };
 
 }  // namespace mf::text

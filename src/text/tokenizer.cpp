@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <fstream>
 #include <mutex>
 #include <queue>
@@ -38,7 +39,8 @@ using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>
 
 // GPT-2's byte <-> char map: printable bytes map to themselves, the rest to U+0100 and up.
 struct ByteLevelMap {
-    std::array<std::string, 256> byte_to_utf8;
+    std::array<std::array<char, 2>, 256> utf8;  // UTF-8 of the char standing for each byte (1 or 2 bytes)
+    std::array<uint8_t, 256> utf8_length;
     std::array<int16_t, 0x144> char_to_byte;  // -1 when the char is not in the alphabet
     ByteLevelMap() {
         char_to_byte.fill(-1);
@@ -46,9 +48,24 @@ struct ByteLevelMap {
         for (int b = 0; b < 256; ++b) {
             const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
             const char32_t c = printable ? static_cast<char32_t>(b) : next++;
-            append_utf8(byte_to_utf8[b], c);
+            std::string s;
+            append_utf8(s, c);
+            utf8_length[b] = static_cast<uint8_t>(s.size());
+            utf8[b] = {s[0], s.size() > 1 ? s[1] : '\0'};
             char_to_byte[c] = static_cast<int16_t>(b);
         }
+    }
+    size_t mapped_size(std::string_view s) const {
+        size_t n = 0;
+        for (unsigned char b : s) n += utf8_length[b];
+        return n;
+    }
+    // Appends the mapped form of `s` to `out`, which must have room (no reallocation: views into
+    // `out` stay valid).
+    std::string_view append_mapped(std::string& out, std::string_view s) const {
+        const size_t begin = out.size();
+        for (unsigned char b : s) out.append(utf8[b].data(), utf8_length[b]);
+        return std::string_view(out).substr(begin);
     }
 };
 const ByteLevelMap& byte_level() {
@@ -116,12 +133,17 @@ struct AddedToken {
     bool special = false, normalized = false, lstrip = false, rstrip = false;
 };
 
+// What Split does with the pieces it finds (HF's SplitDelimiterBehavior).
+enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
 struct PreTokenizer {
     enum Kind { kByteLevel, kSplitRegex, kSplitString } kind = kByteLevel;
-    bool add_prefix_space = false;
-    bool use_regex = true;
+    bool add_prefix_space = false;  // ByteLevel
+    bool use_regex = true;          // ByteLevel
     std::shared_ptr<const Regex> regex;
     std::string literal;
+    SplitBehavior behavior = SplitBehavior::kIsolated;
+    bool invert = false;
 };
 
 struct TemplateItem {
@@ -392,9 +414,16 @@ class Loader {
             PreTokenizer p;
             const json::Value& behavior = require(*v, "behavior", path);
             expect_kind(behavior, json::Kind::string, path + ".behavior");
-            if (behavior.as_string() != "Isolated")
-                bad(path + ".behavior", show_token(behavior.as_string()), " is not supported (supported: Isolated)");
-            if (get_bool(*v, "invert", path, false)) bad(path + ".invert", "true is not supported (only false)");
+            const std::string& b = behavior.as_string();
+            if (b == "Removed") p.behavior = SplitBehavior::kRemoved;
+            else if (b == "Isolated") p.behavior = SplitBehavior::kIsolated;
+            else if (b == "MergedWithPrevious") p.behavior = SplitBehavior::kMergedWithPrevious;
+            else if (b == "MergedWithNext") p.behavior = SplitBehavior::kMergedWithNext;
+            else if (b == "Contiguous") p.behavior = SplitBehavior::kContiguous;
+            else
+                bad(path + ".behavior", show_token(b),
+                    " is not a split behavior (Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous)");
+            p.invert = get_bool(*v, "invert", path, false);
             const json::Value& pattern = require(*v, "pattern", path);
             expect_kind(pattern, json::Kind::object, path + ".pattern");
             if (const json::Value* re = field(pattern, "Regex")) {
@@ -668,9 +697,62 @@ void Tokenizer::Impl::encode_segment(std::string_view text, std::vector<int32_t>
 
 namespace {
 
-// Pieces of `piece` split by `regex` as HF's Split(behavior=Isolated).
-void split_by_regex(const Regex& regex, std::string_view piece, std::u32string& cps, std::vector<size_t>& offsets,
-                    std::vector<std::string>& out) {
+struct BytePiece {
+    size_t begin, end;
+    bool is_match;
+};
+
+// HF's NormalizedString::split: turns the pieces of find_matches into the splits a behavior keeps,
+// and appends the non-empty ones.
+void apply_split_behavior(std::string_view s, const std::vector<BytePiece>& pieces, SplitBehavior behavior,
+                          bool invert, std::vector<std::string_view>& out) {
+    struct Split {
+        size_t begin, end;
+        bool remove;
+    };
+    std::vector<Split> splits;
+    splits.reserve(pieces.size());
+    bool previous_match = false;
+    switch (behavior) {
+        case SplitBehavior::kIsolated:
+            for (const BytePiece& p : pieces) splits.push_back({p.begin, p.end, false});
+            break;
+        case SplitBehavior::kRemoved:
+            for (const BytePiece& p : pieces) splits.push_back({p.begin, p.end, p.is_match != invert});
+            break;
+        case SplitBehavior::kContiguous:
+            for (const BytePiece& p : pieces) {
+                const bool m = p.is_match != invert;
+                if (m == previous_match && !splits.empty()) splits.back().end = p.end;
+                else splits.push_back({p.begin, p.end, false});
+                previous_match = m;
+            }
+            break;
+        case SplitBehavior::kMergedWithPrevious:
+            for (const BytePiece& p : pieces) {
+                const bool m = p.is_match != invert;
+                if (m && !previous_match && !splits.empty()) splits.back().end = p.end;
+                else splits.push_back({p.begin, p.end, false});
+                previous_match = m;
+            }
+            break;
+        case SplitBehavior::kMergedWithNext:
+            for (auto it = pieces.rbegin(); it != pieces.rend(); ++it) {
+                const bool m = it->is_match != invert;
+                if (m && !previous_match && !splits.empty()) splits.back().begin = it->begin;
+                else splits.push_back({it->begin, it->end, false});
+                previous_match = m;
+            }
+            std::reverse(splits.begin(), splits.end());
+            break;
+    }
+    for (const Split& sp : splits)
+        if (!sp.remove && sp.end > sp.begin) out.emplace_back(s.substr(sp.begin, sp.end - sp.begin));
+}
+
+// Pieces of `piece` found by `regex`, in bytes.
+void regex_pieces(const Regex& regex, std::string_view piece, std::u32string& cps, std::vector<size_t>& offsets,
+                  std::vector<BytePiece>& out) {
     cps.clear();
     offsets.clear();
     for (size_t i = 0; i < piece.size();) {
@@ -678,26 +760,21 @@ void split_by_regex(const Regex& regex, std::string_view piece, std::u32string& 
         cps.push_back(next_code_point(piece, i));
     }
     offsets.push_back(piece.size());
-    for (const auto& [b, e] : regex.split_isolated(std::u32string_view(cps)))
-        out.emplace_back(piece.substr(offsets[b], offsets[e] - offsets[b]));
+    out.clear();
+    for (const Regex::Piece& p : regex.find_matches(std::u32string_view(cps)))
+        out.push_back({offsets[p.begin], offsets[p.end], p.is_match});
 }
 
-void split_by_string(std::string_view literal, std::string_view piece, std::vector<std::string>& out) {
+// Pieces of `piece` found by a literal string (non-overlapping, left to right), in bytes.
+void string_pieces(std::string_view literal, std::string_view piece, std::vector<BytePiece>& out) {
+    out.clear();
     size_t prev = 0;
     for (size_t at = piece.find(literal); at != std::string_view::npos; at = piece.find(literal, at + literal.size())) {
-        if (at > prev) out.emplace_back(piece.substr(prev, at - prev));
-        out.emplace_back(piece.substr(at, literal.size()));
+        if (at > prev) out.push_back({prev, at, false});
+        out.push_back({at, at + literal.size(), true});
         prev = at + literal.size();
     }
-    if (prev < piece.size()) out.emplace_back(piece.substr(prev));
-}
-
-std::string byte_level_map(std::string_view s) {
-    const ByteLevelMap& m = byte_level();
-    std::string out;
-    out.reserve(s.size() + s.size() / 2);
-    for (unsigned char b : s) out += m.byte_to_utf8[b];
-    return out;
+    if (prev < piece.size() || piece.empty()) out.push_back({prev, piece.size(), false});
 }
 
 }  // namespace
@@ -708,28 +785,47 @@ void Tokenizer::Impl::encode_words(std::string_view text, std::vector<int32_t>& 
         bpe(text, ids);
         return;
     }
-    std::vector<std::string> pieces{std::string(text)}, next;
+    // Pieces are views into `text` or into arenas; an arena is reserved to its final size before the
+    // first view into it is taken, and a deque never moves its elements, so views stay valid.
+    std::vector<std::string_view> pieces{text}, next;
+    std::deque<std::string> arenas;
+    std::string prefixed;
     std::u32string cps;
     std::vector<size_t> offsets;
+    std::vector<BytePiece> found;
+    const ByteLevelMap& bl = byte_level();
     for (const PreTokenizer& p : pre_tokenizers) {
         next.clear();
-        for (const std::string& piece : pieces) {
+        if (p.kind == PreTokenizer::kByteLevel) {
+            size_t total = 0;
+            for (std::string_view piece : pieces)
+                total += bl.mapped_size(piece) + (p.add_prefix_space && piece[0] != ' ' ? bl.utf8_length[' '] : 0);
+            arenas.emplace_back().reserve(total);
+        }
+        for (std::string_view piece : pieces) {
             switch (p.kind) {
-                case PreTokenizer::kSplitRegex: split_by_regex(*p.regex, piece, cps, offsets, next); break;
-                case PreTokenizer::kSplitString: split_by_string(p.literal, piece, next); break;
+                case PreTokenizer::kSplitRegex:
+                    regex_pieces(*p.regex, piece, cps, offsets, found);
+                    apply_split_behavior(piece, found, p.behavior, p.invert, next);
+                    break;
+                case PreTokenizer::kSplitString:
+                    string_pieces(p.literal, piece, found);
+                    apply_split_behavior(piece, found, p.behavior, p.invert, next);
+                    break;
                 case PreTokenizer::kByteLevel: {
-                    std::string prefixed;
                     std::string_view source = piece;
                     if (p.add_prefix_space && piece[0] != ' ') {
-                        prefixed = " " + piece;
+                        prefixed.assign(1, ' ');
+                        prefixed += piece;
                         source = prefixed;
                     }
                     if (p.use_regex) {
                         const size_t first = next.size();
-                        split_by_regex(*p.regex, source, cps, offsets, next);
-                        for (size_t k = first; k < next.size(); ++k) next[k] = byte_level_map(next[k]);
+                        regex_pieces(*p.regex, source, cps, offsets, found);
+                        apply_split_behavior(source, found, SplitBehavior::kIsolated, false, next);
+                        for (size_t k = first; k < next.size(); ++k) next[k] = bl.append_mapped(arenas.back(), next[k]);
                     } else {
-                        next.push_back(byte_level_map(source));
+                        next.push_back(bl.append_mapped(arenas.back(), source));
                     }
                     break;
                 }
@@ -737,7 +833,7 @@ void Tokenizer::Impl::encode_words(std::string_view text, std::vector<int32_t>& 
         }
         pieces.swap(next);
     }
-    for (const std::string& piece : pieces) bpe(piece, ids);
+    for (std::string_view piece : pieces) bpe(piece, ids);
 }
 
 void Tokenizer::Impl::bpe(std::string_view word, std::vector<int32_t>& ids) const {

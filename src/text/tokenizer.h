@@ -6,7 +6,7 @@
 //      never split further; lstrip/rstrip take the whitespace next to them;
 //   2. each remaining segment is normalised (NFC or nothing), then added tokens with
 //      normalized=true are matched in it;
-//   3. pre-tokenizers (Split with a regex or string, behavior Isolated; ByteLevel with its GPT-2
+//   3. pre-tokenizers (Split with a regex or string, any behavior, invert; ByteLevel with its GPT-2
 //      regex and add_prefix_space) cut each segment into words, ByteLevel mapping bytes to chars;
 //   4. BPE merges each word by merge rank (lowest first, leftmost on ties), with a word cache;
 //   5. with add_special_tokens, the post-processor (TemplateProcessing) adds its special tokens.

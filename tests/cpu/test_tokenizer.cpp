@@ -295,6 +295,57 @@ TEST(TokenizerRoundTrip, ThreadsAndCacheGiveTheSameIds) {
     for (int m : mismatches) EXPECT_EQ(m, 0);
 }
 
+// The five Split behaviors, on HF's documented example "the-final--countdown" split on "-".
+TEST(TokenizerSplit, BehaviorsAsHuggingFaceDocuments) {
+    auto with_pre_tokenizer = [](const std::string& behavior, bool invert) {
+        Value root = mf::json::parse(base_json(), "tokenizer.json");
+        root.set("normalizer", nullptr);
+        Value byte_level = mf::json::parse(R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": false})", "b");
+        Value seq = Value::object();
+        seq.set("type", "Sequence");
+        Value list = Value::array();
+        if (!behavior.empty()) {
+            Value split = Value::object();
+            split.set("type", "Split");
+            Value pattern = Value::object();
+            if (invert) pattern.set("Regex", "[^-]+");
+            else pattern.set("String", "-");
+            split.set("pattern", pattern);
+            split.set("behavior", behavior);
+            split.set("invert", invert);
+            list.push_back(split);
+        }
+        list.push_back(byte_level);
+        seq.set("pretokenizers", list);
+        root.set("pre_tokenizer", seq);
+        return Tokenizer::from_json(root.dump(), "split_" + behavior);
+    };
+    const Tokenizer whole = with_pre_tokenizer("", false);  // BPE over the whole text, no split
+    auto ids_of_pieces = [&](const std::vector<std::string>& pieces) {
+        std::vector<int32_t> ids;
+        for (const auto& p : pieces) {
+            const auto part = whole.encode(p);
+            ids.insert(ids.end(), part.begin(), part.end());
+        }
+        return ids;
+    };
+    const std::string text = "the-final--countdown";
+    using V = std::vector<std::string>;
+    const std::vector<std::pair<std::string, V>> cases = {
+        {"Removed", {"the", "final", "countdown"}},
+        {"Isolated", {"the", "-", "final", "-", "-", "countdown"}},
+        {"MergedWithPrevious", {"the-", "final-", "-", "countdown"}},
+        {"MergedWithNext", {"the", "-final", "-", "-countdown"}},
+        {"Contiguous", {"the", "-", "final", "--", "countdown"}},
+    };
+    for (const auto& [behavior, pieces] : cases) {
+        EXPECT_EQ(with_pre_tokenizer(behavior, false).encode(text), ids_of_pieces(pieces)) << behavior;
+    }
+    // invert: the pattern names what to keep; Removed then drops the rest (as GPT-4o-style files do).
+    EXPECT_EQ(with_pre_tokenizer("Removed", true).encode(text), ids_of_pieces({"the", "final", "countdown"}));
+    EXPECT_EQ(with_pre_tokenizer("Isolated", true).encode(text), with_pre_tokenizer("Isolated", false).encode(text));
+}
+
 // --- added tokens ---------------------------------------------------------------------------------------
 
 TEST(TokenizerAddedTokens, MatchedBeforeNormalisationAndNeverSplit) {
@@ -571,8 +622,9 @@ TEST(TokenizerMalformed, EachRefusedWithItsOwnMessage) {
          {"normalizer.type", "\"NFKC\""}},
         {[](Value& r) { Value n = Value::object(); n.set("type", "Metaspace"); r.set("pre_tokenizer", n); },
          {"pre_tokenizer.type", "\"Metaspace\""}},
-        {split_with("behavior", "Removed"), {"pre_tokenizer.pretokenizers[0].behavior", "\"Removed\""}},
-        {split_with("invert", true), {"pre_tokenizer.pretokenizers[0].invert"}},
+        {split_with("behavior", "Shuffled"), {"pre_tokenizer.pretokenizers[0].behavior", "\"Shuffled\""}},
+        {split_with("invert", 1), {"pre_tokenizer.pretokenizers[0].invert", "expected a JSON boolean"}},
+        {split_with("pattern", Value::object()), {"pre_tokenizer.pretokenizers[0].pattern", "{\"Regex\""}},
         {split_with("pattern", regex_b), {"pre_tokenizer.pretokenizers[0].pattern.Regex", "word boundary"}},
         {set_in("model", "merges", bad_merges), {"model.merges[0]", "\"nope\" is not in the vocabulary"}},
         {set_in("model", "byte_fallback", true), {"model.byte_fallback"}},
