@@ -145,6 +145,57 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[kD / 8][4], const float (&p
     }
 }
 
+// The same two products for kMTiles stacked 16-row tiles of A: every B fragment read from shared
+// memory feeds kMTiles mma instructions (the forward gives each warp 32 query rows this way).
+template <int kD, int kMTiles, int kNTiles>
+__device__ __forceinline__ void gemm_abt_m(float (&acc)[kMTiles][kNTiles][4], const bf16* tile_a, int row0,
+                                           const bf16* tile_b, int lane) {
+    constexpr int kLd = tile_ld<kD>();
+#pragma unroll
+    for (int kd = 0; kd < kD / 16; ++kd) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) load_a(a[mt], tile_a, kLd, row0 + mt * 16, kd * 16, lane);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            uint32_t r[4];
+            load_b_nk(r, tile_b, kLd, np * 16, kd * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                mma_bf16(acc[mt][2 * np], a[mt], r[0], r[1]);
+                mma_bf16(acc[mt][2 * np + 1], a[mt], r[2], r[3]);
+            }
+        }
+    }
+}
+
+template <int kD, int kMTiles, int kKSteps>
+__device__ __forceinline__ void gemm_pv_m(float (&acc)[kMTiles][kD / 8][4], const float (&p)[kMTiles][2 * kKSteps][4],
+                                          const bf16* tile_b, int lane) {
+    constexpr int kLd = tile_ld<kD>();
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            a[mt][0] = pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+            uint32_t r[4];
+            load_b_kn(r, tile_b, kLd, dp * 16, kk * 16, lane);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                mma_bf16(acc[mt][2 * dp], a[mt], r[0], r[1]);
+                mma_bf16(acc[mt][2 * dp + 1], a[mt], r[2], r[3]);
+            }
+        }
+    }
+}
+
 // rows [0, num_rows) x kD of a [T, stride] matrix starting at row t0 -> tile; rows >= T zero-filled.
 template <int kD>
 __device__ __forceinline__ void load_rows(bf16* tile, const bf16* row0_ptr, int64_t row_stride, int rows_valid,
@@ -238,26 +289,31 @@ struct FwdParams {
     float scale_log2;
 };
 
+constexpr int kFwdTileQ = 128;  // queries per block: 32 per warp (two 16-row mma tiles)
+constexpr int kFwdTileKV = 32;  // keys per tile
+constexpr int kFwdMTiles = 2;
+
 template <int kD>
 constexpr int fwd_smem_bytes() {
-    return (kTileQ + 4 * kTileKV) * tile_ld<kD>() * 2;
+    return (kFwdTileQ + 4 * kFwdTileKV) * tile_ld<kD>() * 2;
 }
 
 template <int kD>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p) {
     constexpr int kLd = tile_ld<kD>();
+    constexpr int kNTiles = kFwdTileKV / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* q_tile = reinterpret_cast<bf16*>(smem_raw);
-    bf16* k_tiles = q_tile + kTileQ * kLd;        // [2][kTileKV][kLd]
-    bf16* v_tiles = k_tiles + 2 * kTileKV * kLd;  // [2][kTileKV][kLd]
-    __shared__ int q_doc[kTileQ];
-    __shared__ int kv_doc[2][kTileKV];
+    bf16* k_tiles = q_tile + kFwdTileQ * kLd;        // [2][kFwdTileKV][kLd]
+    bf16* v_tiles = k_tiles + 2 * kFwdTileKV * kLd;  // [2][kFwdTileKV][kLd]
+    __shared__ int q_doc[kFwdTileQ];
+    __shared__ int kv_doc[2][kFwdTileKV];
     __shared__ int scan_scratch;
 
     const int tid = static_cast<int>(threadIdx.x);
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const int num_q_tiles = (p.T + kTileQ - 1) / kTileQ;
+    const int num_q_tiles = (p.T + kFwdTileQ - 1) / kFwdTileQ;
     const int bh_count = p.B * p.Hq;
     // Later query tiles see more keys: hand them out first.
     const int q_tile_idx = num_q_tiles - 1 - static_cast<int>(blockIdx.x) / bh_count;
@@ -265,8 +321,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p
     const int b = bh / p.Hq;
     const int h = bh % p.Hq;
     const int hk = h / (p.Hq / p.Hkv);
-    const int q0 = q_tile_idx * kTileQ;
-    const int q_end = min(q0 + kTileQ, p.T);
+    const int q0 = q_tile_idx * kFwdTileQ;
+    const int q_end = min(q0 + kFwdTileQ, p.T);
 
     const int64_t q_stride = static_cast<int64_t>(p.Hq) * kD;
     const int64_t kv_stride = static_cast<int64_t>(p.Hkv) * kD;
@@ -275,27 +331,34 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p
     const bf16* v_base = p.v + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
     const int32_t* doc = p.doc_ids != nullptr ? p.doc_ids + static_cast<int64_t>(b) * p.T : nullptr;
 
-    if (tid < kTileQ) q_doc[tid] = (doc != nullptr && q0 + tid < p.T) ? doc[q0 + tid] : 0;
+    for (int i = tid; i < kFwdTileQ; i += kThreads) q_doc[i] = (doc != nullptr && q0 + i < p.T) ? doc[q0 + i] : 0;
     const int kv_first = block_run_start(doc, q0, &scan_scratch);
-    const int tile_begin = kv_first / kTileKV;
-    const int tile_end = (q_end + kTileKV - 1) / kTileKV;
+    const int tile_begin = kv_first / kFwdTileKV;
+    const int tile_end = (q_end + kFwdTileKV - 1) / kFwdTileKV;
 
     auto load_kv = [&](int tile, int buf) {
-        const int kv0 = tile * kTileKV;
-        load_rows<kD>(k_tiles + buf * kTileKV * kLd, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
-        load_rows<kD>(v_tiles + buf * kTileKV * kLd, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kTileKV);
-        if (tid < kTileKV) kv_doc[buf][tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
+        const int kv0 = tile * kFwdTileKV;
+        load_rows<kD>(k_tiles + buf * kFwdTileKV * kLd, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kFwdTileKV);
+        load_rows<kD>(v_tiles + buf * kFwdTileKV * kLd, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kFwdTileKV);
+        if (tid < kFwdTileKV) kv_doc[buf][tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
     };
-    load_rows<kD>(q_tile, q_base + q0 * q_stride, q_stride, p.T - q0, kTileQ);
+    load_rows<kD>(q_tile, q_base + q0 * q_stride, q_stride, p.T - q0, kFwdTileQ);
     load_kv(tile_begin, 0);
     cp_async_commit();
 
-    float o[kD / 8][4];
-    zero(o);
-    float m[2] = {-INFINITY, -INFINITY};
-    float l[2] = {0.0f, 0.0f};
-    const int warp_q0 = q0 + warp * 16;
-    const int row_q[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+    float o[kFwdMTiles][kD / 8][4];
+    float m[kFwdMTiles][2], l[kFwdMTiles][2];
+    const int warp_q0 = q0 + warp * 16 * kFwdMTiles;
+    const int lane_q0 = warp_q0 + lane / 4;  // query of this lane's row r of m tile mt: lane_q0 + 16·mt + 8·r
+#pragma unroll
+    for (int mt = 0; mt < kFwdMTiles; ++mt) {
+        zero(o[mt]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m[mt][r] = -INFINITY;
+            l[mt][r] = 0.0f;
+        }
+    }
 
     for (int tile = tile_begin; tile < tile_end; ++tile) {
         const int buf = (tile - tile_begin) % 2;
@@ -305,84 +368,92 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p
         cp_async_wait<1>();
         __syncthreads();
 
-        const int kv0 = tile * kTileKV;
-        const bf16* k_tile = k_tiles + buf * kTileKV * kLd;
-        const bf16* v_tile = v_tiles + buf * kTileKV * kLd;
-        float s[kTileKV / 8][4];
-        zero(s);
-        gemm_abt<kD, kTileKV / 8>(s, q_tile, warp * 16, k_tile, lane);
+        const int kv0 = tile * kFwdTileKV;
+        const bf16* k_tile = k_tiles + buf * kFwdTileKV * kLd;
+        const bf16* v_tile = v_tiles + buf * kFwdTileKV * kLd;
+        float s[kFwdMTiles][kNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kFwdMTiles; ++mt) zero(s[mt]);
+        gemm_abt_m<kD, kFwdMTiles, kNTiles>(s, q_tile, warp * 16 * kFwdMTiles, k_tile, lane);
 
-        // A tile needs no mask when all its keys precede all 16 queries of the warp, the queries
+        // A tile needs no mask when all its keys precede all 32 queries of the warp, the queries
         // exist and every doc id involved is the same.
-        bool full = kv0 + kTileKV - 1 <= warp_q0 && warp_q0 + 15 < p.T;
+        bool full = kv0 + kFwdTileKV - 1 <= warp_q0 && warp_q0 + 16 * kFwdMTiles - 1 < p.T;
         if (doc != nullptr) {
-            const int id = q_doc[warp * 16];
-            const bool same = kv_doc[buf][lane] == id && kv_doc[buf][lane + 32] == id &&
-                              (lane >= 16 || q_doc[warp * 16 + lane] == id);
+            const int id = q_doc[warp * 16 * kFwdMTiles];
+            const bool same = kv_doc[buf][lane] == id && q_doc[warp * 16 * kFwdMTiles + lane] == id;
             full = __all_sync(0xffffffffu, same) && full;
         }
 #pragma unroll
-        for (int nt = 0; nt < kTileKV / 8; ++nt) {
+        for (int mt = 0; mt < kFwdMTiles; ++mt) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                float x = s[nt][c] * p.scale_log2;
-                if (!full) {
-                    const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
-                    const int key = kv0 + key_local;
-                    const int qpos = row_q[c / 2];
-                    bool allowed = key <= qpos && qpos < p.T;
-                    if (doc != nullptr) allowed = allowed && kv_doc[buf][key_local] == q_doc[qpos - q0];
-                    if (!allowed) x = -INFINITY;
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    float x = s[mt][nt][c] * p.scale_log2;
+                    if (!full) {
+                        const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
+                        const int key = kv0 + key_local;
+                        const int qpos = lane_q0 + mt * 16 + (c / 2) * 8;
+                        bool allowed = key <= qpos && qpos < p.T;
+                        if (doc != nullptr) allowed = allowed && kv_doc[buf][key_local] == q_doc[qpos - q0];
+                        if (!allowed) x = -INFINITY;
+                    }
+                    s[mt][nt][c] = x;
                 }
-                s[nt][c] = x;
+            }
+            // Online softmax per row (rows g and g + 8 of the m tile; a row lives in one lane quad).
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][r], mx);
+                const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing allowed yet: p = 0, no NaN
+                const float alpha = exp2f(m[mt][r] - m_use);
+                m[mt][r] = m_new;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    s[mt][nt][2 * r] = exp2f(s[mt][nt][2 * r] - m_use);
+                    s[mt][nt][2 * r + 1] = exp2f(s[mt][nt][2 * r + 1] - m_use);
+                    sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+                }
+                l[mt][r] = l[mt][r] * alpha + sum;
+#pragma unroll
+                for (int dn = 0; dn < kD / 8; ++dn) {
+                    o[mt][dn][2 * r] *= alpha;
+                    o[mt][dn][2 * r + 1] *= alpha;
+                }
             }
         }
-        // Online softmax per row (rows g and g + 8 of the warp; a row lives in one lane quad).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < kTileKV / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[r], mx);
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing allowed yet: keep p = 0, no NaN
-            const float alpha = exp2f(m[r] - m_use);
-            m[r] = m_new;
-            float sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < kTileKV / 8; ++nt) {
-                s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
-                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
-                sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + sum;
-#pragma unroll
-            for (int dn = 0; dn < kD / 8; ++dn) {
-                o[dn][2 * r] *= alpha;
-                o[dn][2 * r + 1] *= alpha;
-            }
-        }
-        gemm_pv<kD, kTileKV / 16>(o, s, v_tile, lane);
+        gemm_pv_m<kD, kFwdMTiles, kFwdTileKV / 16>(o, s, v_tile, lane);
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int qpos = row_q[r];
-        if (qpos >= p.T) continue;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        bf16* out_row = p.out + (static_cast<int64_t>(b) * p.T + qpos) * q_stride + static_cast<int64_t>(h) * kD;
+    for (int mt = 0; mt < kFwdMTiles; ++mt) {
 #pragma unroll
-        for (int dn = 0; dn < kD / 8; ++dn) {
-            const int col = dn * 8 + (lane % 4) * 2;
-            *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
-                __floats2bfloat162_rn(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            float sum = l[mt][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int qpos = lane_q0 + mt * 16 + r * 8;
+            if (qpos >= p.T) continue;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            bf16* out_row =
+                p.out + (static_cast<int64_t>(b) * p.T + qpos) * q_stride + static_cast<int64_t>(h) * kD;
+#pragma unroll
+            for (int dn = 0; dn < kD / 8; ++dn) {
+                const int col = dn * 8 + (lane % 4) * 2;
+                *reinterpret_cast<__nv_bfloat162*>(out_row + col) =
+                    __floats2bfloat162_rn(o[mt][dn][2 * r] * inv, o[mt][dn][2 * r + 1] * inv);
+            }
+            if (lane % 4 == 0)
+                p.lse[(static_cast<int64_t>(b) * p.Hq + h) * p.T + qpos] = (m[mt][r] + log2f(sum)) * kLn2;
         }
-        if (lane % 4 == 0) p.lse[(static_cast<int64_t>(b) * p.Hq + h) * p.T + qpos] = (m[r] + log2f(sum)) * kLn2;
     }
 }
 
@@ -721,7 +792,7 @@ template <int kD>
 void launch_forward(const FwdParams& p, cudaStream_t stream) {
     constexpr int kSmem = fwd_smem_bytes<kD>();
     MF_CHECK_CUDA(cudaFuncSetAttribute(attention_forward_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    const int64_t blocks = static_cast<int64_t>((p.T + kTileQ - 1) / kTileQ) * p.B * p.Hq;
+    const int64_t blocks = static_cast<int64_t>((p.T + kFwdTileQ - 1) / kFwdTileQ) * p.B * p.Hq;
     attention_forward_kernel<kD><<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
 }

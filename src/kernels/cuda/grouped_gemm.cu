@@ -1,7 +1,7 @@
 // Grouped GEMMs over device-side expert row groups: one tensor-core kernel body, three uses.
 //
 // Every output tile is 128 x 128, owned by one block of 8 warps (2 x 4, each warp 64 x 32), which
-// runs the whole K loop for it: BK = 32 slices of A and B stream through a 4-stage cp.async ring
+// runs the whole K loop for it: BK = 64 slices of A and B stream through a 3-stage cp.async ring
 // in shared memory (zero-filled past the matrix edges), warps read fragments with ldmatrix
 // (.trans where the operand is not K-contiguous) and multiply with mma.sync.m16n8k16 bf16 -> fp32.
 // The three products differ only in operand layouts and in how a block finds its tile:
@@ -27,20 +27,21 @@ namespace {
 
 constexpr int kBlockM = 128;
 constexpr int kBlockN = 128;
-constexpr int kBlockK = 32;
-constexpr int kStages = 4;
+constexpr int kBlockK = 64;
+constexpr int kStages = 3;
 constexpr int kThreads = 256;
 constexpr int kWarpM = 64;  // warps are laid out 2 (M) x 4 (N)
 constexpr int kWarpN = 32;
 constexpr int kPad = 8;  // bf16 elements of row padding: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
-constexpr int kKMajorLd = kBlockK + kPad;    // tile stored [outer 128][k 32 + pad]
-constexpr int kOuterMajorLd = kBlockM + kPad;  // tile stored [k 32][outer 128 + pad]
+constexpr int kKMajorLd = kBlockK + kPad;      // tile stored [outer 128][k 64 + pad]
+constexpr int kOuterMajorLd = kBlockM + kPad;  // tile stored [k 64][outer 128 + pad]
 constexpr int kOperandElems =
     kBlockM * kKMajorLd > kBlockK * kOuterMajorLd ? kBlockM * kKMajorLd : kBlockK * kOuterMajorLd;
 constexpr int kStageElems = 2 * kOperandElems;
 constexpr int kSmemBytes = kStages * kStageElems * static_cast<int>(sizeof(bf16));
 static_assert(kBlockM == kBlockN, "one operand tile shape serves A and B");
-static_assert(kBlockM * kBlockK / 8 == 2 * kThreads, "each thread copies two 16-byte chunks per operand");
+constexpr int kChunksPerThread = kBlockM * kBlockK / 8 / kThreads;  // 16-byte chunks per operand and stage
+static_assert(kChunksPerThread * kThreads * 8 == kBlockM * kBlockK, "chunks divide evenly among threads");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -93,7 +94,7 @@ template <bool kKMajor>
 __device__ __forceinline__ void load_operand(bf16* tile, const bf16* ptr, int64_t ld, int outer_valid, int k_valid,
                                              int k0, int tid) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < kChunksPerThread; ++j) {
         const int chunk = tid + j * kThreads;
         if constexpr (kKMajor) {
             const int o = chunk / (kBlockK / 8);
@@ -259,12 +260,20 @@ __device__ __forceinline__ void store_tile(const float (&acc)[4][4][4], OutT* ou
 // ---------------------------------------------------------------------------------------------
 // group table: clamped offsets and the prefix of row tiles per expert, in shared memory
 
+// Lives in dynamic shared memory after the operand ring: 2 · (E + 1) ints.
 struct GroupTable {
-    int begin[kMaxGroupedExperts + 1];        // clamped offsets
-    int tile_prefix[kMaxGroupedExperts + 1];  // Σ_{e' < e} ceil(rows_e' / 128)
+    int* begin;        // [E + 1] clamped offsets
+    int* tile_prefix;  // [E + 1] Σ_{e' < e} ceil(rows_e' / 128)
 };
 
-__device__ void build_group_table(GroupTable& table, const int32_t* offsets, int num_experts, int num_rows) {
+__device__ __forceinline__ GroupTable group_table_in(unsigned char* smem_raw, int num_experts) {
+    int* base = reinterpret_cast<int*>(smem_raw + kSmemBytes);
+    return GroupTable{base, base + num_experts + 1};
+}
+
+size_t smem_bytes_for(int64_t num_experts) { return kSmemBytes + 2 * (num_experts + 1) * sizeof(int); }
+
+__device__ void build_group_table(const GroupTable& table, const int32_t* offsets, int num_experts, int num_rows) {
     const int tid = static_cast<int>(threadIdx.x);
     for (int e = tid; e <= num_experts; e += kThreads) table.begin[e] = offsets[e];
     __syncthreads();
@@ -314,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     grouped_rows_kernel(bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int num_rows,
                         int num_experts, int N, int K, bool accumulate) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    __shared__ GroupTable table;
+    const GroupTable table = group_table_in(smem_raw, num_experts);
     build_group_table(table, offsets, num_experts, num_rows);
 
     const int col_tiles = (N + kBlockN - 1) / kBlockN;
@@ -350,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     grouped_weight_grad_kernel(OutT* dweight, const bf16* dout, const bf16* inp, const int32_t* offsets,
                                int num_rows, int num_experts, int OC, int C) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    __shared__ GroupTable table;
+    const GroupTable table = group_table_in(smem_raw, num_experts);
     build_group_table(table, offsets, num_experts, num_rows);
 
     const int m_tiles = (OC + kBlockM - 1) / kBlockM;
@@ -376,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // launchers
 
 template <typename Kernel>
-void set_smem_limit(Kernel kernel) {
-    MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+void set_smem_limit(Kernel kernel, size_t bytes) {
+    MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -404,8 +413,9 @@ void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const 
     MF_CHECK(blocks < (int64_t{1} << 31), "grouped_matmul: grid of ", blocks, " blocks is too large");
     if (blocks == 0) return;
     const auto args = [&](auto kernel) {
-        set_smem_limit(kernel);
-        kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(
+        const size_t smem = smem_bytes_for(E);
+        set_smem_limit(kernel, smem);
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
             out, a, b, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(N), static_cast<int>(K),
             accumulate);
     };
@@ -447,8 +457,9 @@ void grouped_matmul_backward_weight(void* dweight, DType dweight_dtype, const bf
     const int64_t blocks = E * tiles_per_expert;
     MF_CHECK(blocks < (int64_t{1} << 31), "grouped_matmul_backward_weight: grid of ", blocks, " blocks is too large");
     const auto launch = [&](auto kernel, auto* typed_dweight) {
-        set_smem_limit(kernel);
-        kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(
+        const size_t smem = smem_bytes_for(E);
+        set_smem_limit(kernel, smem);
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
             typed_dweight, dout, inp, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC),
             static_cast<int>(C));
     };
