@@ -90,10 +90,10 @@ std::string normalize_template(std::string_view t, const std::string& source) {
         const size_t open = find_tag_open(t, pos);
         const std::string_view text = t.substr(pos, (open == std::string_view::npos ? t.size() : open) - pos);
         const char kind = open == std::string_view::npos ? 0 : t[open + 1];
-        const char mod = open != std::string_view::npos && open + 2 < t.size() &&
-                                 (t[open + 2] == '-' || t[open + 2] == '+')
-                             ? t[open + 2]
-                             : 0;
+        const char mod =
+            open != std::string_view::npos && open + 2 < t.size() && (t[open + 2] == '-' || t[open + 2] == '+')
+                ? t[open + 2]
+                : 0;
         for (size_t i = 0; i < text.size(); ++i)
             if (!is_space(text[i]))
                 fail(source, ": chat_template has text outside tags at offset ", pos + i, " (", show(t.substr(pos + i)),
@@ -104,15 +104,19 @@ std::string normalize_template(std::string_view t, const std::string& source) {
         if (prev_mod == '-') {
             start = end;
         } else if (prev_block && prev_mod != '+') {
-            if (text.substr(0, 1) == "\n") start = 1;
-            else if (text.substr(0, 2) == "\r\n") start = 2;
+            if (text.substr(0, 1) == "\n")
+                start = 1;
+            else if (text.substr(0, 2) == "\r\n")
+                start = 2;
         }
         if (mod == '-') {
             end = start;
         } else if ((kind == '%' || kind == '#') && mod != '+') {
             const size_t nl = text.rfind('\n');
-            if (nl != std::string_view::npos) end = std::max(start, nl + 1);
-            else if (pos == 0) end = start;  // the template's first line
+            if (nl != std::string_view::npos)
+                end = std::max(start, nl + 1);
+            else if (pos == 0)
+                end = start;  // the template's first line
         }
         std::string_view emitted = start < end ? text.substr(start, end - start) : std::string_view{};
         if (kind == 0 && !emitted.empty() && emitted.back() == '\n') emitted.remove_suffix(1);  // trailing newline
@@ -157,7 +161,8 @@ std::string normalize_template(std::string_view t, const std::string& source) {
 
 // Qwen3's reasoning handling, as template source; normalised before use so the layout of the
 // model's template does not matter.
-constexpr std::string_view kQwen3LastQuery = R"({%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+constexpr std::string_view kQwen3LastQuery =
+    R"({%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
     {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
@@ -252,15 +257,20 @@ ChatFormat parse_chat_format(std::string_view name) {
     if (name == "chatml_qwen2") return ChatFormat::chatml_qwen2;
     if (name == "chatml_qwen2_5") return ChatFormat::chatml_qwen2_5;
     if (name == "chatml_qwen3") return ChatFormat::chatml_qwen3;
-    fail("unknown chat format ", json::quote(name), " (expected auto, chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3)");
+    fail("unknown chat format ", json::quote(name),
+         " (expected auto, chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3)");
 }
 
 const char* chat_format_name(ChatFormat format) {
     switch (format) {
-        case ChatFormat::chatml: return "chatml";
-        case ChatFormat::chatml_qwen2: return "chatml_qwen2";
-        case ChatFormat::chatml_qwen2_5: return "chatml_qwen2_5";
-        case ChatFormat::chatml_qwen3: return "chatml_qwen3";
+        case ChatFormat::chatml:
+            return "chatml";
+        case ChatFormat::chatml_qwen2:
+            return "chatml_qwen2";
+        case ChatFormat::chatml_qwen2_5:
+            return "chatml_qwen2_5";
+        case ChatFormat::chatml_qwen3:
+            return "chatml_qwen3";
     }
     return "?";
 }
@@ -276,10 +286,16 @@ const char* loss_on_name(LossOn loss_on) { return loss_on == LossOn::all ? "all"
 // --- recognition -------------------------------------------------------------------------------------
 
 ChatFormat detect_chat_format(std::string_view chat_template, const std::string& source) {
-    const std::string hint = " (set data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3 if the "
-                             "model's template renders system/user/assistant messages like one of them)";
+    const std::string hint =
+        " (set data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3 if the "
+        "model's template renders system/user/assistant messages like one of them)";
     if (chat_template.empty()) fail(source, ": chat_template is empty", hint);
-    std::string n = normalize_template(chat_template, source);
+    std::string n;
+    try {
+        n = normalize_template(chat_template, source);
+    } catch (const Error& e) {
+        throw Error(e.what() + hint);
+    }
     erase_generation_prompt(n);
     if (n.find(kImStart) == std::string::npos || n.find(kImEnd) == std::string::npos)
         fail(source, ": chat_template is not a ChatML template (no <|im_start|>/<|im_end|>)", hint);
@@ -354,7 +370,9 @@ std::optional<std::string> find_chat_template(const Tokenizer& tokenizer, const 
                 body->is_string())
                 return body->as_string();
         }
-        fail("tokenizer_config.json: chat_template is a list without a {\"name\": \"default\", \"template\": ...} entry");
+        fail(
+            "tokenizer_config.json: chat_template is a list without a {\"name\": \"default\", \"template\": ...} "
+            "entry");
     }
     fail("tokenizer_config.json: chat_template is ", t->dump().substr(0, 40), ", expected a string");
 }
@@ -365,8 +383,9 @@ ChatFormat resolve_chat_format(std::string_view setting, const Tokenizer& tokeni
     const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
     const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
     if (!t)
-        fail(where, ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
-                    "data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3");
+        fail(where,
+             ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
+             "data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3");
     return detect_chat_format(*t, where + " chat_template");
 }
 
@@ -393,7 +412,8 @@ std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& message
     for (size_t i = 0; i < messages.size(); ++i) {
         const ChatMessage& m = messages[i];
         if (m.role != "system" && m.role != "user" && m.role != "assistant")
-            fail("message ", i, ": role ", json::quote(m.role), " is not supported (expected system, user or assistant)");
+            fail("message ", i, ": role ", json::quote(m.role),
+                 " is not supported (expected system, user or assistant)");
         RenderedMessage r;
         r.header = std::string(kImStart) + m.role + "\n";
         if (format == ChatFormat::chatml_qwen3 && m.role == "assistant") {
@@ -402,8 +422,8 @@ std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& message
             if (m.reasoning_content) {
                 reasoning = *m.reasoning_content;
             } else if (content.find("</think>") != std::string_view::npos) {
-                reasoning = strip_newlines_left(
-                    after_last(strip_newlines_right(before_first(content, "</think>")), "<think>"));
+                reasoning =
+                    strip_newlines_left(after_last(strip_newlines_right(before_first(content, "</think>")), "<think>"));
                 content = strip_newlines_left(after_last(content, "</think>"));
             }
             const bool is_last = i + 1 == messages.size();
@@ -457,8 +477,9 @@ TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMe
         }
     }
     if (tokenizer.encode(full, false) != out.input_ids)
-        fail("the tokenizer encodes this conversation differently as a whole than message by message (do its special "
-             "tokens strip neighbouring whitespace?), so the loss mask cannot be placed exactly");
+        fail(
+            "the tokenizer encodes this conversation differently as a whole than message by message (do its special "
+            "tokens strip neighbouring whitespace?), so the loss mask cannot be placed exactly");
     return out;
 }
 
