@@ -83,10 +83,14 @@ int main(int argc, char** argv) {
             if (i + 1 >= argc) mf::fail("option ", a, " needs a value");
             return argv[++i];
         };
-        if (a == "--tokenizer") tokenizer_dir = value();
-        else if (a == "--text") text_path = value();
-        else if (a == "--mb") mb = std::stod(value());
-        else if (a == "--reps") reps = std::max(1, std::stoi(value()));
+        if (a == "--tokenizer")
+            tokenizer_dir = value();
+        else if (a == "--text")
+            text_path = value();
+        else if (a == "--mb")
+            mb = std::stod(value());
+        else if (a == "--reps")
+            reps = std::max(1, std::stoi(value()));
         else {
             std::fprintf(stderr, "usage: bench_tokenizer [--tokenizer DIR] [--mb N] [--reps N] [--text FILE]\n");
             return 2;

@@ -45,7 +45,8 @@ int cmd_tokenize(const Args& args) {
     if (a.has("decode")) {
         if (a.has("special") || a.has("json")) fail("tokenize: --decode does not take --special or --json");
         const json::Value v = json::parse(input, "<stdin>");
-        if (!v.is_array()) fail("tokenize --decode: <stdin>: expected a JSON array of token ids, got a ", json::kind_name(v.kind()));
+        if (!v.is_array())
+            fail("tokenize --decode: <stdin>: expected a JSON array of token ids, got a ", json::kind_name(v.kind()));
         std::vector<int32_t> ids;
         ids.reserve(v.size());
         for (size_t k = 0; k < v.size(); ++k) {

@@ -24,19 +24,19 @@ namespace mf::text {
 
 namespace {
 constexpr uint32_t kInfinite = std::numeric_limits<uint32_t>::max();
-constexpr uint32_t kMaxCount = 1000;          // largest n or m in {n,m}
-constexpr size_t kMaxProgram = 1u << 16;      // instructions
-constexpr int kMaxDepth = 64;                 // group nesting
-constexpr size_t kMaxGuardSets = 16;          // sets checked before trying an alternative
+constexpr uint32_t kMaxCount = 1000;      // largest n or m in {n,m}
+constexpr size_t kMaxProgram = 1u << 16;  // instructions
+constexpr int kMaxDepth = 64;             // group nesting
+constexpr size_t kMaxGuardSets = 16;      // sets checked before trying an alternative
 enum class Mode : uint8_t { kGreedy, kLazy, kPossessive };
 }  // namespace
 
 struct Regex::CharSet {
     std::vector<std::pair<char32_t, char32_t>> ranges;
-    uint32_t category_mask = 0;            // any of these categories
-    std::vector<uint32_t> not_category;    // outside one of these masks (\P{..})
-    bool white_space = false;              // \s
-    bool not_white_space = false;          // \S
+    uint32_t category_mask = 0;          // any of these categories
+    std::vector<uint32_t> not_category;  // outside one of these masks (\P{..})
+    bool white_space = false;            // \s
+    bool not_white_space = false;        // \S
     bool negated = false;
     bool icase = false;
     uint64_t ascii[2] = {0, 0};
@@ -110,8 +110,11 @@ enum class Start { kSolid, kNullable, kUnknown };
 
 Start first_sets(const Node& n, std::vector<uint32_t>& out) {
     switch (n.kind) {
-        case Node::kEmpty: return Start::kNullable;
-        case Node::kSet: out.push_back(n.set); return Start::kSolid;
+        case Node::kEmpty:
+            return Start::kNullable;
+        case Node::kSet:
+            out.push_back(n.set);
+            return Start::kSolid;
         case Node::kConcat:
             for (const Node& k : n.kids) {
                 const Start r = first_sets(k, out);
@@ -131,21 +134,26 @@ Start first_sets(const Node& n, std::vector<uint32_t>& out) {
             const Start r = first_sets(n.kids[0], out);
             return r == Start::kUnknown ? r : n.min == 0 ? Start::kNullable : r;
         }
-        case Node::kLook: return Start::kUnknown;
+        case Node::kLook:
+            return Start::kUnknown;
     }
     return Start::kUnknown;
 }
 
 bool nullable(const Node& n) {
     switch (n.kind) {
-        case Node::kEmpty: return true;
-        case Node::kSet: return false;
+        case Node::kEmpty:
+            return true;
+        case Node::kSet:
+            return false;
         case Node::kConcat:
             return std::all_of(n.kids.begin(), n.kids.end(), [](const Node& k) { return nullable(k); });
         case Node::kAlt:
             return std::any_of(n.kids.begin(), n.kids.end(), [](const Node& k) { return nullable(k); });
-        case Node::kRepeat: return n.min == 0 || nullable(n.kids[0]);
-        case Node::kLook: return true;
+        case Node::kRepeat:
+            return n.min == 0 || nullable(n.kids[0]);
+        case Node::kLook:
+            return true;
     }
     return true;
 }
@@ -303,8 +311,7 @@ class Parser {
                 rep.kids.push_back(std::move(atom));
                 atom = std::move(rep);
                 if (!eof() && (peek() == '*' || peek() == '+' || peek() == '?' || peek() == '{'))
-                    if (peek() != '{' || looks_like_interval())
-                        error(i_, "nested quantifiers are not supported");
+                    if (peek() != '{' || looks_like_interval()) error(i_, "nested quantifiers are not supported");
             }
             cat.kids.push_back(std::move(atom));
         }
@@ -339,11 +346,16 @@ class Parser {
         if (eof()) return false;
         const char32_t c = peek();
         bool interval = false;
-        if (c == '?') *min = 0, *max = 1;
-        else if (c == '*') *min = 0, *max = kInfinite;
-        else if (c == '+') *min = 1, *max = kInfinite;
-        else if (c == '{' && looks_like_interval()) interval = true;
-        else return false;
+        if (c == '?')
+            *min = 0, *max = 1;
+        else if (c == '*')
+            *min = 0, *max = kInfinite;
+        else if (c == '+')
+            *min = 1, *max = kInfinite;
+        else if (c == '{' && looks_like_interval())
+            interval = true;
+        else
+            return false;
         const size_t at = i_;
         ++i_;
         if (interval) {
@@ -374,8 +386,10 @@ class Parser {
         const char32_t c = peek();
         ++i_;
         switch (c) {
-            case '(': return parse_group(icase, depth, at, flags_only);
-            case '[': return parse_class(icase, at);
+            case '(':
+                return parse_group(icase, depth, at, flags_only);
+            case '[':
+                return parse_class(icase, at);
             case '.': {
                 Regex::CharSet s;
                 s.ranges.push_back({'\n', '\n'});
@@ -389,12 +403,16 @@ class Parser {
                 return set_node(std::move(s));
             }
             case '^':
-            case '$': error(at, "anchor '", show(c), "' is not supported");
+            case '$':
+                error(at, "anchor '", show(c), "' is not supported");
             case '*':
             case '+':
-            case '?': error(at, "quantifier '", show(c), "' has nothing to repeat");
-            case ')': error(at, "unmatched ')'");
-            default: return literal(c, icase);
+            case '?':
+                error(at, "quantifier '", show(c), "' has nothing to repeat");
+            case ')':
+                error(at, "unmatched ')'");
+            default:
+                return literal(c, icase);
         }
     }
 
@@ -425,9 +443,12 @@ class Parser {
                 bool on = true, value = icase;
                 while (!eof() && peek() != ':' && peek() != ')') {
                     const char32_t f = peek();
-                    if (f == '-') on = false;
-                    else if (f == 'i') value = on;
-                    else error(i_, "group flag '", show(f), "' is not supported (only i)");
+                    if (f == '-')
+                        on = false;
+                    else if (f == 'i')
+                        value = on;
+                    else
+                        error(i_, "group flag '", show(f), "' is not supported (only i)");
                     ++i_;
                 }
                 if (eof()) error(at, "unterminated group");
@@ -464,10 +485,14 @@ class Parser {
         while (!eof() && n < max_digits) {
             const char32_t h = peek();
             uint32_t d;
-            if (h >= '0' && h <= '9') d = h - '0';
-            else if (h >= 'a' && h <= 'f') d = h - 'a' + 10;
-            else if (h >= 'A' && h <= 'F') d = h - 'A' + 10;
-            else break;
+            if (h >= '0' && h <= '9')
+                d = h - '0';
+            else if (h >= 'a' && h <= 'f')
+                d = h - 'a' + 10;
+            else if (h >= 'A' && h <= 'F')
+                d = h - 'A' + 10;
+            else
+                break;
             v = v * 16 + d;
             ++n;
             ++i_;
@@ -492,24 +517,40 @@ class Parser {
             return static_cast<uint32_t>(cp);
         };
         switch (e) {
-            case 't': return single('\t');
-            case 'n': return single('\n');
-            case 'r': return single('\r');
-            case 'f': return single('\f');
-            case 'v': return single('\v');
-            case 'a': return single(0x07);
-            case 'e': return single(0x1B);
+            case 't':
+                return single('\t');
+            case 'n':
+                return single('\n');
+            case 'r':
+                return single('\r');
+            case 'f':
+                return single('\f');
+            case 'v':
+                return single('\v');
+            case 'a':
+                return single(0x07);
+            case 'e':
+                return single(0x1B);
             case 'x':
                 if (peek() == '{') {
                     ++i_;
                     return single(parse_hex(at, 1, 8, true));
                 }
                 return single(parse_hex(at, 1, 2, false));
-            case 'u': return single(parse_hex(at, 4, 4, false));
-            case 's': s.white_space = true; return kInfinite;
-            case 'S': s.not_white_space = true; return kInfinite;
-            case 'd': s.category_mask |= category_bit(Category::Nd); return kInfinite;
-            case 'D': s.not_category.push_back(category_bit(Category::Nd)); return kInfinite;
+            case 'u':
+                return single(parse_hex(at, 4, 4, false));
+            case 's':
+                s.white_space = true;
+                return kInfinite;
+            case 'S':
+                s.not_white_space = true;
+                return kInfinite;
+            case 'd':
+                s.category_mask |= category_bit(Category::Nd);
+                return kInfinite;
+            case 'D':
+                s.not_category.push_back(category_bit(Category::Nd));
+                return kInfinite;
             case 'p':
             case 'P': {
                 if (peek() != '{') error(at, "\\", show(e), " needs {name}");
@@ -534,25 +575,52 @@ class Parser {
                 if (mask == 0)
                     error(at, "Unicode property '", to_utf8(raw_name),
                           "' is not supported (general categories only, e.g. L, Lu, N, Nd, P, S, Z)");
-                if (negate) s.not_category.push_back(mask);
-                else s.category_mask |= mask;
+                if (negate)
+                    s.not_category.push_back(mask);
+                else
+                    s.category_mask |= mask;
                 return kInfinite;
             }
-            default: break;
+            default:
+                break;
         }
         if (e >= 128 || !((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z') || (e >= '0' && e <= '9')))
             return single(e);  // escaped punctuation, space or non-ASCII: itself
         const char* what = "";
         switch (e) {
-            case 'b': what = in_class ? " (backspace in a class)" : " (word boundary)"; break;
-            case 'B': what = " (non word boundary)"; break;
-            case 'A': case 'z': case 'Z': case 'G': what = " (anchor)"; break;
-            case 'k': case 'g': what = " (backreference or subexpression call)"; break;
-            case 'h': case 'H': what = " (hexadecimal digit class)"; break;
-            case 'w': case 'W':
+            case 'b':
+                what = in_class ? " (backspace in a class)" : " (word boundary)";
+                break;
+            case 'B':
+                what = " (non word boundary)";
+                break;
+            case 'A':
+            case 'z':
+            case 'Z':
+            case 'G':
+                what = " (anchor)";
+                break;
+            case 'k':
+            case 'g':
+                what = " (backreference or subexpression call)";
+                break;
+            case 'h':
+            case 'H':
+                what = " (hexadecimal digit class)";
+                break;
+            case 'w':
+            case 'W':
                 what = " (Oniguruma's Unicode word class needs the Alphabetic property; use \\p{L}, \\p{N}...)";
                 break;
-            case 'R': case 'X': case 'N': case 'O': case 'K': case 'y': case 'Y': what = ""; break;
+            case 'R':
+            case 'X':
+            case 'N':
+            case 'O':
+            case 'K':
+            case 'y':
+            case 'Y':
+                what = "";
+                break;
             default:
                 if (e >= '0' && e <= '9') what = " (backreference or octal escape)";
         }
@@ -585,8 +653,7 @@ class Parser {
                 lo = parse_escape(tmp, item_at, true);
                 if (lo == kInfinite) {
                     merge_into(s, tmp);
-                    if (peek() == '-' && peek(1) != ']')
-                        error(i_, "a class escape cannot start a range");
+                    if (peek() == '-' && peek(1) != ']') error(i_, "a class escape cannot start a range");
                     continue;
                 }
             } else {
@@ -638,7 +705,8 @@ class Compiler {
     void compile(const Node& n) {
         if (prog_.size() > kMaxProgram) fail("regex /", source_, "/: pattern too large once repeats are unrolled");
         switch (n.kind) {
-            case Node::kEmpty: return;
+            case Node::kEmpty:
+                return;
             case Node::kSet: {
                 Regex::Inst in;
                 in.op = Regex::Inst::kSet;
@@ -673,7 +741,9 @@ class Compiler {
                 for (size_t j : jumps) prog_[j].x = static_cast<uint32_t>(prog_.size());
                 return;
             }
-            case Node::kRepeat: compile_repeat(n); return;
+            case Node::kRepeat:
+                compile_repeat(n);
+                return;
             case Node::kLook: {
                 const size_t look = emit(Regex::Inst::kLook);
                 prog_[look].negate = n.negate;
@@ -781,8 +851,8 @@ bool Regex::run(Context& ctx, uint32_t pc, size_t pos, size_t* end) const {
     const size_t n = ctx.text.size();
     for (;;) {
         if (++ctx.steps > ctx.step_limit) [[unlikely]]
-            fail("regex /", pattern_, "/: backtracking step limit (", ctx.step_limit,
-                 ") exceeded on a text of ", n, " characters (catastrophic backtracking)");
+            fail("regex /", pattern_, "/: backtracking step limit (", ctx.step_limit, ") exceeded on a text of ", n,
+                 " characters (catastrophic backtracking)");
         const Inst& in = program_[pc];
         switch (in.op) {
             case Inst::kSet:
@@ -829,7 +899,9 @@ bool Regex::run(Context& ctx, uint32_t pc, size_t pos, size_t* end) const {
                 ctx.stack.push_back({Context::kPlain, in.y, pos, 0});
                 pc = in.x;
                 continue;
-            case Inst::kJmp: pc = in.x; continue;
+            case Inst::kJmp:
+                pc = in.x;
+                continue;
             case Inst::kLook: {
                 size_t ignored = 0;
                 const bool matched = run(ctx, in.x, pos, &ignored);

@@ -27,8 +27,7 @@ namespace {
 constexpr int64_t kMaxTokenId = (int64_t(1) << 24) - 1;  // far above any real vocabulary
 constexpr size_t kCacheCapacity = 1u << 18;
 constexpr size_t kMaxCachedWordBytes = 256;
-constexpr const char* kGpt2Pattern =
-    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 struct StringHash {
     using is_transparent = void;
@@ -261,8 +260,10 @@ class Loader {
         // against normalised text, so their contents are normalised too (as HF does).
         for (size_t k = 0; k < t_.added.size(); ++k) {
             const AddedToken& a = t_.added[k];
-            if (a.normalized) t_.normalized_trie.add(t_.nfc ? nfc(a.content) : a.content, static_cast<int32_t>(k));
-            else t_.raw_trie.add(a.content, static_cast<int32_t>(k));
+            if (a.normalized)
+                t_.normalized_trie.add(t_.nfc ? nfc(a.content) : a.content, static_cast<int32_t>(k));
+            else
+                t_.raw_trie.add(a.content, static_cast<int32_t>(k));
         }
     }
 
@@ -280,8 +281,10 @@ class Loader {
     void load_model(const json::Value& model, const std::string& path) {
         expect_kind(model, json::Kind::object, path);
         std::string type = "BPE";
-        if (field(model, "type") != nullptr) type = get_type(model, path);
-        else if (field(model, "merges") == nullptr) bad(path, "missing field \"type\"");
+        if (field(model, "type") != nullptr)
+            type = get_type(model, path);
+        else if (field(model, "merges") == nullptr)
+            bad(path, "missing field \"type\"");
         if (type != "BPE") bad(path + ".type", show_token(type), " is not supported (supported: BPE)");
 
         const json::Value* dropout = field(model, "dropout");
@@ -346,7 +349,8 @@ class Loader {
             auto a = t_.vocab.find(left), b = t_.vocab.find(right), ab = t_.vocab.find(left + right);
             if (a == t_.vocab.end()) bad(entry, "token ", show_token(left), " is not in the vocabulary");
             if (b == t_.vocab.end()) bad(entry, "token ", show_token(right), " is not in the vocabulary");
-            if (ab == t_.vocab.end()) bad(entry, "merged token ", show_token(left + right), " is not in the vocabulary");
+            if (ab == t_.vocab.end())
+                bad(entry, "merged token ", show_token(left + right), " is not in the vocabulary");
             const uint64_t key = (uint64_t(uint32_t(a->second)) << 32) | uint32_t(b->second);
             t_.merges[key] = {static_cast<int32_t>(r), ab->second};  // a repeated pair keeps its last rank, as HF
         }
@@ -415,11 +419,16 @@ class Loader {
             const json::Value& behavior = require(*v, "behavior", path);
             expect_kind(behavior, json::Kind::string, path + ".behavior");
             const std::string& b = behavior.as_string();
-            if (b == "Removed") p.behavior = SplitBehavior::kRemoved;
-            else if (b == "Isolated") p.behavior = SplitBehavior::kIsolated;
-            else if (b == "MergedWithPrevious") p.behavior = SplitBehavior::kMergedWithPrevious;
-            else if (b == "MergedWithNext") p.behavior = SplitBehavior::kMergedWithNext;
-            else if (b == "Contiguous") p.behavior = SplitBehavior::kContiguous;
+            if (b == "Removed")
+                p.behavior = SplitBehavior::kRemoved;
+            else if (b == "Isolated")
+                p.behavior = SplitBehavior::kIsolated;
+            else if (b == "MergedWithPrevious")
+                p.behavior = SplitBehavior::kMergedWithPrevious;
+            else if (b == "MergedWithNext")
+                p.behavior = SplitBehavior::kMergedWithNext;
+            else if (b == "Contiguous")
+                p.behavior = SplitBehavior::kContiguous;
             else
                 bad(path + ".behavior", show_token(b),
                     " is not a split behavior (Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous)");
@@ -476,7 +485,8 @@ class Loader {
             return;
         }
         if (type != "TemplateProcessing")
-            bad(path + ".type", show_token(type), " is not supported (supported: ByteLevel, TemplateProcessing, Sequence)");
+            bad(path + ".type", show_token(type),
+                " is not supported (supported: ByteLevel, TemplateProcessing, Sequence)");
         if (t_.has_template) bad(path, "more than one TemplateProcessing is not supported");
         t_.has_template = true;
         const json::Value& specials = require(*v, "special_tokens", path);
@@ -491,14 +501,16 @@ class Loader {
             if (const json::Value* seq = field(item, "Sequence")) {
                 const json::Value& id = require(*seq, "id", item_path + ".Sequence");
                 if (!id.is_string() || id.as_string() != "A")
-                    bad(item_path + ".Sequence.id", id.dump(), " is not supported in a single-sequence template (only \"A\")");
+                    bad(item_path + ".Sequence.id", id.dump(),
+                        " is not supported in a single-sequence template (only \"A\")");
                 ti.is_sequence = true;
             } else if (const json::Value* sp = field(item, "SpecialToken")) {
                 const json::Value& id = require(*sp, "id", item_path + ".SpecialToken");
                 expect_kind(id, json::Kind::string, item_path + ".SpecialToken.id");
                 const json::Value* def = specials.find(id.as_string());
                 if (def == nullptr)
-                    bad(item_path + ".SpecialToken.id", show_token(id.as_string()), " is not in ", path, ".special_tokens");
+                    bad(item_path + ".SpecialToken.id", show_token(id.as_string()), " is not in ", path,
+                        ".special_tokens");
                 const std::string def_path = path + ".special_tokens[" + show_token(id.as_string()) + "]";
                 const json::Value& ids = require(*def, "ids", def_path);
                 expect_kind(ids, json::Kind::array, def_path + ".ids");
@@ -555,8 +567,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, const std::strin
     t.config = std::move(config);
 
     auto resolve = [&](const char* key) -> std::optional<int32_t> {
-        const std::pair<const json::Value*, const char*> files[] = {
-            {&t.config, "tokenizer_config.json"}, {&special_tokens_map, "special_tokens_map.json"}};
+        const std::pair<const json::Value*, const char*> files[] = {{&t.config, "tokenizer_config.json"},
+                                                                    {&special_tokens_map, "special_tokens_map.json"}};
         for (const auto& [cfg, name] : files) {
             const std::optional<std::string> token = special_token_name(*cfg, key, name);
             if (!token) continue;
@@ -593,6 +605,11 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir) {
     json::Value config = optional_json("tokenizer_config.json");
     json::Value special_map = optional_json("special_tokens_map.json");
     return from_json(read_text_file(file), file.string(), std::move(config), std::move(special_map));
+}
+
+const Tokenizer::Impl& Tokenizer::impl() const {
+    if (impl_ == nullptr) fail("Tokenizer used before it was loaded (use Tokenizer::load or Tokenizer::from_json)");
+    return *impl_;
 }
 
 // --- encoding ----------------------------------------------------------------------------------------
@@ -648,7 +665,7 @@ void Tokenizer::Impl::find_added(const TokenTrie& trie, std::string_view s, std:
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
-    const Impl& t = *impl_;
+    const Impl& t = impl();
     check_utf8(text, "tokenizer input text");
     std::vector<int32_t> ids;
     ids.reserve(text.size() / 3 + 4);
@@ -658,16 +675,20 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
         std::vector<Segment> segments;
         t.find_added(t.raw_trie, text, segments);
         for (const Segment& seg : segments) {
-            if (seg.token >= 0) ids.push_back(t.added[seg.token].id);
-            else t.encode_segment(text.substr(seg.begin, seg.end - seg.begin), ids);
+            if (seg.token >= 0)
+                ids.push_back(t.added[seg.token].id);
+            else
+                t.encode_segment(text.substr(seg.begin, seg.end - seg.begin), ids);
         }
     }
     if (add_special_tokens && t.has_template) {
         std::vector<int32_t> out;
         out.reserve(ids.size() + 4);
         for (const TemplateItem& item : t.single_template) {
-            if (item.is_sequence) out.insert(out.end(), ids.begin(), ids.end());
-            else out.insert(out.end(), item.ids.begin(), item.ids.end());
+            if (item.is_sequence)
+                out.insert(out.end(), ids.begin(), ids.end());
+            else
+                out.insert(out.end(), item.ids.begin(), item.ids.end());
         }
         ids = std::move(out);
     }
@@ -690,8 +711,10 @@ void Tokenizer::Impl::encode_segment(std::string_view text, std::vector<int32_t>
     std::vector<Segment> segments;
     find_added(normalized_trie, normalized, segments);
     for (const Segment& seg : segments) {
-        if (seg.token >= 0) ids.push_back(added[seg.token].id);
-        else encode_words(normalized.substr(seg.begin, seg.end - seg.begin), ids);
+        if (seg.token >= 0)
+            ids.push_back(added[seg.token].id);
+        else
+            encode_words(normalized.substr(seg.begin, seg.end - seg.begin), ids);
     }
 }
 
@@ -704,8 +727,8 @@ struct BytePiece {
 
 // HF's NormalizedString::split: turns the pieces of find_matches into the splits a behavior keeps,
 // and appends the non-empty ones.
-void apply_split_behavior(std::string_view s, const std::vector<BytePiece>& pieces, SplitBehavior behavior,
-                          bool invert, std::vector<std::string_view>& out) {
+void apply_split_behavior(std::string_view s, const std::vector<BytePiece>& pieces, SplitBehavior behavior, bool invert,
+                          std::vector<std::string_view>& out) {
     struct Split {
         size_t begin, end;
         bool remove;
@@ -723,24 +746,30 @@ void apply_split_behavior(std::string_view s, const std::vector<BytePiece>& piec
         case SplitBehavior::kContiguous:
             for (const BytePiece& p : pieces) {
                 const bool m = p.is_match != invert;
-                if (m == previous_match && !splits.empty()) splits.back().end = p.end;
-                else splits.push_back({p.begin, p.end, false});
+                if (m == previous_match && !splits.empty())
+                    splits.back().end = p.end;
+                else
+                    splits.push_back({p.begin, p.end, false});
                 previous_match = m;
             }
             break;
         case SplitBehavior::kMergedWithPrevious:
             for (const BytePiece& p : pieces) {
                 const bool m = p.is_match != invert;
-                if (m && !previous_match && !splits.empty()) splits.back().end = p.end;
-                else splits.push_back({p.begin, p.end, false});
+                if (m && !previous_match && !splits.empty())
+                    splits.back().end = p.end;
+                else
+                    splits.push_back({p.begin, p.end, false});
                 previous_match = m;
             }
             break;
         case SplitBehavior::kMergedWithNext:
             for (auto it = pieces.rbegin(); it != pieces.rend(); ++it) {
                 const bool m = it->is_match != invert;
-                if (m && !previous_match && !splits.empty()) splits.back().begin = it->begin;
-                else splits.push_back({it->begin, it->end, false});
+                if (m && !previous_match && !splits.empty())
+                    splits.back().begin = it->begin;
+                else
+                    splits.push_back({it->begin, it->end, false});
                 previous_match = m;
             }
             std::reverse(splits.begin(), splits.end());
@@ -930,8 +959,7 @@ void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& 
                 if (const auto* pm = lookup(symbols[cur.prev].id, cur.id))
                     queue.push({pm->first, cur.prev, pm->second});
             if (cur.next >= 0)
-                if (const auto* nm = lookup(cur.id, symbols[cur.next].id))
-                    queue.push({nm->first, top.pos, nm->second});
+                if (const auto* nm = lookup(cur.id, symbols[cur.next].id)) queue.push({nm->first, top.pos, nm->second});
         }
     }
     for (const Symbol& s : symbols)
@@ -941,7 +969,7 @@ void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& 
 // --- decoding and lookups --------------------------------------------------------------------------------
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
-    const Impl& t = *impl_;
+    const Impl& t = impl();
     std::vector<std::string_view> tokens;
     tokens.reserve(ids.size());
     for (size_t k = 0; k < ids.size(); ++k) {
@@ -989,22 +1017,22 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
     return out;
 }
 
-int32_t Tokenizer::token_to_id(std::string_view token) const { return impl_->token_id(token); }
+int32_t Tokenizer::token_to_id(std::string_view token) const { return impl().token_id(token); }
 
 std::string Tokenizer::id_to_token(int32_t id) const {
-    const Impl& t = *impl_;
+    const Impl& t = impl();
     if (id < 0 || static_cast<size_t>(id) >= t.tokens.size() || t.has_token[id] == 0)
         fail("id_to_token: ", id, " is not a token id (vocabulary size ", t.tokens.size(), ")");
     return t.tokens[id];
 }
 
 bool Tokenizer::is_special(int32_t id) const {
-    const Impl& t = *impl_;
+    const Impl& t = impl();
     return id >= 0 && static_cast<size_t>(id) < t.special.size() && t.special[id] != 0;
 }
 
-size_t Tokenizer::vocab_size() const { return impl_->tokens.size(); }
+size_t Tokenizer::vocab_size() const { return impl().tokens.size(); }
 
-const json::Value& Tokenizer::config() const { return impl_->config; }
+const json::Value& Tokenizer::config() const { return impl().config; }
 
 }  // namespace mf::text

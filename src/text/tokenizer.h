@@ -40,8 +40,8 @@ class Tokenizer {
     static Tokenizer load(const std::filesystem::path& dir);
     // Builds a tokenizer from tokenizer.json text; `source` names it in errors. `config` is the
     // parsed tokenizer_config.json (or null) and `special_tokens_map` special_tokens_map.json (or null).
-    static Tokenizer from_json(std::string_view tokenizer_json, const std::string& source,
-                               json::Value config = {}, json::Value special_tokens_map = {});
+    static Tokenizer from_json(std::string_view tokenizer_json, const std::string& source, json::Value config = {},
+                               json::Value special_tokens_map = {});
 
     // Token ids of `text` (valid UTF-8); with add_special_tokens, the post-processor's tokens too.
     std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
@@ -50,7 +50,7 @@ class Tokenizer {
 
     int32_t token_to_id(std::string_view token) const;  // -1 when there is no such token
     std::string id_to_token(int32_t id) const;          // mf::Error when there is no such id
-    bool is_special(int32_t id) const;                   // an added token marked special
+    bool is_special(int32_t id) const;                  // an added token marked special
     // 1 + the largest id of the vocabulary and the added tokens (the embedding rows a model needs).
     size_t vocab_size() const;
     // tokenizer_config.json as parsed, or null when the directory has none.
@@ -61,6 +61,7 @@ class Tokenizer {
     struct Impl;
 
  private:
+    const Impl& impl() const;  // mf::Error for a default-constructed Tokenizer
     std::shared_ptr<Impl> impl_;
 };
 

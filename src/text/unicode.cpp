@@ -100,8 +100,10 @@ int decompose_once(char32_t cp, char32_t* first, char32_t* second) {
     while (lo < hi) {
         const size_t mid = (lo + hi) / 2;
         const uint32_t mid_cp = kDecompositions[mid * 3] & ~kComposesFlag;
-        if (mid_cp < cp) lo = mid + 1;
-        else hi = mid;
+        if (mid_cp < cp)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
     if (lo == n || (kDecompositions[lo * 3] & ~kComposesFlag) != cp) return 0;
     *first = kDecompositions[lo * 3 + 1];
@@ -225,15 +227,24 @@ size_t find_invalid_utf8(std::string_view s) {
         }
         size_t len;
         unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF) len = 2;
-        else if (b == 0xE0) len = 3, lo = 0xA0;
-        else if (b >= 0xE1 && b <= 0xEC) len = 3;
-        else if (b == 0xED) len = 3, hi = 0x9F;
-        else if (b >= 0xEE && b <= 0xEF) len = 3;
-        else if (b == 0xF0) len = 4, lo = 0x90;
-        else if (b >= 0xF1 && b <= 0xF3) len = 4;
-        else if (b == 0xF4) len = 4, hi = 0x8F;
-        else return i;
+        if (b >= 0xC2 && b <= 0xDF)
+            len = 2;
+        else if (b == 0xE0)
+            len = 3, lo = 0xA0;
+        else if (b >= 0xE1 && b <= 0xEC)
+            len = 3;
+        else if (b == 0xED)
+            len = 3, hi = 0x9F;
+        else if (b >= 0xEE && b <= 0xEF)
+            len = 3;
+        else if (b == 0xF0)
+            len = 4, lo = 0x90;
+        else if (b >= 0xF1 && b <= 0xF3)
+            len = 4;
+        else if (b == 0xF4)
+            len = 4, hi = 0x8F;
+        else
+            return i;
         if (i + len > n) return i;
         if (p[i + 1] < lo || p[i + 1] > hi) return i;
         for (size_t k = 2; k < len; ++k)
@@ -304,14 +315,22 @@ std::string utf8_lossy(std::string_view bytes) {
         }
         size_t len = 0;
         unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF) len = 2;
-        else if (b == 0xE0) len = 3, lo = 0xA0;
-        else if (b >= 0xE1 && b <= 0xEC) len = 3;
-        else if (b == 0xED) len = 3, hi = 0x9F;
-        else if (b >= 0xEE && b <= 0xEF) len = 3;
-        else if (b == 0xF0) len = 4, lo = 0x90;
-        else if (b >= 0xF1 && b <= 0xF3) len = 4;
-        else if (b == 0xF4) len = 4, hi = 0x8F;
+        if (b >= 0xC2 && b <= 0xDF)
+            len = 2;
+        else if (b == 0xE0)
+            len = 3, lo = 0xA0;
+        else if (b >= 0xE1 && b <= 0xEC)
+            len = 3;
+        else if (b == 0xED)
+            len = 3, hi = 0x9F;
+        else if (b >= 0xEE && b <= 0xEF)
+            len = 3;
+        else if (b == 0xF0)
+            len = 4, lo = 0x90;
+        else if (b >= 0xF1 && b <= 0xF3)
+            len = 4;
+        else if (b == 0xF4)
+            len = 4, hi = 0x8F;
         // The maximal prefix of a valid sequence that is there becomes one U+FFFD.
         size_t k = 1;
         if (len != 0 && i + 1 < n && p[i + 1] >= lo && p[i + 1] <= hi) {
@@ -353,8 +372,10 @@ std::string nfc(std::string_view s) {
     size_t begin = 0;
     for (size_t i = 1; i <= cps.size(); ++i) {
         if (i < cps.size() && (flags(cps[i]) & kNfcUnsafeFlag) != 0) continue;
-        if (i - begin == 1 && (flags(cps[begin]) & kNfcUnsafeFlag) == 0) out.push_back(cps[begin]);
-        else nfc_segment(cps.data() + begin, i - begin, scratch, out);
+        if (i - begin == 1 && (flags(cps[begin]) & kNfcUnsafeFlag) == 0)
+            out.push_back(cps[begin]);
+        else
+            nfc_segment(cps.data() + begin, i - begin, scratch, out);
         begin = i;
     }
     return to_utf8(out);

@@ -20,14 +20,41 @@ namespace mf::text {
 
 // General categories, in the order the generator writes them.
 enum class Category : uint8_t {
-    Cn, Lu, Ll, Lt, Lm, Lo, Mn, Mc, Me, Nd, Nl, No, Pc, Pd, Ps, Pe,
-    Pi, Pf, Po, Sm, Sc, Sk, So, Zs, Zl, Zp, Cc, Cf, Cs, Co
+    Cn,
+    Lu,
+    Ll,
+    Lt,
+    Lm,
+    Lo,
+    Mn,
+    Mc,
+    Me,
+    Nd,
+    Nl,
+    No,
+    Pc,
+    Pd,
+    Ps,
+    Pe,
+    Pi,
+    Pf,
+    Po,
+    Sm,
+    Sc,
+    Sk,
+    So,
+    Zs,
+    Zl,
+    Zp,
+    Cc,
+    Cf,
+    Cs,
+    Co
 };
 constexpr int kNumCategories = 30;
 constexpr uint32_t category_bit(Category c) { return 1u << static_cast<uint32_t>(c); }
-constexpr uint32_t kLetterMask = category_bit(Category::Lu) | category_bit(Category::Ll) |
-                                 category_bit(Category::Lt) | category_bit(Category::Lm) |
-                                 category_bit(Category::Lo);
+constexpr uint32_t kLetterMask = category_bit(Category::Lu) | category_bit(Category::Ll) | category_bit(Category::Lt) |
+                                 category_bit(Category::Lm) | category_bit(Category::Lo);
 constexpr uint32_t kMarkMask = category_bit(Category::Mn) | category_bit(Category::Mc) | category_bit(Category::Me);
 constexpr uint32_t kNumberMask = category_bit(Category::Nd) | category_bit(Category::Nl) | category_bit(Category::No);
 
@@ -36,14 +63,14 @@ constexpr uint32_t kNumberMask = category_bit(Category::Nd) | category_bit(Categ
 const char* unicode_version();
 const char* nfc_unicode_version();
 
-Category category(char32_t cp);                 // Cn for unassigned and out-of-range values
+Category category(char32_t cp);  // Cn for unassigned and out-of-range values
 inline bool in_categories(char32_t cp, uint32_t mask) { return (mask >> static_cast<uint32_t>(category(cp))) & 1u; }
 inline bool is_letter(char32_t cp) { return in_categories(cp, kLetterMask); }
 inline bool is_number(char32_t cp) { return in_categories(cp, kNumberMask); }
 inline bool is_mark(char32_t cp) { return in_categories(cp, kMarkMask); }
-bool is_white_space(char32_t cp);               // the White_Space property (= Oniguruma's \s)
-uint8_t combining_class(char32_t cp);           // canonical combining class
-char32_t simple_case_fold(char32_t cp);         // cp itself when it has no one-character folding
+bool is_white_space(char32_t cp);        // the White_Space property (= Oniguruma's \s)
+uint8_t combining_class(char32_t cp);    // canonical combining class
+char32_t simple_case_fold(char32_t cp);  // cp itself when it has no one-character folding
 // All code points whose simple case folding is `folded` (excluding `folded` itself).
 const std::vector<char32_t>& case_fold_sources(char32_t folded);
 

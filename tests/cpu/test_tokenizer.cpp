@@ -149,8 +149,8 @@ TEST(TokenizerParity, EncodeAndDecodeMatchHuggingFace) {
         }
         if (got_special != want_special) {
             ok = false;
-            ADD_FAILURE() << variant << " encode(special) " << mf::json::quote(text) << "\n  want " << show(want_special)
-                          << "\n  got  " << show(got_special);
+            ADD_FAILURE() << variant << " encode(special) " << mf::json::quote(text) << "\n  want "
+                          << show(want_special) << "\n  got  " << show(got_special);
         }
         const std::string decoded = tok.decode(want);
         if (decoded != r.find("decoded")->as_string()) {
@@ -174,8 +174,8 @@ TEST(TokenizerParity, EncodeAndDecodeMatchHuggingFace) {
 }
 
 TEST(TokenizerParity, PreTokenizerSplitsMatchHuggingFace) {
-    const std::map<std::string, Regex> patterns = {{"gpt2", Regex(kGpt2)}, {"qwen2", Regex(kQwen2)},
-                                                   {"llama3", Regex(kLlama3)}};
+    const std::map<std::string, Regex> patterns = {
+        {"gpt2", Regex(kGpt2)}, {"qwen2", Regex(kQwen2)}, {"llama3", Regex(kLlama3)}};
     size_t checked = 0;
     for (const Value& r : expected_records()) {
         if (r.find("kind")->as_string() != "split") continue;
@@ -249,7 +249,8 @@ TEST(TokenizerRoundTrip, DecodeOfEncodeIsTheText) {
         if (r.find("kind")->as_string() == "encode") texts.insert(r.find("text")->as_string());
     // Random valid UTF-8 from a mixed pool of code points, separate from the fixture texts.
     std::mt19937 rng(5);
-    const std::u32string pool = U"ab Z09 \t\n\r.,'!?-_<|>ÀéßЖқәلا中文字🙂👍🏽\u200d\u0301\u0323\u00a0\u3000\U0001F1F0";
+    const std::u32string pool =
+        U"ab Z09 \t\n\r.,'!?-_<|>ÀéßЖқәلا中文字🙂👍🏽\u200d\u0301\u0323\u00a0\u3000\U0001F1F0";
     for (int k = 0; k < 300; ++k) {
         std::u32string s;
         const int n = std::uniform_int_distribution<int>(0, 40)(rng);
@@ -300,7 +301,8 @@ TEST(TokenizerSplit, BehaviorsAsHuggingFaceDocuments) {
     auto with_pre_tokenizer = [](const std::string& behavior, bool invert) {
         Value root = mf::json::parse(base_json(), "tokenizer.json");
         root.set("normalizer", nullptr);
-        Value byte_level = mf::json::parse(R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": false})", "b");
+        Value byte_level =
+            mf::json::parse(R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": false})", "b");
         Value seq = Value::object();
         seq.set("type", "Sequence");
         Value list = Value::array();
@@ -308,8 +310,10 @@ TEST(TokenizerSplit, BehaviorsAsHuggingFaceDocuments) {
             Value split = Value::object();
             split.set("type", "Split");
             Value pattern = Value::object();
-            if (invert) pattern.set("Regex", "[^-]+");
-            else pattern.set("String", "-");
+            if (invert)
+                pattern.set("Regex", "[^-]+");
+            else
+                pattern.set("String", "-");
             split.set("pattern", pattern);
             split.set("behavior", behavior);
             split.set("invert", invert);
@@ -561,15 +565,15 @@ TEST(Unicode, Nfc) {
     using mf::text::nfc;
     EXPECT_EQ(nfc("e\u0301"), "\u00e9");
     EXPECT_EQ(nfc("a\u0323\u0302"), "\u1ead");
-    EXPECT_EQ(nfc("a\u0302\u0323"), "\u1ead");                  // reordered by combining class first
-    EXPECT_EQ(nfc("\u1100\u1161\u11a8"), "\uac01");            // Hangul L V T
-    EXPECT_EQ(nfc("\uac00\u11a8"), "\uac01");                  // Hangul LV + T
-    EXPECT_EQ(nfc("\u212b"), "\u00c5");                         // singleton
-    EXPECT_EQ(nfc("\u0958"), "\u0915\u093c");                   // composition exclusion
-    EXPECT_EQ(nfc("\u0344"), "\u0308\u0301");                   // non-starter decomposition
-    EXPECT_EQ(nfc("e\u0301\u0301"), "\u00e9\u0301");            // the second acute is blocked
-    EXPECT_EQ(nfc("\u0301e"), "\u0301e");                       // nothing to compose with
-    EXPECT_EQ(nfc("o\u0308\u0304"), "\u022b");                  // two-level composite
+    EXPECT_EQ(nfc("a\u0302\u0323"), "\u1ead");        // reordered by combining class first
+    EXPECT_EQ(nfc("\u1100\u1161\u11a8"), "\uac01");   // Hangul L V T
+    EXPECT_EQ(nfc("\uac00\u11a8"), "\uac01");         // Hangul LV + T
+    EXPECT_EQ(nfc("\u212b"), "\u00c5");               // singleton
+    EXPECT_EQ(nfc("\u0958"), "\u0915\u093c");         // composition exclusion
+    EXPECT_EQ(nfc("\u0344"), "\u0308\u0301");         // non-starter decomposition
+    EXPECT_EQ(nfc("e\u0301\u0301"), "\u00e9\u0301");  // the second acute is blocked
+    EXPECT_EQ(nfc("\u0301e"), "\u0301e");             // nothing to compose with
+    EXPECT_EQ(nfc("o\u0308\u0304"), "\u022b");        // two-level composite
     EXPECT_EQ(nfc("ascii only"), "ascii only");
     EXPECT_EQ(nfc("中文 Қазақ"), "中文 Қазақ");
     EXPECT_TRUE(mf::text::is_nfc_quick("abc \u00e9"));
@@ -579,13 +583,13 @@ TEST(Unicode, Nfc) {
 TEST(Unicode, Utf8ValidationAndLossyDecoding) {
     EXPECT_EQ(mf::text::find_invalid_utf8("ok \u00e9 \U0001F600"), std::string_view::npos);
     const std::vector<std::pair<std::string, size_t>> bad = {
-        {"ab\xff", 2}, {"\xc0\xaf", 0}, {"a\xe0\x80\x80", 1}, {"\xed\xa0\x80", 0}, {"\xf4\x90\x80\x80", 0},
-        {"xy\xe4\xb8", 2}, {"\x80", 0}, {"\xf8\x88\x80\x80\x80", 0}};
+        {"ab\xff", 2},           {"\xc0\xaf", 0},   {"a\xe0\x80\x80", 1}, {"\xed\xa0\x80", 0},
+        {"\xf4\x90\x80\x80", 0}, {"xy\xe4\xb8", 2}, {"\x80", 0},          {"\xf8\x88\x80\x80\x80", 0}};
     for (const auto& [s, at] : bad) EXPECT_EQ(mf::text::find_invalid_utf8(s), at) << mf::json::quote(s);
     const std::string fffd = "\xEF\xBF\xBD";
-    EXPECT_EQ(mf::text::utf8_lossy("a\xF0\x9F\x98"), "a" + fffd);             // truncated: one replacement
-    EXPECT_EQ(mf::text::utf8_lossy("\xC0\xAF"), fffd + fffd);                 // invalid lead, lone continuation
-    EXPECT_EQ(mf::text::utf8_lossy("\xED\xA0\x80"), fffd + fffd + fffd);      // surrogate: three
+    EXPECT_EQ(mf::text::utf8_lossy("a\xF0\x9F\x98"), "a" + fffd);         // truncated: one replacement
+    EXPECT_EQ(mf::text::utf8_lossy("\xC0\xAF"), fffd + fffd);             // invalid lead, lone continuation
+    EXPECT_EQ(mf::text::utf8_lossy("\xED\xA0\x80"), fffd + fffd + fffd);  // surrogate: three
     EXPECT_EQ(mf::text::utf8_lossy("\xE4\xB8z"), fffd + "z");
     EXPECT_EQ(mf::text::utf8_lossy("\xE4\xB8\xAD"), "\u4e2d");
     const Tokenizer tok = Tokenizer::load(fixture_dir());
@@ -596,6 +600,7 @@ TEST(Unicode, Utf8ValidationAndLossyDecoding) {
         EXPECT_NE(std::string(e.what()).find("invalid UTF-8 at byte 6"), std::string::npos) << e.what();
     }
     EXPECT_THROW(tok.decode({-1}), mf::Error);
+    EXPECT_THROW(Tokenizer().encode("x"), mf::Error);  // not loaded
     EXPECT_THROW(tok.decode({static_cast<int32_t>(tok.vocab_size())}), mf::Error);
 }
 
@@ -618,9 +623,17 @@ TEST(TokenizerMalformed, EachRefusedWithItsOwnMessage) {
     bad_merges.push_back("Ġ nope");
     const std::vector<std::pair<std::function<void(Value&)>, std::vector<std::string>>> cases = {
         {set_in("model", "type", "Unigram"), {"bad/tokenizer.json: model.type", "\"Unigram\" is not supported"}},
-        {[](Value& r) { Value n = Value::object(); n.set("type", "NFKC"); r.set("normalizer", n); },
+        {[](Value& r) {
+             Value n = Value::object();
+             n.set("type", "NFKC");
+             r.set("normalizer", n);
+         },
          {"normalizer.type", "\"NFKC\""}},
-        {[](Value& r) { Value n = Value::object(); n.set("type", "Metaspace"); r.set("pre_tokenizer", n); },
+        {[](Value& r) {
+             Value n = Value::object();
+             n.set("type", "Metaspace");
+             r.set("pre_tokenizer", n);
+         },
          {"pre_tokenizer.type", "\"Metaspace\""}},
         {split_with("behavior", "Shuffled"), {"pre_tokenizer.pretokenizers[0].behavior", "\"Shuffled\""}},
         {split_with("invert", 1), {"pre_tokenizer.pretokenizers[0].invert", "expected a JSON boolean"}},
@@ -633,11 +646,24 @@ TEST(TokenizerMalformed, EachRefusedWithItsOwnMessage) {
         {[](Value& r) { field(r, "added_tokens")->as_array()[1].set("single_word", true); },
          {"added_tokens[1].single_word", "<|im_start|>"}},
         {[](Value& r) { field(r, "added_tokens")->as_array()[0].set("id", -5); }, {"added_tokens[0].id", "-5"}},
-        {[](Value& r) { Value n = Value::object(); n.set("type", "WordPiece"); r.set("decoder", n); },
+        {[](Value& r) {
+             Value n = Value::object();
+             n.set("type", "WordPiece");
+             r.set("decoder", n);
+         },
          {"decoder.type", "\"WordPiece\""}},
-        {[](Value& r) { Value n = Value::object(); n.set("type", "RobertaProcessing"); r.set("post_processor", n); },
+        {[](Value& r) {
+             Value n = Value::object();
+             n.set("type", "RobertaProcessing");
+             r.set("post_processor", n);
+         },
          {"post_processor.type", "\"RobertaProcessing\""}},
-        {[](Value& r) { Value t = Value::object(); t.set("max_length", 8); r.set("truncation", t); }, {"truncation"}},
+        {[](Value& r) {
+             Value t = Value::object();
+             t.set("max_length", 8);
+             r.set("truncation", t);
+         },
+         {"truncation"}},
         {[](Value& r) {
              for (auto& [k, v] : r.as_object())
                  if (k == "model") v = Value::object();
@@ -695,24 +721,31 @@ TEST(TokenizeCommand, EncodesAndDecodes) {
 
     std::string out;
     ASSERT_EQ(mf::test::run_command(bin + " tokenize --tokenizer " + tok_dir + " --json < " + (dir / "in.txt").string(),
-                                    &out), 0) << out;
+                                    &out),
+              0)
+        << out;
     const Value ids = mf::json::parse(out, "stdout");
     EXPECT_EQ(ids_of(ids), tok.encode(text));
 
     mf::test::write_file(dir / "ids.json", out);
     std::string decoded;
-    ASSERT_EQ(mf::test::run_command(bin + " tokenize --tokenizer " + tok_dir + " --decode < " + (dir / "ids.json").string(),
-                                    &decoded), 0) << decoded;
+    ASSERT_EQ(mf::test::run_command(
+                  bin + " tokenize --tokenizer " + tok_dir + " --decode < " + (dir / "ids.json").string(), &decoded),
+              0)
+        << decoded;
     EXPECT_EQ(decoded, text);
 
     std::string err;
     EXPECT_NE(mf::test::run_command(bin + " tokenize --tokenizer " + (dir / "nowhere").string() + " --json < " +
-                                        (dir / "in.txt").string(), &err), 0);
+                                        (dir / "in.txt").string(),
+                                    &err),
+              0);
     EXPECT_NE(err.find("no such tokenizer"), std::string::npos) << err;
     mf::test::write_file(dir / "bad.json", "[1, \"x\"]");
     err.clear();
-    EXPECT_NE(mf::test::run_command(bin + " tokenize --tokenizer " + tok_dir + " --decode < " + (dir / "bad.json").string(),
-                                    &err), 0);
+    EXPECT_NE(mf::test::run_command(
+                  bin + " tokenize --tokenizer " + tok_dir + " --decode < " + (dir / "bad.json").string(), &err),
+              0);
     EXPECT_NE(err.find("element 1 is not a token id"), std::string::npos) << err;
     fs::remove_all(dir);
 }
