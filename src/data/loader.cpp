@@ -9,11 +9,19 @@
 namespace mf::data {
 
 Loader::Loader(const std::vector<Document>* docs, int64_t seq_len, int64_t micro_batch, bool packing, bool shuffle,
-               uint64_t seed, int32_t pad_id)
-    : docs_(docs), seq_len_(seq_len), micro_batch_(micro_batch), packing_(packing), shuffle_(shuffle), seed_(seed),
+               uint64_t seed, int32_t pad_id, LoaderShard shard)
+    : docs_(docs),
+      seq_len_(seq_len),
+      micro_batch_(micro_batch),
+      shard_(shard),
+      packing_(packing),
+      shuffle_(shuffle),
+      seed_(seed),
       pad_id_(pad_id) {
     MF_CHECK(docs != nullptr && !docs->empty(), "loader needs at least one document");
     MF_CHECK(seq_len >= 2 && micro_batch >= 1, "bad loader shape");
+    MF_CHECK(shard.world >= 1 && shard.rank >= 0 && shard.rank < shard.world, "bad loader shard: rank ", shard.rank,
+             " of world ", shard.world);
     build_order();
 }
 
@@ -54,36 +62,46 @@ Batch Loader::next() {
     b.positions.assign(n, 0);
     b.doc_ids.assign(n, -1);
     b.is_pad.assign(n, 1);
-    for (int64_t r = 0; r < micro_batch_; ++r) {
-        int64_t used = 0;
-        int32_t doc_idx = 0;
-        while (used < seq_len_) {
-            const Document& d = next_doc();
-            const int64_t len = std::min<int64_t>(static_cast<int64_t>(d.input_ids.size()), seq_len_);
-            if (used > 0 && used + len > seq_len_) {  // does not fit: put it back, it opens the next row
-                --state_.cursor;
-                break;
-            }
-            for (int64_t t = 0; t < len; ++t) {
-                const size_t i = static_cast<size_t>(r * seq_len_ + used + t);
-                b.input_ids[i] = d.input_ids[static_cast<size_t>(t)];
-                b.positions[i] = static_cast<int32_t>(t);
-                b.doc_ids[i] = doc_idx;
-                b.is_pad[i] = 0;
-                if (t + 1 < len) b.targets[i] = d.labels[static_cast<size_t>(t + 1)];
-            }
-            used += len;
-            ++doc_idx;
-            if (!packing_) break;
-        }
-        // Padding: its own document, positions counting from 0, no targets.
-        for (int64_t t = used; t < seq_len_; ++t) {
-            const size_t i = static_cast<size_t>(r * seq_len_ + t);
-            b.doc_ids[i] = doc_idx;
-            b.positions[i] = static_cast<int32_t>(t - used);
-        }
+    // Every rank walks the whole global micro-batch so the cursor moves alike everywhere.
+    const int64_t first_row = shard_.rank * micro_batch_;
+    for (int64_t g = 0; g < shard_.world * micro_batch_; ++g) {
+        const bool mine = g >= first_row && g < first_row + micro_batch_;
+        fill_row(&b, mine ? g - first_row : -1);
     }
     return b;
+}
+
+void Loader::fill_row(Batch* b, int64_t r) {
+    int64_t used = 0;
+    int32_t doc_idx = 0;
+    while (used < seq_len_) {
+        const Document& d = next_doc();
+        const int64_t len = std::min<int64_t>(static_cast<int64_t>(d.input_ids.size()), seq_len_);
+        if (used > 0 && used + len > seq_len_) {  // does not fit: put it back, it opens the next row
+            --state_.cursor;
+            break;
+        }
+        if (r >= 0) {
+            for (int64_t t = 0; t < len; ++t) {
+                const size_t i = static_cast<size_t>(r * seq_len_ + used + t);
+                b->input_ids[i] = d.input_ids[static_cast<size_t>(t)];
+                b->positions[i] = static_cast<int32_t>(t);
+                b->doc_ids[i] = doc_idx;
+                b->is_pad[i] = 0;
+                if (t + 1 < len) b->targets[i] = d.labels[static_cast<size_t>(t + 1)];
+            }
+        }
+        used += len;
+        ++doc_idx;
+        if (!packing_) break;
+    }
+    if (r < 0) return;
+    // Padding: its own document, positions counting from 0, no targets.
+    for (int64_t t = used; t < seq_len_; ++t) {
+        const size_t i = static_cast<size_t>(r * seq_len_ + t);
+        b->doc_ids[i] = doc_idx;
+        b->positions[i] = static_cast<int32_t>(t - used);
+    }
 }
 
 }  // namespace mf::data
