@@ -33,8 +33,8 @@ void attention_block_forward(const Tensor& y, AttentionActs& a, const Tensor& x,
     ops::matmul_forward(a.q_raw, x, w.wq);
     ops::matmul_forward(a.k_raw, x, w.wk);
     ops::matmul_forward(a.v, x, w.wv);
-    ops::qknorm_rope_forward(a.q, a.q_rstd, a.q_raw, w.q_norm, positions, d.num_heads, d.norm_eps, d.rope_theta);
-    ops::qknorm_rope_forward(a.k, a.k_rstd, a.k_raw, w.k_norm, positions, d.num_kv_heads, d.norm_eps, d.rope_theta);
+    ops::qknorm_rope_forward(a.q, a.k, a.q_rstd, a.k_rstd, a.q_raw, a.k_raw, w.q_norm, w.k_norm, positions, d.num_heads,
+                             d.num_kv_heads, d.norm_eps, d.rope_theta);
     ops::attention_forward(a.attn, a.lse, a.q, a.k, a.v, doc_ids, B, T, d.num_heads, d.num_kv_heads);
     ops::matmul_forward(y, a.attn, w.wo);
 }
@@ -47,10 +47,8 @@ void attention_block_backward(const Tensor& dx, const AttentionWeights& g, Atten
     ops::matmul_backward(s.dattn, g.wo, dy, a.attn, w.wo);
     ops::attention_backward(s.dq, s.dk, s.dv, s.dattn, a.q, a.k, a.v, a.attn, a.lse, doc_ids, B, T, d.num_heads,
                             d.num_kv_heads);
-    ops::qknorm_rope_backward(s.dq_raw, g.q_norm, s.dq, a.q_raw, w.q_norm, a.q_rstd, positions, d.num_heads,
-                              d.rope_theta);
-    ops::qknorm_rope_backward(s.dk_raw, g.k_norm, s.dk, a.k_raw, w.k_norm, a.k_rstd, positions, d.num_kv_heads,
-                              d.rope_theta);
+    ops::qknorm_rope_backward(s.dq_raw, s.dk_raw, g.q_norm, g.k_norm, s.dq, s.dk, a.q_raw, a.k_raw, w.q_norm, w.k_norm,
+                              a.q_rstd, a.k_rstd, positions, d.num_heads, d.num_kv_heads, d.rope_theta);
     ops::matmul_backward(dx, g.wq, s.dq_raw, x, w.wq);
     ops::matmul_backward(dx, g.wk, s.dk_raw, x, w.wk);
     ops::matmul_backward(dx, g.wv, s.dv, x, w.wv);

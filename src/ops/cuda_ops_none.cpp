@@ -21,8 +21,8 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) 
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd) { no_cuda(); }
-void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight, const Tensor& positions, int64_t num_heads, float eps, float theta) { no_cuda(); }
-void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw, const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads, float theta) { no_cuda(); }
+void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) { no_cuda(); }
+void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) { no_cuda(); }
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
 void swiglu_forward(const Tensor& out, const Tensor& inp) { no_cuda(); }
@@ -39,6 +39,8 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale) { no_cuda(); }
+void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) { no_cuda(); }
+void scale(const Tensor& x, float s) { no_cuda(); }
 double sum(const Tensor& x) { no_cuda(); }
 double sum_squares(const Tensor& x) { no_cuda(); }
 bool all_finite(const Tensor& x) { no_cuda(); }

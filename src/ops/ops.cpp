@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
@@ -132,25 +133,35 @@ void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& d
     cpu::rmsnorm_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), f(rstd), N, C);
 }
 
-void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight,
-                         const Tensor& positions, int64_t num_heads, float eps, float theta) {
-    const int64_t D = weight.numel(), N = positions.numel();
-    MF_CHECK(x_raw.numel() == N * num_heads * D && out.numel() == x_raw.numel() && rstd.numel() == N * num_heads,
+void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                         const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                         const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) {
+    const int64_t D = q_weight.numel(), N = positions.numel();
+    MF_CHECK(q_raw.numel() == N * num_heads * D && k_raw.numel() == N * num_kv_heads * D && q.numel() == q_raw.numel() &&
+                 k.numel() == k_raw.numel() && q_rstd.numel() == N * num_heads && k_rstd.numel() == N * num_kv_heads,
              "qk-norm/rope shapes");
-    if (device_of({&out, &rstd, &x_raw, &weight, &positions}) == Device::cuda)
-        return cuda_impl::qknorm_rope_forward(out, rstd, x_raw, weight, positions, num_heads, eps, theta);
-    cpu::rmsnorm_forward(f(out), f(rstd), f(x_raw), f(weight), N * num_heads, D, eps);
-    cpu::rope_forward(f(out), i32(positions), N, num_heads, D, theta);
+    if (device_of({&q, &k, &q_rstd, &k_rstd, &q_raw, &k_raw, &q_weight, &k_weight, &positions}) == Device::cuda)
+        return cuda_impl::qknorm_rope_forward(q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight, positions,
+                                              num_heads, num_kv_heads, eps, theta);
+    cpu::rmsnorm_forward(f(q), f(q_rstd), f(q_raw), f(q_weight), N * num_heads, D, eps);
+    cpu::rope_forward(f(q), i32(positions), N, num_heads, D, theta);
+    cpu::rmsnorm_forward(f(k), f(k_rstd), f(k_raw), f(k_weight), N * num_kv_heads, D, eps);
+    cpu::rope_forward(f(k), i32(positions), N, num_kv_heads, D, theta);
 }
 
-void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw,
-                          const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads,
-                          float theta) {
-    const int64_t D = weight.numel(), N = positions.numel();
-    if (device_of({&dx_raw, &dweight, &dout, &x_raw, &weight, &rstd, &positions}) == Device::cuda)
-        return cuda_impl::qknorm_rope_backward(dx_raw, dweight, dout, x_raw, weight, rstd, positions, num_heads, theta);
-    cpu::rope_backward(f(dout), i32(positions), N, num_heads, D, theta);
-    cpu::rmsnorm_backward(f(dx_raw), f(dweight), f(dout), f(x_raw), f(weight), f(rstd), N * num_heads, D);
+void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight,
+                          const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
+                          const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
+                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) {
+    const int64_t D = q_weight.numel(), N = positions.numel();
+    if (device_of({&dq_raw, &dk_raw, &dq_weight, &dk_weight, &dq, &dk, &q_raw, &k_raw, &q_weight, &k_weight, &q_rstd,
+                   &k_rstd, &positions}) == Device::cuda)
+        return cuda_impl::qknorm_rope_backward(dq_raw, dk_raw, dq_weight, dk_weight, dq, dk, q_raw, k_raw, q_weight,
+                                               k_weight, q_rstd, k_rstd, positions, num_heads, num_kv_heads, theta);
+    cpu::rope_backward(f(dq), i32(positions), N, num_heads, D, theta);
+    cpu::rmsnorm_backward(f(dq_raw), f(dq_weight), f(dq), f(q_raw), f(q_weight), f(q_rstd), N * num_heads, D);
+    cpu::rope_backward(f(dk), i32(positions), N, num_kv_heads, D, theta);
+    cpu::rmsnorm_backward(f(dk_raw), f(dk_weight), f(dk), f(k_raw), f(k_weight), f(k_rstd), N * num_kv_heads, D);
 }
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -296,6 +307,23 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
     if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
         return cuda_impl::lm_head_cross_entropy(losses, dh, dw, h, w, targets, grad_scale);
     cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale);
+}
+
+// --- optimizer -------------------------------------------------------------------------------------
+
+void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
+                  const AdamWHyper& h) {
+    MF_CHECK(param.numel() == m.numel() && m.numel() == v.numel() && v.numel() == grad.numel(), "adamw sizes differ");
+    if (device_of({&param, &master, &m, &v, &grad}) == Device::cuda)
+        return cuda_impl::adamw_update(param, master, m, v, grad, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step);
+    MF_CHECK(!defined(master), "CPU parameters are their own master copy");
+    cpu::adamw_update(f(param), f(m), f(v), f(grad), param.numel(),
+                      cpu::AdamWParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step});
+}
+
+void scale(const Tensor& x, float s) {
+    if (x.device() == Device::cuda) return cuda_impl::scale(x, s);
+    cpu::scale_inplace(f(x), s, x.numel());
 }
 
 // --- reductions ------------------------------------------------------------------------------------

@@ -36,20 +36,25 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd);  // dinp +=, dweight +=
 
-// Per-head RMSNorm then RoPE: x_raw[N, H·D] -> out[N, H·D], rstd[N·H].
-void qknorm_rope_forward(const Tensor& out, const Tensor& rstd, const Tensor& x_raw, const Tensor& weight,
-                         const Tensor& positions, int64_t num_heads, float eps, float theta);
-// dx_raw[N, H·D] +=, dweight[D] +=, from dout (the gradient at `out`; it is used as scratch).
-void qknorm_rope_backward(const Tensor& dx_raw, const Tensor& dweight, const Tensor& dout, const Tensor& x_raw,
-                          const Tensor& weight, const Tensor& rstd, const Tensor& positions, int64_t num_heads,
-                          float theta);
 
 // q[B,T,Hq·D], k/v[B,T,Hkv·D] (token-major), doc_ids[B·T]; out[B,T,Hq·D], lse[B,Hq,T] (f32).
+// Per-head RMSNorm (weight [D]) then RoPE, on q_raw[N, Hq·D] and k_raw[N, Hkv·D] -> q, k and the
+// f32 statistics q_rstd[N·Hq], k_rstd[N·Hkv].
+void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                         const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                         const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta);
+// dq_raw, dk_raw: zero on entry, receive the gradients; dq_weight, dk_weight +=. dq and dk (the
+// gradients at q and k) are used as scratch.
+void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight,
+                          const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
+                          const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
+                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta);
+
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
-                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv +=
+                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv: zero on entry
 
 void swiglu_forward(const Tensor& out, const Tensor& inp);   // inp[N, 2I] -> out[N, I]
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
@@ -84,6 +89,19 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 // losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale);
+
+// --- optimizer -------------------------------------------------------------------------------------
+struct AdamWHyper {
+    float lr, beta1, beta2, eps, weight_decay;
+    int64_t step;  // 1-based
+};
+// torch.optim.AdamW on one parameter group. CPU: param, m, v, grad f32. CUDA, policy bf16: param,
+// m, v, grad bf16 (master undefined). CUDA, policy mixed: master, m, v f32, grad f32 or bf16,
+// and param (bf16) receives the rounded master.
+void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
+                  const AdamWHyper& h);
+// Scales x in place by s (f32 or bf16).
+void scale(const Tensor& x, float s);
 
 // --- reductions ------------------------------------------------------------------------------------
 double sum(const Tensor& x);          // Σ x (f32 tensors), in a fixed order

@@ -70,10 +70,12 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     {
         io::AtomicDir dir(final_dir);
         const int64_t P = model.num_params();
+        std::vector<float> params, m, v;
+        adam.get_state(params, m, v);
         const std::vector<io::StWriteTensor> tensors = {
-            {"params", io::StDType::F32, {P}, model.param_data()},
-            {"exp_avg", io::StDType::F32, {P}, adam.exp_avg()},
-            {"exp_avg_sq", io::StDType::F32, {P}, adam.exp_avg_sq()},
+            {"params", io::StDType::F32, {P}, params.data()},
+            {"exp_avg", io::StDType::F32, {P}, m.data()},
+            {"exp_avg_sq", io::StDType::F32, {P}, v.data()},
         };
         io::write_safetensors(dir.tmp_path() / "tensors.safetensors", tensors, {{"format", "moeforge"}});
         json::Value s = json::Value::object();
@@ -147,17 +149,20 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
 
     const io::SafetensorsFile tensors = io::SafetensorsFile::open(dir / "tensors.safetensors");
     const int64_t P = model.num_params();
-    auto restore = [&](const char* name, float* dst) {
+    auto restore = [&](const char* name, std::vector<float>& dst) {
+        dst.resize(static_cast<size_t>(P));
         const io::StTensor* t = tensors.find(name);
         if (t == nullptr) fail(dir.string(), "/tensors.safetensors: missing tensor \"", name, "\"");
         if (t->dtype != io::StDType::F32 || t->shape != Shape{P})
             fail(dir.string(), "/tensors.safetensors: tensor \"", name, "\" has the wrong dtype or shape (expected F32 [",
                  P, "])");
-        std::memcpy(dst, t->data, static_cast<size_t>(P) * sizeof(float));
+        std::memcpy(dst.data(), t->data, static_cast<size_t>(P) * sizeof(float));
     };
-    restore("params", model.param_data());
-    restore("exp_avg", adam.exp_avg());
-    restore("exp_avg_sq", adam.exp_avg_sq());
+    std::vector<float> params, m, v;
+    restore("params", params);
+    restore("exp_avg", m);
+    restore("exp_avg_sq", v);
+    adam.set_state(params, m, v);
 
     CheckpointState state;
     state.step = field("step").as_int();

@@ -41,45 +41,86 @@ model::Qwen3MoeConfig read_hf_config(const fs::path& dir, json::Value* raw) {
     return c;
 }
 
-std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config,
-                                               model::ModelPlacement placement) {
-    auto m = std::make_unique<model::Qwen3Moe>(read_hf_config(dir, raw_config), placement);
-    std::vector<float> host(static_cast<size_t>(m->num_params()));
-    const io::ModelWeights weights = io::ModelWeights::open(dir);
-    const auto& cfg = m->config();
-    std::set<std::string> used;
-    for (const auto& spec : m->params().specs()) {
-        float* dst = host.data() + spec.offset;
-        if (!is_stacked(spec) || weights.find(spec.name) != nullptr) {
-            weights.read_f32(spec.name, spec.shape, dst);
-            used.insert(spec.name);
+namespace {
+
+// One HF checkpoint tensor and where it lives in the flat parameter buffer.
+struct HfTensor {
+    std::string name;
+    Shape shape;
+    int64_t offset;  // elements into the flat buffer
+};
+
+// The HF tensors of a config, per-expert (what transformers writes), in parameter-table order.
+std::vector<HfTensor> hf_layout(const model::Qwen3MoeConfig& cfg, const model::ParamTable& table) {
+    std::vector<HfTensor> out;
+    const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
+    for (const auto& spec : table.specs()) {
+        if (!is_stacked(spec)) {
+            out.push_back({spec.name, spec.shape, spec.offset});
             continue;
         }
-        // Per-expert HF tensors into the stacked layout.
         const std::string prefix = expert_prefix(spec.name);
         const bool gate_up = spec.name.ends_with("gate_up_proj");
-        const int64_t E = cfg.num_experts, I = cfg.moe_intermediate_size, H = cfg.hidden_size;
-        for (int64_t e = 0; e < E; ++e) {
+        for (int64_t e = 0; e < cfg.num_experts; ++e) {
             const std::string ep = prefix + std::to_string(e) + ".";
             if (gate_up) {
-                float* base = dst + e * 2 * I * H;
-                weights.read_f32(ep + "gate_proj.weight", {I, H}, base);
-                weights.read_f32(ep + "up_proj.weight", {I, H}, base + I * H);
-                used.insert(ep + "gate_proj.weight");
-                used.insert(ep + "up_proj.weight");
+                out.push_back({ep + "gate_proj.weight", {I, H}, spec.offset + e * 2 * I * H});
+                out.push_back({ep + "up_proj.weight", {I, H}, spec.offset + e * 2 * I * H + I * H});
             } else {
-                weights.read_f32(ep + "down_proj.weight", {H, I}, dst + e * H * I);
-                used.insert(ep + "down_proj.weight");
+                out.push_back({ep + "down_proj.weight", {H, I}, spec.offset + e * H * I});
             }
         }
+    }
+    return out;
+}
+
+}  // namespace
+
+std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config,
+                                               model::ModelPlacement placement) {
+    model::Qwen3MoeConfig cfg = read_hf_config(dir, raw_config);
+    const io::ModelWeights weights = io::ModelWeights::open(dir);
+    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+
+    // Every tensor is located and shape-checked before anything of the model's size is allocated,
+    // so a config describing a huge model over small files fails with the tensor named.
+    struct Source {
+        const HfTensor* dst;
+        std::string name;  // the checkpoint's name (per-expert, or the v5 stacked spelling)
+        Shape shape;
+    };
+    std::vector<Source> sources;
+    std::set<std::string> used;
+    const std::vector<HfTensor> layout = hf_layout(cfg, table);
+    std::vector<HfTensor> stacked;  // v5 spelling: one tensor per stacked parameter
+    for (const auto& spec : table.specs())
+        if (is_stacked(spec) && weights.find(spec.name) != nullptr) stacked.push_back({spec.name, spec.shape, spec.offset});
+    for (const auto& t : stacked) sources.push_back({&t, t.name, t.shape});
+    for (const auto& t : layout) {
+        bool covered = false;
+        for (const auto& st : stacked)
+            covered = covered || (t.offset >= st.offset && t.offset < st.offset + shape_numel(st.shape));
+        if (!covered) sources.push_back({&t, t.name, t.shape});
+    }
+    for (const auto& src : sources) {
+        const io::StTensor* t = weights.find(src.name);
+        if (t == nullptr) fail(dir.string(), ": tensor \"", src.name, "\" is missing (needed by config.json)");
+        if (t->shape != src.shape)
+            fail(t->file, ": tensor \"", src.name, "\" has shape ", shape_str(t->shape), ", config.json implies ",
+                 shape_str(src.shape));
+        used.insert(src.name);
     }
     for (const auto& name : weights.names()) {
         if (used.count(name)) continue;
         // HF drops a tied lm_head on save, but a checkpoint that still has it is fine.
         if (name == "lm_head.weight" && cfg.tie_word_embeddings) continue;
-        fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this ", "qwen3_moe model (",
+        fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this qwen3_moe model (",
              cfg.num_hidden_layers, " layers, ", cfg.num_experts, " experts)");
     }
+
+    auto m = std::make_unique<model::Qwen3Moe>(std::move(cfg), placement);
+    std::vector<float> host(static_cast<size_t>(m->num_params()));
+    for (const auto& src : sources) weights.read_f32(src.name, src.shape, host.data() + src.dst->offset);
     m->set_params_from_host(host.data());
     return m;
 }
@@ -93,33 +134,15 @@ void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* r
     else if (cfg.dtype == "float16") fail("writing float16 checkpoints is not supported; set dtype to bfloat16 or float32");
 
     // Convert into one staging buffer in the output dtype, laid out tensor after tensor in HF order.
+    std::vector<float> host(static_cast<size_t>(m.num_params()));
+    m.get_params_to_host(host.data());
     struct Piece {
         std::string name;
         Shape shape;
         const float* src;
     };
     std::vector<Piece> pieces;
-    const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
-    std::vector<float> host(static_cast<size_t>(m.num_params()));
-    m.get_params_to_host(host.data());
-    for (const auto& spec : m.params().specs()) {
-        const float* src = host.data() + spec.offset;
-        if (!is_stacked(spec)) {
-            pieces.push_back({spec.name, spec.shape, src});
-            continue;
-        }
-        const std::string prefix = expert_prefix(spec.name);
-        const bool gate_up = spec.name.ends_with("gate_up_proj");
-        for (int64_t e = 0; e < cfg.num_experts; ++e) {
-            const std::string ep = prefix + std::to_string(e) + ".";
-            if (gate_up) {
-                pieces.push_back({ep + "gate_proj.weight", {I, H}, src + e * 2 * I * H});
-                pieces.push_back({ep + "up_proj.weight", {I, H}, src + e * 2 * I * H + I * H});
-            } else {
-                pieces.push_back({ep + "down_proj.weight", {H, I}, src + e * H * I});
-            }
-        }
-    }
+    for (const auto& t : hf_layout(cfg, m.params())) pieces.push_back({t.name, t.shape, host.data() + t.offset});
     const size_t elem = io::st_dtype_size(dtype);
     std::vector<uint8_t> staging(static_cast<size_t>(m.num_params()) * elem);
     std::vector<io::StWriteTensor> tensors;

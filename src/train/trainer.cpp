@@ -38,10 +38,11 @@ json::Value StepMetrics::to_json() const {
 
 namespace {
 
-std::string resolve_device(const Recipe& r) {
-    if (r.device == "cuda")
-        fail(r.source, ": device: cuda is not available yet: this build trains on the CPU only (use device: cpu or auto)");
-    return "cpu";
+Device resolve_device(const Recipe& r) {
+    if (r.device == "cpu") return Device::cpu;
+    if (cuda_available()) return Device::cuda;
+    if (r.device == "cuda") fail(r.source, ": device: cuda, but no CUDA device is available (or this build has no CUDA)");
+    return Device::cpu;
 }
 
 void print_progress(int64_t step, int64_t total, bool tty) {
@@ -57,10 +58,12 @@ void print_progress(int64_t step, int64_t total, bool tty) {
 
 TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     const auto t_start = std::chrono::steady_clock::now();
-    resolve_device(recipe);
+    const Device device = resolve_device(recipe);
+    const bool mixed = recipe.precision == "mixed";
+    model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32};
     const fs::path model_dir = recipe.model;
     json::Value raw_config;
-    auto model = load_hf_model(model_dir, &raw_config);
+    auto model = load_hf_model(model_dir, &raw_config, placement);
     const auto& cfg = model->config();
 
     if (recipe.data.format != "tokens" && recipe.data.format != "auto")
@@ -73,7 +76,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     const fs::path out = recipe.out;
     fs::create_directories(out);
     io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
-    AdamW optimizer(model->params(), recipe.optim);
+    AdamW optimizer(*model, recipe.optim, mixed);
     const fs::path ckpt_root = out / "checkpoints";
     int64_t first_step = 0;
     if (!resume.from.empty()) {
@@ -115,12 +118,13 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
 
     const int64_t P = model->num_params();
+    const double state_bytes_per_param = device == Device::cpu ? 16.0 : (mixed ? 2.0 + 4.0 + 12.0 : 8.0);
     const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
     const bool tty = isatty(fileno(stdout)) != 0;
-    std::printf("moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | cpu\n",
+    std::printf("moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | %s\n",
                 model_dir.string().c_str(), static_cast<long long>(P), static_cast<long long>(model->num_active_params()),
                 static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
-                static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum));
+                static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum), device_name(device));
 
     TrainSummary summary;
     summary.out_dir = out.string();
@@ -147,7 +151,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         m.ce_loss = targets > 0 ? ce_sum / static_cast<double>(targets) : 0.0;
         m.aux_loss = aux_sum / static_cast<double>(micro.size());
         m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
-        m.grad_norm = clip_grad_norm(model->grad_data(), P, recipe.train.grad_clip);
+        m.grad_norm = clip_grad_norm(*model, recipe.train.grad_clip);
         m.lr = lr_at(recipe.optim, step, recipe.train.steps);
         bool skipped = false;
         if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
@@ -163,14 +167,14 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
                         static_cast<long long>(m.step), where.c_str());
             skipped = true;
         } else {
-            optimizer.step(model->param_data(), model->grad_data(), m.lr);
+            optimizer.step(m.lr);
         }
         model->zero_grads();
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         m.tokens = tokens;
         m.tokens_per_s = dt > 0 ? static_cast<double>(tokens) / dt : 0.0;
-        // params + grads + AdamW m, v (fp32 on CPU) + the activation arena's high-water mark.
-        m.peak_mem_gib = (4.0 * 4.0 * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
+        // params + grads + AdamW state (per the policy) + the activation arena's high-water mark.
+        m.peak_mem_gib = (state_bytes_per_param * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
                          (1024.0 * 1024.0 * 1024.0);
         json::Value line = m.to_json();
         if (skipped) line.set("skipped", true);

@@ -1,0 +1,317 @@
+// ops.h on the GPU: bf16 activations over the kernels in kernels/cuda.
+//
+// One process-wide context holds the stream (the legacy default stream for now), the cuBLASLt
+// and cuBLAS handles and a scratch buffer that grows to the largest request. Every op queues its
+// kernels on that stream; only the ops that return a host value (sum, sum_squares, all_finite,
+// copy_to_host) synchronise. Scratch is reused op after op, which is safe because all work is
+// ordered on the one stream.
+#include <cublas_v2.h>
+
+#include <algorithm>
+
+#include "core/cuda_check.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/cross_entropy.cuh"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gemm.cuh"
+#include "kernels/cuda/grouped_gemm.cuh"
+#include "kernels/cuda/moe_permute.cuh"
+#include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/rope_qknorm.cuh"
+#include "kernels/cuda/router.cuh"
+#include "kernels/cuda/swiglu.cuh"
+#include "ops/cuda_ops.h"
+
+namespace mf::ops::cuda_impl {
+
+namespace {
+
+using mf::cuda::bf16;
+
+// Bound on the loss head's [chunk, V] fp32 logits scratch.
+constexpr size_t kLossScratchBytes = size_t{256} << 20;
+
+struct Context {
+    cudaStream_t stream = nullptr;
+    mf::cuda::GemmContext gemm;
+    cublasHandle_t blas = nullptr;
+    Buffer scratch;
+    Buffer small;  // a few device scalars
+    Context() : small(256, Device::cuda) { MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed"); }
+
+    // Scratch of at least `bytes`, 256-byte aligned, split into `parts` regions on request.
+    void* get(size_t bytes) {
+        if (scratch.nbytes() < bytes) {
+            MF_CHECK_CUDA(cudaStreamSynchronize(stream));  // the old buffer may still be in use
+            scratch = Buffer(std::max(bytes, scratch.nbytes() + scratch.nbytes() / 2), Device::cuda);
+        }
+        return scratch.data();
+    }
+    double* d_double() { return static_cast<double*>(small.data()); }
+    unsigned long long* d_count() { return reinterpret_cast<unsigned long long*>(static_cast<char*>(small.data()) + 64); }
+};
+
+Context& ctx() {
+    static Context* c = new Context();  // never destroyed: no teardown-order trouble with CUDA at exit
+    return *c;
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+bool defined(const Tensor& t) { return t.data() != nullptr; }
+bf16* B(const Tensor& t) {
+    MF_CHECK(t.dtype() == DType::bf16, "expected a bf16 tensor, got ", dtype_name(t.dtype()));
+    return static_cast<bf16*>(t.data());
+}
+float* F(const Tensor& t) { return defined(t) ? t.ptr<float>() : nullptr; }
+int32_t* I(const Tensor& t) { return defined(t) ? t.ptr<int32_t>() : nullptr; }
+int64_t rows(const Tensor& t) { return t.numel() / t.dim(-1); }
+
+}  // namespace
+
+void zero(const Tensor& t) { MF_CHECK_CUDA(cudaMemsetAsync(t.data(), 0, t.nbytes(), ctx().stream)); }
+
+void copy(const Tensor& dst, const Tensor& src) {
+    MF_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src.data(), dst.nbytes(), cudaMemcpyDeviceToDevice, ctx().stream));
+}
+
+void copy_from_host(const Tensor& dst, const void* src) {
+    MF_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, ctx().stream));
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));  // the host buffer may go away after return
+}
+
+void copy_to_host(void* dst, const Tensor& src) {
+    MF_CHECK_CUDA(cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, ctx().stream));
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+}
+
+void add(const Tensor& out, const Tensor& a, const Tensor& b) { mf::cuda::add_bf16(B(out), B(a), B(b), out.numel(), ctx().stream); }
+
+void cast(const Tensor& dst, const Tensor& src) {
+    if (dst.dtype() == src.dtype()) return copy(dst, src);
+    if (dst.dtype() == DType::bf16 && src.dtype() == DType::f32)
+        return mf::cuda::cast_f32_to_bf16(B(dst), F(src), dst.numel(), ctx().stream);
+    if (dst.dtype() == DType::f32 && src.dtype() == DType::bf16)
+        return mf::cuda::cast_bf16_to_f32(F(dst), B(src), dst.numel(), ctx().stream);
+    MF_FAIL("cast from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()), " is not supported");
+}
+
+void synchronize() { MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream)); }
+
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
+    const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
+    if (out.dtype() == DType::f32)
+        mf::cuda::matmul_forward_f32out(ctx().gemm, F(out), B(inp), B(weight), N, C, OC, ctx().stream);
+    else
+        mf::cuda::matmul_forward(ctx().gemm, B(out), B(inp), B(weight), N, C, OC, ctx().stream);
+}
+
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                     const Tensor& weight) {
+    const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
+    const bf16* g = nullptr;
+    if (dout.dtype() == DType::f32) {  // the router's f32 logit gradient: round to bf16 for the GEMMs
+        bf16* tmp = static_cast<bf16*>(ctx().get(align256(static_cast<size_t>(dout.numel()) * sizeof(bf16))));
+        mf::cuda::cast_f32_to_bf16(tmp, F(dout), dout.numel(), ctx().stream);
+        g = tmp;
+    } else {
+        g = B(dout);
+    }
+    if (defined(dinp)) mf::cuda::matmul_backward_input(ctx().gemm, B(dinp), g, B(weight), N, C, OC, true, ctx().stream);
+    if (defined(dweight))
+        mf::cuda::matmul_backward_weight(ctx().gemm, dweight.data(), dweight.dtype(), g, B(inp), N, C, OC, ctx().stream);
+}
+
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
+    mf::cuda::embedding_forward(B(out), I(ids), B(wte), ids.numel(), wte.dim(0), wte.dim(-1), ctx().stream);
+}
+
+void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) {
+    const int64_t N = ids.numel(), V = dwte.dim(0), C = dwte.dim(-1);
+    const size_t bytes = mf::cuda::embedding_backward_scratch_bytes(N, V);
+    mf::cuda::embedding_backward(dwte.data(), dwte.dtype(), B(dout), I(ids), N, V, C, ctx().get(bytes), bytes,
+                                 ctx().stream);
+}
+
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
+    const int64_t C = weight.numel(), N = inp.numel() / C;
+    mf::cuda::rmsnorm_forward(B(out), F(rstd), B(inp), B(weight), N, C, eps, ctx().stream);
+}
+
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd) {
+    const int64_t C = weight.numel(), N = inp.numel() / C;
+    const size_t bytes = mf::cuda::rmsnorm_backward_scratch_bytes(N, C);
+    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, true, defined(dweight) ? dweight.data() : nullptr,
+                               defined(dweight) ? dweight.dtype() : DType::f32, B(dout), B(inp), B(weight), F(rstd), N,
+                               C, ctx().get(bytes), bytes, ctx().stream);
+}
+
+void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                         const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                         const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) {
+    mf::cuda::rope_qknorm_forward(B(q), B(k), F(q_rstd), F(k_rstd), B(q_raw), B(k_raw), B(q_weight), B(k_weight),
+                                  I(positions), positions.numel(), num_heads, num_kv_heads, q_weight.numel(), theta, eps,
+                                  ctx().stream);
+}
+
+void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight,
+                          const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
+                          const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
+                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) {
+    const int64_t N = positions.numel(), D = q_weight.numel();
+    MF_CHECK(dq_weight.dtype() == dk_weight.dtype(), "q/k norm gradients differ in dtype");
+    const size_t bytes = mf::cuda::rope_qknorm_backward_scratch_bytes(N, D);
+    mf::cuda::rope_qknorm_backward(B(dq_raw), B(dk_raw), dq_weight.data(), dk_weight.data(), dq_weight.dtype(), B(dq),
+                                   B(dk), B(q_raw), B(k_raw), B(q_weight), B(k_weight), F(q_rstd), F(k_rstd),
+                                   I(positions), N, num_heads, num_kv_heads, D, theta, ctx().get(bytes), bytes,
+                                   ctx().stream);
+}
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& doc_ids, int64_t Bn, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t D = q.numel() / (Bn * T * num_heads);
+    mf::cuda::attention_forward(B(out), F(lse), B(q), B(k), B(v), I(doc_ids), {Bn, T, num_heads, num_kv_heads, D},
+                                ctx().stream);
+}
+
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
+                        const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
+                        int64_t Bn, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t D = q.numel() / (Bn * T * num_heads);
+    const mf::cuda::AttentionShape shape{Bn, T, num_heads, num_kv_heads, D};
+    void* ws = ctx().get(mf::cuda::attention_backward_workspace_bytes(shape));
+    mf::cuda::attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse), I(doc_ids), shape, ws,
+                                 ctx().stream);
+}
+
+void swiglu_forward(const Tensor& out, const Tensor& inp) {
+    mf::cuda::swiglu_forward(B(out), B(inp), rows(out), out.dim(-1), ctx().stream);
+}
+
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+    mf::cuda::swiglu_backward(B(dinp), B(dout), B(inp), rows(dout), dout.dim(-1), ctx().stream);
+}
+
+void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
+                    bool norm_topk_prob) {
+    mf::cuda::router_forward(F(probs), I(topk_idx), F(topk_weight), F(logits), logits.dim(0), logits.dim(1),
+                             topk_idx.dim(-1), norm_topk_prob, ctx().stream);
+}
+
+void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
+                     const Tensor& topk_idx, bool norm_topk_prob) {
+    mf::cuda::router_backward(F(dlogits), F(dtopk_weight), F(dprobs), F(probs), I(topk_idx), probs.dim(0), probs.dim(1),
+                              topk_idx.dim(-1), norm_topk_prob, ctx().stream);
+}
+
+void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
+                   const Tensor& mask) {
+    const int64_t N = probs.dim(0), E = probs.dim(1);
+    const size_t bytes = mf::cuda::router_aux_stats_scratch_bytes(N, E);
+    mf::cuda::router_aux_stats(F(counts), F(prob_sums), F(probs), I(topk_idx), F(mask), N, E, topk_idx.dim(-1),
+                               ctx().get(bytes), bytes, ctx().stream);
+}
+
+void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) {
+    mf::cuda::aux_dprobs(F(dprobs), F(counts), F(mask), scale, dprobs.dim(0), dprobs.dim(1), ctx().stream);
+}
+
+void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
+                         const Tensor& topk_idx, int64_t num_experts) {
+    const int64_t N = topk_idx.dim(0), K = topk_idx.dim(-1);
+    const size_t bytes = mf::cuda::moe_permute_indices_scratch_bytes(N, K, num_experts);
+    mf::cuda::moe_permute_indices(I(expert_offsets), I(sorted_pair), I(pair_row), I(topk_idx), N, K, num_experts,
+                                  ctx().get(bytes), bytes, ctx().stream);
+}
+
+void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) {
+    mf::cuda::moe_gather_forward(B(x_perm), B(x), I(sorted_pair), rows(x), top_k, x.dim(-1), ctx().stream);
+}
+
+void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) {
+    mf::cuda::moe_gather_backward(B(dx), true, B(dx_perm), I(pair_row), rows(dx), top_k, dx.dim(-1), ctx().stream);
+}
+
+void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    mf::cuda::moe_unpermute_forward(B(out), B(y_perm), F(topk_weight), I(pair_row), rows(out), topk_weight.dim(-1),
+                                    out.dim(-1), ctx().stream);
+}
+
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
+                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    mf::cuda::moe_unpermute_backward(B(dy_perm), F(dtopk_weight), B(dout), B(y_perm), F(topk_weight), I(pair_row),
+                                     rows(dout), topk_weight.dim(-1), dout.dim(-1), ctx().stream);
+}
+
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) {
+    mf::cuda::grouped_matmul_forward(B(out), B(inp), B(weight), I(offsets), rows(inp), weight.dim(0), weight.dim(2),
+                                     weight.dim(1), ctx().stream);
+}
+
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                             const Tensor& weight, const Tensor& offsets) {
+    const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+    if (defined(dinp))
+        mf::cuda::grouped_matmul_backward_input(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC, true, ctx().stream);
+    if (defined(dweight))
+        mf::cuda::grouped_matmul_backward_weight(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets), M, E, C,
+                                                 OC, ctx().stream);
+}
+
+void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
+                           const Tensor& targets, float grad_scale) {
+    const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
+    const int64_t chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / (4 * static_cast<size_t>(V))), 1, N);
+    const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V);
+    mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
+                                    defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h), B(w),
+                                    I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream);
+}
+
+void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
+                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+    const mf::cuda::AdamWParams p{lr, beta1, beta2, eps, weight_decay, step};
+    if (defined(master))
+        mf::cuda::adamw_update_mixed(F(master), F(m), F(v), grad.data(), grad.dtype(), B(param), param.numel(), p,
+                                     nullptr, ctx().stream);
+    else
+        mf::cuda::adamw_update_bf16(B(param), B(m), B(v), B(grad), param.numel(), p, nullptr, ctx().stream);
+}
+
+void scale(const Tensor& x, float s) {
+    float* d = reinterpret_cast<float*>(static_cast<char*>(ctx().small.data()) + 128);
+    MF_CHECK_CUDA(cudaMemcpyAsync(d, &s, sizeof s, cudaMemcpyHostToDevice, ctx().stream));
+    mf::cuda::scale_inplace(x.data(), x.dtype(), d, x.numel(), ctx().stream);
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));  // `s` lives on this stack frame
+}
+
+double sum(const Tensor& x) {
+    mf::cuda::sum_f32(ctx().d_double(), F(x), x.numel(), ctx().stream);
+    double v = 0;
+    MF_CHECK_CUDA(cudaMemcpyAsync(&v, ctx().d_double(), sizeof v, cudaMemcpyDeviceToHost, ctx().stream));
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    return v;
+}
+
+double sum_squares(const Tensor& x) {
+    const size_t bytes = mf::cuda::sum_squares_scratch_bytes();
+    mf::cuda::sum_squares(ctx().d_double(), x.data(), x.dtype(), x.numel(), false, ctx().get(bytes), ctx().stream);
+    double v = 0;
+    MF_CHECK_CUDA(cudaMemcpyAsync(&v, ctx().d_double(), sizeof v, cudaMemcpyDeviceToHost, ctx().stream));
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    return v;
+}
+
+bool all_finite(const Tensor& x) {
+    mf::cuda::count_nonfinite(ctx().d_count(), x.data(), x.dtype(), x.numel(), ctx().stream);
+    unsigned long long n = 0;
+    MF_CHECK_CUDA(cudaMemcpyAsync(&n, ctx().d_count(), sizeof n, cudaMemcpyDeviceToHost, ctx().stream));
+    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    return n == 0;
+}
+
+}  // namespace mf::ops::cuda_impl
