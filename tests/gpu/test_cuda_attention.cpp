@@ -41,7 +41,9 @@ const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuE
 
 class DeviceBuffer {
  public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16))); }
+    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+        MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)));
+    }
     ~DeviceBuffer() { cudaFree(ptr_); }
     DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
     DeviceBuffer(const DeviceBuffer&) = delete;
@@ -95,8 +97,8 @@ void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
     DeviceBuffer src(block * 2);
     upload_bf16(src, random_bf16_values(rng, block));
     for (size_t i = 0; i < n; i += block)
-        MF_CHECK_CUDA(cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2,
-                                 cudaMemcpyDeviceToDevice));
+        MF_CHECK_CUDA(
+            cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2, cudaMemcpyDeviceToDevice));
 }
 void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
 
@@ -263,9 +265,9 @@ std::vector<int32_t> make_docs(std::mt19937& rng, const Shape& s, Docs docs, int
 }
 
 const std::vector<AttnCase> kCases = {
-    {{1, 1, 1, 1, 16}, Docs::none, 0},        {{2, 77, 4, 2, 64}, Docs::none, 0},
-    {{2, 200, 4, 1, 128}, Docs::packed, 70},  {{1, 300, 8, 2, 16}, Docs::packed, 40},
-    {{1, 130, 2, 2, 32}, Docs::single, 0},    {{1, 128, 4, 4, 128}, Docs::packed, 3},
+    {{1, 1, 1, 1, 16}, Docs::none, 0},         {{2, 77, 4, 2, 64}, Docs::none, 0},
+    {{2, 200, 4, 1, 128}, Docs::packed, 70},   {{1, 300, 8, 2, 16}, Docs::packed, 40},
+    {{1, 130, 2, 2, 32}, Docs::single, 0},     {{1, 128, 4, 4, 128}, Docs::packed, 3},
     {{1, 2500, 2, 1, 16}, Docs::packed, 1300},  // runs longer than one 1024-position scan chunk
 };
 
@@ -305,8 +307,8 @@ TEST(CudaAttention, ForwardBackwardParity) {
         const int32_t* gpu_docs = c.docs == Docs::none ? nullptr : d_docs.as<int32_t>();
         poison(d_out);
         poison(d_lse);
-        mf::cuda::attention_forward(d_out.as<bf16>(), d_lse.as<float>(), d_q.as<bf16>(), d_k.as<bf16>(),
-                                    d_v.as<bf16>(), gpu_docs, gs, nullptr);
+        mf::cuda::attention_forward(d_out.as<bf16>(), d_lse.as<float>(), d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(),
+                                    gpu_docs, gs, nullptr);
         MF_CHECK_CUDA(cudaDeviceSynchronize());
         expect_parity("forward out " + c.label(), download_bf16(d_out, nq), ref_out, naive_out);
         expect_parity("forward lse " + c.label(), download_f32(d_lse, nl), ref_lse, naive_lse);
@@ -398,10 +400,11 @@ TEST(CudaAttention, Benchmark) {
                                          k.as<bf16>(), v.as<bf16>(), out.as<bf16>(), lse.as<float>(), d, s,
                                          ws.as<void>(), nullptr);
         });
-        std::printf("BENCH attention B=2 T=4096 Hq=32 Hkv=4 D=128 %-18s fwd %8.1f us %6.1f TFLOP/s | bwd %8.1f us "
-                    "%6.1f | fwd+bwd %8.1f us %6.1f TFLOP/s\n",
-                    packed ? "packed 1024 docs" : "causal", fwd, fwd_flops / fwd * 1e-6, bwd,
-                    2.5 * fwd_flops / bwd * 1e-6, fwd + bwd, 3.5 * fwd_flops / (fwd + bwd) * 1e-6);
+        std::printf(
+            "BENCH attention B=2 T=4096 Hq=32 Hkv=4 D=128 %-18s fwd %8.1f us %6.1f TFLOP/s | bwd %8.1f us "
+            "%6.1f | fwd+bwd %8.1f us %6.1f TFLOP/s\n",
+            packed ? "packed 1024 docs" : "causal", fwd, fwd_flops / fwd * 1e-6, bwd, 2.5 * fwd_flops / bwd * 1e-6,
+            fwd + bwd, 3.5 * fwd_flops / (fwd + bwd) * 1e-6);
     }
 }
 

@@ -40,7 +40,9 @@ const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuE
 
 class DeviceBuffer {
  public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16))); }
+    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+        MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)));
+    }
     ~DeviceBuffer() { cudaFree(ptr_); }
     DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
     DeviceBuffer(const DeviceBuffer&) = delete;
@@ -108,8 +110,8 @@ void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
     DeviceBuffer src(block * 2);
     upload_bf16(src, random_bf16_values(rng, block));
     for (size_t i = 0; i < n; i += block)
-        MF_CHECK_CUDA(cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2,
-                                 cudaMemcpyDeviceToDevice));
+        MF_CHECK_CUDA(
+            cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2, cudaMemcpyDeviceToDevice));
 }
 void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
 
@@ -147,8 +149,8 @@ std::string name(const char* op, const Shape& s) {
     return std::string(op) + " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " OC=" + std::to_string(s.OC);
 }
 
-const std::vector<Shape> kShapes = {{1, 8, 8},       {37, 64, 100},   {128, 256, 384}, {257, 96, 1000},
-                                    {300, 1024, 72}, {33, 40, 17},    {64, 2048, 256}, {5, 3, 7}};
+const std::vector<Shape> kShapes = {{1, 8, 8},       {37, 64, 100}, {128, 256, 384}, {257, 96, 1000},
+                                    {300, 1024, 72}, {33, 40, 17},  {64, 2048, 256}, {5, 3, 7}};
 
 // ---------------------------------------------------------------------------------------------
 // parity
@@ -225,8 +227,8 @@ TEST(CudaGemm, BackwardWeightParity) {
                 upload_f32(d_dw, before);
             else
                 upload_bf16(d_dw, before);
-            mf::cuda::matmul_backward_weight(ctx, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N,
-                                             s.C, s.OC, nullptr);
+            mf::cuda::matmul_backward_weight(ctx, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N, s.C,
+                                             s.OC, nullptr);
             MF_CHECK_CUDA(cudaDeviceSynchronize());
             if (f32)
                 expect_parity(name("backward weight f32 +=", s), download_f32(d_dw, ref.size()), ref, ref);
@@ -248,8 +250,8 @@ TEST(CudaGemm, EmptyShapes) {
     mf::cuda::matmul_forward(ctx, nullptr, nullptr, nullptr, 0, 16, 8, nullptr);
     mf::cuda::matmul_backward_weight(ctx, nullptr, mf::DType::f32, nullptr, nullptr, 0, 16, 8, nullptr);
     EXPECT_THROW(mf::cuda::matmul_forward(ctx, out.as<bf16>(), nullptr, nullptr, -1, 4, 4, nullptr), mf::Error);
-    EXPECT_THROW(mf::cuda::matmul_backward_weight(ctx, out.as<void>(), mf::DType::i32, out.as<bf16>(),
-                                                  out.as<bf16>(), 2, 2, 2, nullptr),
+    EXPECT_THROW(mf::cuda::matmul_backward_weight(ctx, out.as<void>(), mf::DType::i32, out.as<bf16>(), out.as<bf16>(),
+                                                  2, 2, 2, nullptr),
                  mf::Error);
     MF_CHECK_CUDA(cudaDeviceSynchronize());
 }
@@ -308,10 +310,11 @@ TEST(CudaGemm, Benchmark) {
             mf::cuda::matmul_backward_weight(ctx, dw.as<void>(), mf::DType::f32, out.as<bf16>(), inp.as<bf16>(), c.N,
                                              c.C, c.OC, nullptr);
         });
-        std::printf("BENCH gemm %-14s N=%-6lld C=%-5lld OC=%-6lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
-                    "bwd-w(f32) %8.1f us %6.1f\n",
-                    c.label, static_cast<long long>(c.N), static_cast<long long>(c.C), static_cast<long long>(c.OC),
-                    fwd, flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6, bwd_w, flops / bwd_w * 1e-6);
+        std::printf(
+            "BENCH gemm %-14s N=%-6lld C=%-5lld OC=%-6lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
+            "bwd-w(f32) %8.1f us %6.1f\n",
+            c.label, static_cast<long long>(c.N), static_cast<long long>(c.C), static_cast<long long>(c.OC), fwd,
+            flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6, bwd_w, flops / bwd_w * 1e-6);
     }
 }
 

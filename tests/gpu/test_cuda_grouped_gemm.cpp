@@ -45,7 +45,9 @@ const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuE
 
 class DeviceBuffer {
  public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16))); }
+    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+        MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)));
+    }
     ~DeviceBuffer() { cudaFree(ptr_); }
     DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
     DeviceBuffer(const DeviceBuffer&) = delete;
@@ -113,8 +115,8 @@ void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
     DeviceBuffer src(block * 2);
     upload_bf16(src, random_bf16_values(rng, block));
     for (size_t i = 0; i < n; i += block)
-        MF_CHECK_CUDA(cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2,
-                                 cudaMemcpyDeviceToDevice));
+        MF_CHECK_CUDA(
+            cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2, cudaMemcpyDeviceToDevice));
 }
 void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
 
@@ -194,11 +196,11 @@ struct GroupCase {
 
 std::vector<GroupCase> make_cases() {
     std::vector<GroupCase> cases = {
-        {4, 64, 48, {0, 1, 130, 37}},                 // an empty expert, a single row, > one row tile
-        {5, 200, 136, {3, 0, 0, 257, 64}, 5, 7},      // no tile multiples; rows outside the groups
+        {4, 64, 48, {0, 1, 130, 37}},                     // an empty expert, a single row, > one row tile
+        {5, 200, 136, {3, 0, 0, 257, 64}, 5, 7},          // no tile multiples; rows outside the groups
         {8, 128, 256, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},  // one busy expert among empty ones
-        {1, 512, 384, {300}},                          // long K loop
-        {3, 8, 8, {1, 2, 3}, 2, 0},                    // tiny
+        {1, 512, 384, {300}},                             // long K loop
+        {3, 8, 8, {1, 2, 3}, 2, 0},                       // tiny
     };
     // Many experts (the group table scan runs over several 32-expert chunks), ragged, many empty.
     std::mt19937 rng(42);
@@ -297,8 +299,7 @@ TEST(CudaGroupedGemm, BackwardInputParity) {
             split_rows(before, g.C, off, &before_in, &before_out);
             const char* op = accumulate ? "backward input +=" : "backward input =";
             expect_parity(g.label(op), gpu_in, ref_in, naive_in);
-            expect_untouched(g.label(op), gpu_out,
-                             accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
+            expect_untouched(g.label(op), gpu_out, accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
         }
     }
 }
@@ -313,8 +314,8 @@ TEST(CudaGroupedGemm, BackwardWeightParity) {
             const auto inp = random_bf16_values(rng, M * g.C);
             const auto before = random_bf16_values(rng, g.E * g.OC * g.C);
             std::vector<float> product(g.E * g.OC * g.C, 0.0f);
-            mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(),
-                                             g.E, g.C, g.OC);
+            mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(), g.E,
+                                             g.C, g.OC);
             const auto ref = add(before, product);
 
             const bool f32 = dtype == mf::DType::f32;
@@ -394,15 +395,15 @@ TEST(CudaGroupedGemm, BadOffsetsStayInBounds) {
 TEST(CudaGroupedGemm, ArgumentErrors) {
     DeviceBuffer buf(4096);
     const auto* off = buf.as<int32_t>();
-    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 12, 8,
-                                                  nullptr),
-                 mf::Error);  // C not a multiple of 8
-    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 5000, 8, 8,
-                                                  nullptr),
-                 mf::Error);  // too many experts
-    EXPECT_THROW(mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>() + 1, buf.as<bf16>(), off, 4, 1, 8, 8,
-                                                  nullptr),
-                 mf::Error);  // misaligned
+    EXPECT_THROW(
+        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 12, 8, nullptr),
+        mf::Error);  // C not a multiple of 8
+    EXPECT_THROW(
+        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 5000, 8, 8, nullptr),
+        mf::Error);  // too many experts
+    EXPECT_THROW(
+        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>() + 1, buf.as<bf16>(), off, 4, 1, 8, 8, nullptr),
+        mf::Error);  // misaligned
     EXPECT_THROW(mf::cuda::grouped_matmul_backward_weight(buf.as<void>(), mf::DType::i64, buf.as<bf16>(),
                                                           buf.as<bf16>(), off, 4, 1, 8, 8, nullptr),
                  mf::Error);
@@ -429,7 +430,8 @@ TEST(CudaGroupedGemm, Benchmark) {
     off[E] = static_cast<int32_t>(M);
     int32_t min_rows = INT32_MAX, max_rows = 0;
     for (int64_t e = 0; e < E; ++e)
-        if (w[e] > 0) min_rows = std::min(min_rows, off[e + 1] - off[e]), max_rows = std::max(max_rows, off[e + 1] - off[e]);
+        if (w[e] > 0)
+            min_rows = std::min(min_rows, off[e + 1] - off[e]), max_rows = std::max(max_rows, off[e + 1] - off[e]);
     std::printf("BENCH grouped rows per expert: min %d max %d (2 empty)\n", min_rows, max_rows);
     const DeviceBuffer d_off = upload_offsets(off);
     mf::cuda::GemmContext ctx;
@@ -466,11 +468,12 @@ TEST(CudaGroupedGemm, Benchmark) {
         const double dense = median_us([&] {
             mf::cuda::matmul_forward(ctx, out.as<bf16>(), inp.as<bf16>(), dense_w.as<bf16>(), M, c.C, c.OC, nullptr);
         });
-        std::printf("BENCH grouped %-8s C=%-5lld OC=%-5lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
-                    "bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f | dense cuBLASLt same size %8.1f us %6.1f\n",
-                    c.label, static_cast<long long>(c.C), static_cast<long long>(c.OC), fwd, flops / fwd * 1e-6,
-                    bwd_in, flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16, flops / bwd_w16 * 1e-6,
-                    dense, flops / dense * 1e-6);
+        std::printf(
+            "BENCH grouped %-8s C=%-5lld OC=%-5lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
+            "bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f | dense cuBLASLt same size %8.1f us %6.1f\n",
+            c.label, static_cast<long long>(c.C), static_cast<long long>(c.OC), fwd, flops / fwd * 1e-6, bwd_in,
+            flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16, flops / bwd_w16 * 1e-6, dense,
+            flops / dense * 1e-6);
     }
 }
 

@@ -16,8 +16,6 @@
 // allowed key range [run_start(t), t] (documents are contiguous runs); inside a tile that is not
 // entirely allowed, each score is masked exactly by position and doc id. Masked scores have P = 0
 // and a row with nothing allowed so far keeps m = -inf without producing NaN.
-#include "kernels/cuda/attention.cuh"
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -26,6 +24,7 @@
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "kernels/cuda/attention.cuh"
 
 namespace mf::cuda {
 
@@ -52,8 +51,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
 }
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -125,8 +123,8 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[kNTiles][4], const bf16* t
 
 // acc (16 x kD) += P (16 x 16·kKSteps, fp32 C fragments p[2·kk + 0/1]) · tile_b rows 0.. (stored [k][d]).
 template <int kD, int kKSteps>
-__device__ __forceinline__ void gemm_pv(float (&acc)[kD / 8][4], const float (&p)[2 * kKSteps][4],
-                                        const bf16* tile_b, int lane) {
+__device__ __forceinline__ void gemm_pv(float (&acc)[kD / 8][4], const float (&p)[2 * kKSteps][4], const bf16* tile_b,
+                                        int lane) {
     constexpr int kLd = tile_ld<kD>();
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
@@ -443,8 +441,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p
             const int qpos = lane_q0 + mt * 16 + r * 8;
             if (qpos >= p.T) continue;
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            bf16* out_row =
-                p.out + (static_cast<int64_t>(b) * p.T + qpos) * q_stride + static_cast<int64_t>(h) * kD;
+            bf16* out_row = p.out + (static_cast<int64_t>(b) * p.T + qpos) * q_stride + static_cast<int64_t>(h) * kD;
 #pragma unroll
             for (int dn = 0; dn < kD / 8; ++dn) {
                 const int col = dn * 8 + (lane % 4) * 2;
@@ -460,8 +457,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(FwdParams p
 // ---------------------------------------------------------------------------------------------
 // backward: D_t = dout_t · out_t
 
-__global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf16* out, int B, int T, int Hq,
-                                       int D) {
+__global__ void attention_delta_kernel(float* delta, const bf16* dout, const bf16* out, int B, int T, int Hq, int D) {
     const int64_t num_rows = static_cast<int64_t>(B) * T * Hq;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -791,7 +787,8 @@ float softmax_scale(int64_t D) { return static_cast<float>(1.0 / std::sqrt(stati
 template <int kD>
 void launch_forward(const FwdParams& p, cudaStream_t stream) {
     constexpr int kSmem = fwd_smem_bytes<kD>();
-    MF_CHECK_CUDA(cudaFuncSetAttribute(attention_forward_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    MF_CHECK_CUDA(
+        cudaFuncSetAttribute(attention_forward_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     const int64_t blocks = static_cast<int64_t>((p.T + kFwdTileQ - 1) / kFwdTileQ) * p.B * p.Hq;
     attention_forward_kernel<kD><<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
@@ -801,8 +798,8 @@ template <int kD>
 void launch_backward(const BwdParams& p, cudaStream_t stream) {
     constexpr int kSmemDkv = dkv_smem_bytes<kD>();
     constexpr int kSmemDq = dq_smem_bytes<kD>();
-    MF_CHECK_CUDA(cudaFuncSetAttribute(attention_backward_dkv_kernel<kD>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDkv));
+    MF_CHECK_CUDA(
+        cudaFuncSetAttribute(attention_backward_dkv_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDkv));
     MF_CHECK_CUDA(
         cudaFuncSetAttribute(attention_backward_dq_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDq));
     const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv;
@@ -816,11 +813,20 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
 template <typename Fn>
 void dispatch_head_dim(int64_t D, Fn&& fn) {
     switch (D) {
-        case 16: fn(std::integral_constant<int, 16>{}); break;
-        case 32: fn(std::integral_constant<int, 32>{}); break;
-        case 64: fn(std::integral_constant<int, 64>{}); break;
-        case 128: fn(std::integral_constant<int, 128>{}); break;
-        default: MF_FAIL("attention: unsupported head dim ", D);
+        case 16:
+            fn(std::integral_constant<int, 16>{});
+            break;
+        case 32:
+            fn(std::integral_constant<int, 32>{});
+            break;
+        case 64:
+            fn(std::integral_constant<int, 64>{});
+            break;
+        case 128:
+            fn(std::integral_constant<int, 128>{});
+            break;
+        default:
+            MF_FAIL("attention: unsupported head dim ", D);
     }
 }
 
@@ -835,9 +841,20 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
     if (shape.B == 0 || shape.T == 0) return;
     MF_CHECK(out != nullptr && lse != nullptr && q != nullptr && k != nullptr && v != nullptr,
              "attention_forward: null tensor pointer");
-    MF_CHECK(aligned16(out) && aligned16(q) && aligned16(k) && aligned16(v), "attention_forward: q, k, v and out must be 16-byte aligned");
-    const FwdParams p{out, lse, q, k, v, doc_ids, static_cast<int>(shape.B), static_cast<int>(shape.T),
-                      static_cast<int>(shape.Hq), static_cast<int>(shape.Hkv), softmax_scale(shape.D) * kLog2e};
+    MF_CHECK(aligned16(out) && aligned16(q) && aligned16(k) && aligned16(v),
+             "attention_forward: q, k, v and out must be 16-byte aligned");
+    FwdParams p{};
+    p.out = out;
+    p.lse = lse;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.doc_ids = doc_ids;
+    p.B = static_cast<int>(shape.B);
+    p.T = static_cast<int>(shape.T);
+    p.Hq = static_cast<int>(shape.Hq);
+    p.Hkv = static_cast<int>(shape.Hkv);
+    p.scale_log2 = softmax_scale(shape.D) * kLog2e;
     dispatch_head_dim(shape.D, [&](auto d) { launch_forward<decltype(d)::value>(p, stream); });
 }
 
@@ -864,10 +881,23 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
         delta, dout, out, static_cast<int>(shape.B), static_cast<int>(shape.T), static_cast<int>(shape.Hq),
         static_cast<int>(shape.D));
     MF_CHECK_CUDA(cudaGetLastError());
-    const float scale = softmax_scale(shape.D);
-    const BwdParams p{dq,     dk,          dv,       dout, q, k, v, lse, delta, doc_ids, static_cast<int>(shape.B),
-                      static_cast<int>(shape.T), static_cast<int>(shape.Hq), static_cast<int>(shape.Hkv), scale,
-                      scale * kLog2e};
+    BwdParams p{};
+    p.dq = dq;
+    p.dk = dk;
+    p.dv = dv;
+    p.dout = dout;
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.lse = lse;
+    p.delta = delta;
+    p.doc_ids = doc_ids;
+    p.B = static_cast<int>(shape.B);
+    p.T = static_cast<int>(shape.T);
+    p.Hq = static_cast<int>(shape.Hq);
+    p.Hkv = static_cast<int>(shape.Hkv);
+    p.scale = softmax_scale(shape.D);
+    p.scale_log2 = p.scale * kLog2e;
     dispatch_head_dim(shape.D, [&](auto d) { launch_backward<decltype(d)::value>(p, stream); });
 }
 

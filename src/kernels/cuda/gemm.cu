@@ -9,20 +9,19 @@
 // of every pointer (slices of larger buffers may be less than 256-byte aligned) and the workspace
 // size. Accumulation is cuBLASLt's beta: beta = 1 adds to the existing output; the fp32 products
 // themselves are deterministic for a given algorithm and shape (no split-K atomics are requested).
-#include "kernels/cuda/gemm.cuh"
-
 #include <cstdint>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "kernels/cuda/gemm.cuh"
 
-#define MF_CHECK_CUBLAS(expr)                                                                                       \
-    do {                                                                                                            \
-        cublasStatus_t mf_status_ = (expr);                                                                         \
-        if (mf_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                                       \
-            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                                          \
-                                      ::mf::detail::concat("cuBLAS error: ", cublasGetStatusString(mf_status_), \
-                                                           " (", static_cast<int>(mf_status_), ")"));               \
+#define MF_CHECK_CUBLAS(expr)                                                                                         \
+    do {                                                                                                              \
+        cublasStatus_t mf_status_ = (expr);                                                                           \
+        if (mf_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                                         \
+            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                                            \
+                                      ::mf::detail::concat("cuBLAS error: ", cublasGetStatusString(mf_status_), " (", \
+                                                           static_cast<int>(mf_status_), ")"));                       \
     } while (0)
 
 namespace mf::cuda {
@@ -87,10 +86,8 @@ void lt_matmul(GemmContext& ctx, const LtGemm& g, cudaStream_t stream) {
     LtDescriptors desc;
     MF_CHECK_CUBLAS(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const int32_t trans_a = g.trans_a, trans_b = g.trans_b;
-    MF_CHECK_CUBLAS(
-        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-    MF_CHECK_CUBLAS(
-        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
+    MF_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+    MF_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
     // Stored shapes (column-major rows x cols) of A and B follow from the transposes.
     const bool ta = g.trans_a == CUBLAS_OP_T, tb = g.trans_b == CUBLAS_OP_T;
     MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&desc.a, CUDA_R_16BF, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
@@ -101,8 +98,7 @@ void lt_matmul(GemmContext& ctx, const LtGemm& g, cudaStream_t stream) {
     const uint64_t workspace_bytes = ctx.workspace_bytes;
     MF_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace_bytes, sizeof(workspace_bytes)));
-    const uint32_t align_a = pointer_alignment(g.a), align_b = pointer_alignment(g.b),
-                   align_d = pointer_alignment(g.d);
+    const uint32_t align_a = pointer_alignment(g.a), align_b = pointer_alignment(g.b), align_d = pointer_alignment(g.d);
     MF_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                                                          &align_a, sizeof(align_a)));
     MF_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -140,8 +136,7 @@ void forward_impl(GemmContext& ctx, void* out, cudaDataType_t out_type, size_t o
         return;
     }
     MF_CHECK(inp != nullptr && weight != nullptr, "matmul_forward: null input");
-    lt_matmul(ctx,
-              LtGemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, out_type, OC, /*beta=*/0.0f},
+    lt_matmul(ctx, LtGemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, weight, C, inp, C, out, out_type, OC, /*beta=*/0.0f},
               stream);
 }
 
@@ -170,10 +165,10 @@ void matmul_backward_input(GemmContext& ctx, bf16* dinp, const bf16* dout, const
         return;
     }
     MF_CHECK(dout != nullptr && weight != nullptr, "matmul_backward_input: null input");
-    lt_matmul(ctx,
-              LtGemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, CUDA_R_16BF, C,
-                     accumulate ? 1.0f : 0.0f},
-              stream);
+    lt_matmul(
+        ctx,
+        LtGemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, CUDA_R_16BF, C, accumulate ? 1.0f : 0.0f},
+        stream);
 }
 
 void matmul_backward_weight(GemmContext& ctx, void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,

@@ -14,12 +14,11 @@
 // prefix gives the expert. The grid is sized for the worst case (ceil(M / 128) + E row tiles), so
 // the host never reads the offsets; surplus blocks exit. Weight-gradient tiles are (expert,
 // OC tile, C tile), so each dweight tile has exactly one owner and no atomics are needed.
-#include "kernels/cuda/grouped_gemm.cuh"
-
 #include <cstdint>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "kernels/cuda/grouped_gemm.cuh"
 
 namespace mf::cuda {
 
@@ -35,8 +34,9 @@ constexpr int kWarpN = 32;
 constexpr int kPad = 8;  // bf16 elements of row padding: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
 constexpr int kKMajorLd = kBlockK + kPad;      // tile stored [outer 128][k 64 + pad]
 constexpr int kOuterMajorLd = kBlockM + kPad;  // tile stored [k 64][outer 128 + pad]
-constexpr int kOperandElems =
-    kBlockM * kKMajorLd > kBlockK * kOuterMajorLd ? kBlockM * kKMajorLd : kBlockK * kOuterMajorLd;
+constexpr int kKMajorElems = kBlockM * kKMajorLd;
+constexpr int kOuterMajorElems = kBlockK * kOuterMajorLd;
+constexpr int kOperandElems = kKMajorElems > kOuterMajorElems ? kKMajorElems : kOuterMajorElems;
 constexpr int kStageElems = 2 * kOperandElems;
 constexpr int kSmemBytes = kStages * kStageElems * static_cast<int>(sizeof(bf16));
 static_assert(kBlockM == kBlockN, "one operand tile shape serves A and B");
@@ -53,8 +53,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
 // 16-byte global -> shared copy; when !valid nothing is read and the 16 bytes are zero-filled.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
     const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
@@ -320,8 +319,8 @@ __device__ void build_group_table(const GroupTable& table, const int32_t* offset
 // B_e = b + e · K · N is weight[e], K-major ([N][K], forward) or N-major ([K][N], backward input).
 template <bool kBKMajor>
 __global__ void __launch_bounds__(kThreads, 2)
-    grouped_rows_kernel(bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int num_rows,
-                        int num_experts, int N, int K, bool accumulate) {
+    grouped_rows_kernel(bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int num_rows, int num_experts,
+                        int N, int K, bool accumulate) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const GroupTable table = group_table_in(smem_raw, num_experts);
     build_group_table(table, offsets, num_experts, num_rows);
@@ -330,7 +329,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int row_tile = static_cast<int>(blockIdx.x) / col_tiles;
     const int col_tile = static_cast<int>(blockIdx.x) % col_tiles;
     if (row_tile >= table.tile_prefix[num_experts]) return;  // uniform across the block
-    int lo = 0, hi = num_experts;  // tile_prefix[lo] <= row_tile < tile_prefix[hi]
+    // Binary search, invariant tile_prefix[lo] <= row_tile < tile_prefix[hi].
+    int lo = 0, hi = num_experts;
     while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
         if (table.tile_prefix[mid] <= row_tile)
@@ -345,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     const bf16* weight = b + static_cast<int64_t>(expert) * K * N;
     const Operand a_op{a + static_cast<int64_t>(row0) * K, K, rows_valid};
-    const Operand b_op = kBKMajor ? Operand{weight + static_cast<int64_t>(n0) * K, K, N - n0}
-                                  : Operand{weight + n0, N, N - n0};
+    const Operand b_op =
+        kBKMajor ? Operand{weight + static_cast<int64_t>(n0) * K, K, N - n0} : Operand{weight + n0, N, N - n0};
     float acc[4][4][4];
     tile_product<true, kBKMajor>(acc, a_op, b_op, K, reinterpret_cast<bf16*>(smem_raw));
     store_tile(acc, out + static_cast<int64_t>(row0) * N + n0, N, rows_valid, N - n0, accumulate);
@@ -356,8 +356,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // M = OC (A = doutᵀ, M-major, ld = OC), N = C (B = inp, N-major, ld = C), K = the group's rows.
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 2)
-    grouped_weight_grad_kernel(OutT* dweight, const bf16* dout, const bf16* inp, const int32_t* offsets,
-                               int num_rows, int num_experts, int OC, int C) {
+    grouped_weight_grad_kernel(OutT* dweight, const bf16* dout, const bf16* inp, const int32_t* offsets, int num_rows,
+                               int num_experts, int OC, int C) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const GroupTable table = group_table_in(smem_raw, num_experts);
     build_group_table(table, offsets, num_experts, num_rows);
@@ -391,8 +391,8 @@ void set_smem_limit(Kernel kernel, size_t bytes) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-void check_common(const char* what, const void* x, const void* y, const void* z, const void* w,
-                  const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC) {
+void check_common(const char* what, const void* x, const void* y, const void* z, const void* w, const int32_t* offsets,
+                  int64_t M, int64_t E, int64_t C, int64_t OC) {
     MF_CHECK(M >= 0 && E >= 0 && C >= 0 && OC >= 0, what, ": negative shape M=", M, " E=", E, " C=", C, " OC=", OC);
     MF_CHECK(E <= kMaxGroupedExperts, what, ": E=", E, " experts exceeds the supported ", kMaxGroupedExperts);
     MF_CHECK(M < (int64_t{1} << 31) && C < (int64_t{1} << 31) && OC < (int64_t{1} << 31), what,
@@ -405,8 +405,8 @@ void check_common(const char* what, const void* x, const void* y, const void* z,
              ": tensor pointers must be 16-byte aligned");
 }
 
-void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int64_t M,
-                 int64_t E, int64_t N, int64_t K, bool accumulate, cudaStream_t stream) {
+void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int64_t M, int64_t E,
+                 int64_t N, int64_t K, bool accumulate, cudaStream_t stream) {
     const int64_t row_tiles = (M + kBlockM - 1) / kBlockM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
     const int64_t col_tiles = (N + kBlockN - 1) / kBlockN;
     const int64_t blocks = row_tiles * col_tiles;
@@ -415,9 +415,9 @@ void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const 
     const auto args = [&](auto kernel) {
         const size_t smem = smem_bytes_for(E);
         set_smem_limit(kernel, smem);
-        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-            out, a, b, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(N), static_cast<int>(K),
-            accumulate);
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(out, a, b, offsets, static_cast<int>(M),
+                                                                          static_cast<int>(E), static_cast<int>(N),
+                                                                          static_cast<int>(K), accumulate);
     };
     if (b_k_major)
         args(grouped_rows_kernel<true>);
@@ -438,9 +438,8 @@ void grouped_matmul_forward(bf16* out, const bf16* inp, const bf16* weight, cons
     launch_rows(/*b_k_major=*/true, out, inp, weight, offsets, M, E, /*N=*/OC, /*K=*/C, false, stream);
 }
 
-void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets,
-                                   int64_t M, int64_t E, int64_t C, int64_t OC, bool accumulate,
-                                   cudaStream_t stream) {
+void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets, int64_t M,
+                                   int64_t E, int64_t C, int64_t OC, bool accumulate, cudaStream_t stream) {
     check_common("grouped_matmul_backward_input", dinp, dout, weight, dinp, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || C == 0) return;
     launch_rows(/*b_k_major=*/false, dinp, dout, weight, offsets, M, E, /*N=*/C, /*K=*/OC, accumulate, stream);
@@ -459,9 +458,9 @@ void grouped_matmul_backward_weight(void* dweight, DType dweight_dtype, const bf
     const auto launch = [&](auto kernel, auto* typed_dweight) {
         const size_t smem = smem_bytes_for(E);
         set_smem_limit(kernel, smem);
-        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-            typed_dweight, dout, inp, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC),
-            static_cast<int>(C));
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(typed_dweight, dout, inp, offsets,
+                                                                          static_cast<int>(M), static_cast<int>(E),
+                                                                          static_cast<int>(OC), static_cast<int>(C));
     };
     if (dweight_dtype == DType::f32)
         launch(grouped_weight_grad_kernel<float>, static_cast<float*>(dweight));

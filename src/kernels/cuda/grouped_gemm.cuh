@@ -36,8 +36,8 @@ void grouped_matmul_forward(bf16* out, const bf16* inp, const bf16* weight, cons
                             int64_t E, int64_t C, int64_t OC, cudaStream_t stream);
 
 // dinp[M, C]: dinp[r] = dout[r] · weight[e] (or += when accumulate) for the rows r of every group e.
-void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets,
-                                   int64_t M, int64_t E, int64_t C, int64_t OC, bool accumulate, cudaStream_t stream);
+void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets, int64_t M,
+                                   int64_t E, int64_t C, int64_t OC, bool accumulate, cudaStream_t stream);
 
 // dweight[E, OC, C] (fp32 or bf16): dweight[e] += Σ_{r in group e} dout[r]ᵀ · inp[r], summed in fp32 in a
 // fixed order (row blocks ascending) and added once to the stored value.
