@@ -107,7 +107,9 @@ void fsync_tree(const fs::path& root) {
 // --- reading ----------------------------------------------------------------------------------
 
 std::string read_text_file(const fs::path& path, size_t max_bytes) {
-    const int raw_fd = open_retry(path, O_RDONLY);
+    // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below); no effect
+    // on regular files.
+    const int raw_fd = open_retry(path, O_RDONLY | O_NONBLOCK);
     if (raw_fd < 0) fail("cannot open ", path.string(), ": ", os_error());
     FdGuard fd(raw_fd);
     struct stat st {};
@@ -138,7 +140,7 @@ std::string read_text_file(const fs::path& path, size_t max_bytes) {
 }
 
 MappedFile::MappedFile(const fs::path& path) : path_(path) {
-    const int raw_fd = open_retry(path, O_RDONLY);
+    const int raw_fd = open_retry(path, O_RDONLY | O_NONBLOCK);  // a FIFO must not block (see above)
     if (raw_fd < 0) fail("cannot open ", path.string(), ": ", os_error());
     FdGuard fd(raw_fd);
     struct stat st {};

@@ -20,6 +20,12 @@ bool Qwen3MoeConfig::is_moe_layer(int64_t layer_idx) const {
 
 namespace {
 
+// Bounds on what a config may describe, so that sizes derived from it cannot overflow and building
+// the parameter table stays cheap: any one size, the layer count and the total parameter count.
+constexpr int64_t kMaxDim = int64_t{1} << 40;
+constexpr int64_t kMaxLayers = 1024;
+constexpr double kMaxParams = 0x1p40;
+
 // Field readers that name the file and the field in every error.
 class Reader {
  public:
@@ -39,10 +45,12 @@ class Reader {
         if (!v->is_number()) fail(source_, ": field \"", key, "\" must be an integer, got ", json::kind_name(v->kind()));
         if (!v->is_int() && std::floor(v->as_double()) != v->as_double())
             fail(source_, ": field \"", key, "\" must be an integer, got ", v->dump());
-        const int64_t x = static_cast<int64_t>(v->as_double());
-        if (x < min_value) fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", x);
-        if (x > (int64_t{1} << 40)) fail(source_, ": field \"", key, "\" is implausibly large: ", x);
-        return x;
+        // Range-check before converting: a number written as 1e30 is a double no int64_t can hold.
+        const double d = v->is_int() ? static_cast<double>(v->as_int()) : v->as_double();
+        if (d < static_cast<double>(min_value))
+            fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", v->dump());
+        if (d > static_cast<double>(kMaxDim)) fail(source_, ": field \"", key, "\" is implausibly large: ", v->dump());
+        return v->is_int() ? v->as_int() : static_cast<int64_t>(d);
     }
 
     double number(const json::Value* v, const std::string& key, double fallback) const {
@@ -176,6 +184,20 @@ Qwen3MoeConfig Qwen3MoeConfig::from_json(const json::Value& cfg, const std::stri
     if (c.num_experts > 0 && c.num_experts_per_tok > c.num_experts)
         fail(source, ": num_experts_per_tok ", c.num_experts_per_tok, " exceeds num_experts ", c.num_experts);
     if (c.vocab_size > (int64_t{1} << 31) - 1) fail(source, ": vocab_size ", c.vocab_size, " exceeds int32 ids");
+    if (c.num_hidden_layers > kMaxLayers)
+        fail(source, ": field \"num_hidden_layers\" is ", c.num_hidden_layers, ", more than the ", kMaxLayers,
+             " supported");
+    // The parameter count of qwen3_moe_param_table, in double (no overflow; exact enough for a bound).
+    const auto f = [](int64_t x) { return static_cast<double>(x); };
+    const double H = f(c.hidden_size), D = f(c.head_dim);
+    const double attn = 2 * (f(c.num_attention_heads) + f(c.num_key_value_heads)) * D * H + 2 * D;
+    const double moe = f(c.num_experts) * H * (1 + 3 * f(c.moe_intermediate_size));
+    const double dense = 3 * f(c.intermediate_size) * H;
+    const double params = (c.tie_word_embeddings ? 1 : 2) * f(c.vocab_size) * H + H +
+                          f(c.num_hidden_layers) * (attn + std::max(moe, dense) + 2 * H);
+    if (params > kMaxParams)
+        fail(source, ": the sizes describe about ", params, " parameters, more than the ", kMaxParams,
+             " supported (check hidden_size, vocab_size, num_experts and the intermediate sizes)");
     return c;
 }
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# AddressSanitizer + UndefinedBehaviorSanitizer run of the CPU tests (CI).
+#
+#   scripts/sanitize.sh            SANITIZE_JOBS=N for parallel build and test jobs (default: nproc)
+#
+# Configures build-asan with -DMOEFORGE_SANITIZE=ON -DMOEFORGE_CUDA=OFF (warnings as errors), builds
+# everything (the end-to-end tests run the CLI) and runs `ctest -L cpu`. Any sanitizer report
+# fails the test that triggered it: UBSan is built with -fno-sanitize-recover and ASan halts on
+# the first error, so a report is a non-zero exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build=build-asan
+jobs="${SANITIZE_JOBS:-$(nproc)}"
+bash scripts/install-deps.sh
+
+t0=$(date +%s)
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFORGE_SANITIZE=ON -DMOEFORGE_CUDA=OFF \
+    -DMOEFORGE_WERROR=ON >"$build.cmake.log" 2>&1 || { cat "$build.cmake.log"; exit 1; }
+cmake --build "$build" -j "$jobs" >"$build.build.log" 2>&1 || { tail -60 "$build.build.log"; exit 1; }
+t1=$(date +%s)
+echo "sanitize: built in $((t1 - t0)) s"
+
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+rc=0
+(cd "$build" && ctest -L cpu --output-on-failure -j "$jobs") || rc=$?
+echo "sanitize: tests ran in $(($(date +%s) - t1)) s"
+exit "$rc"
