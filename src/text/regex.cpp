@@ -612,15 +612,6 @@ class Parser {
             case 'W':
                 what = " (Oniguruma's Unicode word class needs the Alphabetic property; use \\p{L}, \\p{N}...)";
                 break;
-            case 'R':
-            case 'X':
-            case 'N':
-            case 'O':
-            case 'K':
-            case 'y':
-            case 'Y':
-                what = "";
-                break;
             default:
                 if (e >= '0' && e <= '9') what = " (backreference or octal escape)";
         }
