@@ -97,6 +97,10 @@ TEST(MalformedTokenJsonl, EachBadLineIsRefusedNamingFileAndLine) {
         {"missing colon", "{\"input_ids\" [1]}", "expected ':' after key \"input_ids\""},
         {"bad escape in a key", "{\"input\\q_ids\": [1]}", "bad escape '\\q'"},
         {"nesting too deep", deep, "nesting deeper than"},
+        {"UTF-8 byte order mark (files concatenated from an editor)", "\xef\xbb\xbf{\"input_ids\": [1]}",
+         "unexpected character '\\xef'"},
+        {"comment inside the object", "{\"input_ids\": [1] /* first */}", "expected ',' or '}' in object"},
+        {"NaN literal", "{\"input_ids\": [NaN]}", "unexpected character 'N'"},
         {"lone surrogate in a key", "{\"\\ud800\": [1]}", "unpaired surrogate"},
     };
     const fs::path dir = test::temp_dir("malformed_jsonl");
