@@ -1,10 +1,13 @@
 // `init`, `info` and `eval`: create, describe and evaluate HF model directories.
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 
 #include "cli/args.h"
 #include "data/batch.h"
+#include "data/sft_dataset.h"
 #include "data/token_dataset.h"
+#include "text/tokenizer.h"
 #include "io/file.h"
 #include "model/qwen3_moe.h"
 #include "train/hf_checkpoint.h"
@@ -56,7 +59,7 @@ model::Qwen3MoeConfig tiny_preset() {
 }  // namespace
 
 int cmd_init(const Args& args) {
-    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std"}, {}, "init");
+    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {}, "init");
     const std::string arch = a.get("arch", "qwen3_moe");
     if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
     model::Qwen3MoeConfig cfg;
@@ -71,12 +74,20 @@ int cmd_init(const Args& args) {
     }
     if (a.has("vocab-size")) cfg.vocab_size = parse_int_option(a.get("vocab-size"), "vocab-size");
     const fs::path out = a.require("out", "init");
+    // A tokenizer shipped with the model: its files are copied, and its ids must fit the vocabulary.
+    const fs::path tokenizer_dir = a.get("tokenizer");
+    if (!tokenizer_dir.empty()) {
+        const text::Tokenizer tok = text::Tokenizer::load(tokenizer_dir);
+        if (static_cast<int64_t>(tok.vocab_size()) > cfg.vocab_size)
+            fail("init: the tokenizer in ", tokenizer_dir.string(), " has ", tok.vocab_size(),
+                 " ids, more than the model's vocab_size ", cfg.vocab_size, " (pass --vocab-size)");
+    }
     const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
     const float std_dev = std::stof(a.get("init-std", "0.02"));
     model::Qwen3Moe m(cfg);
     m.init_random(seed, std_dev);
     io::AtomicDir dir(out);
-    train::save_hf_model(dir.tmp_path(), m, nullptr, {});
+    train::save_hf_model(dir.tmp_path(), m, nullptr, tokenizer_dir);
     dir.commit();
     std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
                 static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
@@ -129,12 +140,18 @@ int cmd_info(const Args& args) {
 }
 
 int cmd_eval(const Args& args) {
-    const ParsedArgs a(args, {"model", "data"}, {"json"}, "eval");
+    const ParsedArgs a(args, {"model", "data", "format"}, {"json"}, "eval");
     const fs::path model_dir = a.require("model", "eval");
     const fs::path data_file = a.require("data", "eval");
     auto m = train::load_hf_model(model_dir);
     const auto& cfg = m->config();
-    const data::TokenDataset ds = data::read_token_jsonl(data_file, cfg.vocab_size, false);
+    std::optional<text::Tokenizer> tokenizer;
+    if (std::filesystem::exists(model_dir / "tokenizer.json")) tokenizer = text::Tokenizer::load(model_dir);
+    data::SftOptions opt;
+    opt.format = data::parse_sft_format(a.get("format", "auto"));
+    opt.tokenizer_dir = model_dir;
+    opt.vocab_size = cfg.vocab_size;
+    const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);
     std::vector<std::vector<int32_t>> ids, labels;
     int64_t T = 0;
     for (const auto& d : ds.docs) {

@@ -14,5 +14,6 @@ int cmd_info(const Args& args);
 int cmd_eval(const Args& args);
 int cmd_finetune(const Args& args);
 int cmd_tokenize(const Args& args);
+int cmd_bench(const Args& args);
 
 }  // namespace mf::cli

@@ -16,7 +16,9 @@ constexpr const char* kUsage =
     "  info      DIR                                                parameters, FLOPs per token, layer plan\n"
     "  eval      --model DIR --data FILE [--json]                   loss of a dataset as one batch\n"
     "  finetune  RECIPE.yaml [key.sub=value ...]                    train and write an HF directory\n"
-    "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n";
+    "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n"
+    "  bench     --config CONFIG.json [--layers N --micro-batch B --seq-len T --steps S --profile]\n"
+    "                                                               time the training step on synthetic data\n";
 
 }  // namespace
 
@@ -33,6 +35,7 @@ int main(int argc, char** argv) {
         if (command == "eval") return mf::cli::cmd_eval(args);
         if (command == "finetune") return mf::cli::cmd_finetune(args);
         if (command == "tokenize") return mf::cli::cmd_tokenize(args);
+        if (command == "bench") return mf::cli::cmd_bench(args);
         std::fprintf(stderr, "moeforge: unknown command '%s'\n\n%s", command.c_str(), kUsage);
         return 2;
     } catch (const mf::Error& e) {

@@ -21,4 +21,10 @@ bool cuda_available() {
     return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+size_t device_memory_used() {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+    return total_bytes - free_bytes;
+}
+
 }  // namespace mf

@@ -7,5 +7,6 @@ void* device_alloc(size_t) { MF_FAIL("this moeforge was built without CUDA (MOEF
 void device_free(void*) {}
 void device_memset_zero(void*, size_t) { MF_FAIL("this moeforge was built without CUDA"); }
 bool cuda_available() { return false; }
+size_t device_memory_used() { return 0; }
 
 }  // namespace mf

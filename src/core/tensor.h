@@ -133,5 +133,7 @@ void* device_alloc(size_t nbytes);
 void device_free(void* ptr);
 void device_memset_zero(void* ptr, size_t nbytes);
 bool cuda_available();
+// Bytes of device memory in use on the current GPU (total − free), 0 without CUDA.
+size_t device_memory_used();
 
 }  // namespace mf

@@ -88,6 +88,10 @@ void copy_to_host(void* dst, const Tensor& src) {
     MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
 }
 
+void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
+    mf::cuda::fill_normal(x.data(), x.dtype(), x.numel(), seed, mean, std, ctx().stream);
+}
+
 void add(const Tensor& out, const Tensor& a, const Tensor& b) { mf::cuda::add_bf16(B(out), B(a), B(b), out.numel(), ctx().stream); }
 
 void cast(const Tensor& dst, const Tensor& src) {

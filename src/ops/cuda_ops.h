@@ -11,6 +11,7 @@ void zero(const Tensor& t);
 void copy(const Tensor& dst, const Tensor& src);
 void copy_from_host(const Tensor& dst, const void* src);
 void copy_to_host(void* dst, const Tensor& src);
+void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();

@@ -12,6 +12,7 @@ void zero(const Tensor& t) { no_cuda(); }
 void copy(const Tensor& dst, const Tensor& src) { no_cuda(); }
 void copy_from_host(const Tensor& dst, const void* src) { no_cuda(); }
 void copy_to_host(void* dst, const Tensor& src) { no_cuda(); }
+void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) { no_cuda(); }
 void add(const Tensor& out, const Tensor& a, const Tensor& b) { no_cuda(); }
 void cast(const Tensor& dst, const Tensor& src) { no_cuda(); }
 void synchronize() { no_cuda(); }

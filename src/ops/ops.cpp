@@ -2,7 +2,10 @@
 // (f32 activations and parameters); CUDA tensors go to cuda_ops (bf16 activations).
 #include "ops/ops.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <map>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
@@ -42,17 +45,58 @@ float* f(const Tensor& t) { return defined(t) ? t.ptr<float>() : nullptr; }
 const int32_t* i32(const Tensor& t) { return defined(t) ? t.ptr<int32_t>() : nullptr; }
 int64_t rows(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / t.dim(-1); }
 
+struct Profile {
+    bool enabled = false;
+    std::map<std::string, std::pair<double, int64_t>> totals;
+};
+Profile& profile() {
+    static Profile p;
+    return p;
+}
+
+// Times one op when profiling is on (device synchronised on both sides).
+class OpScope {
+ public:
+    explicit OpScope(const char* name) : name_(name) {
+        if (!profile().enabled) return;
+        if (cuda_available()) cuda_impl::synchronize();
+        t0_ = std::chrono::steady_clock::now();
+    }
+    ~OpScope() {
+        if (!profile().enabled) return;
+        if (cuda_available()) cuda_impl::synchronize();
+        auto& e = profile().totals[name_];
+        e.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+        e.second += 1;
+    }
+
+ private:
+    const char* name_;
+    std::chrono::steady_clock::time_point t0_;
+};
+
 }  // namespace
+
+void set_profiling(bool enabled) { profile().enabled = enabled; }
+void reset_profile() { profile().totals.clear(); }
+std::vector<OpTime> profile_report() {
+    std::vector<OpTime> out;
+    for (const auto& [name, v] : profile().totals) out.push_back({name, v.first, v.second});
+    std::sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+    return out;
+}
 
 // --- memory ----------------------------------------------------------------------------------------
 
 void zero(const Tensor& t) {
+    OpScope scope_("zero");
     if (!defined(t)) return;
     if (t.device() == Device::cuda) return cuda_impl::zero(t);
     std::memset(t.data(), 0, t.nbytes());
 }
 
 void copy(const Tensor& dst, const Tensor& src) {
+    OpScope scope_("copy");
     MF_CHECK(dst.nbytes() == src.nbytes() && dst.dtype() == src.dtype(), "copy between different tensors");
     if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::copy(dst, src);
     std::memmove(dst.data(), src.data(), dst.nbytes());
@@ -68,7 +112,25 @@ void copy_to_host(void* dst, const Tensor& src) {
     std::memcpy(dst, src.data(), src.nbytes());
 }
 
+void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
+    if (x.device() == Device::cuda) return cuda_impl::fill_normal(x, seed, mean, std);
+    // The same counter-based draws as the CUDA kernel.
+    float* p = f(x);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+        uint64_t h = seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i);
+        h ^= h >> 30;
+        h *= 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 27;
+        h *= 0x94d049bb133111ebull;
+        h ^= h >> 31;
+        const float u1 = (static_cast<float>(h >> 40) + 1.0f) / 16777217.0f;
+        const float u2 = static_cast<float>((h >> 16) & 0xFFFFFF) / 16777216.0f;
+        p[i] = mean + std * std::sqrt(-2.0f * std::log(u1)) * std::cos(6.283185307179586f * u2);
+    }
+}
+
 void add(const Tensor& out, const Tensor& a, const Tensor& b) {
+    OpScope scope_("add");
     MF_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add of different sizes");
     if (device_of({&out, &a, &b}) == Device::cuda) return cuda_impl::add(out, a, b);
     float* o = f(out);
@@ -90,6 +152,7 @@ void synchronize(Device device) {
 // --- dense -----------------------------------------------------------------------------------------
 
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
+    OpScope scope_("matmul_forward");
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     MF_CHECK(weight.numel() == OC * C && out.numel() == N * OC, "matmul shapes: inp ", shape_str(inp.shape()), " weight ",
              shape_str(weight.shape()), " out ", shape_str(out.shape()));
@@ -99,6 +162,7 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) 
 
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight) {
+    OpScope scope_("matmul_backward");
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     MF_CHECK(dout.numel() == N * OC, "matmul backward shapes");
     if (device_of({&dinp, &dweight, &dout, &inp, &weight}) == Device::cuda)
@@ -107,17 +171,20 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
 }
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
+    OpScope scope_("embedding_forward");
     MF_CHECK(out.numel() == ids.numel() * wte.dim(-1), "embedding shapes");
     if (device_of({&out, &ids, &wte}) == Device::cuda) return cuda_impl::embedding_forward(out, ids, wte);
     cpu::embedding_forward(f(out), i32(ids), f(wte), ids.numel(), wte.dim(-1));
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) {
+    OpScope scope_("embedding_backward");
     if (device_of({&dwte, &dout, &ids}) == Device::cuda) return cuda_impl::embedding_backward(dwte, dout, ids);
     cpu::embedding_backward(f(dwte), f(dout), i32(ids), ids.numel(), dwte.dim(-1));
 }
 
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
+    OpScope scope_("rmsnorm_forward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
     MF_CHECK(out.numel() == inp.numel() && rstd.numel() == N, "rmsnorm shapes");
     if (device_of({&out, &rstd, &inp, &weight}) == Device::cuda)
@@ -127,6 +194,7 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
 
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd) {
+    OpScope scope_("rmsnorm_backward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd}) == Device::cuda)
         return cuda_impl::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
@@ -136,6 +204,7 @@ void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& d
 void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
                          const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) {
+    OpScope scope_("qknorm_rope_forward");
     const int64_t D = q_weight.numel(), N = positions.numel();
     MF_CHECK(q_raw.numel() == N * num_heads * D && k_raw.numel() == N * num_kv_heads * D && q.numel() == q_raw.numel() &&
                  k.numel() == k_raw.numel() && q_rstd.numel() == N * num_heads && k_rstd.numel() == N * num_kv_heads,
@@ -153,6 +222,7 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                           const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
                           const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
                           const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) {
+    OpScope scope_("qknorm_rope_backward");
     const int64_t D = q_weight.numel(), N = positions.numel();
     if (device_of({&dq_raw, &dk_raw, &dq_weight, &dk_weight, &dq, &dk, &q_raw, &k_raw, &q_weight, &k_weight, &q_rstd,
                    &k_rstd, &positions}) == Device::cuda)
@@ -166,6 +236,7 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    OpScope scope_("attention_forward");
     const int64_t D = q.numel() / (B * T * num_heads);
     MF_CHECK(k.numel() == B * T * num_kv_heads * D && lse.numel() == B * num_heads * T, "attention shapes");
     if (device_of({&out, &lse, &q, &k, &v, &doc_ids}) == Device::cuda)
@@ -176,6 +247,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
                         int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
+    OpScope scope_("attention_backward");
     const int64_t D = q.numel() / (B * T * num_heads);
     if (device_of({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, &doc_ids}) == Device::cuda)
         return cuda_impl::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, num_heads, num_kv_heads);
@@ -184,6 +256,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 }
 
 void swiglu_forward(const Tensor& out, const Tensor& inp) {
+    OpScope scope_("swiglu_forward");
     const int64_t I = out.dim(-1), N = rows(out);
     MF_CHECK(inp.numel() == 2 * N * I, "swiglu shapes");
     if (device_of({&out, &inp}) == Device::cuda) return cuda_impl::swiglu_forward(out, inp);
@@ -191,6 +264,7 @@ void swiglu_forward(const Tensor& out, const Tensor& inp) {
 }
 
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+    OpScope scope_("swiglu_backward");
     const int64_t I = dout.dim(-1), N = rows(dout);
     if (device_of({&dinp, &dout, &inp}) == Device::cuda) return cuda_impl::swiglu_backward(dinp, dout, inp);
     cpu::swiglu_backward(f(dinp), f(dout), f(inp), N, I);
@@ -200,6 +274,7 @@ void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) 
 
 void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
                     bool norm_topk_prob) {
+    OpScope scope_("router_forward");
     const int64_t N = logits.dim(0), E = logits.dim(1), K = topk_idx.dim(-1);
     MF_CHECK(logits.dtype() == DType::f32 && probs.dtype() == DType::f32, "router math is f32");
     if (device_of({&probs, &topk_idx, &topk_weight, &logits}) == Device::cuda)
@@ -209,6 +284,7 @@ void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& t
 
 void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
                      const Tensor& topk_idx, bool norm_topk_prob) {
+    OpScope scope_("router_backward");
     const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
     if (device_of({&dlogits, &dtopk_weight, &dprobs, &probs, &topk_idx}) == Device::cuda)
         return cuda_impl::router_backward(dlogits, dtopk_weight, dprobs, probs, topk_idx, norm_topk_prob);
@@ -217,6 +293,7 @@ void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Te
 
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
                    const Tensor& mask) {
+    OpScope scope_("moe_aux_stats");
     if (device_of({&counts, &prob_sums, &topk_idx, &probs, &mask}) == Device::cuda)
         return cuda_impl::moe_aux_stats(counts, prob_sums, topk_idx, probs, mask);
     const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
@@ -237,6 +314,7 @@ void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& 
 }
 
 void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) {
+    OpScope scope_("moe_aux_dprobs");
     if (device_of({&dprobs, &counts, &mask}) == Device::cuda) return cuda_impl::moe_aux_dprobs(dprobs, counts, mask, scale);
     const int64_t N = dprobs.dim(0), E = dprobs.dim(1);
     float* dp = f(dprobs);
@@ -247,6 +325,7 @@ void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& ma
 
 void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
                          const Tensor& topk_idx, int64_t num_experts) {
+    OpScope scope_("moe_permute_indices");
     MF_CHECK(expert_offsets.numel() == num_experts + 1, "expert_offsets must have E + 1 entries");
     if (device_of({&expert_offsets, &sorted_pair, &pair_row, &topk_idx}) == Device::cuda)
         return cuda_impl::moe_permute_indices(expert_offsets, sorted_pair, pair_row, topk_idx, num_experts);
@@ -255,18 +334,21 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
 }
 
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) {
+    OpScope scope_("moe_gather_forward");
     if (device_of({&x_perm, &x, &sorted_pair}) == Device::cuda)
         return cuda_impl::moe_gather_forward(x_perm, x, sorted_pair, top_k);
     cpu::moe_gather_forward(f(x_perm), f(x), i32(sorted_pair), rows(x), top_k, x.dim(-1));
 }
 
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) {
+    OpScope scope_("moe_gather_backward");
     if (device_of({&dx, &dx_perm, &pair_row}) == Device::cuda)
         return cuda_impl::moe_gather_backward(dx, dx_perm, pair_row, top_k);
     cpu::moe_gather_backward(f(dx), f(dx_perm), i32(pair_row), rows(dx), top_k, dx.dim(-1));
 }
 
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    OpScope scope_("moe_unpermute_forward");
     if (device_of({&out, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
         return cuda_impl::moe_unpermute_forward(out, y_perm, topk_weight, pair_row);
     cpu::moe_unpermute_forward(f(out), f(y_perm), f(topk_weight), i32(pair_row), rows(out), topk_weight.dim(-1),
@@ -275,6 +357,7 @@ void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor
 
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+    OpScope scope_("moe_unpermute_backward");
     if (device_of({&dy_perm, &dtopk_weight, &dout, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
         return cuda_impl::moe_unpermute_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
     cpu::moe_unpermute_backward(f(dy_perm), f(dtopk_weight), f(dout), f(y_perm), f(topk_weight), i32(pair_row),
@@ -282,6 +365,7 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
 }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) {
+    OpScope scope_("grouped_matmul_forward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     MF_CHECK(inp.dim(-1) == C && out.dim(-1) == OC && rows(out) == rows(inp) && offsets.numel() == E + 1,
              "grouped matmul shapes");
@@ -292,6 +376,7 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets) {
+    OpScope scope_("grouped_matmul_backward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
         return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets);
@@ -302,6 +387,7 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale) {
+    OpScope scope_("lm_head_cross_entropy");
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     MF_CHECK(losses.numel() == N && targets.numel() == N && w.dim(1) == C, "lm head shapes");
     if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
@@ -313,6 +399,7 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
                   const AdamWHyper& h) {
+    OpScope scope_("adamw_update");
     MF_CHECK(param.numel() == m.numel() && m.numel() == v.numel() && v.numel() == grad.numel(), "adamw sizes differ");
     if (device_of({&param, &master, &m, &v, &grad}) == Device::cuda)
         return cuda_impl::adamw_update(param, master, m, v, grad, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step);
@@ -322,6 +409,7 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
 }
 
 void scale(const Tensor& x, float s) {
+    OpScope scope_("scale");
     if (x.device() == Device::cuda) return cuda_impl::scale(x, s);
     cpu::scale_inplace(f(x), s, x.numel());
 }
@@ -337,6 +425,7 @@ double sum(const Tensor& x) {
 }
 
 double sum_squares(const Tensor& x) {
+    OpScope scope_("sum_squares");
     if (x.device() == Device::cuda) return cuda_impl::sum_squares(x);
     return cpu::sum_squares(f(x), x.numel());
 }

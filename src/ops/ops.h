@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -19,6 +21,9 @@ void zero(const Tensor& t);
 void copy(const Tensor& dst, const Tensor& src);                    // same dtype, same device
 void copy_from_host(const Tensor& dst, const void* src);            // dst.nbytes() bytes
 void copy_to_host(void* dst, const Tensor& src);
+// x = mean + std · N(0, 1), reproducible from (seed, index) on either device (fast model init for
+// benchmarks; HF-style init from a Mersenne twister lives in the model).
+void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
 void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
 void synchronize(Device device);
@@ -107,5 +112,17 @@ void scale(const Tensor& x, float s);
 double sum(const Tensor& x);          // Σ x (f32 tensors), in a fixed order
 double sum_squares(const Tensor& x);  // Σ x², in a fixed order
 bool all_finite(const Tensor& x);
+
+// --- profiling -------------------------------------------------------------------------------------
+// When enabled, every op synchronises the device before and after itself and adds its wall time
+// to a per-op total: a coarse breakdown of a step (it serialises the GPU; never on in training).
+void set_profiling(bool enabled);
+struct OpTime {
+    std::string name;
+    double seconds;
+    int64_t calls;
+};
+std::vector<OpTime> profile_report();  // sorted by time, descending
+void reset_profile();
 
 }  // namespace mf::ops

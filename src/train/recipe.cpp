@@ -29,6 +29,8 @@ constexpr std::string_view kKnownKeys[] = {
     "data.shuffle",
     "data.packing",
     "data.on_error",
+    "data.chat_format",
+    "data.loss_on",
     "train.steps",
     "train.micro_batch",
     "train.seq_len",
@@ -382,6 +384,9 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     conv.get_bool("data.shuffle", r.data.shuffle);
     conv.get_bool("data.packing", r.data.packing);
     conv.get_choice("data.on_error", {"stop", "skip"}, r.data.on_error);
+    conv.get_choice("data.chat_format", {"auto", "chatml", "chatml_qwen2", "chatml_qwen2_5", "chatml_qwen3"},
+                    r.data.chat_format);
+    conv.get_choice("data.loss_on", {"assistant", "all"}, r.data.loss_on);
 
     conv.get_int("train.steps", 1, kMaxInt, r.train.steps);
     conv.get_int("train.micro_batch", 1, int64_t{1} << 20, r.train.micro_batch);
@@ -441,7 +446,9 @@ json::Value Recipe::to_json() const {
                                      {"format", data.format},
                                      {"shuffle", data.shuffle},
                                      {"packing", data.packing},
-                                     {"on_error", data.on_error}})},
+                                     {"on_error", data.on_error},
+                                     {"chat_format", data.chat_format},
+                                     {"loss_on", data.loss_on}})},
         {"train", Value(Value::Object{{"steps", train.steps},
                                       {"micro_batch", train.micro_batch},
                                       {"seq_len", train.seq_len},

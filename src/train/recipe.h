@@ -35,10 +35,12 @@ struct Recipe {
 
     struct Data {
         std::string train;              // dataset path (required)
-        std::string format = "tokens";  // tokens | auto | messages | prompt_completion | text
+        std::string format = "auto";  // auto | tokens | messages | prompt_completion | text
         bool shuffle = true;
         bool packing = true;
         std::string on_error = "stop";  // stop | skip: what a malformed record does
+        std::string chat_format = "auto";  // auto (from the tokenizer's chat template) | chatml | chatml_qwen2 | chatml_qwen2_5 | chatml_qwen3
+        std::string loss_on = "assistant";  // assistant | all: which chat tokens count in the loss
     } data;
 
     struct Train {

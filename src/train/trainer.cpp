@@ -10,7 +10,9 @@
 
 #include "core/check.h"
 #include "data/loader.h"
+#include "data/sft_dataset.h"
 #include "data/token_dataset.h"
+#include "text/tokenizer.h"
 #include "io/file.h"
 #include "model/qwen3_moe.h"
 #include "train/checkpoint.h"
@@ -45,6 +47,24 @@ Device resolve_device(const Recipe& r) {
     return Device::cpu;
 }
 
+}  // namespace
+
+data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir, int64_t vocab_size) {
+    // The tokenizer comes with the model directory; token-id data needs none.
+    std::optional<text::Tokenizer> tokenizer;
+    if (fs::exists(model_dir / "tokenizer.json")) tokenizer = text::Tokenizer::load(model_dir);
+    data::SftOptions opt;
+    opt.format = data::parse_sft_format(recipe.data.format);
+    opt.chat_format = recipe.data.chat_format;
+    opt.tokenizer_dir = model_dir;
+    opt.loss_on = text::parse_loss_on(recipe.data.loss_on);
+    opt.skip_bad_lines = recipe.data.on_error == "skip";
+    opt.vocab_size = vocab_size;
+    return data::read_sft_jsonl(recipe.data.train, tokenizer ? &*tokenizer : nullptr, opt);
+}
+
+namespace {
+
 void print_progress(int64_t step, int64_t total, bool tty) {
     if (!tty) return;
     constexpr int kWidth = 30;
@@ -66,10 +86,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     auto model = load_hf_model(model_dir, &raw_config, placement);
     const auto& cfg = model->config();
 
-    if (recipe.data.format != "tokens" && recipe.data.format != "auto")
-        fail(recipe.source, ": data.format: ", recipe.data.format, " is not supported yet (supported: tokens)");
-    const data::TokenDataset dataset =
-        data::read_token_jsonl(recipe.data.train, cfg.vocab_size, recipe.data.on_error == "skip");
+    const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
     data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
                         recipe.data.shuffle, static_cast<uint64_t>(recipe.seed));
 

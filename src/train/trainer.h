@@ -13,10 +13,12 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 
 #include "core/json.h"
+#include "data/token_dataset.h"
 #include "train/recipe.h"
 
 namespace mf::train {
@@ -43,5 +45,9 @@ struct ResumeOptions {
 };
 
 TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume = {});
+
+// The recipe's training data as documents: JSONL of messages, prompt/completion, text or token
+// ids (data.format), tokenised with the tokenizer in `model_dir` when there is one.
+data::TokenDataset read_dataset(const Recipe& recipe, const std::filesystem::path& model_dir, int64_t vocab_size);
 
 }  // namespace mf::train

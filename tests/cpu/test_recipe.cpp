@@ -510,7 +510,8 @@ TEST(Recipe, Overrides) {
 TEST(Recipe, ToJsonHasEveryKey) {
     const Recipe r = parse_recipe(
         "model: m\n"
-        "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip}\n"
+        "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip, chat_format: chatml_qwen3, "
+        "loss_on: all}\n"
         "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
         "full, on_nonfinite: skip}\n"
         "checkpoint: {every: 3, keep: 5}\n"
@@ -539,7 +540,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
             ++num_leaves;
         }
     }
-    EXPECT_EQ(num_leaves, 28u);
+    EXPECT_EQ(num_leaves, 30u);
     const Recipe back = parse_recipe("", "back", overrides);
     EXPECT_EQ(back.to_json().dump(), j.dump());
     EXPECT_EQ(back.optim.no_decay, r.optim.no_decay);

@@ -1,5 +1,7 @@
 // Elementwise helpers: grid-stride loops (memory-bound, tiny next to the GEMMs); the reductions
 // use one block so their order is fixed and results are bitwise reproducible.
+#include <type_traits>
+
 #include "core/cuda_check.h"
 #include "kernels/cuda/elementwise.cuh"
 
@@ -54,7 +56,37 @@ __global__ void aux_dprobs_kernel(float* dprobs, const float* counts, const floa
         dprobs[i] = scale * counts[i % E] * mask[i / E];
 }
 
+__device__ uint64_t mix64(uint64_t x) {  // splitmix64 finaliser
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+template <typename T>
+__global__ void fill_normal_kernel(T* x, int64_t n, uint64_t seed, float mean, float std) {
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+        const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i));
+        const float u1 = (static_cast<float>(h >> 40) + 1.0f) / 16777217.0f;  // (0, 1]
+        const float u2 = static_cast<float>((h >> 16) & 0xFFFFFF) / 16777216.0f;
+        const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+        if constexpr (std::is_same_v<T, float>) x[i] = mean + std * z;
+        else x[i] = __float2bfloat16_rn(mean + std * z);
+    }
+}
+
 }  // namespace
+
+void fill_normal(void* x, DType dtype, int64_t n, uint64_t seed, float mean, float std, cudaStream_t stream) {
+    MF_CHECK(dtype == DType::f32 || dtype == DType::bf16, "fill_normal: f32 or bf16");
+    if (n == 0) return;
+    if (dtype == DType::f32)
+        fill_normal_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<float*>(x), n, seed, mean, std);
+    else
+        fill_normal_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<bf16*>(x), n, seed, mean, std);
+    MF_CHECK_CUDA(cudaGetLastError());
+}
 
 void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
     if (n == 0) return;

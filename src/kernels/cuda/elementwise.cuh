@@ -19,6 +19,8 @@ using bf16 = __nv_bfloat16;
 void add_bf16(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream);
 void count_nonfinite(unsigned long long* count, const void* x, DType dtype, int64_t n, cudaStream_t stream);
 void sum_f32(double* out, const float* x, int64_t n, cudaStream_t stream);
+// x[i] = mean + std · N(0,1) from a counter-based hash of (seed, i): fast, reproducible, any length.
+void fill_normal(void* x, DType dtype, int64_t n, uint64_t seed, float mean, float std, cudaStream_t stream);
 void aux_dprobs(float* dprobs, const float* counts, const float* mask, float scale, int64_t N, int64_t E,
                 cudaStream_t stream);
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""The HF Transformers v5 side of a BENCHMARKS.md workload: Qwen3MoeForCausalLM from the config,
+random-initialised in bf16 on the GPU, sdpa attention, the default experts implementation
+(grouped_mm), fused torch AdamW on bf16 parameters, synthetic ids with labels = inputs, the same
+step as moeforge bench (forward, backward, clip to norm 1.0, AdamW). Prints one JSON line."""
+import argparse
+import json
+import time
+
+import torch
+import transformers
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
+    args = ap.parse_args()
+
+    with open(args.config) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = args.layers
+    cfg.pop("transformers_version", None)
+    config = Qwen3MoeConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+    step_model = torch.compile(model) if args.compile else model
+    B, T = args.micro_batch, args.seq_len
+    ids = torch.randint(0, config.vocab_size, (B, T), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    times, loss = [], float("nan")
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = step_model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss = float(out.loss)
+        if i >= args.warmup:
+            times.append(dt)
+    step_s = sum(times) / len(times)
+    tps = B * T / step_s
+    print(json.dumps({
+        "system": "hf_v5_compile" if args.compile else "hf_v5",
+        "transformers": transformers.__version__, "torch": torch.__version__,
+        "layers": args.layers, "micro_batch": B, "seq_len": T,
+        "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": tps * args.flops_per_token / 1e12,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "last_loss": loss,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

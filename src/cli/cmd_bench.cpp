@@ -1,0 +1,112 @@
+// `bench`: moeforge's side of a BENCHMARKS.md workload without an HF directory on disk.
+// A model is built from a config (random weights, drawn on the device), fed synthetic token ids
+// (labels = inputs, one document per row), and trained with the full step: forward, backward,
+// global-norm clipping and AdamW. Warm-up steps are not timed; the device is synchronised before
+// every clock read (each step ends with host reads of the loss and the gradient norm).
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+#include "cli/args.h"
+#include "core/json.h"
+#include "data/batch.h"
+#include "io/file.h"
+#include "model/qwen3_moe.h"
+#include "ops/ops.h"
+#include "train/optimizer.h"
+
+namespace mf::cli {
+
+int cmd_bench(const Args& args) {
+    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed"},
+                       {"profile"}, "bench");
+    const std::filesystem::path cfg_file = a.require("config", "bench");
+    auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
+                                                cfg_file.string());
+    if (a.has("layers")) {
+        cfg.num_hidden_layers = parse_int_option(a.get("layers"), "layers");
+        cfg.mlp_only_layers.clear();
+    }
+    const int64_t B = parse_int_option(a.get("micro-batch", "2"), "micro-batch");
+    const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
+    const int64_t steps = parse_int_option(a.get("steps", "5"), "steps");
+    const int64_t warmup = parse_int_option(a.get("warmup", "2"), "warmup");
+    const std::string precision = a.get("precision", "bf16");
+    if (precision != "bf16" && precision != "mixed") fail("bench: --precision must be bf16 or mixed");
+    const std::string dev = a.get("device", "auto");
+    const Device device = dev == "cpu" ? Device::cpu : (cuda_available() ? Device::cuda : Device::cpu);
+    if (dev == "cuda" && device != Device::cuda) fail("bench: --device cuda, but no CUDA device is available");
+    const bool mixed = precision == "mixed";
+
+    const size_t mem0 = device_memory_used();
+    model::Qwen3Moe m(cfg, {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32});
+    uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
+    for (const auto& s : m.params().specs()) {
+        if (s.shape.size() == 1) ops::fill_normal(m.param(s.name), seed++, 1.0f, 0.0f);  // norms: ones
+        else ops::fill_normal(m.param(s.name), seed++, 0.0f, 0.02f);
+    }
+    train::Recipe::Optim optim;
+    optim.lr = 1e-5;
+    optim.weight_decay = 0.01;
+    train::AdamW adamw(m, optim, mixed);
+
+    std::mt19937 rng(1234);
+    std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B));
+    for (auto& r : rows)
+        for (int64_t t = 0; t < T; ++t) r.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(cfg.vocab_size)));
+    const data::Batch batch = data::make_row_batch(rows, {}, T, 0);
+    const int64_t targets = batch.num_targets();
+    const model::LossScales scales{1.0 / static_cast<double>(targets),
+                                   cfg.output_router_logits ? cfg.router_aux_loss_coef : 0.0};
+
+    double last_loss = 0, timed = 0;
+    for (int64_t i = 0; i < warmup + steps; ++i) {
+        if (i == warmup && a.has("profile")) {
+            ops::reset_profile();
+            ops::set_profiling(true);
+        }
+        ops::synchronize(device);
+        const auto t0 = std::chrono::steady_clock::now();
+        const model::StepStats s = m.step(batch, &scales);
+        train::clip_grad_norm(m, 1.0);
+        adamw.step(optim.lr);
+        m.zero_grads();
+        ops::synchronize(device);
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        last_loss = s.ce_sum / static_cast<double>(targets) + scales.aux * s.aux;
+        if (i >= warmup) timed += dt;
+        std::fprintf(stderr, "bench step %lld: %.1f ms, loss %.4f\n", static_cast<long long>(i + 1), dt * 1e3, last_loss);
+    }
+    const double step_s = timed / static_cast<double>(std::max<int64_t>(steps, 1));
+    const double tps = static_cast<double>(B * T) / step_s;
+    const double flops = m.flops_per_token(T);
+    const double mem = device == Device::cuda ? static_cast<double>(device_memory_used() - mem0)
+                                              : 0.0;
+    json::Value v = json::Value::object();
+    v.set("system", "moeforge");
+    v.set("device", device_name(device));
+    v.set("precision", precision);
+    v.set("layers", cfg.num_hidden_layers);
+    v.set("micro_batch", B);
+    v.set("seq_len", T);
+    v.set("params", m.num_params());
+    v.set("flops_per_token", json::Value(flops));
+    v.set("step_ms", json::Value(step_s * 1e3));
+    v.set("tokens_per_s_per_gpu", json::Value(tps));
+    v.set("tflops_per_gpu", json::Value(tps * flops / 1e12));
+    v.set("peak_gib", json::Value(mem / (1024.0 * 1024.0 * 1024.0)));
+    v.set("activation_gib", json::Value(static_cast<double>(m.activation_bytes()) / (1024.0 * 1024.0 * 1024.0)));
+    v.set("last_loss", json::Value(last_loss));
+    if (a.has("profile")) {
+        ops::set_profiling(false);
+        json::Value prof = json::Value::object();
+        for (const auto& op : ops::profile_report())
+            prof.set(op.name, json::Value(op.seconds * 1e3 / static_cast<double>(std::max<int64_t>(steps, 1))));
+        v.set("ms_per_step_by_op", std::move(prof));
+    }
+    std::printf("%s\n", v.dump().c_str());
+    return 0;
+}
+
+}  // namespace mf::cli
