@@ -82,12 +82,12 @@ void naive_ce_grads(std::vector<float>& dh, std::vector<float>& dw, bool dw_bf16
 TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
     std::mt19937 rng(30);
     CublasHandle handle;
-    for (const CeCase& s : {CeCase{37, 64, 1000, 16}, CeCase{20, 40, 999, 64}, CeCase{64, 128, 4096, 64},
-                            CeCase{5, 32, 8, 2}}) {
+    for (const CeCase& s :
+         {CeCase{37, 64, 1000, 16}, CeCase{20, 40, 999, 64}, CeCase{64, 128, 4096, 64}, CeCase{5, 32, 8, 2}}) {
         for (const DType dw_dtype : {DType::f32, DType::bf16}) {
-            const std::string name = std::string("cross_entropy dw ") + mf::dtype_name(dw_dtype) + " N=" +
-                                     std::to_string(s.N) + " C=" + std::to_string(s.C) + " V=" + std::to_string(s.V) +
-                                     " chunk=" + std::to_string(s.chunk);
+            const std::string name = std::string("cross_entropy dw ") + mf::dtype_name(dw_dtype) +
+                                     " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) +
+                                     " V=" + std::to_string(s.V) + " chunk=" + std::to_string(s.chunk);
             const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
             const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
             std::vector<int32_t> targets(static_cast<size_t>(s.N));
@@ -146,8 +146,8 @@ TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
     const int64_t N = 3, C = 16, V = 12;
     const std::vector<float> h = random_bf16(rng, N * C), w = random_bf16(rng, V * C);
     const std::vector<int32_t> targets = {12, -100, -7};
-    DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_loss(N * 4),
-                 d_dh(N * C * 2), d_dw(V * C * 4);
+    DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_loss(N * 4), d_dh(N * C * 2),
+                 d_dw(V * C * 4);
     d_dh.zero();
     d_dw.zero();
     const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(N, V);
@@ -167,7 +167,8 @@ TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
 // ---------------------------------------------------------------------------------------------
 // AdamW
 
-const mf::cpu::AdamWParams kAdamWConfigs[] = {{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1}, {3e-2f, 0.3f, 0.95f, 1e-6f, 0.0f, 1}};
+const mf::cpu::AdamWParams kAdamWConfigs[] = {{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1},
+                                              {3e-2f, 0.3f, 0.95f, 1e-6f, 0.0f, 1}};
 
 TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
     std::mt19937 rng(32);
@@ -178,8 +179,8 @@ TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
                     for (const bool scaled : {false, true}) {
                         const std::string name = std::string("adamw mixed grads ") + mf::dtype_name(grad_dtype) +
                                                  (scaled ? " scaled" : "") + " n=" + std::to_string(n) +
-                                                 " offset=" + std::to_string(offset) + " beta1=" +
-                                                 std::to_string(config.beta1);
+                                                 " offset=" + std::to_string(offset) +
+                                                 " beta1=" + std::to_string(config.beta1);
                         const size_t sz = static_cast<size_t>(n);
                         std::vector<float> p = random_f32(rng, sz), m(sz, 0.0f), v(sz, 0.0f);
                         DeviceBuffer d_p((sz + 1) * 4), d_m((sz + 1) * 4), d_v((sz + 1) * 4), d_g((sz + 1) * 4),
@@ -203,13 +204,13 @@ TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
                             mf::cpu::AdamWParams cfg = config;
                             cfg.step = step;
                             mf::cpu::adamw_update(p.data(), m.data(), v.data(), g_cpu.data(), n, cfg);
-                            const void* grad = grad_dtype == DType::bf16 ? static_cast<const void*>(d_g.as<bf16>(offset))
-                                                                          : d_g.as<float>(offset);
+                            const void* grad = grad_dtype == DType::bf16
+                                                   ? static_cast<const void*>(d_g.as<bf16>(offset))
+                                                   : d_g.as<float>(offset);
                             d_copy.poison();
-                            mf::cuda::adamw_update_mixed(d_p.as<float>(offset), d_m.as<float>(offset),
-                                                         d_v.as<float>(offset), grad, grad_dtype,
-                                                         d_copy.as<bf16>(offset), n, cfg,
-                                                         scaled ? d_scale.as<float>() : nullptr, nullptr);
+                            mf::cuda::adamw_update_mixed(
+                                d_p.as<float>(offset), d_m.as<float>(offset), d_v.as<float>(offset), grad, grad_dtype,
+                                d_copy.as<bf16>(offset), n, cfg, scaled ? d_scale.as<float>() : nullptr, nullptr);
                         }
                         device_sync();
                         expect_exact(download<float>(d_p.as<float>(offset), sz), p, name + " master");
@@ -260,9 +261,9 @@ TEST(CudaAdamW, Bf16PolicyMatchesCpuBitForBit) {
 TEST(CudaAdamW, RejectsBadArguments) {
     mf::cpu::AdamWParams cfg{1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0};
     DeviceBuffer b(64);
-    EXPECT_THROW(mf::cuda::adamw_update_bf16(b.as<bf16>(), b.as<bf16>(), b.as<bf16>(), b.as<bf16>(), 4, cfg, nullptr,
-                                             nullptr),
-                 mf::Error);
+    EXPECT_THROW(
+        mf::cuda::adamw_update_bf16(b.as<bf16>(), b.as<bf16>(), b.as<bf16>(), b.as<bf16>(), 4, cfg, nullptr, nullptr),
+        mf::Error);
     cfg.step = 1;
     EXPECT_THROW(mf::cuda::adamw_update_mixed(b.as<float>(), b.as<float>(), b.as<float>(), b.as<void>(), DType::i32,
                                               nullptr, 4, cfg, nullptr, nullptr),
@@ -406,17 +407,31 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
                                                 scratch.as<void>(), sb, chunk, nullptr);
             },
             5);
-        std::printf("BENCH %-44s %10.1f us  %8.1f TFLOP/s (1 GEMM + loss kernel)\n",
-                    "lm_head_cross_entropy loss only", us, flops / (us * 1e-6) / 1e12);
+        std::printf("BENCH %-44s %10.1f us  %8.1f TFLOP/s (1 GEMM + loss kernel)\n", "lm_head_cross_entropy loss only",
+                    us, flops / (us * 1e-6) / 1e12);
     }
     {
         const int64_t n = int64_t{1} << 28;
         const size_t sz = static_cast<size_t>(n);
         DeviceBuffer p(sz * 4), m(sz * 4), v(sz * 4), g(sz * 4), copy(sz * 2), scale(4);
-        p.zero();
-        m.zero();
-        v.zero();
-        g.zero();
+        // Realistic values (zeros would send every division down its special-case path): a 2^24
+        // random pattern repeated over the buffers; v >= 0.
+        const size_t tile = size_t{1} << 24;
+        const std::vector<float> signed_pattern = random_bf16(rng, tile),
+                                 positive_pattern = random_bf16(rng, tile, 0.0f, 1e-4f);
+        auto fill = [&](const DeviceBuffer& b, const std::vector<float>& pattern, bool as_bf16) {
+            for (size_t at = 0; at < sz; at += tile) {
+                if (as_bf16) {
+                    upload_bf16(b.as<bf16>(at), pattern);
+                } else {
+                    upload(b.as<float>(at), pattern);
+                }
+            }
+        };
+        fill(p, signed_pattern, true);
+        fill(m, signed_pattern, true);
+        fill(v, positive_pattern, true);
+        fill(g, signed_pattern, true);
         upload(scale.as<void>(), std::vector<float>{1.0f});
         mf::cpu::AdamWParams cfg{1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10};
         double us = time_us([&] {
@@ -424,6 +439,9 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
                                         scale.as<float>(), nullptr);
         });
         report_bandwidth("adamw_update_bf16 n=2^28 (14 B/param)", us, 14.0 * n);
+        fill(p, signed_pattern, false);
+        fill(m, signed_pattern, false);
+        fill(v, positive_pattern, false);
         us = time_us([&] {
             mf::cuda::adamw_update_mixed(p.as<float>(), m.as<float>(), v.as<float>(), g.as<void>(), DType::bf16,
                                          copy.as<bf16>(), n, cfg, scale.as<float>(), nullptr);

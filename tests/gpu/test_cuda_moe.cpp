@@ -27,8 +27,8 @@ struct RouterCase {
     int64_t N, E, K;
 };
 
-const RouterCase kRouterCases[] = {{37, 128, 8}, {50, 60, 4}, {9, 8, 8}, {20, 256, 8}, {5, 1024, 32}, {3, 1, 1},
-                                   {2000, 128, 8}};
+const RouterCase kRouterCases[] = {{37, 128, 8},  {50, 60, 4}, {9, 8, 8},     {20, 256, 8},
+                                   {5, 1024, 32}, {3, 1, 1},   {2000, 128, 8}};
 
 // Logits whose probabilities are well separated (distinct values 0.05 apart, shuffled per row), so
 // the top-k order cannot depend on fp32 rounding; with `ties`, values come from {0, 0.5, 1} and
@@ -40,7 +40,8 @@ std::vector<float> router_logits(std::mt19937& rng, const RouterCase& s, bool ti
         std::iota(perm.begin(), perm.end(), 0);
         std::shuffle(perm.begin(), perm.end(), rng);
         for (int64_t e = 0; e < s.E; ++e) {
-            logits[n * s.E + e] = ties ? 0.5f * static_cast<float>(rng() % 3) : 0.05f * static_cast<float>(perm[e]) - 2.0f;
+            logits[n * s.E + e] =
+                ties ? 0.5f * static_cast<float>(rng() % 3) : 0.05f * static_cast<float>(perm[e]) - 2.0f;
         }
     }
     return logits;
@@ -61,7 +62,7 @@ TEST(CudaRouter, ForwardMatchesCpuIncludingTies) {
                                         norm);
 
                 DeviceBuffer d_logits = device_copy(logits), d_probs(logits.size() * 4), d_idx(idx_ref.size() * 4),
-                    d_w(w_ref.size() * 4);
+                             d_w(w_ref.size() * 4);
                 d_probs.poison();
                 d_idx.poison();
                 d_w.poison();
@@ -169,8 +170,8 @@ struct PermuteCase {
     bool distinct;         // K distinct experts per token (as the router gives), else any
 };
 
-const PermuteCase kPermuteCases[] = {{1, 1, 1, 1, true},          {37, 8, 128, 64, true},  {16384, 8, 128, 128, true},
-                                     {1000, 2, 7, 7, false},       {513, 3, 4096, 4096, true}, {100, 6, 64, 1, false},
+const PermuteCase kPermuteCases[] = {{1, 1, 1, 1, true},      {37, 8, 128, 64, true},     {16384, 8, 128, 128, true},
+                                     {1000, 2, 7, 7, false},  {513, 3, 4096, 4096, true}, {100, 6, 64, 1, false},
                                      {2049, 4, 16, 16, false}};
 
 std::vector<int32_t> random_topk(std::mt19937& rng, const PermuteCase& s) {
@@ -241,8 +242,8 @@ struct MoveCase {
 
 TEST(CudaMoePermute, GatherAndUnpermuteMatchCpu) {
     std::mt19937 rng(24);
-    for (const MoveCase& s : {MoveCase{37, 8, 128, 2048}, MoveCase{50, 3, 7, 13}, MoveCase{300, 4, 16, 64},
-                              MoveCase{5, 32, 40, 24}}) {
+    for (const MoveCase& s :
+         {MoveCase{37, 8, 128, 2048}, MoveCase{50, 3, 7, 13}, MoveCase{300, 4, 16, 64}, MoveCase{5, 32, 40, 24}}) {
         const std::string name = "N=" + std::to_string(s.N) + " K=" + std::to_string(s.K) + " H=" + std::to_string(s.H);
         const PermuteCase pc{s.N, s.K, s.E, s.E, true};
         const std::vector<int32_t> topk = random_topk(rng, pc);
@@ -284,8 +285,8 @@ TEST(CudaMoePermute, GatherAndUnpermuteMatchCpu) {
         mf::cpu::moe_unpermute_forward(out_ref.data(), y_perm.data(), weights.data(), pr.data(), s.N, s.K, s.H);
         DeviceBuffer d_out(nx * 2);
         d_out.poison();
-        mf::cuda::moe_unpermute_forward(d_out.as<bf16>(), d_y.as<bf16>(), d_w.as<float>(), d_pr.as<int32_t>(), s.N,
-                                        s.K, s.H, nullptr);
+        mf::cuda::moe_unpermute_forward(d_out.as<bf16>(), d_y.as<bf16>(), d_w.as<float>(), d_pr.as<int32_t>(), s.N, s.K,
+                                        s.H, nullptr);
         device_sync();
         expect_reduction_bf16_out(download_bf16(d_out.as<void>(), nx), out_ref, "unpermute fwd " + name);
 
@@ -353,21 +354,19 @@ TEST(CudaMoeBench, Qwen3MoeShapes) {
     upload_bf16(x.as<void>(), random_bf16(rng, static_cast<size_t>(N * H)));
     upload_bf16(xp.as<void>(), random_bf16(rng, P * H));
     const double act = static_cast<double>(N * H) * 2, perm = static_cast<double>(P * H) * 2;
-    us = time_us([&] {
-        mf::cuda::moe_gather_forward(dyp.as<bf16>(), x.as<bf16>(), sp.as<int32_t>(), N, K, H, nullptr);
-    });
+    us = time_us(
+        [&] { mf::cuda::moe_gather_forward(dyp.as<bf16>(), x.as<bf16>(), sp.as<int32_t>(), N, K, H, nullptr); });
     report_bandwidth("moe_gather_forward H=2048 (x read once per slot)", us, 2 * perm);
-    us = time_us([&] {
-        mf::cuda::moe_gather_backward(x.as<bf16>(), true, xp.as<bf16>(), pr.as<int32_t>(), N, K, H, nullptr);
-    });
+    us = time_us(
+        [&] { mf::cuda::moe_gather_backward(x.as<bf16>(), true, xp.as<bf16>(), pr.as<int32_t>(), N, K, H, nullptr); });
     report_bandwidth("moe_gather_backward (+=)", us, perm + 2 * act);
     us = time_us([&] {
         mf::cuda::moe_unpermute_forward(x.as<bf16>(), xp.as<bf16>(), w.as<float>(), pr.as<int32_t>(), N, K, H, nullptr);
     });
     report_bandwidth("moe_unpermute_forward", us, perm + act);
     us = time_us([&] {
-        mf::cuda::moe_unpermute_backward(dyp.as<bf16>(), dlogits.as<float>(), x.as<bf16>(), xp.as<bf16>(), w.as<float>(),
-                                         pr.as<int32_t>(), N, K, H, nullptr);
+        mf::cuda::moe_unpermute_backward(dyp.as<bf16>(), dlogits.as<float>(), x.as<bf16>(), xp.as<bf16>(),
+                                         w.as<float>(), pr.as<int32_t>(), N, K, H, nullptr);
     });
     report_bandwidth("moe_unpermute_backward", us, 2 * perm + act);
 }

@@ -115,8 +115,8 @@ TEST(CudaEmbedding, BackwardMatchesCpuAndIsDeterministic) {
     for (const EmbeddingCase& s : {EmbeddingCase{37, 50, 64, 0}, EmbeddingCase{300, 7, 13, 0},
                                    EmbeddingCase{2000, 500, 2048, 0}, EmbeddingCase{64, 9, 72, 1}}) {
         for (const DType dtype : {DType::f32, DType::bf16}) {
-            const std::string name = std::string("embedding bwd ") + mf::dtype_name(dtype) + " N=" +
-                                     std::to_string(s.N) + " C=" + std::to_string(s.C);
+            const std::string name = std::string("embedding bwd ") + mf::dtype_name(dtype) +
+                                     " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C);
             std::vector<int32_t> ids(static_cast<size_t>(s.N));
             // A third of the tokens share one hot id; the rest are spread (some ids never appear).
             for (size_t n = 0; n < ids.size(); ++n) ids[n] = static_cast<int32_t>(n % 3 == 0 ? 3 % s.V : rng() % s.V);
@@ -180,8 +180,8 @@ TEST(CudaEmbedding, BackwardSkipsInvalidIds) {
 
 TEST(CudaEmbedding, RejectsBadArguments) {
     DeviceBuffer scratch(1024);
-    EXPECT_THROW(mf::cuda::embedding_backward(scratch.as<void>(), DType::f32, scratch.as<bf16>(),
-                                              scratch.as<int32_t>(), 4, 10, 8, scratch.as<void>(), 1, nullptr),
+    EXPECT_THROW(mf::cuda::embedding_backward(scratch.as<void>(), DType::f32, scratch.as<bf16>(), scratch.as<int32_t>(),
+                                              4, 10, 8, scratch.as<void>(), 1, nullptr),
                  mf::Error);
     EXPECT_THROW(mf::cuda::embedding_forward(nullptr, nullptr, nullptr, -1, 10, 8, nullptr), mf::Error);
 }
@@ -196,8 +196,8 @@ struct RowsCase {
 TEST(CudaRmsnorm, ForwardMatchesCpu) {
     std::mt19937 rng(6);
     const float eps = 1e-6f;
-    for (const RowsCase& s : {RowsCase{33, 2048}, RowsCase{7, 100}, RowsCase{3, 4104}, RowsCase{1, 8},
-                              RowsCase{300, 72}}) {
+    for (const RowsCase& s :
+         {RowsCase{33, 2048}, RowsCase{7, 100}, RowsCase{3, 4104}, RowsCase{1, 8}, RowsCase{300, 72}}) {
         for (const bool in_place : {false, true}) {
             const std::string name = std::string("rmsnorm fwd") + (in_place ? " in-place" : "") +
                                      " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C);
@@ -295,17 +295,19 @@ RopeReference rope_reference(const std::vector<float>& q, const std::vector<floa
     return r;
 }
 
-const RopeCase kRopeCases[] = {{19, 4, 2, 128, 1e6f}, {7, 3, 1, 36, 1e4f}, {5, 2, 2, 256, 1e6f}, {3, 5, 0, 64, 1e4f},
-                               {1500, 8, 2, 128, 1e6f}};
+// The last two: 72 heads of 8 lanes need two passes of a 512-thread block per token; 2500 tokens
+// give backward blocks several tokens each.
+const RopeCase kRopeCases[] = {{19, 4, 2, 128, 1e6f}, {7, 3, 1, 36, 1e4f},   {5, 2, 2, 256, 1e6f},
+                               {3, 5, 0, 64, 1e4f},   {9, 64, 8, 128, 1e6f}, {2500, 8, 2, 128, 1e6f}};
 
 TEST(CudaRopeQknorm, ForwardMatchesCpu) {
     std::mt19937 rng(8);
     const float eps = 1e-6f;
     for (const RopeCase& s : kRopeCases) {
         for (const bool in_place : {false, true}) {
-            const std::string name = std::string("rope_qknorm fwd") + (in_place ? " in-place" : "") + " N=" +
-                                     std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" + std::to_string(s.Hkv) +
-                                     " D=" + std::to_string(s.D);
+            const std::string name = std::string("rope_qknorm fwd") + (in_place ? " in-place" : "") +
+                                     " N=" + std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" +
+                                     std::to_string(s.Hkv) + " D=" + std::to_string(s.D);
             const std::vector<float> q = random_bf16(rng, static_cast<size_t>(s.N * s.Hq * s.D), -3.0f, 3.0f);
             const std::vector<float> k = random_bf16(rng, static_cast<size_t>(s.N * s.Hkv * s.D), -3.0f, 3.0f);
             const std::vector<float> qw = random_bf16(rng, static_cast<size_t>(s.D), 0.5f, 1.5f);
@@ -342,9 +344,9 @@ TEST(CudaRopeQknorm, BackwardMatchesCpu) {
     const float eps = 1e-6f;
     for (const RopeCase& s : kRopeCases) {
         for (const DType dtype : {DType::f32, DType::bf16}) {
-            const std::string name = std::string("rope_qknorm bwd ") + mf::dtype_name(dtype) + " N=" +
-                                     std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" + std::to_string(s.Hkv) +
-                                     " D=" + std::to_string(s.D);
+            const std::string name = std::string("rope_qknorm bwd ") + mf::dtype_name(dtype) +
+                                     " N=" + std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" +
+                                     std::to_string(s.Hkv) + " D=" + std::to_string(s.D);
             const size_t nq = static_cast<size_t>(s.N * s.Hq * s.D), nk = static_cast<size_t>(s.N * s.Hkv * s.D);
             const std::vector<float> q = random_bf16(rng, nq, -3.0f, 3.0f), k = random_bf16(rng, nk, -3.0f, 3.0f);
             const std::vector<float> qw = random_bf16(rng, static_cast<size_t>(s.D), 0.5f, 1.5f);
@@ -366,10 +368,10 @@ TEST(CudaRopeQknorm, BackwardMatchesCpu) {
                 dkw0 = round_bf16(dkw0);
             }
             std::vector<float> dqw_ref = dqw0, dkw_ref = dkw0;
-            mf::cpu::rmsnorm_backward(dq_ref.data(), dqw_ref.data(), dnq.data(), q.data(), qw.data(),
-                                      fwd.q_rstd.data(), s.N * s.Hq, s.D);
-            mf::cpu::rmsnorm_backward(dk_ref.data(), dkw_ref.data(), dnk.data(), k.data(), kw.data(),
-                                      fwd.k_rstd.data(), s.N * s.Hkv, s.D);
+            mf::cpu::rmsnorm_backward(dq_ref.data(), dqw_ref.data(), dnq.data(), q.data(), qw.data(), fwd.q_rstd.data(),
+                                      s.N * s.Hq, s.D);
+            mf::cpu::rmsnorm_backward(dk_ref.data(), dkw_ref.data(), dnk.data(), k.data(), kw.data(), fwd.k_rstd.data(),
+                                      s.N * s.Hkv, s.D);
 
             DeviceBuffer d_q = device_bf16(q), d_k = device_bf16(k), d_qw = device_bf16(qw), d_kw = device_bf16(kw);
             DeviceBuffer d_dyq = device_bf16(dyq), d_dyk = device_bf16(dyk), d_pos = device_copy(pos);

@@ -6,12 +6,11 @@
 // A grid-stride loop over groups of 8 elements (16-byte accesses when every buffer is 16-byte
 // aligned, else single elements); the n % 8 tail is done element by element. Elementwise, so
 // deterministic.
-#include "kernels/cuda/adamw.cuh"
-
 #include <algorithm>
 #include <cmath>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/adamw.cuh"
 
 namespace mf::cuda {
 
@@ -60,26 +59,41 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
 }
 
 // TP: param storage (master) type; TS: m, v storage type; TG: gradient type. param_copy: optional bf16.
-template <int kVec, typename TP, typename TS, typename TG>
-__global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n,
-                             AdamWConstants c, const float* grad_scale) {
+// kUnroll vectors (i, i + stride, ...) per thread and iteration: all loads are issued before any
+// store, so that enough bytes are in flight when each vector is small (the bf16 policy).
+template <int kVec, int kUnroll, typename TP, typename TS, typename TG>
+__global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n, AdamWConstants c,
+                             const float* grad_scale) {
     const float gs = grad_scale != nullptr ? *grad_scale : 1.0f;
     const bool scaled = grad_scale != nullptr;
     const int64_t num_vec = n / kVec;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec; i += stride) {
-        const int64_t at = i * kVec;
-        float pf[kVec], mf[kVec], vf[kVec], gf[kVec];
-        detail::load_f32<kVec>(pf, param + at);
-        detail::load_f32<kVec>(mf, m + at);
-        detail::load_f32<kVec>(vf, v + at);
-        detail::load_f32<kVec>(gf, grad + at);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec; i += kUnroll * stride) {
+        float pf[kUnroll][kVec], mf[kUnroll][kVec], vf[kUnroll][kVec], gf[kUnroll][kVec];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) adamw_element(pf[e], mf[e], vf[e], scaled ? __fmul_rn(gf[e], gs) : gf[e], c);
-        detail::store_f32<kVec>(param + at, pf);
-        detail::store_f32<kVec>(m + at, mf);
-        detail::store_f32<kVec>(v + at, vf);
-        if (param_copy != nullptr) detail::store_f32<kVec>(param_copy + at, pf);
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t at = (i + u * stride) * kVec;
+            if (i + u * stride < num_vec) {
+                detail::load_f32<kVec>(pf[u], param + at);
+                detail::load_f32<kVec>(mf[u], m + at);
+                detail::load_f32<kVec>(vf[u], v + at);
+                detail::load_f32<kVec>(gf[u], grad + at);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t at = (i + u * stride) * kVec;
+            if (i + u * stride < num_vec) {
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    adamw_element(pf[u][e], mf[u][e], vf[u][e], scaled ? __fmul_rn(gf[u][e], gs) : gf[u][e], c);
+                }
+                detail::store_f32<kVec>(param + at, pf[u]);
+                detail::store_f32<kVec>(m + at, mf[u]);
+                detail::store_f32<kVec>(v + at, vf[u]);
+                if (param_copy != nullptr) detail::store_f32<kVec>(param_copy + at, pf[u]);
+            }
+        }
     }
     const int64_t tail = num_vec * kVec + threadIdx.x;
     if (blockIdx.x == 0 && tail < n) {
@@ -101,12 +115,14 @@ void launch_adamw(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int
                   const float* grad_scale, cudaStream_t stream) {
     if (n == 0) return;
     const bool vec = aligned_to(16, param, m, v, grad, param_copy);
-    const int64_t work = vec ? n / 8 : n;
+    // Two vectors per thread when the parameters are 16-bit (8 elements are then only 64 bytes of loads).
+    constexpr int kUnroll = sizeof(TP) == 2 ? 2 : 1;
+    const int64_t work = (vec ? n / 8 : n) / kUnroll;
     const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
     if (vec) {
-        adamw_kernel<8><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+        adamw_kernel<8, kUnroll><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
     } else {
-        adamw_kernel<1><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+        adamw_kernel<1, 1><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }

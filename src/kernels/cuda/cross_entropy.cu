@@ -9,13 +9,12 @@
 //   3. dh[chunk] += dlogits · w,  dw += dlogitsᵀ · h[chunk]   cublasGemmEx, fp32 accumulation.
 // Rows are independent and every reduction has a fixed order, so the loss is deterministic;
 // the GEMMs are as deterministic as cuBLAS is (same GPU, same library: same bits).
-#include "kernels/cuda/cross_entropy.cuh"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/cross_entropy.cuh"
 
 namespace mf::cuda {
 
@@ -25,8 +24,8 @@ constexpr int kThreads = 512;
 constexpr int32_t kIgnoreIndex = -100;
 
 void check_cublas(cublasStatus_t status, const char* what) {
-    MF_CHECK(status == CUBLAS_STATUS_SUCCESS, "cross_entropy: ", what, " failed: ", cublasGetStatusName(status),
-             " (", cublasGetStatusString(status), ")");
+    MF_CHECK(status == CUBLAS_STATUS_SUCCESS, "cross_entropy: ", what, " failed: ", cublasGetStatusName(status), " (",
+             cublasGetStatusString(status), ")");
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -133,9 +132,9 @@ void gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op_b,
           const bf16* a, int64_t lda, const bf16* b, int64_t ldb, float beta, void* c, cudaDataType_t c_type,
           int64_t ldc, const char* what) {
     const float alpha = 1.0f;
-    check_cublas(cublasGemmEx(handle, op_a, op_b, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                              &alpha, a, CUDA_R_16BF, static_cast<int>(lda), b, CUDA_R_16BF, static_cast<int>(ldb),
-                              &beta, c, c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    check_cublas(cublasGemmEx(handle, op_a, op_b, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha,
+                              a, CUDA_R_16BF, static_cast<int>(lda), b, CUDA_R_16BF, static_cast<int>(ldb), &beta, c,
+                              c_type, static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                  what);
 }
 

@@ -1,6 +1,6 @@
 // Token embedding, CUDA (bf16 storage, fp32 sums).
-//   forward   out[n, :] = wte[ids[n], :]: a grid-stride copy of 16-byte vectors (8 bf16) when C % 8 == 0
-//             and the buffers are 16-byte aligned, else of single elements.
+//   forward   out[n, :] = wte[ids[n], :]: one warp per row copies 16-byte vectors (8 bf16) when C % 8 == 0
+//             and the buffers are 16-byte aligned, else single elements.
 //   backward  deterministic scatter-add, no atomics:
 //             1. key[n] = ids[n] (or V for an id outside [0, V), which sorts last and is skipped),
 //                value[n] = n;
@@ -12,14 +12,12 @@
 //             Every dwte element is written by exactly one thread, in a fixed order.
 // NOTE: a token id repeated very often (say a padding id on every position) is summed by one warp
 // per column slice serially; correct and deterministic, but that run is latency-bound.
-#include "kernels/cuda/embedding.cuh"
-
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
+#include <cub/device/device_radix_sort.cuh>
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/embedding.cuh"
 
 namespace mf::cuda {
 
@@ -27,7 +25,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int64_t kMaxBlocks = 65536;
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
@@ -50,26 +47,26 @@ size_t cub_sort_bytes(int64_t N, int64_t V) {
 // ----------------------------------------------------------------------------------------------
 // kernels
 
+// One warp per token row: the id is loaded once, then every lane issues its row loads back to back.
 template <int kVec>
-__global__ void embedding_forward_kernel(bf16* out, const int32_t* ids, const bf16* wte, int64_t N, int64_t V,
-                                         int64_t C) {
-    using Raw = std::conditional_t<kVec == 8, uint4, bf16>;
-    const int64_t vec_per_row = C / kVec;
-    const int64_t total = N * vec_per_row;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int64_t n = i / vec_per_row;
-        const int64_t c = (i - n * vec_per_row) * kVec;
-        const int32_t id = ids[n];
-        Raw value;
-        if (id >= 0 && id < V) {
-            value = *reinterpret_cast<const Raw*>(wte + static_cast<int64_t>(id) * C + c);
-        } else if constexpr (kVec == 8) {
-            value = make_uint4(0, 0, 0, 0);
-        } else {
-            value = __ushort_as_bfloat16(0);
-        }
-        *reinterpret_cast<Raw*>(out + n * C + c) = value;
+__global__ void __launch_bounds__(kThreads)
+    embedding_forward_kernel(bf16* out, const int32_t* ids, const bf16* wte, int64_t N, int64_t V, int64_t C) {
+    using Raw = detail::Bf16Raw<kVec>;
+    const int64_t n = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+    if (n >= N) return;
+    const int32_t id = ids[n];
+    const bool valid = id >= 0 && id < V;
+    const bf16* src = wte + static_cast<int64_t>(valid ? id : 0) * C;
+    bf16* dst = out + n * C;
+    Raw zero;
+    if constexpr (kVec == 8) {
+        zero = make_uint4(0, 0, 0, 0);
+    } else {
+        zero = __ushort_as_bfloat16(0);
+    }
+#pragma unroll 4
+    for (int64_t c = static_cast<int64_t>(threadIdx.x % 32) * kVec; c < C; c += 32 * kVec) {
+        *reinterpret_cast<Raw*>(dst + c) = valid ? detail::load_raw<kVec>(src + c) : zero;
     }
 }
 
@@ -142,8 +139,8 @@ void launch_embedding_backward(TW* dwte, const bf16* dout, const int32_t* sorted
 
 void check_shape(const char* op, int64_t N, int64_t V, int64_t C) {
     MF_CHECK(N >= 0 && V > 0 && C >= 0, op, ": bad shape N=", N, " V=", V, " C=", C);
-    MF_CHECK(N <= std::numeric_limits<int32_t>::max() && V < std::numeric_limits<int32_t>::max(), op,
-             ": N = ", N, " or V = ", V, " does not fit int32 indices");
+    MF_CHECK(N <= std::numeric_limits<int32_t>::max() && V < std::numeric_limits<int32_t>::max(), op, ": N = ", N,
+             " or V = ", V, " does not fit int32 indices");
 }
 
 }  // namespace
@@ -157,8 +154,9 @@ void embedding_forward(bf16* out, const int32_t* ids, const bf16* wte, int64_t N
     if (N == 0 || C == 0) return;
     MF_CHECK(out != nullptr && ids != nullptr && wte != nullptr, "embedding_forward: null buffer");
     const bool vec = C % 8 == 0 && aligned_to(16, out, wte);
-    const int64_t work = N * (vec ? C / 8 : C);
-    const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
+    MF_CHECK((N + kWarpsPerBlock - 1) / kWarpsPerBlock <= std::numeric_limits<int32_t>::max(),
+             "embedding_forward: N = ", N, " is too large");
+    const unsigned blocks = static_cast<unsigned>((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
     if (vec) {
         embedding_forward_kernel<8><<<blocks, kThreads, 0, stream>>>(out, ids, wte, N, V, C);
     } else {

@@ -3,10 +3,11 @@
 //             1. histogram: the pairs are cut into tiles of kTile consecutive pairs, one warp per
 //                tile; tile_counts[tile][e] = pairs of tile with expert e (shared-memory integer
 //                atomics: exact, order-free);
-//             2. scan (one block): per expert, an exclusive scan over the tiles, then an exclusive
-//                scan over the experts gives expert_offsets and base[tile][e] = the first row of
-//                expert e's pairs of that tile;
-//             3. rank: each warp walks its tile in steps of 32 pairs in pair order; lanes with the
+//             2. scan (one block): per expert, an exclusive scan over the tiles (warp shuffles,
+//                counts stored [E][tiles]), then an exclusive scan over the experts gives
+//                expert_offsets and base[e][tile] = the first row of expert e's pairs of that tile;
+//             3. rank: each warp loads its tile's experts, then walks it in steps of 32 pairs in pair
+//                order; lanes with the
 //                same expert find each other with __match_any_sync, a lane's row is
 //                cursor[e] + (number of lower lanes with e), and the group's lowest lane advances
 //                cursor[e]. Pair order is kept inside a step, across steps and across tiles, so the
@@ -17,12 +18,11 @@
 //             the K rows of dy_perm and the K partial dot products, which are reduced by xor
 //             butterflies at the end (fixed order).
 // No floating-point atomics anywhere; every output element has one writer.
-#include "kernels/cuda/moe_permute.cuh"
-
 #include <algorithm>
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/moe_permute.cuh"
 
 namespace mf::cuda {
 
@@ -59,42 +59,66 @@ __global__ void permute_histogram_kernel(int32_t* tile_counts, const int32_t* to
     __syncthreads();
     for (int i = threadIdx.x; i < kIndexWarps * E; i += blockDim.x) {
         const int64_t t = static_cast<int64_t>(blockIdx.x) * kIndexWarps + i / E;
-        if (t < tiles) tile_counts[t * E + i % E] = hist[i];
+        if (t < tiles) tile_counts[static_cast<int64_t>(i % E) * tiles + t] = hist[i];  // [E][tiles]
     }
 }
 
-// One block. tile_counts [tiles][E] becomes base [tiles][E] (absolute first row per tile and expert).
-__global__ void permute_scan_kernel(int32_t* expert_offsets, int32_t* tile_counts, int32_t* sorted_pair,
-                                    int64_t num_pairs, int E, int64_t tiles) {
-    extern __shared__ int32_t totals[];  // [E + 1]
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int32_t running = 0;
-        for (int64_t t = 0; t < tiles; ++t) {
-            const int32_t c = tile_counts[t * E + e];
-            tile_counts[t * E + e] = running;
-            running += c;
+// Inclusive prefix sum over the 32 lanes of a warp (Hillis-Steele with shuffles).
+__device__ __forceinline__ int32_t warp_inclusive_scan(int32_t v) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int32_t other = __shfl_up_sync(detail::kFullMask, v, offset);
+        if (lane >= offset) v += other;
+    }
+    return v;
+}
+
+// One block of kScanThreads. tile_counts [E][tiles] becomes base [E][tiles]: the absolute first row
+// of each expert's pairs within each tile. Warp w scans the tiles of experts w, w + 32, ...
+// 32 tiles at a time; warp 0 then scans the expert totals into expert_offsets.
+__global__ void __launch_bounds__(kScanThreads)
+    permute_scan_kernel(int32_t* expert_offsets, int32_t* tile_counts, int32_t* sorted_pair, int64_t num_pairs, int E,
+                        int64_t tiles) {
+    extern __shared__ int32_t offsets[];  // [E + 1]
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int warps = blockDim.x / 32;
+    for (int e = warp; e < E; e += warps) {
+        int32_t* row = tile_counts + static_cast<int64_t>(e) * tiles;
+        int32_t carry = 0;
+        for (int64_t t0 = 0; t0 < tiles; t0 += 32) {
+            const int64_t t = t0 + lane;
+            const int32_t c = t < tiles ? row[t] : 0;
+            const int32_t inclusive = warp_inclusive_scan(c);
+            if (t < tiles) row[t] = carry + inclusive - c;
+            carry += __shfl_sync(detail::kFullMask, inclusive, 31);
         }
-        totals[e] = running;
+        if (lane == 0) offsets[e] = carry;  // the expert's total, for now
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int32_t offset = 0;
-        for (int e = 0; e < E; ++e) {
-            const int32_t c = totals[e];
-            totals[e] = offset;
-            expert_offsets[e] = offset;
-            offset += c;
+    if (warp == 0) {
+        int32_t carry = 0;
+        for (int e0 = 0; e0 < E; e0 += 32) {
+            const int e = e0 + lane;
+            const int32_t c = e < E ? offsets[e] : 0;
+            const int32_t inclusive = warp_inclusive_scan(c);
+            if (e < E) {
+                offsets[e] = carry + inclusive - c;
+                expert_offsets[e] = carry + inclusive - c;
+            }
+            carry += __shfl_sync(detail::kFullMask, inclusive, 31);
         }
-        totals[E] = offset;
-        expert_offsets[E] = offset;
+        if (lane == 0) {
+            offsets[E] = carry;
+            expert_offsets[E] = carry;
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int32_t base = totals[e];
-        for (int64_t t = 0; t < tiles; ++t) tile_counts[t * E + e] += base;
-    }
+    const int64_t cells = static_cast<int64_t>(E) * tiles;
+    for (int64_t i = threadIdx.x; i < cells; i += blockDim.x) tile_counts[i] += offsets[i / tiles];
     // Rows past the valid pairs (only when some expert index was out of range) hold no pair.
-    for (int64_t r = totals[E] + threadIdx.x; r < num_pairs; r += blockDim.x) sorted_pair[r] = -1;
+    for (int64_t r = offsets[E] + threadIdx.x; r < num_pairs; r += blockDim.x) sorted_pair[r] = -1;
 }
 
 __global__ void permute_rank_kernel(int32_t* sorted_pair, int32_t* pair_row, const int32_t* base,
@@ -105,15 +129,24 @@ __global__ void permute_rank_kernel(int32_t* sorted_pair, int32_t* pair_row, con
     const int64_t tile = static_cast<int64_t>(blockIdx.x) * kIndexWarps + warp;
     if (tile >= tiles) return;  // whole warp
     int32_t* cursor = cursor_all + warp * E;
-    for (int e = lane; e < E; e += 32) cursor[e] = base[tile * E + e];
-    __syncwarp();
+    for (int e = lane; e < E; e += 32) cursor[e] = base[static_cast<int64_t>(e) * tiles + tile];
     const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t begin = tile * kTile;
     const int64_t end = min(num_pairs, begin + kTile);
-    for (int64_t p0 = begin; p0 < end; p0 += 32) {
-        const int64_t p = p0 + lane;
-        int32_t e = p < end ? topk_idx[p] : -1;
-        if (e >= E) e = -1;
+    // All of the tile's expert indices are loaded up front (kTile / 32 per lane), then ranked.
+    constexpr int kSteps = kTile / 32;
+    int32_t experts[kSteps];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+        const int64_t p = begin + s * 32 + lane;
+        const int32_t e = p < end ? topk_idx[p] : -1;
+        experts[s] = (e >= 0 && e < E) ? e : -1;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+        const int64_t p = begin + s * 32 + lane;
+        const int32_t e = experts[s];
         const unsigned peers = __match_any_sync(detail::kFullMask, e);
         int32_t row = -1;
         if (e >= 0) row = cursor[e] + __popc(peers & lanes_below);
@@ -131,8 +164,8 @@ __global__ void permute_rank_kernel(int32_t* sorted_pair, int32_t* pair_row, con
 // kernels: data movement
 
 template <int kVec>
-__global__ void gather_forward_kernel(bf16* x_perm, const bf16* x, const int32_t* sorted_pair, int64_t num_pairs,
-                                      int K, int64_t H) {
+__global__ void gather_forward_kernel(bf16* x_perm, const bf16* x, const int32_t* sorted_pair, int64_t num_pairs, int K,
+                                      int64_t H) {
     using Raw = detail::Bf16Raw<kVec>;
     const int64_t vec_per_row = H / kVec;
     const int64_t total = num_pairs * vec_per_row;
@@ -258,11 +291,11 @@ bool use_vectors(int64_t H, const void* a, const void* b) { return H % 8 == 0 &&
 void launch_combine(bf16* out, bool accumulate, const bf16* src, const float* weights, const int32_t* pair_row,
                     int64_t N, int64_t K, int64_t H, cudaStream_t stream) {
     if (use_vectors(H, out, src)) {
-        combine_rows_kernel<8><<<grid_for(N * H / 8), kThreads, 0, stream>>>(out, accumulate, src, weights, pair_row,
-                                                                              N, static_cast<int>(K), H);
+        combine_rows_kernel<8><<<grid_for(N * H / 8), kThreads, 0, stream>>>(out, accumulate, src, weights, pair_row, N,
+                                                                             static_cast<int>(K), H);
     } else {
         combine_rows_kernel<1><<<grid_for(N * H), kThreads, 0, stream>>>(out, accumulate, src, weights, pair_row, N,
-                                                                          static_cast<int>(K), H);
+                                                                         static_cast<int>(K), H);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }
@@ -319,11 +352,11 @@ void moe_gather_forward(bf16* x_perm, const bf16* x, const int32_t* sorted_pair,
     MF_CHECK(x_perm != nullptr && x != nullptr && sorted_pair != nullptr, "moe_gather_forward: null buffer");
     const int64_t num_pairs = N * K;
     if (use_vectors(H, x_perm, x)) {
-        gather_forward_kernel<8><<<grid_for(num_pairs * H / 8), kThreads, 0, stream>>>(x_perm, x, sorted_pair,
-                                                                                        num_pairs, static_cast<int>(K), H);
+        gather_forward_kernel<8><<<grid_for(num_pairs * H / 8), kThreads, 0, stream>>>(
+            x_perm, x, sorted_pair, num_pairs, static_cast<int>(K), H);
     } else {
         gather_forward_kernel<1><<<grid_for(num_pairs * H), kThreads, 0, stream>>>(x_perm, x, sorted_pair, num_pairs,
-                                                                                    static_cast<int>(K), H);
+                                                                                   static_cast<int>(K), H);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }
@@ -358,17 +391,17 @@ void moe_unpermute_backward(bf16* dy_perm, float* dtopk_weight, const bf16* dout
     const bool vec = H % 8 == 0 && aligned_to(16, dy_perm, dout, y_perm);
     const int k32 = static_cast<int>(K);
     if (vec && K <= 8) {
-        unpermute_backward_kernel<8, 8><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
-                                                                          topk_weight, pair_row, N, k32, H);
+        unpermute_backward_kernel<8, 8>
+            <<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row, N, k32, H);
     } else if (vec) {
-        unpermute_backward_kernel<8, 32><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
-                                                                           topk_weight, pair_row, N, k32, H);
+        unpermute_backward_kernel<8, 32>
+            <<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row, N, k32, H);
     } else if (K <= 8) {
-        unpermute_backward_kernel<1, 8><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
-                                                                          topk_weight, pair_row, N, k32, H);
+        unpermute_backward_kernel<1, 8>
+            <<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row, N, k32, H);
     } else {
-        unpermute_backward_kernel<1, 32><<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm,
-                                                                           topk_weight, pair_row, N, k32, H);
+        unpermute_backward_kernel<1, 32>
+            <<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row, N, k32, H);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }

@@ -8,13 +8,14 @@
 //                 not depend on the buffer's alignment either.
 //   clip_scale    one thread: norm = sqrt(sumsq), scale = min(1, max_norm / (norm + 1e-6)).
 //   scale_inplace elementwise x *= *scale.
-//   reduce_partial_rows   one thread per column, rows added in ascending order.
-#include "kernels/cuda/reduce.cuh"
-
+//   reduce_partial_rows   per column, 8 interleaved row groups each summed in ascending row order,
+//                 then the groups added in a fixed order.
 #include <algorithm>
+#include <limits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/reduce.cuh"
 
 namespace mf::cuda {
 
@@ -106,13 +107,27 @@ __global__ void scale_kernel(T* x, const float* scale, int64_t n) {
     if (blockIdx.x == 0 && tail < n) x[tail] = detail::from_f32<T>(detail::to_f32(x[tail]) * s);
 }
 
+// A block takes 32 columns; warp g of its kRowGroups warps sums the rows r ≡ g (mod kRowGroups)
+// in ascending order, then the groups are added in order g = 0, 1, ...: a fixed order.
+constexpr int kRowGroups = 8;
+
 template <typename T>
-__global__ void reduce_partial_rows_kernel(T* out, const float* partial, int64_t num_rows, int64_t C, bool accumulate) {
-    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+__global__ void __launch_bounds__(32 * kRowGroups)
+    reduce_partial_rows_kernel(T* out, const float* partial, int64_t num_rows, int64_t C, bool accumulate) {
+    __shared__ float group_sums[kRowGroups][32];
+    const int lane = threadIdx.x % 32;
+    const int g = threadIdx.x / 32;
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + lane;
     float sum = 0.0f;
-    for (int64_t r = 0; r < num_rows; ++r) sum += partial[r * C + c];
-    out[c] = detail::from_f32<T>(accumulate ? detail::to_f32(out[c]) + sum : sum);
+    if (c < C) {
+        for (int64_t r = g; r < num_rows; r += kRowGroups) sum += partial[r * C + c];
+    }
+    group_sums[g][lane] = sum;
+    __syncthreads();
+    if (g != 0 || c >= C) return;
+    float total = 0.0f;
+    for (int k = 0; k < kRowGroups; ++k) total += group_sums[k][lane];
+    out[c] = detail::from_f32<T>(accumulate ? detail::to_f32(out[c]) + total : total);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -208,15 +223,17 @@ void reduce_partial_rows(void* out, DType out_dtype, const float* partial, int64
     MF_CHECK(num_rows >= 0 && C >= 0, "reduce_partial_rows: bad shape rows=", num_rows, " C=", C);
     if (C == 0) return;
     MF_CHECK(out != nullptr && (num_rows == 0 || partial != nullptr), "reduce_partial_rows: null buffer");
-    const int blocks = static_cast<int>((C + kThreads - 1) / kThreads);
+    MF_CHECK((C + 31) / 32 <= std::numeric_limits<int32_t>::max(), "reduce_partial_rows: C = ", C, " too large");
+    const int blocks = static_cast<int>((C + 31) / 32);
+    constexpr int threads = 32 * kRowGroups;
     switch (out_dtype) {
         case DType::f32:
-            reduce_partial_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(out), partial, num_rows, C,
-                                                                        accumulate);
+            reduce_partial_rows_kernel<<<blocks, threads, 0, stream>>>(static_cast<float*>(out), partial, num_rows, C,
+                                                                       accumulate);
             break;
         case DType::bf16:
-            reduce_partial_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<bf16*>(out), partial, num_rows, C,
-                                                                        accumulate);
+            reduce_partial_rows_kernel<<<blocks, threads, 0, stream>>>(static_cast<bf16*>(out), partial, num_rows, C,
+                                                                       accumulate);
             break;
         default:
             MF_FAIL("reduce_partial_rows: output dtype must be f32 or bf16, got ", dtype_name(out_dtype));

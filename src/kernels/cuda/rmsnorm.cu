@@ -10,13 +10,12 @@
 //             reduce_partial_rows sums the blocks in order into dweight. No atomics anywhere.
 // The backward grid is a function of N and C only (never of the device), so results are
 // bitwise reproducible across runs and machines with the same compiler.
-#include "kernels/cuda/rmsnorm.cuh"
-
 #include <algorithm>
 #include <limits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/rmsnorm.cuh"
 
 namespace mf::cuda {
 
@@ -24,8 +23,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCache = 8;                   // vectors per lane kept in registers
-constexpr int64_t kMaxBackwardBlocks = 512;  // bounds the partial-sum scratch
+constexpr int kCache = 8;  // vectors per lane kept in registers
+// Bounds the partial-sum scratch; 256 blocks of 8 warps (2 per SM at 128 registers) is one wave on
+// an H200, each warp then walking N / 2048 rows.
+constexpr int64_t kMaxBackwardBlocks = 256;
 constexpr size_t kMaxSharedBytes = 200 * 1024;
 
 // Warps per backward block: 8, fewer when C is so wide that [warps, C] fp32 would not fit in shared memory.
@@ -42,8 +43,9 @@ int64_t backward_blocks(int64_t N, int64_t C) {
 // ----------------------------------------------------------------------------------------------
 // kernels
 
+// At least 3 blocks per SM (<= 85 registers) so that enough rows are in flight to cover DRAM latency.
 template <int kVec>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t N, int C, float eps) {
     const int lane = threadIdx.x % 32;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
     const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(C) + eps);
     if (lane == 0) rstd[row] = r;
 
-    auto emit = [&](int v, float (&f)[kVec]) {
+    auto emit = [&](int v, float(&f)[kVec]) {
         float w[kVec];
         detail::load_f32<kVec>(w, weight + v * kVec);
 #pragma unroll
@@ -126,7 +128,7 @@ __global__ void __launch_bounds__(kThreads)
         detail::Bf16Raw<kVec> x_cache[kCache];
         detail::Bf16Raw<kVec> dy_cache[kCache];
         float sum_gx = 0.0f;
-        auto accumulate_terms = [&](int v, const float (&xf)[kVec], const float (&dyf)[kVec]) {
+        auto accumulate_terms = [&](int v, const float(&xf)[kVec], const float(&dyf)[kVec]) {
             float w[kVec];
             detail::load_f32<kVec>(w, weight + v * kVec);
 #pragma unroll
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(kThreads)
 
         // Pass 2: dinp.
         bf16* dx = dinp + row * C;
-        auto emit = [&](int v, const float (&xf)[kVec], const float (&dyf)[kVec]) {
+        auto emit = [&](int v, const float(&xf)[kVec], const float(&dyf)[kVec]) {
             float w[kVec], out[kVec];
             detail::load_f32<kVec>(w, weight + v * kVec);
             if (accumulate) {
@@ -203,8 +205,8 @@ __global__ void __launch_bounds__(kThreads)
 // launchers
 
 template <int kVec>
-void launch_backward(bf16* dinp, bool accumulate, float* partial, const bf16* dout, const bf16* inp,
-                     const bf16* weight, const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
+void launch_backward(bf16* dinp, bool accumulate, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
+                     const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
     const int warps = backward_warps(C);
     const int64_t blocks = backward_blocks(N, C);
     const size_t shared = partial != nullptr ? static_cast<size_t>(warps) * C * sizeof(float) : 0;

@@ -1,4 +1,5 @@
-// Fused QK-norm + RoPE, CUDA. A block (128 threads) works on one token at a time:
+// Fused QK-norm + RoPE, CUDA. A block (enough threads for all Hq + Hkv heads of a token, at most
+// 512) works on one token at a time:
 //   1. threads compute the token's cos/sin row (D/2 angles, fp32 cosf/sinf of pos · inv_freq[i],
 //      inv_freq computed on the host exactly as the CPU reference does) into shared memory, once
 //      for all its Hq + Hkv heads;
@@ -7,28 +8,28 @@
 //      else single pairs), holding both halves x[c] and x[c + D/2] in registers; Σx² is a xor
 //      butterfly inside the group; then norm, weight and rotation are applied and written.
 // Backward: the same walk; dn = inverse rotation of dy, then the RMSNorm backward per head. The
-// weight gradients dn ⊙ x̂ accumulate per group in shared memory (fixed columns per lane, heads
-// and tokens in a fixed order), groups are added in order into scratch [2][block][D] (q, then k),
+// weight gradients dn ⊙ x̂ accumulate in registers (each lane owns fixed columns; heads and tokens
+// in a fixed order), then per group in shared memory, groups added in order into scratch
+// [2][block][D] (q, then k),
 // and reduce_partial_rows sums the blocks in order. The backward grid depends on N only, so the
 // result is bitwise reproducible. No atomics.
 // Every lane of a warp runs the same number of head iterations (idle groups pass zeros through
 // the shuffles), so the full-mask shuffles are always converged.
-#include "kernels/cuda/rope_qknorm.cuh"
-
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/rope_qknorm.cuh"
 
 namespace mf::cuda {
 
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kMaxThreads = 512;
 constexpr int kMaxHeadDim = 256;
-constexpr int64_t kMaxBackwardBlocks = 1024;
+constexpr int64_t kMaxBackwardBlocks = 2048;
 
 struct InvFreq {
     float v[kMaxHeadDim / 2];
@@ -52,6 +53,12 @@ int group_width(int64_t chunks) {
     int g = 1;
     while (g < chunks && g < 32) g *= 2;
     return g;
+}
+
+// Threads per block: enough groups for all heads of a token at once (up to kMaxThreads).
+int block_threads(int64_t H, int G) {
+    const int64_t want = (H * G + 31) / 32 * 32;
+    return static_cast<int>(std::clamp<int64_t>(want, 32, kMaxThreads));
 }
 
 int64_t backward_blocks(int64_t N) { return std::clamp<int64_t>(N, 1, kMaxBackwardBlocks); }
@@ -78,7 +85,7 @@ __device__ __forceinline__ void fill_angles(float* cos_s, float* sin_s, const In
 }
 
 template <int kVec>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     rope_qknorm_forward_kernel(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
                                const bf16* q_weight, const bf16* k_weight, const int32_t* positions, InvFreq inv_freq,
                                int64_t N, int Hq, int Hkv, int D, int G, float eps) {
@@ -146,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 // Shared memory: cos[D/2], sin[D/2], then dw[groups][2][D] (q, k) when partial != null.
 // partial: [2][gridDim.x][D] (q block rows, then k block rows).
 template <int kVec>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     rope_qknorm_backward_kernel(bf16* dq, bf16* dk, float* partial, const bf16* dq_out, const bf16* dk_out,
                                 const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
                                 const float* q_rstd, const float* k_rstd, const int32_t* positions, InvFreq inv_freq,
@@ -162,9 +169,14 @@ __global__ void __launch_bounds__(kThreads)
     const int group = threadIdx.x / G;
     const int lane_g = threadIdx.x % G;
     const int H = Hq + Hkv;
-    if (partial != nullptr) {
-        for (int i = threadIdx.x; i < groups * 2 * D; i += blockDim.x) dw_s[i] = 0.0f;
-    }  // fill_angles syncs before anyone accumulates
+    // Weight-gradient sums of the columns this lane owns, for query and key heads.
+    float acc_lo[2][kLane][kVec], acc_hi[2][kLane][kVec];
+#pragma unroll
+    for (int which = 0; which < 2; ++which)
+#pragma unroll
+        for (int j = 0; j < kLane; ++j)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc_lo[which][j][e] = acc_hi[which][j][e] = 0.0f;
 
     for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
         fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
@@ -177,7 +189,6 @@ __global__ void __launch_bounds__(kThreads)
             const bf16* dy = (is_q ? dq_out : dk_out) + head_row * D;
             const bf16* w = is_q ? q_weight : k_weight;
             const float r = active ? (is_q ? q_rstd : k_rstd)[head_row] : 0.0f;
-            float* dw = dw_s + (group * 2 + (is_q ? 0 : 1)) * D;
 
             // dn (inverse rotation of dy) and x̂, both halves; Σ g·x̂ over the head.
             float dn_lo[kLane][kVec], dn_hi[kLane][kVec], xh_lo[kLane][kVec], xh_hi[kLane][kVec];
@@ -202,9 +213,12 @@ __global__ void __launch_bounds__(kThreads)
                         xh_lo[j][e] *= r;
                         xh_hi[j][e] *= r;
                         sum_gx += (dn_lo[j][e] * w_lo[e]) * xh_lo[j][e] + (dn_hi[j][e] * w_hi[e]) * xh_hi[j][e];
-                        if (partial != nullptr) {
-                            dw[i] += dn_lo[j][e] * xh_lo[j][e];
-                            dw[half + i] += dn_hi[j][e] * xh_hi[j][e];
+                        if (is_q) {
+                            acc_lo[0][j][e] += dn_lo[j][e] * xh_lo[j][e];
+                            acc_hi[0][j][e] += dn_hi[j][e] * xh_hi[j][e];
+                        } else {
+                            acc_lo[1][j][e] += dn_lo[j][e] * xh_lo[j][e];
+                            acc_hi[1][j][e] += dn_hi[j][e] * xh_hi[j][e];
                         }
                     }
                 }
@@ -233,6 +247,22 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     if (partial == nullptr) return;
+        // Every (group, q/k, column) entry is written: the lanes with c < chunks cover all columns.
+#pragma unroll
+    for (int j = 0; j < kLane; ++j) {
+        const int c = lane_g + G * j;
+        if (c < chunks) {
+#pragma unroll
+            for (int which = 0; which < 2; ++which) {
+                float* row = dw_s + (group * 2 + which) * D;
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    row[c * kVec + e] = acc_lo[which][j][e];
+                    row[half + c * kVec + e] = acc_hi[which][j][e];
+                }
+            }
+        }
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
         const int which = i / D;
@@ -280,14 +310,15 @@ void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd,
     const bool vec = use_vectors(D, {q_out, k_out, q, k, q_weight, k_weight});
     const int kvec = vec ? 8 : 1;
     const int G = group_width(D / 2 / kvec);
+    const int threads = block_threads(Hq + Hkv, G);
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, 1 << 20));
     const size_t shared = static_cast<size_t>(D) * sizeof(float);
     if (vec) {
-        rope_qknorm_forward_kernel<8><<<blocks, kThreads, shared, stream>>>(
+        rope_qknorm_forward_kernel<8><<<blocks, threads, shared, stream>>>(
             q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
             static_cast<int>(Hkv), static_cast<int>(D), G, eps);
     } else {
-        rope_qknorm_forward_kernel<1><<<blocks, kThreads, shared, stream>>>(
+        rope_qknorm_forward_kernel<1><<<blocks, threads, shared, stream>>>(
             q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
             static_cast<int>(Hkv), static_cast<int>(D), G, eps);
     }
@@ -309,11 +340,12 @@ void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, 
              "rope_qknorm_backward: dweight dtype must be f32 or bf16, got ", dtype_name(dweight_dtype));
     if (N == 0 || Hq + Hkv == 0) return;
     MF_CHECK(positions != nullptr, "rope_qknorm_backward: null positions");
-    MF_CHECK(Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
-             "rope_qknorm_backward: null query buffer");
-    MF_CHECK(Hkv == 0 ||
-                 (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
-             "rope_qknorm_backward: null key buffer");
+    MF_CHECK(
+        Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
+        "rope_qknorm_backward: null query buffer");
+    MF_CHECK(
+        Hkv == 0 || (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
+        "rope_qknorm_backward: null key buffer");
     const bool want_dw = dq_weight != nullptr || dk_weight != nullptr;
     float* partial = nullptr;
     if (want_dw) {
@@ -327,14 +359,19 @@ void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, 
     const bool vec = use_vectors(D, {dq, dk, dq_out, dk_out, q, k, q_weight, k_weight});
     const int kvec = vec ? 8 : 1;
     const int G = group_width(D / 2 / kvec);
+    const int threads = block_threads(Hq + Hkv, G);
     const int64_t blocks = backward_blocks(N);
-    const size_t shared = static_cast<size_t>(D + (want_dw ? (kThreads / G) * 2 * D : 0)) * sizeof(float);
+    const size_t shared = static_cast<size_t>(D + (want_dw ? (threads / G) * 2 * D : 0)) * sizeof(float);
     if (vec) {
-        rope_qknorm_backward_kernel<8><<<static_cast<unsigned>(blocks), kThreads, shared, stream>>>(
+        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared)));
+        rope_qknorm_backward_kernel<8><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
             dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
             static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
     } else {
-        rope_qknorm_backward_kernel<1><<<static_cast<unsigned>(blocks), kThreads, shared, stream>>>(
+        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared)));
+        rope_qknorm_backward_kernel<1><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
             dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
             static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
     }

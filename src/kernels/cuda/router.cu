@@ -12,8 +12,6 @@
 //             sums probs[n, e] and the top-k hits of e over its rows in order into scratch
 //             [2][block][E]; reduce_partial_rows adds the blocks in order into counts / prob_sums.
 // All reductions run in a fixed order: results are bitwise reproducible.
-#include "kernels/cuda/router.cuh"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,6 +20,7 @@
 #include "core/tensor.h"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/router.cuh"
 
 namespace mf::cuda {
 
@@ -31,10 +30,12 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
-constexpr int64_t kStatsRowsPerBlock = 64;
-constexpr int64_t kMaxStatsBlocks = 256;
+constexpr int64_t kStatsRowsPerBlock = 16;
+constexpr int64_t kMaxStatsBlocks = 1024;
 
-int64_t stats_blocks(int64_t N) { return std::clamp<int64_t>((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, 1, kMaxStatsBlocks); }
+int64_t stats_blocks(int64_t N) {
+    return std::clamp<int64_t>((N + kStatsRowsPerBlock - 1) / kStatsRowsPerBlock, 1, kMaxStatsBlocks);
+}
 
 // ----------------------------------------------------------------------------------------------
 // kernels
@@ -93,8 +94,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float other_v = __shfl_xor_sync(detail::kFullMask, best_v, offset);
             const int other_i = __shfl_xor_sync(detail::kFullMask, best_i, offset);
-            const bool better = other_i >= 0 && (best_i < 0 || other_v > best_v ||
-                                                 (other_v == best_v && other_i < best_i));
+            const bool better =
+                other_i >= 0 && (best_i < 0 || other_v > best_v || (other_v == best_v && other_i < best_i));
             if (better) {
                 best_v = other_v;
                 best_i = other_i;
@@ -185,10 +186,17 @@ __global__ void router_aux_stats_kernel(float* partial, const float* probs, cons
     const int64_t end = min(N, begin + rows_per_block);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         float count = 0.0f, prob_sum = 0.0f;
+        // Loads are unconditional (and the loop unrolled) so that several rows are in flight at once.
+#pragma unroll 4
         for (int64_t n = begin; n < end; ++n) {
-            if (row_mask != nullptr && row_mask[n] == 0.0f) continue;
-            prob_sum += probs[n * E + e];
-            for (int k = 0; k < K; ++k) count += topk_idx[n * K + k] == e ? 1.0f : 0.0f;
+            const bool counted = row_mask == nullptr || row_mask[n] != 0.0f;
+            const float p = probs[n * E + e];
+            float hits = 0.0f;
+            for (int k = 0; k < K; ++k) hits += topk_idx[n * K + k] == e ? 1.0f : 0.0f;
+            if (counted) {
+                prob_sum += p;
+                count += hits;
+            }
         }
         partial[static_cast<int64_t>(blockIdx.x) * E + e] = count;
         partial[(static_cast<int64_t>(gridDim.x) + blockIdx.x) * E + e] = prob_sum;

@@ -3,11 +3,10 @@
 // Each thread reads its gate and up values, computes in fp32 with the same formulas (and the same
 // σ = 1 / (1 + exp(−g)) with IEEE expf) as the CPU reference, and rounds once to bf16.
 // Elementwise, hence deterministic. Large |g| is safe: expf(−g) = inf gives σ = 0.
-#include "kernels/cuda/swiglu.cuh"
-
 #include <algorithm>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/swiglu.cuh"
 
 namespace mf::cuda {
 
