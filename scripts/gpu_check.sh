@@ -3,14 +3,14 @@
 # written by `moeforge finetune` loads in transformers with the same loss, and run benchmark P1.
 # Logs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -uo pipefail
-OUT=${OUT:-gpu_out}
+OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOEFORGE_CUDA=ON -DMOEFORGE_GTEST_SRC="$PWD/.carry/googletest" > "$OUT/cmake.log" 2>&1 || { cat "$OUT/cmake.log"; exit 1; }
 time cmake --build build-gpu -j16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A5 "$OUT/build.log" | head -60; exit 1; }
-(cd build-gpu && ctest -L gpu --output-on-failure -j1 > "../$OUT/ctest_gpu.log" 2>&1; tail -25 "../$OUT/ctest_gpu.log")
+(cd build-gpu && ctest -L gpu --output-on-failure -j1 > "$OUT/ctest_gpu.log" 2>&1; tail -25 "$OUT/ctest_gpu.log")
 grep -E "^\[gpu step\]" "$OUT/ctest_gpu.log" || grep -rh "\[gpu step\]" build-gpu/Testing/Temporary/LastTest.log | head -30
 if [ "${SKIP_HF_EVAL:-0}" != 1 ]; then
   rm -rf /tmp/e && build-gpu/moeforge init --preset tiny --seed 3 --out /tmp/e/base > /dev/null &&
