@@ -19,7 +19,7 @@
 namespace mf::cli {
 
 int cmd_bench(const Args& args) {
-    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed"},
+    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute"},
                        {"profile"}, "bench");
     const std::filesystem::path cfg_file = a.require("config", "bench");
     auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
@@ -46,6 +46,7 @@ int cmd_bench(const Args& args) {
         if (s.shape.size() == 1) ops::fill_normal(m.param(s.name), seed++, 1.0f, 0.0f);  // norms: ones
         else ops::fill_normal(m.param(s.name), seed++, 0.0f, 0.02f);
     }
+    m.set_recompute(model::parse_recompute(a.get("recompute", "none")));
     train::Recipe::Optim optim;
     optim.lr = 1e-5;
     optim.weight_decay = 0.01;
@@ -87,6 +88,7 @@ int cmd_bench(const Args& args) {
     v.set("system", "moeforge");
     v.set("device", device_name(device));
     v.set("precision", precision);
+    v.set("recompute", a.get("recompute", "none"));
     v.set("layers", cfg.num_hidden_layers);
     v.set("micro_batch", B);
     v.set("seq_len", T);

@@ -28,7 +28,12 @@ struct Qwen3Moe::Workspace {
     // Batch, on the model's device.
     Tensor ids, targets, positions, doc_ids, mask;
     std::vector<Tensor> resid;  // L + 1: resid[l] is the input of layer l
+    // Per-layer activations; with recompute = full only layers[0] exists and every layer uses it.
     std::vector<LayerActs> layers;
+    // With recompute = moe (or full), the one set of MoE expert activations all MoE layers share.
+    MoeActs shared_moe;
+    LayerActs& acts(int64_t l, Recompute r) { return layers[r == Recompute::full ? 0 : static_cast<size_t>(l)]; }
+    MoeActs& moe_acts(int64_t l, Recompute r) { return r == Recompute::none ? acts(l, r).moe : shared_moe; }
     Tensor lnf, lnf_rstd, losses;
     Tensor aux_counts, aux_prob_sums;  // [E] f32, summed over MoE layers
     // backward
@@ -212,8 +217,9 @@ std::string Qwen3Moe::locate_nonfinite_activation() const {
     const Workspace& ws = *ws_;
     if (ws.resid.empty()) return "(no forward pass yet)";
     if (!ops::all_finite(ws.resid[0])) return "the token embeddings";
-    for (size_t l = 0; l < ws.layers.size(); ++l) {
-        if (!ops::all_finite(ws.layers[l].x_mid)) return "layer " + std::to_string(l) + " (self-attention output)";
+    for (size_t l = 0; l + 1 < ws.resid.size(); ++l) {
+        if (recompute_ != Recompute::full && !ops::all_finite(ws.layers[l].x_mid))
+            return "layer " + std::to_string(l) + " (self-attention output)";
         if (!ops::all_finite(ws.resid[l + 1]))
             return "layer " + std::to_string(l) + (layers_[l].is_moe ? " (MoE output)" : " (MLP output)");
     }
@@ -255,22 +261,29 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     ws.doc_ids = A.alloc(DType::i32, {N});
     ws.mask = A.alloc(DType::f32, {N});
     ws.resid.assign(static_cast<size_t>(c.num_hidden_layers + 1), Tensor());
-    ws.layers.assign(static_cast<size_t>(c.num_hidden_layers), Workspace::LayerActs());
-    ws.resid[0] = A.alloc(act, {N, H});
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const int64_t kept_layers = recompute_ == Recompute::full ? 1 : c.num_hidden_layers;
+    ws.layers.assign(static_cast<size_t>(kept_layers), Workspace::LayerActs());
+    for (int64_t l = 0; l <= c.num_hidden_layers; ++l) ws.resid[static_cast<size_t>(l)] = A.alloc(act, {N, H});
+    // Outputs consumed right away by the residual adds: one pair for all layers.
+    const Tensor attn_out = A.alloc(act, {N, H}), ffn_out = A.alloc(act, {N, H});
+    for (int64_t l = 0; l < kept_layers; ++l) {
         auto& la = ws.layers[static_cast<size_t>(l)];
         la.ln1 = A.alloc(act, {N, H});
         la.ln1_rstd = A.alloc(DType::f32, {N});
         la.attn.alloc(A, ad, B, T, act);
-        la.attn_out = A.alloc(act, {N, H});
+        la.attn_out = attn_out;
         la.x_mid = A.alloc(act, {N, H});
         la.ln2 = A.alloc(act, {N, H});
         la.ln2_rstd = A.alloc(DType::f32, {N});
-        if (c.is_moe_layer(l)) la.moe.alloc(A, md, N, act);
-        else la.mlp.alloc(A, N, c.intermediate_size, act);
-        la.ffn_out = A.alloc(act, {N, H});
-        ws.resid[static_cast<size_t>(l + 1)] = A.alloc(act, {N, H});
+        const bool any_moe = recompute_ == Recompute::full ? c.num_experts > 0 : c.is_moe_layer(l);
+        bool has_dense = false;
+        for (int64_t j = 0; j < c.num_hidden_layers; ++j) has_dense = has_dense || !c.is_moe_layer(j);
+        const bool any_mlp = recompute_ == Recompute::full ? has_dense : !c.is_moe_layer(l);
+        if (any_moe && recompute_ == Recompute::none) la.moe.alloc(A, md, N, act);
+        if (any_mlp) la.mlp.alloc(A, N, c.intermediate_size, act);
+        la.ffn_out = ffn_out;
     }
+    if (recompute_ != Recompute::none && c.num_experts > 0) ws.shared_moe.alloc(A, md, N, act);
     ws.lnf = A.alloc(act, {N, H});
     ws.lnf_rstd = A.alloc(DType::f32, {N});
     ws.losses = A.alloc(DType::f32, {N});
@@ -285,6 +298,34 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
         ws.moe_scratch.alloc(A, md, N, act);
     }
     ws.mlp_scratch.alloc(A, N, c.intermediate_size, act);
+}
+
+Recompute parse_recompute(std::string_view name) {
+    if (name == "none") return Recompute::none;
+    if (name == "moe") return Recompute::moe;
+    if (name == "full") return Recompute::full;
+    fail("unknown recompute mode \"", name, "\" (none, moe, full)");
+}
+
+void Qwen3Moe::set_recompute(Recompute r) {
+    recompute_ = r;
+    ws_->B = -1;  // the activation plan changes
+}
+
+void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
+    Workspace& ws = *ws_;
+    const auto& c = config_;
+    const Layer& L = layers_[static_cast<size_t>(l)];
+    auto& la = ws.acts(l, recompute_);
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const Tensor& x = ws.resid[static_cast<size_t>(l)];
+    ops::rmsnorm_forward(la.ln1, la.ln1_rstd, x, L.ln1, eps);
+    attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, attention_dims(c), B, T, ws.positions, ws.doc_ids);
+    ops::add(la.x_mid, x, la.attn_out);
+    ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
+    if (L.is_moe) moe_block_forward(la.ffn_out, ws.moe_acts(l, recompute_), la.ln2, L.moe, moe_dims(c));
+    else mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
+    ops::add(ws.resid[static_cast<size_t>(l + 1)], la.x_mid, la.ffn_out);
 }
 
 void Qwen3Moe::validate(const data::Batch& b) const {
@@ -337,21 +378,12 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         ops::zero(ws.aux_prob_sums);
     }
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-        const Layer& L = layers_[static_cast<size_t>(l)];
-        auto& la = ws.layers[static_cast<size_t>(l)];
-        const Tensor& x = ws.resid[static_cast<size_t>(l)];
-        ops::rmsnorm_forward(la.ln1, la.ln1_rstd, x, L.ln1, eps);
-        attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, ad, B, T, ws.positions, ws.doc_ids);
-        ops::add(la.x_mid, x, la.attn_out);
-        ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
-        if (L.is_moe) {
-            moe_block_forward(la.ffn_out, la.moe, la.ln2, L.moe, md);
-            ops::moe_aux_stats(ws.aux_counts, ws.aux_prob_sums, la.moe.topk_idx, la.moe.probs, ws.mask);
+        layer_forward(l, B, T);
+        if (layers_[static_cast<size_t>(l)].is_moe) {
+            const MoeActs& ma = ws.moe_acts(l, recompute_);
+            ops::moe_aux_stats(ws.aux_counts, ws.aux_prob_sums, ma.topk_idx, ma.probs, ws.mask);
             ++num_moe_layers;
-        } else {
-            mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
         }
-        ops::add(ws.resid[static_cast<size_t>(l + 1)], la.x_mid, la.ffn_out);
     }
     const Tensor& x_final = ws.resid.back();
     ops::rmsnorm_forward(ws.lnf, ws.lnf_rstd, x_final, normf, eps);
@@ -390,13 +422,16 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     ops::rmsnorm_backward(ws.d_resid, grad("model.norm.weight"), ws.d_ln, x_final, normf, ws.lnf_rstd);
     for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
         const Layer& L = layers_[static_cast<size_t>(l)];
-        auto& la = ws.layers[static_cast<size_t>(l)];
+        auto& la = ws.acts(l, recompute_);
+        // Recompute what was not kept: the whole layer (full), or the MoE block (moe).
+        if (recompute_ == Recompute::full) layer_forward(l, B, T);
+        else if (recompute_ == Recompute::moe && L.is_moe) moe_block_forward(la.ffn_out, ws.shared_moe, la.ln2, L.moe, md);
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         ops::copy(ws.d_mid, ws.d_resid);
         ops::zero(ws.d_ln);
         if (L.is_moe)
             moe_block_backward(ws.d_ln, L.g_moe, ws.moe_scratch, ws.d_resid, aux_grad ? ws.dprobs : Tensor(), la.ln2,
-                               la.moe, L.moe, md);
+                               ws.moe_acts(l, recompute_), L.moe, md);
         else
             mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);
         ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd);

@@ -54,6 +54,13 @@ struct ModelPlacement {
     DType grad_dtype = DType::f32;
 };
 
+// Activation recomputation (train.recompute): `none` keeps every layer's activations for the
+// backward; `moe` keeps one set of MoE expert activations (the largest: N·K rows) and recomputes
+// each MoE block's forward inside its backward; `full` keeps only the layer inputs and recomputes
+// each whole layer. The kernels are deterministic, so recomputed values equal the originals.
+enum class Recompute { none, moe, full };
+Recompute parse_recompute(std::string_view name);
+
 class Qwen3Moe {
  public:
     explicit Qwen3Moe(Qwen3MoeConfig config, ModelPlacement placement = {});
@@ -78,6 +85,9 @@ class Qwen3Moe {
     // Parameters to and from host f32 (converted as the placement needs).
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
+
+    void set_recompute(Recompute r);
+    Recompute recompute() const { return recompute_; }
 
     // HF-style init: normal(0, std) for every matrix, ones for norms; deterministic in `seed`.
     void init_random(uint64_t seed, float std);
@@ -106,6 +116,7 @@ class Qwen3Moe {
     void plan(int64_t B, int64_t T);           // sizes the arena (once per shape) and allocates the step
     void allocate_step(int64_t B, int64_t T);  // the step's allocation sequence
     void validate(const data::Batch& batch) const;
+    void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
 
     Qwen3MoeConfig config_;
     ModelPlacement placement_;
@@ -114,6 +125,7 @@ class Qwen3Moe {
     Buffer params_, grads_;
     std::vector<Layer> layers_;
     std::unique_ptr<Workspace> ws_;
+    Recompute recompute_ = Recompute::none;
 };
 
 }  // namespace mf::model

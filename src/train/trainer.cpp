@@ -84,6 +84,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     const fs::path model_dir = recipe.model;
     json::Value raw_config;
     auto model = load_hf_model(model_dir, &raw_config, placement);
+    model->set_recompute(model::parse_recompute(recipe.train.recompute));
     const auto& cfg = model->config();
 
     const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
