@@ -27,4 +27,15 @@ with open('/tmp/e/eval.jsonl','w') as f:
 " && echo "moeforge eval: $(build-gpu/moeforge eval --model /tmp/e/ft --data /tmp/e/eval.jsonl --json)" &&
   echo "transformers: $(python3 scripts/hf_eval.py /tmp/e/ft /tmp/e/eval.jsonl 2>/dev/null)"
 fi
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  # The trainer on the GPU: the chat demo under both policies, a checkpoint, a resume.
+  rm -rf /tmp/g && build-gpu/moeforge init --preset tiny --seed 0 --tokenizer demo/tokenizer --out /tmp/g/base > /dev/null
+  build-gpu/moeforge finetune demo/tiny_chat.yaml model=/tmp/g/base out=/tmp/g/bf16 device=cuda checkpoint.every=50 | tail -3
+  build-gpu/moeforge finetune demo/tiny_chat.yaml model=/tmp/g/base out=/tmp/g/mixed device=cuda precision=mixed | tail -2
+  build-gpu/moeforge finetune demo/tiny_chat.yaml model=/tmp/g/base out=/tmp/g/bf16 device=cuda checkpoint.every=50 train.steps=120 --resume | tail -2
+  echo "eval of the GPU-trained model on the CPU: $(build-gpu/moeforge eval --model /tmp/g/bf16 --data demo/data/chat_heldout.jsonl --json)"
+fi
+if [ "${SKIP_RECOMPUTE:-0}" != 1 ]; then
+  for r in moe full; do build-gpu/moeforge bench --config bench/configs/qwen3-30b-a3b.json --layers 4 --steps 3 --warmup 1 --recompute $r 2>/dev/null | tee -a "$OUT/recompute.jsonl"; done
+fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then bench/p1.sh build-gpu "$OUT"; fi
