@@ -8,7 +8,7 @@
 //                 not depend on the buffer's alignment either.
 //   clip_scale    one thread: norm = sqrt(sumsq), scale = min(1, max_norm / (norm + 1e-6)).
 //   scale_inplace elementwise x *= *scale.
-//   reduce_partial_rows   per column, 8 interleaved row groups each summed in ascending row order,
+//   reduce_partial_rows   per column, 32 interleaved row groups each summed in ascending row order,
 //                 then the groups added in a fixed order.
 #include <algorithm>
 #include <limits>
@@ -108,8 +108,9 @@ __global__ void scale_kernel(T* x, const float* scale, int64_t n) {
 }
 
 // A block takes 32 columns; warp g of its kRowGroups warps sums the rows r ≡ g (mod kRowGroups)
-// in ascending order, then the groups are added in order g = 0, 1, ...: a fixed order.
-constexpr int kRowGroups = 8;
+// in ascending order, then the groups are added in order g = 0, 1, ...: a fixed order. Many row
+// groups keep the per-thread chains short (the partial buffers are tall and narrow).
+constexpr int kRowGroups = 32;
 
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowGroups)
@@ -120,6 +121,7 @@ __global__ void __launch_bounds__(32 * kRowGroups)
     const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + lane;
     float sum = 0.0f;
     if (c < C) {
+#pragma unroll 8
         for (int64_t r = g; r < num_rows; r += kRowGroups) sum += partial[r * C + c];
     }
     group_sums[g][lane] = sum;

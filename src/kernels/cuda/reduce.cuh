@@ -42,7 +42,7 @@ void clip_scale(float* scale, float* norm, const double* sumsq, float max_norm, 
 void scale_inplace(void* x, DType dtype, const float* scale, int64_t n, cudaStream_t stream);
 
 // out[c] = (or += when accumulate) Σ_{r = 0..num_rows-1} partial[r, c] for c < C, summed in fp32 in a
-// fixed order (8 interleaved row groups, each in ascending r, then the groups in order):
+// fixed order (32 interleaved row groups, each in ascending r, then the groups in order):
 // deterministic. out is f32 or bf16 (bf16: old value + sum in fp32, then rounded).
 // partial: [num_rows, C] fp32.
 void reduce_partial_rows(void* out, DType out_dtype, const float* partial, int64_t num_rows, int64_t C, bool accumulate,

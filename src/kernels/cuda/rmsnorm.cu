@@ -43,9 +43,8 @@ int64_t backward_blocks(int64_t N, int64_t C) {
 // ----------------------------------------------------------------------------------------------
 // kernels
 
-// At least 3 blocks per SM (<= 85 registers) so that enough rows are in flight to cover DRAM latency.
 template <int kVec>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int64_t N, int C, float eps) {
     const int lane = threadIdx.x % 32;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;

@@ -1,20 +1,18 @@
-// Fused QK-norm + RoPE, CUDA. A block (enough threads for all Hq + Hkv heads of a token, at most
-// 512) works on one token at a time:
+// Fused QK-norm + RoPE, CUDA. A block (128 threads) works on one token at a time:
 //   1. threads compute the token's cos/sin row (D/2 angles, fp32 cosf/sinf of pos · inv_freq[i],
 //      inv_freq computed on the host exactly as the CPU reference does) into shared memory, once
 //      for all its Hq + Hkv heads;
-//   2. a group of G lanes (a power of two <= 32) takes one head: lane l of the group owns the pair
-//      chunks c = l, l + G, ... (kVec = 8 consecutive pairs with 16-byte loads when D/2 % 8 == 0,
-//      else single pairs), holding both halves x[c] and x[c + D/2] in registers; Σx² is a xor
-//      butterfly inside the group; then norm, weight and rotation are applied and written.
+//   2. a group of G lanes (a power of two <= 32) takes one head at a time: lane l of the group owns
+//      the pair chunks c = l, l + G, ... (kVec = 8 consecutive pairs with 16-byte loads when
+//      D/2 % 8 == 0, else single pairs), holding both halves x[c] and x[c + D/2] in registers; Σx²
+//      is a xor butterfly inside the group; then norm, weight and rotation are applied and written.
 // Backward: the same walk; dn = inverse rotation of dy, then the RMSNorm backward per head. The
-// weight gradients dn ⊙ x̂ accumulate in registers (each lane owns fixed columns; heads and tokens
-// in a fixed order), then per group in shared memory, groups added in order into scratch
-// [2][block][D] (q, then k),
-// and reduce_partial_rows sums the blocks in order. The backward grid depends on N only, so the
-// result is bitwise reproducible. No atomics.
-// Every lane of a warp runs the same number of head iterations (idle groups pass zeros through
-// the shuffles), so the full-mask shuffles are always converged.
+// weight gradients dn ⊙ x̂ accumulate per group in shared memory (each lane owns fixed words, laid
+// out so a group's lanes touch consecutive words; heads and tokens in a fixed order), the groups
+// are added in order into scratch [2][block][D] (q, then k), and reduce_partial_rows sums the
+// blocks in order. The backward grid depends on N only, so the result is bitwise reproducible.
+// No atomics. Every lane of a warp runs the same number of head iterations (idle groups pass zeros
+// through the shuffles), so the full-mask shuffles are always converged.
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -27,9 +25,9 @@ namespace mf::cuda {
 
 namespace {
 
-constexpr int kMaxThreads = 512;
+constexpr int kThreads = 128;
 constexpr int kMaxHeadDim = 256;
-constexpr int64_t kMaxBackwardBlocks = 2048;
+constexpr int64_t kMaxBackwardBlocks = 2048;  // N / 2048 tokens per block at most
 
 struct InvFreq {
     float v[kMaxHeadDim / 2];
@@ -55,11 +53,9 @@ int group_width(int64_t chunks) {
     return g;
 }
 
-// Threads per block: enough groups for all heads of a token at once (up to kMaxThreads).
-int block_threads(int64_t H, int G) {
-    const int64_t want = (H * G + 31) / 32 * 32;
-    return static_cast<int>(std::clamp<int64_t>(want, 32, kMaxThreads));
-}
+// Floats of one group's weight-gradient accumulators in shared memory: [q, k][D], padded by G so
+// that the groups sharing a warp start on different banks.
+int group_stride(int64_t D, int G) { return static_cast<int>(2 * D + G); }
 
 int64_t backward_blocks(int64_t N) { return std::clamp<int64_t>(N, 1, kMaxBackwardBlocks); }
 
@@ -85,7 +81,7 @@ __device__ __forceinline__ void fill_angles(float* cos_s, float* sin_s, const In
 }
 
 template <int kVec>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kThreads)
     rope_qknorm_forward_kernel(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
                                const bf16* q_weight, const bf16* k_weight, const int32_t* positions, InvFreq inv_freq,
                                int64_t N, int Hq, int Hkv, int D, int G, float eps) {
@@ -153,7 +149,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 // Shared memory: cos[D/2], sin[D/2], then dw[groups][2][D] (q, k) when partial != null.
 // partial: [2][gridDim.x][D] (q block rows, then k block rows).
 template <int kVec>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kThreads)
     rope_qknorm_backward_kernel(bf16* dq, bf16* dk, float* partial, const bf16* dq_out, const bf16* dk_out,
                                 const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
                                 const float* q_rstd, const float* k_rstd, const int32_t* positions, InvFreq inv_freq,
@@ -169,14 +165,13 @@ __global__ void __launch_bounds__(kMaxThreads)
     const int group = threadIdx.x / G;
     const int lane_g = threadIdx.x % G;
     const int H = Hq + Hkv;
-    // Weight-gradient sums of the columns this lane owns, for query and key heads.
-    float acc_lo[2][kLane][kVec], acc_hi[2][kLane][kVec];
-#pragma unroll
-    for (int which = 0; which < 2; ++which)
-#pragma unroll
-        for (int j = 0; j < kLane; ++j)
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc_lo[which][j][e] = acc_hi[which][j][e] = 0.0f;
+    // Weight-gradient sums per group in shared memory, [q, k][D] with column (half, c, e) stored at
+    // e·2·chunks + half·chunks + c, so the lanes of a group touch consecutive words.
+    const int stride = 2 * D + G;
+    float* my_dw = dw_s + group * stride;
+    if (partial != nullptr) {
+        for (int i = threadIdx.x; i < groups * stride; i += blockDim.x) dw_s[i] = 0.0f;
+    }  // fill_angles syncs before anyone accumulates
 
     for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
         fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
@@ -213,12 +208,10 @@ __global__ void __launch_bounds__(kMaxThreads)
                         xh_lo[j][e] *= r;
                         xh_hi[j][e] *= r;
                         sum_gx += (dn_lo[j][e] * w_lo[e]) * xh_lo[j][e] + (dn_hi[j][e] * w_hi[e]) * xh_hi[j][e];
-                        if (is_q) {
-                            acc_lo[0][j][e] += dn_lo[j][e] * xh_lo[j][e];
-                            acc_hi[0][j][e] += dn_hi[j][e] * xh_hi[j][e];
-                        } else {
-                            acc_lo[1][j][e] += dn_lo[j][e] * xh_lo[j][e];
-                            acc_hi[1][j][e] += dn_hi[j][e] * xh_hi[j][e];
+                        if (partial != nullptr) {
+                            float* acc = my_dw + (is_q ? 0 : D) + e * 2 * chunks + c;
+                            acc[0] += dn_lo[j][e] * xh_lo[j][e];
+                            acc[chunks] += dn_hi[j][e] * xh_hi[j][e];
                         }
                     }
                 }
@@ -247,28 +240,16 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
 
     if (partial == nullptr) return;
-        // Every (group, q/k, column) entry is written: the lanes with c < chunks cover all columns.
-#pragma unroll
-    for (int j = 0; j < kLane; ++j) {
-        const int c = lane_g + G * j;
-        if (c < chunks) {
-#pragma unroll
-            for (int which = 0; which < 2; ++which) {
-                float* row = dw_s + (group * 2 + which) * D;
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    row[c * kVec + e] = acc_lo[which][j][e];
-                    row[half + c * kVec + e] = acc_hi[which][j][e];
-                }
-            }
-        }
-    }
     __syncthreads();
     for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
         const int which = i / D;
         const int col = i % D;
+        const int upper = col / half;
+        const int c = (col % half) / kVec;
+        const int e = (col % half) % kVec;
+        const int at = which * D + e * 2 * chunks + upper * chunks + c;
         float sum = 0.0f;
-        for (int g = 0; g < groups; ++g) sum += dw_s[(g * 2 + which) * D + col];
+        for (int g = 0; g < groups; ++g) sum += dw_s[g * stride + at];
         partial[(static_cast<int64_t>(which) * gridDim.x + blockIdx.x) * D + col] = sum;
     }
 }
@@ -310,7 +291,7 @@ void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd,
     const bool vec = use_vectors(D, {q_out, k_out, q, k, q_weight, k_weight});
     const int kvec = vec ? 8 : 1;
     const int G = group_width(D / 2 / kvec);
-    const int threads = block_threads(Hq + Hkv, G);
+    const int threads = kThreads;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, 1 << 20));
     const size_t shared = static_cast<size_t>(D) * sizeof(float);
     if (vec) {
@@ -359,9 +340,9 @@ void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, 
     const bool vec = use_vectors(D, {dq, dk, dq_out, dk_out, q, k, q_weight, k_weight});
     const int kvec = vec ? 8 : 1;
     const int G = group_width(D / 2 / kvec);
-    const int threads = block_threads(Hq + Hkv, G);
+    const int threads = kThreads;
     const int64_t blocks = backward_blocks(N);
-    const size_t shared = static_cast<size_t>(D + (want_dw ? (threads / G) * 2 * D : 0)) * sizeof(float);
+    const size_t shared = static_cast<size_t>(D + (want_dw ? (threads / G) * group_stride(D, G) : 0)) * sizeof(float);
     if (vec) {
         MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(shared)));
