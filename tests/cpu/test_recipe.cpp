@@ -433,7 +433,7 @@ TEST(Recipe, Defaults) {
     const Recipe r = parse_recipe(kMinimal, "min.yaml", {});
     EXPECT_EQ(r.model, "/models/tiny");
     EXPECT_EQ(r.data.train, "data/train.jsonl");
-    EXPECT_EQ(r.data.format, "tokens");
+    EXPECT_EQ(r.data.format, "auto");
     EXPECT_TRUE(r.data.shuffle);
     EXPECT_TRUE(r.data.packing);
     EXPECT_EQ(r.data.on_error, "stop");
