@@ -6,41 +6,24 @@
 //   backward  p_s = exp(z_s − lse_t),  dp_s = dout_t·v_s,  δ_t = dout_t·out_t,  ds_s = p_s·(dp_s − δ_t)
 //             dq_t += scale · Σ_s ds_s · k_s,  dk_s += scale · ds_s · q_t,  dv_s += p_s · dout_t
 // Scores are computed for the allowed keys only. Loops run b, h, t, s in ascending order on one
-// thread, so every += happens in a fixed order (deterministic, no atomics). Dot products use
-// kLanes interleaved fp32 partial sums combined by a fixed tree; weighted sums of rows run over s
-// in order. scale = 1/sqrt(D) is rounded to fp32 once, as torch does with HF's head_dim**-0.5.
+// thread, so every += happens in a fixed order (deterministic, no atomics). Dot products are
+// lane_dot (kernels/cpu/lane_dot.h: interleaved fp32 partial sums combined by a fixed tree);
+// weighted sums of rows run over s in order. scale = 1/sqrt(D) is rounded to fp32 once, as torch
+// does with HF's head_dim**-0.5.
 // doc_ids may be null: then every row is one document (plain causal attention).
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "core/check.h"
+#include "kernels/cpu/lane_dot.h"
 
 namespace mf::cpu {
 
 namespace {
-
-constexpr int kLanes = 8;
-using LaneVec = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-// Σ a[i]·b[i] over kLanes interleaved partial sums, a sequential tail, then a fixed combine.
-float dot(const float* a, const float* b, int64_t n) {
-    LaneVec acc = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-        LaneVec va, vb;
-        std::memcpy(&va, a + i, sizeof(va));
-        std::memcpy(&vb, b + i, sizeof(vb));
-        acc += va * vb;
-    }
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
-}
 
 void check_shape(const AttentionShape& s) {
     MF_CHECK(s.B >= 0 && s.T >= 0 && s.Hq > 0 && s.Hkv > 0 && s.D > 0, "attention: bad shape B=", s.B, " T=", s.T,
@@ -72,7 +55,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
                 float m = -std::numeric_limits<float>::infinity();
                 for (int64_t j = 0; j <= t; ++j) {
                     if (doc != nullptr && doc[j] != doc[t]) continue;
-                    scores[j] = scale * dot(q_t, k + kv_off + j * kv_stride, s.D);
+                    scores[j] = scale * lane_dot(q_t, k + kv_off + j * kv_stride, s.D);
                     m = std::max(m, scores[j]);
                 }
                 float l = 0.0f;
@@ -110,15 +93,15 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
             for (int64_t t = 0; t < s.T; ++t) {
                 const float* q_t = q + q_off + t * q_stride;
                 const float* dout_t = dout + q_off + t * q_stride;
-                const float delta = dot(dout_t, out + q_off + t * q_stride, s.D);
+                const float delta = lane_dot(dout_t, out + q_off + t * q_stride, s.D);
                 const float lse_t = lse[(b * s.Hq + h) * s.T + t];
                 std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
                 for (int64_t j = 0; j <= t; ++j) {
                     if (doc != nullptr && doc[j] != doc[t]) continue;
                     const float* k_j = k + kv_off + j * kv_stride;
                     const float* v_j = v + kv_off + j * kv_stride;
-                    const float p = std::exp(scale * dot(q_t, k_j, s.D) - lse_t);
-                    const float ds = p * (dot(dout_t, v_j, s.D) - delta);
+                    const float p = std::exp(scale * lane_dot(q_t, k_j, s.D) - lse_t);
+                    const float ds = p * (lane_dot(dout_t, v_j, s.D) - delta);
                     const float ds_scaled = scale * ds;
                     float* dk_j = dk + kv_off + j * kv_stride;
                     float* dv_j = dv + kv_off + j * kv_stride;

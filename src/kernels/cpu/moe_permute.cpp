@@ -9,33 +9,15 @@
 #include "kernels/cpu/moe_permute.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "core/check.h"
+#include "kernels/cpu/lane_dot.h"
 
 namespace mf::cpu {
 
 namespace {
-
-constexpr int kLanes = 8;
-using LaneVec = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-// Σ a[i]·b[i] over kLanes interleaved partial sums, a sequential tail, then a fixed combine.
-float dot(const float* a, const float* b, int64_t n) {
-    LaneVec acc = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-        LaneVec va, vb;
-        std::memcpy(&va, a + i, sizeof(va));
-        std::memcpy(&vb, b + i, sizeof(vb));
-        acc += va * vb;
-    }
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
-}
 
 void check_shape(int64_t N, int64_t K, int64_t H) {
     MF_CHECK(N >= 0 && K > 0 && H >= 0, "moe_permute: bad shape N=", N, " K=", K, " H=", H);
@@ -130,7 +112,7 @@ void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* do
             const float w = topk_weight[t * K + k];
             float* dy = dy_perm + row * H;
             for (int64_t h = 0; h < H; ++h) dy[h] = w * g[h];
-            dtopk_weight[t * K + k] = dot(g, y_perm + row * H, H);
+            dtopk_weight[t * K + k] = lane_dot(g, y_perm + row * H, H);
         }
     }
 }

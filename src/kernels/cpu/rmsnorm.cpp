@@ -3,48 +3,25 @@
 // Backward, with x̂ = x · rstd and g = dout ⊙ weight:
 //   dinp  += rstd · (g − x̂ · mean(g ⊙ x̂))
 //   dweight += Σ_n dout[n] ⊙ x̂[n]           rows added in order n = 0..N-1
-// Row sums (Σx², Σ g·x̂) use kLanes interleaved fp32 partial sums combined by a fixed tree, so
-// they vectorise and give the same bits on every run. out may alias inp (each element is read
-// before the same element is written, after the row sum is done).
+// Row sums (Σx², Σ g·x̂) use lane_dot (kernels/cpu/lane_dot.h: interleaved fp32 partial sums
+// combined by a fixed tree), so they vectorise and give the same bits on every run. out may alias
+// inp (each element is read before the same element is written, after the row sum is done).
 #include "kernels/cpu/rmsnorm.h"
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "core/check.h"
+#include "kernels/cpu/lane_dot.h"
 
 namespace mf::cpu {
-
-namespace {
-
-constexpr int kLanes = 8;
-using LaneVec = float __attribute__((vector_size(kLanes * sizeof(float))));
-
-// Σ a[i]·b[i]: lane l sums the elements i ≡ l (mod kLanes) of the full blocks in order, the tail is
-// summed sequentially, then the lanes are combined pairwise and the tail added last.
-float dot(const float* a, const float* b, int64_t n) {
-    LaneVec acc = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-        LaneVec va, vb;
-        std::memcpy(&va, a + i, sizeof(va));
-        std::memcpy(&vb, b + i, sizeof(vb));
-        acc += va * vb;
-    }
-    float tail = 0.0f;
-    for (; i < n; ++i) tail += a[i] * b[i];
-    return (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) + tail;
-}
-
-}  // namespace
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
     MF_CHECK(N >= 0 && C > 0, "rmsnorm: bad shape N=", N, " C=", C);
     for (int64_t n = 0; n < N; ++n) {
         const float* x = inp + n * C;
         float* y = out + n * C;
-        const float var = dot(x, x, C) / static_cast<float>(C);
+        const float var = lane_dot(x, x, C) / static_cast<float>(C);
         const float r = 1.0f / std::sqrt(var + eps);
         rstd[n] = r;
         for (int64_t c = 0; c < C; ++c) y[c] = weight[c] * (x[c] * r);
@@ -68,7 +45,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
             for (int64_t c = 0; c < C; ++c) dweight[c] += dy[c] * x_hat[c];
         }
         if (dinp != nullptr) {
-            const float mean_gx = dot(g.data(), x_hat.data(), C) / static_cast<float>(C);
+            const float mean_gx = lane_dot(g.data(), x_hat.data(), C) / static_cast<float>(C);
             float* dx = dinp + n * C;
             for (int64_t c = 0; c < C; ++c) dx[c] += r * (g[c] - x_hat[c] * mean_gx);
         }
