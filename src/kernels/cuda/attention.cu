@@ -25,6 +25,7 @@
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace mf::cuda {
 
@@ -44,37 +45,8 @@ constexpr int tile_ld() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// PTX wrappers
+// register packing (the PTX wrappers are in kernels/cuda/mma_sm80.cuh)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-    const int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* smem) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(smem)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* smem) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(smem)));
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
@@ -83,9 +55,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // ---------------------------------------------------------------------------------------------
 // fragment helpers (tiles stored [row][d] with ld = kD + 8)
 //
-// mma m16n8k16 register layouts, lane = 4·g + t: A (16 x 16) r0 = (row g, k 2t..2t+1),
-// r1 = (row g+8, same k), r2 = (row g, k 2t+8..), r3 = (row g+8, k 2t+8..); B (16 x 8) b0 = (k 2t..2t+1,
-// col g), b1 = (k 2t+8.., col g); C (16 x 8) c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, same).
+// The mma m16n8k16 register layouts (lane = 4·g + t) are spelled out in kernels/cuda/mma_sm80.cuh.
 
 // A fragment: rows row0..row0+15 of a [row][k] tile, k columns k0..k0+15.
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int ld, int row0, int k0, int lane) {
