@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "core/check.h"
+#include "core/utf8.h"
 
 namespace mf::json {
 
@@ -146,21 +147,6 @@ class Parser {
         return v;
     }
 
-    static void append_utf8(std::string& out, uint32_t cp) {
-        if (cp < 0x80) out += static_cast<char>(cp);
-        else if (cp < 0x800) { out += static_cast<char>(0xC0 | (cp >> 6)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
-        else if (cp < 0x10000) {
-            out += static_cast<char>(0xE0 | (cp >> 12));
-            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-            out += static_cast<char>(0x80 | (cp & 0x3F));
-        } else {
-            out += static_cast<char>(0xF0 | (cp >> 18));
-            out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-            out += static_cast<char>(0x80 | (cp & 0x3F));
-        }
-    }
-
     std::string parse_string() {
         ++pos_;  // '"'
         std::string out;
@@ -183,12 +169,12 @@ class Parser {
                 case 't': out += '\t'; break;
                 case 'u': {
                     uint32_t cp = parse_hex4();
-                    if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    if (is_high_surrogate(cp)) {
                         if (!consume("\\u")) error("unpaired surrogate in \\u escape");
                         const uint32_t lo = parse_hex4();
-                        if (lo < 0xDC00 || lo > 0xDFFF) error("bad low surrogate in \\u escape");
-                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                    } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                        if (!is_low_surrogate(lo)) error("bad low surrogate in \\u escape");
+                        cp = combine_surrogates(cp, lo);
+                    } else if (is_low_surrogate(cp)) {
                         error("unpaired surrogate in \\u escape");
                     }
                     append_utf8(out, cp);

@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/utf8.h"
+
 namespace mf::text {
 
 // General categories, in the order the generator writes them.
@@ -107,7 +109,7 @@ inline char32_t next_code_point(std::string_view s, size_t& i) {
 // Number of bytes of the UTF-8 sequence whose lead byte is `lead` (1 for continuation bytes).
 inline size_t utf8_length(unsigned char lead) { return lead < 0xC0 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 
-void append_utf8(std::string& out, char32_t cp);
+using mf::append_utf8;  // appends the UTF-8 of a code point (core/utf8.h)
 std::u32string to_code_points(std::string_view s);  // `s` must be valid UTF-8
 std::string to_utf8(std::u32string_view cps);
 

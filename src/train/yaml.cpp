@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/utf8.h"
 
 namespace mf::train {
 
@@ -46,24 +47,6 @@ std::string join_path(const std::string& parent, const std::string& key) {
 }
 
 std::string index_path(const std::string& parent, size_t index) { return parent + "[" + std::to_string(index) + "]"; }
-
-void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-        out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-        out += static_cast<char>(0xC0 | (cp >> 6));
-        out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-        out += static_cast<char>(0xE0 | (cp >> 12));
-        out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-        out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-        out += static_cast<char>(0xF0 | (cp >> 18));
-        out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-        out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-        out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-}
 
 // Length of the valid UTF-8 sequence starting at s[i], or 0 when it is invalid (overlong forms,
 // surrogates and code points above U+10FFFF included).
@@ -502,13 +485,13 @@ class Parser {
                     break;
                 case 'u': {
                     uint32_t cp = parse_hex4(c);
-                    if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    if (is_high_surrogate(cp)) {
                         if (c.s.substr(c.pos, 2) != "\\u") error(c.line, "unpaired surrogate in \\u escape");
                         c.pos += 2;
                         const uint32_t lo = parse_hex4(c);
-                        if (lo < 0xDC00 || lo > 0xDFFF) error(c.line, "bad low surrogate in \\u escape");
-                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                    } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                        if (!is_low_surrogate(lo)) error(c.line, "bad low surrogate in \\u escape");
+                        cp = combine_surrogates(cp, lo);
+                    } else if (is_low_surrogate(cp)) {
                         error(c.line, "unpaired surrogate in \\u escape");
                     }
                     if (cp == 0) error(c.line, "\\u0000 (a NUL character) is not allowed in a string");
