@@ -1,4 +1,5 @@
-// Helpers shared by the tests: temporary directories, file writing, running the CLI, GPU skip.
+// Helpers shared by the tests: temporary directories, file writing, running the CLI, GPU skip, the
+// token batch of an HF parity fixture.
 #pragma once
 
 #include <cstdio>
@@ -7,8 +8,12 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <vector>
 
+#include "core/json.h"
 #include "core/tensor.h"
+#include "data/batch.h"
+#include "io/file.h"
 
 namespace mf::test {
 
@@ -44,6 +49,23 @@ inline int run_command(const std::string& cmd, std::string* output) {
 }
 
 inline std::string fixtures_dir() { return MF_FIXTURES_DIR; }
+
+// The batch of an HF parity fixture (fixtures/hf/<case>/batch.json, written by
+// scripts/make_hf_fixtures.py: {"input_ids": [[...]], "labels": [[...]]}), one document per row with
+// HF's label shift (data::make_row_batch), T = the length of the first row.
+inline data::Batch load_fixture_batch(const std::filesystem::path& dir) {
+    const json::Value b = json::parse(io::read_text_file(dir / "batch.json", 1 << 20), "batch.json");
+    std::vector<std::vector<int32_t>> ids, labels;
+    for (const auto& row : b.find("input_ids")->as_array()) {
+        ids.emplace_back();
+        for (const auto& v : row.as_array()) ids.back().push_back(static_cast<int32_t>(v.as_int()));
+    }
+    for (const auto& row : b.find("labels")->as_array()) {
+        labels.emplace_back();
+        for (const auto& v : row.as_array()) labels.back().push_back(static_cast<int32_t>(v.as_int()));
+    }
+    return data::make_row_batch(ids, labels, static_cast<int64_t>(ids[0].size()), 0);
+}
 inline std::string moeforge_binary() { return MF_BINARY; }
 
 // Skips the whole binary (exit 77: ctest reports it as skipped) where no CUDA device exists.

@@ -34,17 +34,7 @@ struct Fixture {
 Fixture load_fixture(const fs::path& dir) {
     Fixture f;
     f.expected = json::parse(io::read_text_file(dir / "expected.json", 1 << 20), "expected.json");
-    const json::Value b = json::parse(io::read_text_file(dir / "batch.json", 1 << 20), "batch.json");
-    std::vector<std::vector<int32_t>> ids, labels;
-    for (const auto& row : b.find("input_ids")->as_array()) {
-        ids.emplace_back();
-        for (const auto& v : row.as_array()) ids.back().push_back(static_cast<int32_t>(v.as_int()));
-    }
-    for (const auto& row : b.find("labels")->as_array()) {
-        labels.emplace_back();
-        for (const auto& v : row.as_array()) labels.back().push_back(static_cast<int32_t>(v.as_int()));
-    }
-    f.batch = data::make_row_batch(ids, labels, static_cast<int64_t>(ids[0].size()), 0);
+    f.batch = test::load_fixture_batch(dir);
     return f;
 }
 

@@ -27,20 +27,6 @@ using namespace mf;
 
 namespace {
 
-data::Batch fixture_batch(const fs::path& dir) {
-    const json::Value b = json::parse(io::read_text_file(dir / "batch.json", 1 << 20), "batch.json");
-    std::vector<std::vector<int32_t>> ids, labels;
-    for (const auto& row : b.find("input_ids")->as_array()) {
-        ids.emplace_back();
-        for (const auto& v : row.as_array()) ids.back().push_back(static_cast<int32_t>(v.as_int()));
-    }
-    for (const auto& row : b.find("labels")->as_array()) {
-        labels.emplace_back();
-        for (const auto& v : row.as_array()) labels.back().push_back(static_cast<int32_t>(v.as_int()));
-    }
-    return data::make_row_batch(ids, labels, static_cast<int64_t>(ids[0].size()), 0);
-}
-
 double rel(double a, double b) { return std::fabs(a - b) / std::max(1e-12, std::fabs(b)); }
 
 std::vector<float> host_grads(const model::Qwen3Moe& m) {
@@ -70,7 +56,7 @@ class GpuStep : public ::testing::TestWithParam<Case> {
 TEST_P(GpuStep, MatchesCpuReference) {
     const Case c = GetParam();
     const fs::path dir = fs::path(test::fixtures_dir()) / "hf" / c.fixture;
-    const data::Batch batch = fixture_batch(dir);
+    const data::Batch batch = test::load_fixture_batch(dir);
     auto cpu = train::load_hf_model(dir / "model");
     auto gpu = train::load_hf_model(dir / "model", nullptr,
                                     {Device::cuda, c.mixed ? DType::f32 : DType::bf16});
