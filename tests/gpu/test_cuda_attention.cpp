@@ -14,147 +14,28 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "core/bf16.h"
 #include "core/cuda_check.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/attention.cuh"
-#include "test_util.h"
+#include "test_cuda_helpers.h"
 
 namespace {
 
 using mf::cuda::bf16;
+using namespace mf::test;  // DeviceBuffer, bf16 copies (test_cuda_common.h), expect_parity (test_cuda_helpers.h)
 
-class GpuEnvironment : public ::testing::Environment {
- public:
-    void SetUp() override { mf::test::require_gpu(); }
-};
 const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuEnvironment);
-
-// ---------------------------------------------------------------------------------------------
-// helpers
-
-class DeviceBuffer {
- public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-        MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)));
-    }
-    ~DeviceBuffer() { cudaFree(ptr_); }
-    DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-    template <typename T>
-    T* as() const {
-        return static_cast<T*>(ptr_);
-    }
-    size_t bytes() const { return bytes_; }
-
- private:
-    void* ptr_ = nullptr;
-    size_t bytes_ = 0;
-};
-
-std::vector<float> random_bf16_values(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
-    std::uniform_real_distribution<float> dist(lo, hi);
-    std::vector<float> v(n);
-    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(dist(rng)));
-    return v;
-}
-
-std::vector<float> round_bf16(std::vector<float> v) {
-    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(x));
-    return v;
-}
-
-void upload_bf16(const DeviceBuffer& dst, const std::vector<float>& v) {
-    std::vector<uint16_t> bits(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = mf::f32_to_bf16(v[i]);
-    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-}
-void upload_f32(const DeviceBuffer& dst, const std::vector<float>& v) {
-    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
-}
-std::vector<float> download_bf16(const DeviceBuffer& src, size_t n) {
-    std::vector<uint16_t> bits(n);
-    MF_CHECK_CUDA(cudaMemcpy(bits.data(), src.as<void>(), n * 2, cudaMemcpyDeviceToHost));
-    std::vector<float> v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = mf::bf16_to_f32(bits[i]);
-    return v;
-}
-std::vector<float> download_f32(const DeviceBuffer& src, size_t n) {
-    std::vector<float> v(n);
-    MF_CHECK_CUDA(cudaMemcpy(v.data(), src.as<void>(), n * 4, cudaMemcpyDeviceToHost));
-    return v;
-}
-// Fills n bf16 values with a random block of at most 2^22 values repeated (fast for big buffers).
-void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
-    const size_t block = std::min<size_t>(n, size_t{1} << 22);
-    DeviceBuffer src(block * 2);
-    upload_bf16(src, random_bf16_values(rng, block));
-    for (size_t i = 0; i < n; i += block)
-        MF_CHECK_CUDA(
-            cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2, cudaMemcpyDeviceToDevice));
-}
-void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
-
-// The tolerance rule of the file comment; NaN or a size mismatch fails.
-void expect_parity(const std::string& what, const std::vector<float>& gpu, const std::vector<float>& ref,
-                   const std::vector<float>& naive) {
-    ASSERT_EQ(gpu.size(), ref.size()) << what;
-    double err = 0.0, naive_err = 0.0, ref_max = 0.0, diff_sq = 0.0, ref_sq = 0.0;
-    size_t worst = 0, non_finite = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-        if (!std::isfinite(gpu[i])) {
-            ++non_finite;
-            continue;
-        }
-        const double e = std::fabs(static_cast<double>(gpu[i]) - ref[i]);
-        if (e > err) err = e, worst = i;
-        naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
-        ref_max = std::max(ref_max, std::fabs(static_cast<double>(ref[i])));
-        diff_sq += e * e;
-        ref_sq += static_cast<double>(ref[i]) * ref[i];
-    }
-    const double tol = 2.0 * naive_err + std::ldexp(std::max(1.0, ref_max), -16);
-    EXPECT_EQ(non_finite, 0u) << what << ": " << non_finite << " elements are not finite (never written?)";
-    EXPECT_LE(err, tol) << what << ": max error " << err << " at " << worst << " (gpu " << gpu[worst] << ", ref "
-                        << ref[worst] << "), tolerance " << tol;
-    std::printf("  %-48s max err %.3e  tol %.3e  rel-l2 %.3e\n", what.c_str(), err, tol,
-                ref_sq > 0 ? std::sqrt(diff_sq / ref_sq) : 0.0);
-}
-
-template <typename Fn>
-double median_us(Fn&& fn, int reps = 20) {
-    cudaEvent_t start, stop;
-    MF_CHECK_CUDA(cudaEventCreate(&start));
-    MF_CHECK_CUDA(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) fn();
-    std::vector<float> times;
-    for (int i = 0; i < reps; ++i) {
-        MF_CHECK_CUDA(cudaEventRecord(start));
-        fn();
-        MF_CHECK_CUDA(cudaEventRecord(stop));
-        MF_CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        MF_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms * 1000.0f);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-}
 
 // ---------------------------------------------------------------------------------------------
 // the "naive bf16" attention: fp32 math, every stored intermediate rounded to bf16 (scores,
 // probabilities, dP, dS and the outputs), as an eager bf16 implementation would store them
 
-float bf(float x) { return mf::bf16_to_f32(mf::f32_to_bf16(x)); }
+float bf(float x) { return round_bf16(x); }
 
 float dot(const float* a, const float* b, int64_t n) {
     float s = 0.0f;
@@ -287,10 +168,10 @@ TEST(CudaAttention, ForwardBackwardParity) {
         const mf::cuda::AttentionShape gs{s.B, s.T, s.Hq, s.Hkv, s.D};
         const int64_t nq = s.B * s.T * s.Hq * s.D, nkv = s.B * s.T * s.Hkv * s.D, nl = s.B * s.Hq * s.T;
         // Scores of O(1..3) so that the softmax is neither flat nor one-hot.
-        const auto q = random_bf16_values(rng, nq, -1.5f, 1.5f);
-        const auto k = random_bf16_values(rng, nkv, -1.5f, 1.5f);
-        const auto v = random_bf16_values(rng, nkv);
-        const auto dout = random_bf16_values(rng, nq);
+        const auto q = random_bf16(rng, nq, -1.5f, 1.5f);
+        const auto k = random_bf16(rng, nkv, -1.5f, 1.5f);
+        const auto v = random_bf16(rng, nkv);
+        const auto dout = random_bf16(rng, nq);
         const auto docs = make_docs(rng, s, c.docs, c.max_doc_len);
         const int32_t* cpu_docs = c.docs == Docs::none ? nullptr : docs.data();
 
@@ -300,18 +181,18 @@ TEST(CudaAttention, ForwardBackwardParity) {
         naive_forward(naive_out, naive_lse, q, k, v, cpu_docs, s);
 
         DeviceBuffer d_q(nq * 2), d_k(nkv * 2), d_v(nkv * 2), d_out(nq * 2), d_lse(nl * 4), d_docs(docs.size() * 4);
-        upload_bf16(d_q, q);
-        upload_bf16(d_k, k);
-        upload_bf16(d_v, v);
+        upload_bf16(d_q.as<void>(), q);
+        upload_bf16(d_k.as<void>(), k);
+        upload_bf16(d_v.as<void>(), v);
         MF_CHECK_CUDA(cudaMemcpy(d_docs.as<void>(), docs.data(), docs.size() * 4, cudaMemcpyHostToDevice));
         const int32_t* gpu_docs = c.docs == Docs::none ? nullptr : d_docs.as<int32_t>();
-        poison(d_out);
-        poison(d_lse);
+        d_out.poison();
+        d_lse.poison();
         mf::cuda::attention_forward(d_out.as<bf16>(), d_lse.as<float>(), d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(),
                                     gpu_docs, gs, nullptr);
         MF_CHECK_CUDA(cudaDeviceSynchronize());
-        expect_parity("forward out " + c.label(), download_bf16(d_out, nq), ref_out, naive_out);
-        expect_parity("forward lse " + c.label(), download_f32(d_lse, nl), ref_lse, naive_lse);
+        expect_parity("forward out " + c.label(), download_bf16(d_out.as<void>(), nq), ref_out, naive_out);
+        expect_parity("forward lse " + c.label(), download<float>(d_lse.as<void>(), nl), ref_lse, naive_lse);
 
         // backward, from the same bf16 out and fp32 lse on both sides
         const auto out_bf16 = round_bf16(ref_out);
@@ -323,27 +204,27 @@ TEST(CudaAttention, ForwardBackwardParity) {
 
         DeviceBuffer d_dout(nq * 2), d_dq(nq * 2), d_dk(nkv * 2), d_dv(nkv * 2),
             d_ws(mf::cuda::attention_backward_workspace_bytes(gs));
-        upload_bf16(d_dout, dout);
-        upload_bf16(d_out, out_bf16);
-        upload_f32(d_lse, ref_lse);
+        upload_bf16(d_dout.as<void>(), dout);
+        upload_bf16(d_out.as<void>(), out_bf16);
+        upload(d_lse.as<void>(), ref_lse);
         std::vector<float> first_dq;
         for (int run = 0; run < 2; ++run) {
-            poison(d_dq);
-            poison(d_dk);
-            poison(d_dv);
+            d_dq.poison();
+            d_dk.poison();
+            d_dv.poison();
             mf::cuda::attention_backward(d_dq.as<bf16>(), d_dk.as<bf16>(), d_dv.as<bf16>(), d_dout.as<bf16>(),
                                          d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(), d_out.as<bf16>(),
                                          d_lse.as<float>(), gpu_docs, gs, d_ws.as<void>(), nullptr);
             MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const auto dq = download_bf16(d_dq, nq);
+            const auto dq = download_bf16(d_dq.as<void>(), nq);
             if (run == 1) {
                 EXPECT_EQ(std::memcmp(dq.data(), first_dq.data(), nq * 4), 0) << "dq differs between runs";
                 break;
             }
             first_dq = dq;
             expect_parity("backward dq " + c.label(), dq, ref_dq, naive_dq);
-            expect_parity("backward dk " + c.label(), download_bf16(d_dk, nkv), ref_dk, naive_dk);
-            expect_parity("backward dv " + c.label(), download_bf16(d_dv, nkv), ref_dv, naive_dv);
+            expect_parity("backward dk " + c.label(), download_bf16(d_dk.as<void>(), nkv), ref_dk, naive_dk);
+            expect_parity("backward dv " + c.label(), download_bf16(d_dv.as<void>(), nkv), ref_dv, naive_dv);
         }
     }
 }
@@ -372,8 +253,7 @@ TEST(CudaAttention, ArgumentErrors) {
 // FLOPs: forward 4·B·Hq·D·(allowed pairs), backward 2.5x forward (the FlashAttention convention).
 
 TEST(CudaAttention, Benchmark) {
-    const char* bench = std::getenv("MF_BENCH");
-    if (bench == nullptr || std::string(bench) != "1") GTEST_SKIP() << "set MF_BENCH=1 to time";
+    if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1 to time";
     const mf::cuda::AttentionShape s{2, 4096, 32, 4, 128};
     const int64_t nq = s.B * s.T * s.Hq * s.D, nkv = s.B * s.T * s.Hkv * s.D;
     std::mt19937 rng(3);

@@ -10,136 +10,23 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "core/bf16.h"
 #include "core/cuda_check.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cuda/gemm.cuh"
-#include "test_util.h"
+#include "test_cuda_helpers.h"
 
 namespace {
 
 using mf::cuda::bf16;
+using namespace mf::test;  // DeviceBuffer, bf16 copies (test_cuda_common.h), expect_parity (test_cuda_helpers.h)
 
-class GpuEnvironment : public ::testing::Environment {
- public:
-    void SetUp() override { mf::test::require_gpu(); }
-};
 const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuEnvironment);
-
-// ---------------------------------------------------------------------------------------------
-// helpers
-
-class DeviceBuffer {
- public:
-    explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-        MF_CHECK_CUDA(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)));
-    }
-    ~DeviceBuffer() { cudaFree(ptr_); }
-    DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), bytes_(other.bytes_) { other.ptr_ = nullptr; }
-    DeviceBuffer(const DeviceBuffer&) = delete;
-    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-    template <typename T>
-    T* as() const {
-        return static_cast<T*>(ptr_);
-    }
-    size_t bytes() const { return bytes_; }
-
- private:
-    void* ptr_ = nullptr;
-    size_t bytes_ = 0;
-};
-
-std::vector<float> random_bf16_values(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
-    std::uniform_real_distribution<float> dist(lo, hi);
-    std::vector<float> v(n);
-    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(dist(rng)));
-    return v;
-}
-
-std::vector<float> round_bf16(std::vector<float> v) {
-    for (float& x : v) x = mf::bf16_to_f32(mf::f32_to_bf16(x));
-    return v;
-}
-
-// ref = before + product in fp32; the naive bf16 accumulation stores the product in bf16 first and
-// then the sum: bf16(before + bf16(product)), which is what a bf16 "+=" does without a fused epilogue.
-std::vector<float> add(const std::vector<float>& before, const std::vector<float>& product) {
-    std::vector<float> out(before.size());
-    for (size_t i = 0; i < out.size(); ++i) out[i] = before[i] + product[i];
-    return out;
-}
-std::vector<float> naive_bf16_add(const std::vector<float>& before, const std::vector<float>& product) {
-    std::vector<float> out(before.size());
-    for (size_t i = 0; i < out.size(); ++i)
-        out[i] = mf::bf16_to_f32(mf::f32_to_bf16(before[i] + mf::bf16_to_f32(mf::f32_to_bf16(product[i]))));
-    return out;
-}
-
-void upload_bf16(const DeviceBuffer& dst, const std::vector<float>& v) {
-    std::vector<uint16_t> bits(v.size());
-    for (size_t i = 0; i < v.size(); ++i) bits[i] = mf::f32_to_bf16(v[i]);
-    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-}
-void upload_f32(const DeviceBuffer& dst, const std::vector<float>& v) {
-    MF_CHECK_CUDA(cudaMemcpy(dst.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
-}
-std::vector<float> download_bf16(const DeviceBuffer& src, size_t n) {
-    std::vector<uint16_t> bits(n);
-    MF_CHECK_CUDA(cudaMemcpy(bits.data(), src.as<void>(), n * 2, cudaMemcpyDeviceToHost));
-    std::vector<float> v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = mf::bf16_to_f32(bits[i]);
-    return v;
-}
-std::vector<float> download_f32(const DeviceBuffer& src, size_t n) {
-    std::vector<float> v(n);
-    MF_CHECK_CUDA(cudaMemcpy(v.data(), src.as<void>(), n * 4, cudaMemcpyDeviceToHost));
-    return v;
-}
-// Fills n bf16 values with a random block of at most 2^22 values repeated (fast for big buffers).
-void fill_random_bf16(const DeviceBuffer& dst, size_t n, std::mt19937& rng) {
-    const size_t block = std::min<size_t>(n, size_t{1} << 22);
-    DeviceBuffer src(block * 2);
-    upload_bf16(src, random_bf16_values(rng, block));
-    for (size_t i = 0; i < n; i += block)
-        MF_CHECK_CUDA(
-            cudaMemcpy(dst.as<uint16_t>() + i, src.as<void>(), std::min(block, n - i) * 2, cudaMemcpyDeviceToDevice));
-}
-void poison(const DeviceBuffer& buf) { MF_CHECK_CUDA(cudaMemset(buf.as<void>(), 0xFF, buf.bytes())); }  // NaN
-
-// The tolerance rule of the file comment; NaN or a size mismatch fails.
-void expect_parity(const std::string& what, const std::vector<float>& gpu, const std::vector<float>& ref,
-                   const std::vector<float>& naive) {
-    ASSERT_EQ(gpu.size(), ref.size()) << what;
-    double err = 0.0, naive_err = 0.0, ref_max = 0.0, diff_sq = 0.0, ref_sq = 0.0;
-    size_t worst = 0, non_finite = 0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-        if (!std::isfinite(gpu[i])) {
-            ++non_finite;
-            continue;
-        }
-        const double e = std::fabs(static_cast<double>(gpu[i]) - ref[i]);
-        if (e > err) err = e, worst = i;
-        naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
-        ref_max = std::max(ref_max, std::fabs(static_cast<double>(ref[i])));
-        diff_sq += e * e;
-        ref_sq += static_cast<double>(ref[i]) * ref[i];
-    }
-    const double tol = 2.0 * naive_err + std::ldexp(std::max(1.0, ref_max), -16);
-    EXPECT_EQ(non_finite, 0u) << what << ": " << non_finite << " elements are not finite (never written?)";
-    EXPECT_LE(err, tol) << what << ": max error " << err << " at " << worst << " (gpu " << gpu[worst] << ", ref "
-                        << ref[worst] << "), tolerance " << tol;
-    std::printf("  %-48s max err %.3e  tol %.3e  rel-l2 %.3e\n", what.c_str(), err, tol,
-                ref_sq > 0 ? std::sqrt(diff_sq / ref_sq) : 0.0);
-}
 
 struct Shape {
     int64_t N, C, OC;
@@ -159,22 +46,22 @@ TEST(CudaGemm, ForwardParity) {
     std::mt19937 rng(1234);
     mf::cuda::GemmContext ctx;
     for (const Shape& s : kShapes) {
-        const auto inp = random_bf16_values(rng, s.N * s.C);
-        const auto weight = random_bf16_values(rng, s.OC * s.C);
+        const auto inp = random_bf16(rng, s.N * s.C);
+        const auto weight = random_bf16(rng, s.OC * s.C);
         std::vector<float> ref(s.N * s.OC);
         mf::cpu::matmul_forward(ref.data(), inp.data(), weight.data(), s.N, s.C, s.OC);
 
         DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2), d_out32(ref.size() * 4);
-        upload_bf16(d_inp, inp);
-        upload_bf16(d_w, weight);
-        poison(d_out);
-        poison(d_out32);
+        upload_bf16(d_inp.as<void>(), inp);
+        upload_bf16(d_w.as<void>(), weight);
+        d_out.poison();
+        d_out32.poison();
         mf::cuda::matmul_forward(ctx, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), s.N, s.C, s.OC, nullptr);
         mf::cuda::matmul_forward_f32out(ctx, d_out32.as<float>(), d_inp.as<bf16>(), d_w.as<bf16>(), s.N, s.C, s.OC,
                                         nullptr);
         MF_CHECK_CUDA(cudaDeviceSynchronize());
-        expect_parity(name("forward", s), download_bf16(d_out, ref.size()), ref, round_bf16(ref));
-        expect_parity(name("forward f32 out", s), download_f32(d_out32, ref.size()), ref, ref);
+        expect_parity(name("forward", s), download_bf16(d_out.as<void>(), ref.size()), ref, round_bf16(ref));
+        expect_parity(name("forward f32 out", s), download<float>(d_out32.as<void>(), ref.size()), ref, ref);
     }
 }
 
@@ -183,26 +70,26 @@ TEST(CudaGemm, BackwardInputParity) {
     mf::cuda::GemmContext ctx;
     for (const Shape& s : kShapes) {
         for (bool accumulate : {false, true}) {
-            const auto dout = random_bf16_values(rng, s.N * s.OC);
-            const auto weight = random_bf16_values(rng, s.OC * s.C);
-            const auto before = random_bf16_values(rng, s.N * s.C);
+            const auto dout = random_bf16(rng, s.N * s.OC);
+            const auto weight = random_bf16(rng, s.OC * s.C);
+            const auto before = random_bf16(rng, s.N * s.C);
             std::vector<float> product(s.N * s.C, 0.0f);
             mf::cpu::matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(), s.N, s.C, s.OC);
-            const auto ref = accumulate ? add(before, product) : product;
+            const auto ref = accumulate ? fp32_add(before, product) : product;
             const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
 
             DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
-            upload_bf16(d_dout, dout);
-            upload_bf16(d_w, weight);
+            upload_bf16(d_dout.as<void>(), dout);
+            upload_bf16(d_w.as<void>(), weight);
             if (accumulate)
-                upload_bf16(d_dinp, before);
+                upload_bf16(d_dinp.as<void>(), before);
             else
-                poison(d_dinp);
+                d_dinp.poison();
             mf::cuda::matmul_backward_input(ctx, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), s.N, s.C, s.OC,
                                             accumulate, nullptr);
             MF_CHECK_CUDA(cudaDeviceSynchronize());
             expect_parity(name(accumulate ? "backward input +=" : "backward input =", s),
-                          download_bf16(d_dinp, ref.size()), ref, naive);
+                          download_bf16(d_dinp.as<void>(), ref.size()), ref, naive);
         }
     }
 }
@@ -212,28 +99,29 @@ TEST(CudaGemm, BackwardWeightParity) {
     mf::cuda::GemmContext ctx;
     for (const Shape& s : kShapes) {
         for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
-            const auto dout = random_bf16_values(rng, s.N * s.OC);
-            const auto inp = random_bf16_values(rng, s.N * s.C);
-            const auto before = random_bf16_values(rng, s.OC * s.C);  // dweight accumulates
+            const auto dout = random_bf16(rng, s.N * s.OC);
+            const auto inp = random_bf16(rng, s.N * s.C);
+            const auto before = random_bf16(rng, s.OC * s.C);  // dweight accumulates
             std::vector<float> product(s.OC * s.C, 0.0f);
             mf::cpu::matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, s.N, s.C, s.OC);
-            const auto ref = add(before, product);
+            const auto ref = fp32_add(before, product);
 
             const bool f32 = dtype == mf::DType::f32;
             DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
-            upload_bf16(d_dout, dout);
-            upload_bf16(d_inp, inp);
+            upload_bf16(d_dout.as<void>(), dout);
+            upload_bf16(d_inp.as<void>(), inp);
             if (f32)
-                upload_f32(d_dw, before);
+                upload(d_dw.as<void>(), before);
             else
-                upload_bf16(d_dw, before);
+                upload_bf16(d_dw.as<void>(), before);
             mf::cuda::matmul_backward_weight(ctx, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N, s.C,
                                              s.OC, nullptr);
             MF_CHECK_CUDA(cudaDeviceSynchronize());
             if (f32)
-                expect_parity(name("backward weight f32 +=", s), download_f32(d_dw, ref.size()), ref, ref);
+                expect_parity(name("backward weight f32 +=", s), download<float>(d_dw.as<void>(), ref.size()), ref,
+                              ref);
             else
-                expect_parity(name("backward weight bf16 +=", s), download_bf16(d_dw, ref.size()), ref,
+                expect_parity(name("backward weight bf16 +=", s), download_bf16(d_dw.as<void>(), ref.size()), ref,
                               naive_bf16_add(before, product));
         }
     }
@@ -243,10 +131,10 @@ TEST(CudaGemm, EmptyShapes) {
     mf::cuda::GemmContext ctx;
     // C = 0: the forward output is written as zeros; N = 0 and OC = 0 touch nothing.
     DeviceBuffer out(4 * 8 * 2);
-    poison(out);
+    out.poison();
     mf::cuda::matmul_forward(ctx, out.as<bf16>(), nullptr, nullptr, 4, 0, 8, nullptr);
     MF_CHECK_CUDA(cudaDeviceSynchronize());
-    for (float x : download_bf16(out, 32)) EXPECT_EQ(x, 0.0f);
+    for (float x : download_bf16(out.as<void>(), 32)) EXPECT_EQ(x, 0.0f);
     mf::cuda::matmul_forward(ctx, nullptr, nullptr, nullptr, 0, 16, 8, nullptr);
     mf::cuda::matmul_backward_weight(ctx, nullptr, mf::DType::f32, nullptr, nullptr, 0, 16, 8, nullptr);
     EXPECT_THROW(mf::cuda::matmul_forward(ctx, out.as<bf16>(), nullptr, nullptr, -1, 4, 4, nullptr), mf::Error);
@@ -259,31 +147,8 @@ TEST(CudaGemm, EmptyShapes) {
 // ---------------------------------------------------------------------------------------------
 // MF_BENCH=1: µs and TFLOP/s at Qwen3-30B-A3B-like dense shapes (16384 tokens, hidden 2048)
 
-template <typename Fn>
-double median_us(Fn&& fn, int reps = 20) {
-    cudaEvent_t start, stop;
-    MF_CHECK_CUDA(cudaEventCreate(&start));
-    MF_CHECK_CUDA(cudaEventCreate(&stop));
-    for (int i = 0; i < 3; ++i) fn();
-    std::vector<float> times;
-    for (int i = 0; i < reps; ++i) {
-        MF_CHECK_CUDA(cudaEventRecord(start));
-        fn();
-        MF_CHECK_CUDA(cudaEventRecord(stop));
-        MF_CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        MF_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms * 1000.0f);
-    }
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-}
-
 TEST(CudaGemm, Benchmark) {
-    const char* bench = std::getenv("MF_BENCH");
-    if (bench == nullptr || std::string(bench) != "1") GTEST_SKIP() << "set MF_BENCH=1 to time";
+    if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1 to time";
     mf::cuda::GemmContext ctx;
     std::mt19937 rng(5);
     struct Case {
