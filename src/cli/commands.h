@@ -15,5 +15,6 @@ int cmd_eval(const Args& args);
 int cmd_finetune(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_bench(const Args& args);
+int cmd_launch(const Args& args);
 
 }  // namespace mf::cli

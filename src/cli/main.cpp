@@ -18,7 +18,8 @@ constexpr const char* kUsage =
     "  finetune  RECIPE.yaml [key.sub=value ...]                    train and write an HF directory\n"
     "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n"
     "  bench     --config CONFIG.json [--layers N --micro-batch B --seq-len T --steps S --profile]\n"
-    "                                                               time the training step on synthetic data\n";
+    "                                                               time the training step on synthetic data\n"
+    "  launch    --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- COMMAND ...\n";
 
 }  // namespace
 
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
         if (command == "finetune") return mf::cli::cmd_finetune(args);
         if (command == "tokenize") return mf::cli::cmd_tokenize(args);
         if (command == "bench") return mf::cli::cmd_bench(args);
+        if (command == "launch") return mf::cli::cmd_launch(args);
         std::fprintf(stderr, "moeforge: unknown command '%s'\n\n%s", command.c_str(), kUsage);
         return 2;
     } catch (const mf::Error& e) {
