@@ -1,0 +1,225 @@
+// NcclCommunicator (see nccl_communicator.h). The whole file is empty unless MOEFORGE_WITH_NCCL is
+// defined, because CMake globs every src/parallel/*.cpp into the library.
+#if defined(MOEFORGE_WITH_NCCL)
+
+#include "parallel/nccl_communicator.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "core/cuda_check.h"
+#include "ops/ops.h"
+#include "parallel/nccl_check.h"
+
+namespace mf::parallel {
+
+namespace {
+
+ncclDataType_t nccl_type(DType dtype) {
+    switch (dtype) {
+        case DType::f32: return ncclFloat32;
+        case DType::bf16: return ncclBfloat16;
+        case DType::i32: return ncclInt32;
+        case DType::i64: return ncclInt64;
+    }
+    MF_FAIL("no NCCL type for dtype ", dtype_name(dtype));
+}
+
+std::string seconds_str(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", s);
+    return buf;
+}
+
+ncclConfig_t nonblocking_config() {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    return config;
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(Rendezvous& rendezvous, double timeout_s, cudaStream_t stream, int device)
+    : stream_(stream), timeout_s_(timeout_s) {
+    const DistEnv& env = rendezvous.env();
+    MF_CHECK(timeout_s > 0, "communicator timeout must be positive, got ", timeout_s);
+    rank_ = env.rank;
+    size_ = env.world_size;
+    world_rank_ = env.rank;
+    MF_CHECK_CUDA(cudaSetDevice(device >= 0 ? device : env.local_rank));
+    std::string blob;
+    if (rank_ == 0) {
+        ncclUniqueId id;
+        MF_CHECK_NCCL(ncclGetUniqueId(&id));
+        blob.assign(reinterpret_cast<const char*>(&id), sizeof id);
+    }
+    rendezvous.share_blob(blob);
+    if (blob.size() != sizeof(ncclUniqueId)) fail("rank ", rank_, ": NCCL unique id from rank 0 has ", blob.size(), " bytes");
+    ncclUniqueId id;
+    std::memcpy(&id, blob.data(), sizeof id);
+    ncclConfig_t config = nonblocking_config();
+    MF_CHECK_NCCL(ncclCommInitRankConfig(&comm_, size_, id, rank_, &config));
+    wait_nccl("init");
+    MF_CHECK_CUDA(cudaMalloc(&scratch_, 16));
+}
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream,
+                                   const char* what)
+    : comm_(comm), stream_(stream), world_rank_(world_rank), timeout_s_(timeout_s) {
+    wait_nccl(what);  // a nonblocking child may still be initialising
+    MF_CHECK_NCCL(ncclCommUserRank(comm_, &rank_));
+    MF_CHECK_NCCL(ncclCommCount(comm_, &size_));
+    MF_CHECK_CUDA(cudaMalloc(&scratch_, 16));
+}
+
+NcclCommunicator::~NcclCommunicator() {
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    if (comm_ != nullptr) {
+        // Finalize flushes outstanding work; if it cannot finish in time, abort instead of hanging.
+        ncclCommFinalize(comm_);
+        const double deadline = net::now_s() + timeout_s_;
+        ncclResult_t state = ncclInProgress;
+        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress && net::now_s() < deadline)
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (state == ncclSuccess) ncclCommDestroy(comm_);
+        else ncclCommAbort(comm_);
+    }
+}
+
+void NcclCommunicator::abort_with(const char* op, const std::string& why) {
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    fail("rank ", world_rank_, ": ", why, " in ", op, " (tag ", seq_, "); NCCL communicator aborted");
+}
+
+void NcclCommunicator::wait_nccl(const char* op) {
+    const double deadline = net::now_s() + timeout_s_;
+    for (;;) {
+        ncclResult_t state = ncclSuccess;
+        MF_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
+        if (state == ncclSuccess) return;
+        if (state != ncclInProgress) abort_with(op, detail::concat("NCCL error: ", ncclGetErrorString(state)));
+        if (net::now_s() > deadline)
+            abort_with(op, detail::concat("timed out after ", seconds_str(timeout_s_),
+                                          " s waiting for the other ranks (NCCL does not name the late peer)"));
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+}
+
+uint32_t NcclCommunicator::begin(const char* op) {
+    MF_CHECK(comm_ != nullptr, "rank ", world_rank_, ": ", op, " on an aborted NCCL communicator");
+    last_op_ = op;
+    return ++seq_;
+}
+
+void NcclCommunicator::synchronize() {
+    if (comm_ == nullptr) return;
+    const double deadline = net::now_s() + timeout_s_;
+    for (;;) {
+        const cudaError_t status = cudaStreamQuery(stream_);
+        if (status == cudaSuccess) return;
+        if (status != cudaErrorNotReady) MF_CHECK_CUDA(status);
+        ncclResult_t state = ncclSuccess;
+        MF_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
+        if (state != ncclSuccess && state != ncclInProgress)
+            abort_with(last_op_, detail::concat("NCCL error: ", ncclGetErrorString(state)));
+        if (net::now_s() > deadline)
+            abort_with(last_op_, detail::concat("timed out after ", seconds_str(timeout_s_),
+                                                " s waiting for the other ranks (NCCL does not name the late peer)"));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+}
+
+void NcclCommunicator::all_reduce_sum(void* data, int64_t count, DType dtype) {
+    const char* op = "all_reduce_sum";
+    const size_t nbytes = checked_nbytes(count, dtype, op);
+    begin(op);
+    if (nbytes == 0) return;
+    if (dtype != DType::bf16) {
+        MF_CHECK_NCCL(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, comm_, stream_));
+        wait_nccl(op);
+        return;
+    }
+    // bf16: sum in fp32, round once (the default stream orders the casts with stream_, see header).
+    Buffer wide(static_cast<size_t>(count) * sizeof(float), Device::cuda);
+    const Tensor narrow(data, DType::bf16, {count}, Device::cuda);
+    const Tensor f32 = wide.as(DType::f32, {count});
+    ops::cast(f32, narrow);
+    MF_CHECK_NCCL(ncclAllReduce(f32.data(), f32.data(), static_cast<size_t>(count), ncclFloat32, ncclSum, comm_, stream_));
+    wait_nccl(op);
+    ops::cast(narrow, f32);
+    synchronize();  // `wide` is freed on return
+}
+
+void NcclCommunicator::broadcast(void* data, int64_t count, DType dtype, int root) {
+    const char* op = "broadcast";
+    checked_nbytes(count, dtype, op);
+    MF_CHECK(root >= 0 && root < size_, op, ": root ", root, " outside group of ", size_);
+    begin(op);
+    MF_CHECK_NCCL(ncclBroadcast(data, data, static_cast<size_t>(count), nccl_type(dtype), root, comm_, stream_));
+    wait_nccl(op);
+}
+
+void NcclCommunicator::all_gather(const void* send, void* recv, int64_t count, DType dtype) {
+    const char* op = "all_gather";
+    checked_nbytes(count, dtype, op);
+    begin(op);
+    MF_CHECK_NCCL(ncclAllGather(send, recv, static_cast<size_t>(count), nccl_type(dtype), comm_, stream_));
+    wait_nccl(op);
+}
+
+void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                    std::span<const int64_t> send_offsets, void* recv,
+                                    std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                                    DType dtype) {
+    const char* op = "all_to_all_v";
+    const size_t n = static_cast<size_t>(size_);
+    MF_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
+                 recv_offsets.size() == n,
+             op, ": counts and offsets need ", n, " entries each");
+    for (size_t p = 0; p < n; ++p) {
+        MF_CHECK(send_offsets[p] >= 0 && recv_offsets[p] >= 0, op, ": negative offset for peer ", p);
+        checked_nbytes(send_counts[p], dtype, op);
+        checked_nbytes(recv_counts[p], dtype, op);
+    }
+    begin(op);
+    const size_t elem = dtype_size(dtype);
+    const ncclDataType_t type = nccl_type(dtype);
+    const char* in = static_cast<const char*>(send);
+    char* out = static_cast<char*>(recv);
+    MF_CHECK_NCCL(ncclGroupStart());
+    for (size_t p = 0; p < n; ++p) {
+        const int peer = static_cast<int>(p);
+        if (send_counts[p] > 0)
+            MF_CHECK_NCCL(ncclSend(in + send_offsets[p] * elem, static_cast<size_t>(send_counts[p]), type, peer, comm_, stream_));
+        if (recv_counts[p] > 0)
+            MF_CHECK_NCCL(ncclRecv(out + recv_offsets[p] * elem, static_cast<size_t>(recv_counts[p]), type, peer, comm_, stream_));
+    }
+    MF_CHECK_NCCL(ncclGroupEnd());
+    wait_nccl(op);
+}
+
+void NcclCommunicator::barrier() {
+    const char* op = "barrier";
+    begin(op);
+    MF_CHECK_NCCL(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_));
+    wait_nccl(op);
+    synchronize();
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+    const char* op = "split";
+    begin(op);
+    ncclConfig_t config = nonblocking_config();
+    ncclComm_t child = nullptr;
+    MF_CHECK_NCCL(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config));
+    wait_nccl(op);
+    if (color < 0 || child == nullptr) return nullptr;
+    return std::unique_ptr<Communicator>(new NcclCommunicator(child, world_rank_, timeout_s_, stream_, op));
+}
+
+}  // namespace mf::parallel
+
+#endif  // MOEFORGE_WITH_NCCL

@@ -1,0 +1,72 @@
+// NcclCommunicator: the GPU backend of Communicator. Buffers are device memory of the current GPU;
+// built only where CUDA is on and NCCL is found (cmake/nccl.cmake defines MOEFORGE_WITH_NCCL).
+//
+// Semantics that differ from the TCP backend:
+//   - Collectives are stream-ordered: each call enqueues on the communicator's stream and returns;
+//     synchronize() waits for them. The stream must be the legacy default stream (nullptr) or a
+//     blocking stream, so that ops:: kernels on the default stream are ordered with it.
+//   - No wait is unbounded: the communicator is created nonblocking (ncclConfig_t.blocking = 0);
+//     initialisation, enqueueing and synchronize() poll NCCL's async state and the stream, and after
+//     timeout_s seconds abort the communicator (ncclCommAbort) and throw mf::Error naming this rank,
+//     the operation and its tag. NCCL does not say which peer is late, so the message says so.
+//   - all_reduce_sum of bf16 converts to a temporary fp32 buffer (ops::cast), reduces in fp32 and
+//     rounds once, as the TCP backend does. NCCL's reduction order is fixed for a given world size,
+//     topology and NCCL_ALGO/NCCL_PROTO, so results are run-to-run deterministic and identical on every
+//     rank (ring and tree both finish by copying one reduced value to all).
+//   - split() is ncclCommSplit; barrier() is a one-element all-reduce followed by synchronize().
+#pragma once
+
+#if defined(MOEFORGE_WITH_NCCL)
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "parallel/communicator.h"
+#include "parallel/rendezvous.h"
+
+namespace mf::parallel {
+
+class NcclCommunicator final : public Communicator {
+ public:
+    // Collective over the ranks of `rendezvous`: selects GPU `device` (default: the local rank), rank 0
+    // creates the NCCL unique id and shares it through the rendezvous, every rank joins.
+    NcclCommunicator(Rendezvous& rendezvous, double timeout_s, cudaStream_t stream = nullptr, int device = -1);
+    ~NcclCommunicator() override;
+
+    int rank() const override { return rank_; }
+    int size() const override { return size_; }
+    int world_rank() const override { return world_rank_; }
+    double timeout_s() const override { return timeout_s_; }
+    const char* backend() const override { return "nccl"; }
+    ncclComm_t handle() const { return comm_; }
+    cudaStream_t stream() const { return stream_; }
+
+    void all_reduce_sum(void* data, int64_t count, DType dtype) override;
+    void broadcast(void* data, int64_t count, DType dtype, int root) override;
+    void all_gather(const void* send, void* recv, int64_t count, DType dtype) override;
+    void all_to_all_v(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
+                      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                      DType dtype) override;
+    void barrier() override;
+    void synchronize() override;
+    std::unique_ptr<Communicator> split(int color, int key) override;
+
+ private:
+    NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
+    // Waits until the (nonblocking) communicator has finished the last NCCL call, with the timeout.
+    void wait_nccl(const char* op);
+    [[noreturn]] void abort_with(const char* op, const std::string& why);
+    uint32_t begin(const char* op);
+
+    ncclComm_t comm_ = nullptr;
+    cudaStream_t stream_ = nullptr;
+    int rank_ = 0, size_ = 1, world_rank_ = 0;
+    double timeout_s_ = 0;
+    uint32_t seq_ = 0;
+    const char* last_op_ = "init";
+    void* scratch_ = nullptr;  // 16 bytes of device memory for barrier()
+};
+
+}  // namespace mf::parallel
+
+#endif  // MOEFORGE_WITH_NCCL
