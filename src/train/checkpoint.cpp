@@ -64,7 +64,7 @@ const json::Value* lookup(const json::Value& v, const char* a, const char* b) {
 }  // namespace
 
 void save_checkpoint(const fs::path& root, const CheckpointState& state, model::Qwen3Moe& model, AdamW& adam,
-                     int64_t keep) {
+                     int64_t keep, const CheckpointLayout& layout) {
     fs::create_directories(root);
     const fs::path final_dir = root / step_dir_name(state.step);
     {
@@ -81,8 +81,8 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
         json::Value s = json::Value::object();
         s.set("magic", kCheckpointMagic);
         s.set("format_version", kCheckpointFormatVersion);
-        s.set("world_size", 1);
-        s.set("ep_size", 1);
+        s.set("world_size", layout.world_size);
+        s.set("ep_size", layout.ep_size);
         s.set("config_hash", hex(model.config().hash()));
         s.set("num_params", P);
         s.set("step", state.step);
@@ -110,7 +110,7 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
 }
 
 CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model::Qwen3Moe& model, AdamW& adam,
-                                bool force) {
+                                bool force, const CheckpointLayout& layout) {
     const fs::path state_file = dir / "state.json";
     const std::string where = state_file.string();
     const json::Value s = json::parse(io::read_text_file(state_file, 64u << 20), where);
@@ -124,9 +124,12 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
     if (!field("format_version").is_int() || field("format_version").as_int() != kCheckpointFormatVersion)
         fail(where, ": checkpoint format version ", field("format_version").dump(), ", this build reads version ",
              kCheckpointFormatVersion);
-    if (field("world_size").as_int() != 1 || field("ep_size").as_int() != 1)
+    if (!field("world_size").is_int() || !field("ep_size").is_int())
+        fail(where, ": \"world_size\" and \"ep_size\" must be integers");
+    if (field("world_size").as_int() != layout.world_size || field("ep_size").as_int() != layout.ep_size)
         fail(where, ": checkpoint written with world size ", field("world_size").as_int(), " and EP size ",
-             field("ep_size").as_int(), "; this run has world size 1, EP size 1");
+             field("ep_size").as_int(), "; this run has world size ", layout.world_size, ", EP size ", layout.ep_size,
+             " (resuming at another world size is not supported yet)");
     if (field("config_hash").as_string() != hex(model.config().hash()))
         fail(where, ": the checkpoint was written for a different model config (hash ", field("config_hash").as_string(),
              ", this model ", hex(model.config().hash()), ")");

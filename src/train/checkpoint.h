@@ -27,6 +27,14 @@ namespace mf::train {
 constexpr const char* kCheckpointMagic = "moeforge-training-checkpoint";
 constexpr int64_t kCheckpointFormatVersion = 1;
 
+// The parallel layout a checkpoint was written under. A checkpoint resumes only at the same world
+// and EP size: the data-loader state is a position in the global batch order, and the batch each
+// rank reads depends on the world size.
+struct CheckpointLayout {
+    int64_t world_size = 1;
+    int64_t ep_size = 1;
+};
+
 struct CheckpointState {
     int64_t step = 0;  // optimizer steps completed
     int64_t adam_step = 0;
@@ -34,9 +42,10 @@ struct CheckpointState {
     json::Value recipe;
 };
 
-// Writes OUT/checkpoints/step-<step> and prunes to the newest `keep`.
+// Writes OUT/checkpoints/step-<step> and prunes to the newest `keep`. In a multi-process run only
+// rank 0 calls it (with ep_size 1 every rank holds the same parameters and AdamW state).
 void save_checkpoint(const std::filesystem::path& root, const CheckpointState& state, model::Qwen3Moe& model,
-                     AdamW& adam, int64_t keep);
+                     AdamW& adam, int64_t keep, const CheckpointLayout& layout = {});
 
 // The newest complete checkpoint under root, if any.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root);
@@ -44,6 +53,6 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // Validates (magic, version, world/EP size, config hash, the recipe keys a resume must not
 // change unless `force`) and restores model parameters and AdamW state; returns the state.
 CheckpointState load_checkpoint(const std::filesystem::path& dir, const Recipe& recipe, model::Qwen3Moe& model,
-                                AdamW& adam, bool force);
+                                AdamW& adam, bool force, const CheckpointLayout& layout = {});
 
 }  // namespace mf::train

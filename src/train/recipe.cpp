@@ -20,7 +20,7 @@ namespace {
 
 using json::Value;
 
-constexpr std::string_view kSections[] = {"data", "train", "optim", "checkpoint"};
+constexpr std::string_view kSections[] = {"data", "train", "optim", "checkpoint", "dist"};
 
 constexpr std::string_view kKnownKeys[] = {
     "model",
@@ -49,6 +49,8 @@ constexpr std::string_view kKnownKeys[] = {
     "optim.min_lr_ratio",
     "checkpoint.every",
     "checkpoint.keep",
+    "dist.ep_size",
+    "dist.timeout_s",
     "seed",
     "device",
     "precision",
@@ -413,6 +415,9 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     conv.get_int("checkpoint.every", 0, kMaxInt, r.checkpoint.every);
     conv.get_int("checkpoint.keep", 1, 1 << 20, r.checkpoint.keep);
 
+    conv.get_int("dist.ep_size", 1, 1 << 20, r.dist.ep_size);
+    conv.get_number("dist.timeout_s", 0, kInf, true, false, "a finite number of seconds > 0", r.dist.timeout_s);
+
     conv.get_int("seed", 0, kMaxInt, r.seed);
     conv.get_choice("device", {"auto", "cpu", "cuda"}, r.device);
     conv.get_choice("precision", {"bf16", "mixed"}, r.precision);
@@ -466,6 +471,7 @@ json::Value Recipe::to_json() const {
                                       {"warmup_steps", optim.warmup_steps},
                                       {"min_lr_ratio", optim.min_lr_ratio}})},
         {"checkpoint", Value(Value::Object{{"every", checkpoint.every}, {"keep", checkpoint.keep}})},
+        {"dist", Value(Value::Object{{"ep_size", dist.ep_size}, {"timeout_s", dist.timeout_s}})},
         {"seed", seed},
         {"device", device},
         {"precision", precision},

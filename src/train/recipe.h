@@ -70,6 +70,12 @@ struct Recipe {
         int64_t keep = 2;   // newest checkpoints kept, >= 1
     } checkpoint;
 
+    // Multi-process runs (WORLD_SIZE > 1 in the environment; see train/distributed.h).
+    struct Dist {
+        int64_t ep_size = 1;        // expert-parallel group size: divides the world size and the expert count
+        double timeout_s = 300.0;   // longest any single collective wait may last before the run fails, > 0
+    } dist;
+
     int64_t seed = 0;                // >= 0
     std::string device = "auto";     // auto | cpu | cuda
     std::string precision = "bf16";  // bf16 | mixed (see DESIGN.md, Precision)

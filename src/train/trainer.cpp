@@ -16,6 +16,7 @@
 #include "io/file.h"
 #include "model/qwen3_moe.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/hf_checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/optimizer.h"
@@ -80,20 +81,30 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     const auto t_start = std::chrono::steady_clock::now();
     const Device device = resolve_device(recipe);
     const bool mixed = recipe.precision == "mixed";
+    // Before the model: on cuda the NCCL communicator selects this rank's GPU.
+    const std::unique_ptr<DistContext> dist = DistContext::from_environment(recipe, device);
+    const bool is_main = dist->is_main();
     model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32};
     const fs::path model_dir = recipe.model;
     json::Value raw_config;
     auto model = load_hf_model(model_dir, &raw_config, placement);
     model->set_recompute(model::parse_recompute(recipe.train.recompute));
     const auto& cfg = model->config();
+    if (dist->ep_size() > 1)
+        fail(recipe.source, ": dist.ep_size = ", dist->ep_size(),
+             ": expert parallelism is not implemented in the trainer yet; use dist.ep_size: 1 (data parallelism)");
 
     const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
     data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
-                        recipe.data.shuffle, static_cast<uint64_t>(recipe.seed));
+                        recipe.data.shuffle, static_cast<uint64_t>(recipe.seed), 0,
+                        data::LoaderShard{dist->rank(), dist->world_size()});
+    const CheckpointLayout layout{dist->world_size(), dist->ep_size()};
 
     const fs::path out = recipe.out;
-    fs::create_directories(out);
-    io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
+    if (is_main) {
+        fs::create_directories(out);
+        io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
+    }
     AdamW optimizer(*model, recipe.optim, mixed);
     const fs::path ckpt_root = out / "checkpoints";
     int64_t first_step = 0;
@@ -102,18 +113,22 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         if (resume.from == "auto") dir = latest_checkpoint(ckpt_root);
         else dir = fs::path(resume.from);
         if (!dir) {
-            std::printf("resume: no checkpoint under %s, starting from step 0\n", ckpt_root.string().c_str());
+            if (is_main)
+                std::printf("resume: no checkpoint under %s, starting from step 0\n", ckpt_root.string().c_str());
         } else {
-            const CheckpointState st = load_checkpoint(*dir, recipe, *model, optimizer, resume.force);
+            const CheckpointState st = load_checkpoint(*dir, recipe, *model, optimizer, resume.force, layout);
             if (st.step > recipe.train.steps)
                 fail(dir->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
             loader.restore(st.loader);
             first_step = st.step;
-            std::printf("resumed from %s (step %lld)\n", dir->string().c_str(), static_cast<long long>(st.step));
+            if (is_main)
+                std::printf("resumed from %s (step %lld)\n", dir->string().c_str(), static_cast<long long>(st.step));
         }
     }
     // metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
-    {
+    // Only rank 0 writes files; the other ranks' metrics_file stays closed.
+    std::ofstream metrics_file;
+    if (is_main) {
         std::string kept;
         if (first_step > 0 && fs::exists(out / "metrics.jsonl")) {
             const std::string old = io::read_text_file(out / "metrics.jsonl", size_t{1} << 30);
@@ -131,44 +146,58 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
             }
         }
         io::atomic_write_file(out / "metrics.jsonl", kept);
+        metrics_file.open(out / "metrics.jsonl", std::ios::app);
+        if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
     }
-    std::ofstream metrics_file(out / "metrics.jsonl", std::ios::app);
-    if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
 
     const int64_t P = model->num_params();
     const double state_bytes_per_param = device == Device::cpu ? 16.0 : (mixed ? 2.0 + 4.0 + 12.0 : 8.0);
     const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
-    const bool tty = isatty(fileno(stdout)) != 0;
-    std::printf("moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | %s\n",
-                model_dir.string().c_str(), static_cast<long long>(P), static_cast<long long>(model->num_active_params()),
-                static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
-                static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum), device_name(device));
+    const bool tty = is_main && isatty(fileno(stdout)) != 0;
+    if (is_main)
+        std::printf(
+            "moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | "
+            "%s%s%s\n",
+            model_dir.string().c_str(), static_cast<long long>(P), static_cast<long long>(model->num_active_params()),
+            static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
+            static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum),
+            device_name(device), dist->distributed() ? " | " : "", dist->describe().c_str());
 
     TrainSummary summary;
     summary.out_dir = out.string();
     for (int64_t step = first_step; step < recipe.train.steps; ++step) {
         const auto t0 = std::chrono::steady_clock::now();
         std::vector<data::Batch> micro;
-        int64_t targets = 0, tokens = 0;
+        int64_t local_targets = 0, local_tokens = 0;
         for (int64_t a = 0; a < recipe.train.grad_accum; ++a) {
             micro.push_back(loader.next());
-            targets += micro.back().num_targets();
-            tokens += micro.back().num_real_tokens();
+            local_targets += micro.back().num_targets();
+            local_tokens += micro.back().num_real_tokens();
         }
+        // The loss is HF's over the union of every rank's micro-batches: CE summed everywhere over
+        // the global target count, aux the mean over all grad_accum x world micro-batches.
+        const int64_t targets = dist->sum_i64(local_targets);
+        const double num_micro = static_cast<double>(micro.size()) * static_cast<double>(dist->world_size());
         model::LossScales scales;
         scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
-        scales.aux = add_aux ? cfg.router_aux_loss_coef / static_cast<double>(micro.size()) : 0.0;
-        double ce_sum = 0, aux_sum = 0;
+        scales.aux = add_aux ? cfg.router_aux_loss_coef / num_micro : 0.0;
+        double local_ce = 0, local_aux = 0;
         for (const auto& b : micro) {
             const model::StepStats s = model->step(b, &scales);
-            ce_sum += s.ce_sum;
-            aux_sum += s.aux;
+            local_ce += s.ce_sum;
+            local_aux += s.aux;
         }
+        const double local_sums[3] = {local_ce, local_aux, static_cast<double>(local_tokens)};
+        const std::vector<double> sums = dist->sum_f64(local_sums);
+        const double ce_sum = sums[0], aux_sum = sums[1];
+        const int64_t tokens = static_cast<int64_t>(sums[2]);
+        dist->all_reduce_grads(*model);
         StepMetrics m;
         m.step = step + 1;
         m.ce_loss = targets > 0 ? ce_sum / static_cast<double>(targets) : 0.0;
-        m.aux_loss = aux_sum / static_cast<double>(micro.size());
+        m.aux_loss = aux_sum / num_micro;
         m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
+        // The gradients are identical on every rank, so this global norm is too.
         m.grad_norm = clip_grad_norm(*model, recipe.train.grad_clip);
         m.lr = lr_at(recipe.optim, step, recipe.train.steps);
         bool skipped = false;
@@ -178,11 +207,12 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
                                                              : "gradient norm, first in the gradient of " +
                                                                    model->locate_nonfinite_gradient();
             if (recipe.train.on_nonfinite == "stop") {
-                metrics_file << m.to_json().dump() << "\n";
+                if (is_main) metrics_file << m.to_json().dump() << "\n";
                 fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
             }
-            std::printf("step %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n",
-                        static_cast<long long>(m.step), where.c_str());
+            if (is_main)
+                std::printf("step %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n",
+                            static_cast<long long>(m.step), where.c_str());
             skipped = true;
         } else {
             optimizer.step(m.lr);
@@ -194,6 +224,9 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         // params + grads + AdamW state (per the policy) + the activation arena's high-water mark.
         m.peak_mem_gib = (state_bytes_per_param * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
                          (1024.0 * 1024.0 * 1024.0);
+        if (step == first_step) summary.first_loss = m.loss;
+        summary.last_loss = m.loss;
+        if (!is_main) continue;  // every rank's m is the same; rank 0 records it
         json::Value line = m.to_json();
         if (skipped) line.set("skipped", true);
         metrics_file << line.dump() << "\n";
@@ -204,10 +237,8 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
             st.adam_step = optimizer.step_count();
             st.loader = loader.state();
             st.recipe = recipe.to_json();
-            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep);
+            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep, layout);
         }
-        if (step == first_step) summary.first_loss = m.loss;
-        summary.last_loss = m.loss;
         if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
             if (tty) std::printf("\r\033[K");
             std::printf("step %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s\n",
@@ -217,6 +248,14 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         print_progress(m.step, recipe.train.steps, tty);
     }
     if (tty) std::printf("\r\033[K");
+    summary.steps = recipe.train.steps;
+    if (!is_main) {
+        // Rank 0 writes the export; returning only after it has keeps every rank's exit status
+        // meaningful (a failed export on rank 0 makes this barrier fail here too).
+        dist->barrier();
+        summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+        return summary;
+    }
     metrics_file.close();
     if (dataset.skipped_lines > 0)
         std::printf("skipped %lld bad dataset lines; first: %s\n", static_cast<long long>(dataset.skipped_lines),
@@ -239,7 +278,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         }
         dir.commit();
     }
-    summary.steps = recipe.train.steps;
+    dist->barrier();
     summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     std::printf("wrote %s (HF model directory) in %.1f s; loss %.4f -> %.4f\n", out.string().c_str(), summary.seconds,
                 summary.first_loss, summary.last_loss);

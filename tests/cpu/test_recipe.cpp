@@ -515,6 +515,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
         "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
         "full, on_nonfinite: skip}\n"
         "checkpoint: {every: 3, keep: 5}\n"
+        "dist: {ep_size: 2, timeout_s: 7.5}\n"
         "optim:\n"
         "  lr: 0.125\n"
         "  betas: [0.5, 0.75]\n"
@@ -540,12 +541,14 @@ TEST(Recipe, ToJsonHasEveryKey) {
             ++num_leaves;
         }
     }
-    EXPECT_EQ(num_leaves, 30u);
+    EXPECT_EQ(num_leaves, 32u);
     const Recipe back = parse_recipe("", "back", overrides);
     EXPECT_EQ(back.to_json().dump(), j.dump());
     EXPECT_EQ(back.optim.no_decay, r.optim.no_decay);
     EXPECT_EQ(back.optim.beta2, 0.75);
     EXPECT_EQ(back.train.recompute, "full");
+    EXPECT_EQ(back.dist.ep_size, 2);
+    EXPECT_EQ(back.dist.timeout_s, 7.5);
     EXPECT_EQ(j.find("optim")->find("betas")->as_array()[0].as_double(), 0.5);
 }
 
@@ -824,4 +827,19 @@ TEST(LrSchedule, FromRecipe) {
     EXPECT_EQ(lr_at(r.optim, 0, r.train.steps), 0.0);
     EXPECT_NEAR(lr_at(r.optim, 20, r.train.steps), 1e-4, 1e-19);
     EXPECT_NEAR(lr_at(r.optim, 60, r.train.steps), 0.5e-4, 1e-18);  // (60 - 20) / 80 = 0.5
+}
+
+TEST(Recipe, DistKeys) {
+    const Recipe d = parse_recipe(kMinimal, "x.yaml", {});
+    EXPECT_EQ(d.dist.ep_size, 1);
+    EXPECT_EQ(d.dist.timeout_s, 300.0);
+    const Recipe r = parse_recipe(kMinimal, "x.yaml", {"dist.ep_size=4", "dist.timeout_s=12"});
+    EXPECT_EQ(r.dist.ep_size, 4);
+    EXPECT_EQ(r.dist.timeout_s, 12.0);
+    const std::string zero = error_of([] { parse_recipe(kMinimal, "x.yaml", {"dist.ep_size=0"}); });
+    EXPECT_NE(zero.find("dist.ep_size"), std::string::npos) << zero;
+    const std::string timeout = error_of([] { parse_recipe(kMinimal, "x.yaml", {"dist.timeout_s=0"}); });
+    EXPECT_NE(timeout.find("dist.timeout_s"), std::string::npos) << timeout;
+    const std::string typo = error_of([] { parse_recipe(kMinimal, "x.yaml", {"dist.ep=2"}); });
+    EXPECT_NE(typo.find("dist.ep_size"), std::string::npos) << typo;
 }

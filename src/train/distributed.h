@@ -1,0 +1,76 @@
+// The trainer's view of a multi-process run: who this rank is, and the few collectives one
+// optimizer step needs, on top of parallel::Communicator.
+//
+// A run is distributed when the environment says WORLD_SIZE > 1 (moeforge launch, torchrun, SLURM;
+// parallel/rendezvous.h). Then the world communicator is TCP on the CPU device and NCCL on cuda
+// (the NCCL one is created before the model so that it selects GPU LOCAL_RANK first), and the EP/DP
+// process groups come from make_process_groups(world, dist.ep_size). Without WORLD_SIZE > 1 there is
+// no communicator and every collective below is the identity, so a single-process run computes
+// exactly what it did before distribution existed.
+//
+// Data: every rank reads its own rows of each global micro-batch (data::LoaderShard{rank, world}):
+// the batch one rank with micro_batch × world would see, split in rank order. Every rank holds
+// different tokens, so replicated parameters' gradients sum over the whole world (and, under EP,
+// expert gradients over the DP group, whose ranks hold the same experts).
+//
+// Determinism: the scalar sums (sum_f64) gather every rank's values bit for bit and add them in
+// rank order in double on every rank, so all ranks get the same bits; the gradient all-reduce is
+// the communicator's fixed-order sum (TCP: fp32 in rank order at group rank 0), so a DP run is
+// bitwise reproducible from run to run and every rank holds identical gradients.
+// Failures: any collective throws mf::Error after dist.timeout_s without progress or at once when a
+// peer's connection drops, so when one rank dies every other one exits non-zero.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/qwen3_moe.h"
+#include "parallel/communicator.h"
+#include "train/recipe.h"
+
+namespace mf::train {
+
+class DistContext {
+ public:
+    // Reads the process environment; for WORLD_SIZE > 1 runs the rendezvous and builds the world
+    // communicator and the process groups (collective: every rank must call it). Errors name the
+    // recipe key (dist.ep_size) or the environment variable at fault.
+    static std::unique_ptr<DistContext> from_environment(const Recipe& recipe, Device device);
+    // A single-process context (no communicator).
+    DistContext() = default;
+    ~DistContext();
+    DistContext(const DistContext&) = delete;
+    DistContext& operator=(const DistContext&) = delete;
+
+    int rank() const { return rank_; }
+    int world_size() const { return layout_.world_size; }
+    int ep_size() const { return layout_.ep_size; }
+    bool distributed() const { return layout_.world_size > 1; }
+    // Rank 0 writes logs, metrics, checkpoints and the export; the others write nothing.
+    bool is_main() const { return rank_ == 0; }
+    // "world 2 (dp 2 x ep 1, tcp)" for the start line; "" for a single process.
+    std::string describe() const;
+
+    // Element-wise sums over the world, identical bits on every rank ([in] this rank's values,
+    // returns the sums in the same order).
+    std::vector<double> sum_f64(std::span<const double> values);
+    int64_t sum_i64(int64_t value);
+    // The model's gradients summed over the world in place (every parameter is replicated while
+    // ep_size is 1). On return every rank holds the same gradient buffer.
+    void all_reduce_grads(model::Qwen3Moe& model);
+    // Returns when every rank has reached it (the identity for a single process).
+    void barrier();
+
+ private:
+    int rank_ = 0;
+    Device device_ = Device::cpu;
+    parallel::ParallelLayout layout_;
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mf::train
