@@ -253,7 +253,8 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     const int64_t N = B * T, H = c.hidden_size;
     const DType act = act_dtype_;
     const AttentionDims ad = attention_dims(c);
-    const MoeDims md = moe_dims(c);
+    MoeDims md = moe_dims(c);
+    md.ep = ep_;
     Arena& A = ws.arena;
     ws.ids = A.alloc(DType::i32, {N});
     ws.targets = A.alloc(DType::i32, {N});
@@ -307,6 +308,18 @@ Recompute parse_recompute(std::string_view name) {
     fail("unknown recompute mode \"", name, "\" (none, moe, full)");
 }
 
+void Qwen3Moe::set_expert_parallel(parallel::Communicator* ep_group) {
+    if (ep_group != nullptr && ep_group->size() > 1) {
+        if (placement_.device != Device::cpu) fail("expert parallelism runs on the CPU backend only for now");
+        if (config_.num_experts % ep_group->size() != 0)
+            fail("dist.ep_size = ", ep_group->size(), " must divide the number of experts (", config_.num_experts, ")");
+        ep_ = ep_group;
+    } else {
+        ep_ = nullptr;
+    }
+    ws_->B = -1;  // the activation plan changes
+}
+
 void Qwen3Moe::set_recompute(Recompute r) {
     recompute_ = r;
     ws_->B = -1;  // the activation plan changes
@@ -323,7 +336,11 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, attention_dims(c), B, T, ws.positions, ws.doc_ids);
     ops::add(la.x_mid, x, la.attn_out);
     ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
-    if (L.is_moe) moe_block_forward(la.ffn_out, ws.moe_acts(l, recompute_), la.ln2, L.moe, moe_dims(c));
+    if (L.is_moe) {
+        MoeDims md = moe_dims(c);
+        md.ep = ep_;
+        moe_block_forward(la.ffn_out, ws.moe_acts(l, recompute_), la.ln2, L.moe, md);
+    }
     else mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
     ops::add(ws.resid[static_cast<size_t>(l + 1)], la.x_mid, la.ffn_out);
 }
@@ -351,7 +368,8 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     plan(B, T);
     Workspace& ws = *ws_;
     const AttentionDims ad = attention_dims(c);
-    const MoeDims md = moe_dims(c);
+    MoeDims md = moe_dims(c);
+    md.ep = ep_;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const Tensor wte = param("model.embed_tokens.weight");
     const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";

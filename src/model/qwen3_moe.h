@@ -24,6 +24,7 @@
 #include "model/ffn_blocks.h"
 #include "model/param_table.h"
 #include "model/qwen3_moe_config.h"
+#include "parallel/communicator.h"
 
 namespace mf::model {
 
@@ -86,6 +87,13 @@ class Qwen3Moe {
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
 
+    // Expert parallelism over `ep_group` (CPU only for now; null turns it off): this rank computes
+    // experts [rank·E/S, (rank+1)·E/S) of every MoE layer for the tokens the group's ranks route to
+    // them (model/ffn_blocks.h). Every rank still holds all parameters; only the local experts'
+    // gradients are written here, so the gradient buffer must be summed over the world afterwards.
+    // Every rank of the group must call step() in lockstep. The group must outlive the model's use.
+    void set_expert_parallel(parallel::Communicator* ep_group);
+
     void set_recompute(Recompute r);
     Recompute recompute() const { return recompute_; }
 
@@ -126,6 +134,7 @@ class Qwen3Moe {
     std::vector<Layer> layers_;
     std::unique_ptr<Workspace> ws_;
     Recompute recompute_ = Recompute::none;
+    parallel::Communicator* ep_ = nullptr;
 };
 
 }  // namespace mf::model

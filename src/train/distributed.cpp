@@ -115,11 +115,12 @@ int64_t DistContext::sum_i64(int64_t value) {
 
 void DistContext::all_reduce_grads(model::Qwen3Moe& model) {
     if (!distributed()) return;
-    MF_CHECK(ep_size() == 1, "all_reduce_grads: expert-parallel gradient reduction is not implemented");
     const Tensor g = model.grads_tensor();
     impl_->world->all_reduce_sum(g.data(), model.params().total(), model.grad_dtype());
     impl_->world->synchronize();
 }
+
+parallel::Communicator* DistContext::ep_group() const { return impl_ ? impl_->groups.ep.get() : nullptr; }
 
 void DistContext::barrier() {
     if (!distributed()) return;

@@ -59,9 +59,15 @@ class DistContext {
     // returns the sums in the same order).
     std::vector<double> sum_f64(std::span<const double> values);
     int64_t sum_i64(int64_t value);
-    // The model's gradients summed over the world in place (every parameter is replicated while
-    // ep_size is 1). On return every rank holds the same gradient buffer.
+    // The model's gradients summed over the world in place. On return every rank holds the same
+    // gradient buffer. Non-expert parameters are replicated, so this is their data-parallel sum;
+    // under EP a rank writes only its own experts' gradients (the rest stay zero), so the world sum
+    // of an expert's slice is the sum over the ranks that own it (its DP group).
+    // NOTE: EP here still keeps every expert on every rank (memory is not yet divided by ep_size),
+    // which is what makes one flat world all-reduce enough.
     void all_reduce_grads(model::Qwen3Moe& model);
+    // The EP group for Qwen3Moe::set_expert_parallel (null for a single process).
+    parallel::Communicator* ep_group() const;
     // Returns when every rank has reached it (the identity for a single process).
     void barrier();
 

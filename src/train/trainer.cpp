@@ -90,9 +90,15 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     auto model = load_hf_model(model_dir, &raw_config, placement);
     model->set_recompute(model::parse_recompute(recipe.train.recompute));
     const auto& cfg = model->config();
-    if (dist->ep_size() > 1)
-        fail(recipe.source, ": dist.ep_size = ", dist->ep_size(),
-             ": expert parallelism is not implemented in the trainer yet; use dist.ep_size: 1 (data parallelism)");
+    if (dist->ep_size() > 1) {
+        if (device != Device::cpu)
+            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(),
+                 ": expert parallelism runs on the CPU backend only for now (device: cpu)");
+        if (cfg.num_experts % dist->ep_size() != 0)
+            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(), " must divide the model's ", cfg.num_experts,
+                 " experts");
+        model->set_expert_parallel(dist->ep_group());
+    }
 
     const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
     data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,

@@ -10,6 +10,16 @@
 // checkpoint is written under OUT/checkpoints (train/checkpoint.h) and `resume` continues from one.
 // A NaN/Inf loss or gradient is caught in its step: train.on_nonfinite = stop ends the run with
 // the step and the first layer or tensor where it appeared; skip drops that update.
+//
+// Multi-process (WORLD_SIZE > 1, train/distributed.h): each rank reads its rows of every global
+// micro-batch (rank r of w: rows [r·micro_batch, (r+1)·micro_batch) of a w·micro_batch batch), the
+// counted targets are summed over the world before the backward so every rank scales its CE by
+// 1 / global targets, the aux loss is averaged over all grad_accum × world micro-batches, and after
+// the backward the gradients are summed over the world; the loss is then HF's over the union of all
+// ranks' micro-batches, and clipping and AdamW run identically everywhere. Rank 0 alone writes
+// metrics, logs, checkpoints and the export; every rank waits at a barrier for the export before
+// returning. With dist.ep_size > 1 (CPU only for now) each MoE layer's experts are computed by
+// their owners in the EP group (model/ffn_blocks.h); the gradient sum stays one world all-reduce.
 #pragma once
 
 #include <cstdint>

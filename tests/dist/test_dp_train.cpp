@@ -12,6 +12,7 @@
 //     chaotic regime that says nothing about DP; at 3e-3 the largest difference seen is 3e-7.
 //   - final weights: relative L2 distance 1e-5 (seen: 1e-7), and the test checks that training
 //     moved the weights by far more than that, so the bound can fail.
+// The same comparison for EP=2 and EP=2 x DP=2 (dist.ep_size; experts computed by their owners).
 // A DP run repeated is bitwise identical (metrics and weights), files come from rank 0 only, and a
 // rank killed mid-run makes its peer exit non-zero at once (the connection drops), and a rank that
 // stops answering (SIGSTOP) makes its peer exit non-zero after dist.timeout_s.
@@ -248,11 +249,51 @@ TEST_F(DpTrain, StoppedRankMakesThePeerFailAfterTheTimeout) {
     std::printf("stopped peer: rank 0 exited after %.2f s (timeout %.0f s)\n", f.seconds, kTimeout);
 }
 
-TEST_F(DpTrain, ExpertParallelIsRefusedClearly) {
+// Per-step metrics and final weights of run `a` against run `b` within the tolerances above.
+void expect_same_training(const fs::path& a_dir, const fs::path& b_dir) {
+    const auto a = read_metrics(a_dir / "metrics.jsonl");
+    const auto b = read_metrics(b_dir / "metrics.jsonl");
+    ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
+    for (size_t i = 0; i < a.size(); ++i) {
+        for (const char* key : {"loss", "ce_loss", "aux_loss", "grad_norm"}) {
+            const double x = a[i].find(key)->as_double(), y = b[i].find(key)->as_double();
+            EXPECT_TRUE(close_rel(x, y, kMetricRelTol)) << a_dir.filename() << " vs " << b_dir.filename() << " step "
+                                                        << i + 1 << " " << key << ": " << x << " vs " << y;
+        }
+        EXPECT_EQ(a[i].find("tokens")->as_int(), b[i].find("tokens")->as_int()) << "step " << i + 1;
+    }
+    const double dist = rel_l2(read_weights(a_dir), read_weights(b_dir));
+    EXPECT_LE(dist, kWeightRelL2Tol) << a_dir.filename() << " vs " << b_dir.filename();
+    std::printf("%s vs %s: final weights rel L2 %.3g\n", a_dir.filename().c_str(), b_dir.filename().c_str(), dist);
+}
+
+// EP=2 (each rank computes 4 of the tiny model's 8 experts for both ranks' tokens) against one
+// rank on the same rows; the EP run recomputes the MoE blocks in the backward (train.recompute moe),
+// so the dispatch/combine of the recomputation runs in lockstep too.
+TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
+    finetune("ep2", 2, "train.micro_batch=2 dist.ep_size=2 train.recompute=moe");
+    finetune("one_ep_ref", 0, "train.micro_batch=2 train.grad_accum=2");
+    expect_same_training(dir_ / "ep2", dir_ / "one_ep_ref");
+    const json::Value s = json::parse(test::read_file(dir_ / "ep2" / "recipe.json"), "recipe.json");
+    EXPECT_EQ(s.find("dist")->find("ep_size")->as_int(), 2);
+}
+
+// EP=2 x DP=2 on four processes against one rank with 4 micro-batches of the same rows.
+TEST_F(DpTrain, ExpertTimesDataParallelMatchesOneRank) {
+    finetune("ep2dp2", 4, "train.micro_batch=2 dist.ep_size=2");
+    finetune("one_accum4", 0, "train.micro_batch=2 train.grad_accum=4");
+    expect_same_training(dir_ / "ep2dp2", dir_ / "one_accum4");
+}
+
+TEST_F(DpTrain, BadEpSizeIsRefusedClearly) {
     std::string out;
-    const std::string cmd = bin() + " launch --nproc-per-node 2 -- " + finetune_args("ep2", "dist.ep_size=2");
+    const std::string cmd = bin() + " launch --nproc-per-node 3 -- " + finetune_args("ep3", "dist.ep_size=3");
     EXPECT_NE(test::run_command(cmd, &out), 0) << out;
-    EXPECT_NE(out.find("dist.ep_size = 2: expert parallelism is not implemented"), std::string::npos) << out;
+    EXPECT_NE(out.find("dist.ep_size = 3 must divide the model's 8 experts"), std::string::npos) << out;
+    const std::string cmd2 = bin() + " launch --nproc-per-node 2 -- " + finetune_args("ep4", "dist.ep_size=4");
+    EXPECT_NE(test::run_command(cmd2, &out), 0) << out;
+    EXPECT_NE(out.find("dist.ep_size (4) must divide the world size (2)"), std::string::npos) << out;
 }
 
 }  // namespace
