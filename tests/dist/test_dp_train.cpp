@@ -13,9 +13,10 @@
 //   - final weights: relative L2 distance 1e-5 (seen: 1e-7), and the test checks that training
 //     moved the weights by far more than that, so the bound can fail.
 // The same comparison for EP=2 and EP=2 x DP=2 (dist.ep_size; experts computed by their owners).
-// A DP run repeated is bitwise identical (metrics and weights), files come from rank 0 only, and a
-// rank killed mid-run makes its peer exit non-zero at once (the connection drops), and a rank that
-// stops answering (SIGSTOP) makes its peer exit non-zero after dist.timeout_s.
+// A DP run repeated is bitwise identical (metrics and weights), so is one resumed from a DP
+// checkpoint (which records world size 2 and is refused by a single process), files come from
+// rank 0 only, a rank killed mid-run makes its peer exit non-zero at once (the connection drops),
+// and a rank that stops answering (SIGSTOP) makes its peer exit non-zero after dist.timeout_s.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -163,13 +164,29 @@ TEST_F(DpTrain, TwoRanksMatchOneRankAndRepeatBitwise) {
               test::read_file(dir_ / "dp2" / "model.safetensors"));
 }
 
-TEST_F(DpTrain, CheckpointRecordsTheWorldSize) {
+TEST_F(DpTrain, CheckpointRecordsTheWorldSizeAndResumesBitwise) {
     finetune("ckpt", 2, "train.micro_batch=2 checkpoint.every=5");
     const fs::path state = dir_ / "ckpt" / "checkpoints" / "step-00000010" / "state.json";
     ASSERT_TRUE(fs::exists(state)) << state;
     const json::Value s = json::parse(test::read_file(state), state.string());
     EXPECT_EQ(s.find("world_size")->as_int(), 2);
     EXPECT_EQ(s.find("ep_size")->as_int(), 1);
+    // Resumed at step 5 by two ranks (into another directory), the run continues bit for bit.
+    const fs::path step5 = dir_ / "ckpt" / "checkpoints" / "step-00000005";
+    ASSERT_TRUE(fs::exists(step5));
+    std::string log;
+    const std::string resume_cmd = bin() + " launch --nproc-per-node 2 -- " +
+                                   finetune_args("ckpt_resumed", "train.micro_batch=2") + " --resume " + step5.string();
+    ASSERT_EQ(test::run_command(resume_cmd, &log), 0) << log;
+    const auto full = read_metrics(dir_ / "ckpt" / "metrics.jsonl");
+    const auto resumed = read_metrics(dir_ / "ckpt_resumed" / "metrics.jsonl");
+    ASSERT_EQ(full.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps - 5)) << log;
+    for (size_t i = 0; i < resumed.size(); ++i)
+        for (const char* key : {"step", "loss", "ce_loss", "aux_loss", "grad_norm", "tokens"})
+            EXPECT_EQ(resumed[i].find(key)->dump(), full[i + 5].find(key)->dump()) << "step " << i + 6 << " " << key;
+    EXPECT_EQ(test::read_file(dir_ / "ckpt_resumed" / "model.safetensors"),
+              test::read_file(dir_ / "ckpt" / "model.safetensors"));
     // Resuming it in a single process is refused with the reason.
     std::string out;
     const std::string cmd = bin() + " " + finetune_args("ckpt", "train.micro_batch=2") + " --resume";
