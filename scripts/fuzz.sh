@@ -46,8 +46,9 @@ fi
 
 # --- build -----------------------------------------------------------------------------------
 t0=$(date +%s)
-CC=clang CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEFORGE_CUDA=OFF \
-    -DMOEFORGE_TESTS=OFF -DMOEFORGE_FUZZ=ON -DMOEFORGE_WERROR=ON >"$build.cmake.log" 2>&1 ||
+# -O1 with line tables only (-g1): about half the compile time of -O2 -g; reports still name file:line.
+CC=clang CXX=clang++ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
+    -DMOEFORGE_CUDA=OFF -DMOEFORGE_TESTS=OFF -DMOEFORGE_FUZZ=ON -DMOEFORGE_WERROR=ON >"$build.cmake.log" 2>&1 ||
     { cat "$build.cmake.log"; exit 1; }
 cmake --build "$build" --target fuzz_all -j "$jobs" >"$build.build.log" 2>&1 || { tail -50 "$build.build.log"; exit 1; }
 echo "fuzz: built in $(($(date +%s) - t0)) s"
