@@ -81,6 +81,18 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
     model::Qwen3MoeConfig cfg = read_hf_config(dir, raw_config);
     const io::ModelWeights weights = io::ModelWeights::open(dir);
     const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+    // First a count: the per-expert layout below has an entry per expert and layer, each needing at
+    // least one value, so a config naming millions of tiny experts over a small file is refused here
+    // instead of costing minutes and gigabytes before the first missing tensor is noticed.
+    uint64_t held = 0, entries = 0;
+    for (const io::SafetensorsFile& f : weights.files())
+        for (const io::StTensor& t : f.tensors()) held += t.nbytes / io::st_dtype_size(t.dtype);
+    const uint64_t num_experts = static_cast<uint64_t>(cfg.num_experts);
+    for (const auto& spec : table.specs())
+        entries += !is_stacked(spec) ? 1 : num_experts * (spec.name.ends_with("gate_up_proj") ? 2 : 1);
+    if (entries > held)
+        fail(dir.string(), ": config.json describes ", entries, " tensors (", cfg.num_experts, " experts in ",
+             cfg.num_hidden_layers, " layers) but the weights hold only ", held, " values");
 
     // Every tensor is located and shape-checked before anything of the model's size is allocated,
     // so a config describing a huge model over small files fails with the tensor named.

@@ -365,6 +365,14 @@ TEST_F(MalformedModelDir, EachIsRefusedWithItsOwnMessage) {
              return d;
          },
          "\"model.embed_tokens.weight\" has shape [40, 8]"},
+        {"config with millions of experts over a small file (must be quick)",
+         [&](const std::string& n) {
+             const fs::path d = copy_of("good_single", n);
+             test::write_file(d / "config.json", config_with("num_experts", "4000000"));
+             return d;
+         },
+         // 1 MoE layer (mlp_only_layers = [0]) x 3 tensors x 4e6 experts + 23 other tensors
+         "describes 12000023 tensors (4000000 experts in 2 layers) but the weights hold only"},
         // --- the weights ---
         {"no weights at all",
          [&](const std::string& n) {
