@@ -207,6 +207,25 @@ const std::vector<char32_t>& case_fold_sources(char32_t folded) {
 
 // --- UTF-8 ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// The well-formed UTF-8 table (Unicode ch. 3, table 3-7) for a lead byte >= 0x80: the sequence
+// length (0: not a lead byte) and the allowed range [lo, hi] of the second byte.
+size_t utf8_lead(unsigned char b, unsigned char& lo, unsigned char& hi) {
+    lo = 0x80;
+    hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) return 2;
+    if (b == 0xE0) return lo = 0xA0, 3;
+    if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) return 3;
+    if (b == 0xED) return hi = 0x9F, 3;
+    if (b == 0xF0) return lo = 0x90, 4;
+    if (b >= 0xF1 && b <= 0xF3) return 4;
+    if (b == 0xF4) return hi = 0x8F, 4;
+    return 0;
+}
+
+}  // namespace
+
 size_t find_invalid_utf8(std::string_view s) {
     const auto* p = reinterpret_cast<const unsigned char*>(s.data());
     const size_t n = s.size();
@@ -225,26 +244,9 @@ size_t find_invalid_utf8(std::string_view s) {
             ++i;
             continue;
         }
-        size_t len;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF)
-            len = 2;
-        else if (b == 0xE0)
-            len = 3, lo = 0xA0;
-        else if (b >= 0xE1 && b <= 0xEC)
-            len = 3;
-        else if (b == 0xED)
-            len = 3, hi = 0x9F;
-        else if (b >= 0xEE && b <= 0xEF)
-            len = 3;
-        else if (b == 0xF0)
-            len = 4, lo = 0x90;
-        else if (b >= 0xF1 && b <= 0xF3)
-            len = 4;
-        else if (b == 0xF4)
-            len = 4, hi = 0x8F;
-        else
-            return i;
+        unsigned char lo, hi;
+        const size_t len = utf8_lead(b, lo, hi);
+        if (len == 0) return i;
         if (i + len > n) return i;
         if (p[i + 1] < lo || p[i + 1] > hi) return i;
         for (size_t k = 2; k < len; ++k)
@@ -295,24 +297,8 @@ std::string utf8_lossy(std::string_view bytes) {
             ++i;
             continue;
         }
-        size_t len = 0;
-        unsigned char lo = 0x80, hi = 0xBF;
-        if (b >= 0xC2 && b <= 0xDF)
-            len = 2;
-        else if (b == 0xE0)
-            len = 3, lo = 0xA0;
-        else if (b >= 0xE1 && b <= 0xEC)
-            len = 3;
-        else if (b == 0xED)
-            len = 3, hi = 0x9F;
-        else if (b >= 0xEE && b <= 0xEF)
-            len = 3;
-        else if (b == 0xF0)
-            len = 4, lo = 0x90;
-        else if (b >= 0xF1 && b <= 0xF3)
-            len = 4;
-        else if (b == 0xF4)
-            len = 4, hi = 0x8F;
+        unsigned char lo, hi;
+        const size_t len = utf8_lead(b, lo, hi);
         // The maximal prefix of a valid sequence that is there becomes one U+FFFD.
         size_t k = 1;
         if (len != 0 && i + 1 < n && p[i + 1] >= lo && p[i + 1] <= hi) {
