@@ -214,8 +214,8 @@ fs::path resolve_in_dir(const fs::path& dir, const fs::path& dir_canonical, cons
     return full;
 }
 
-void convert_to_f32(const StTensor& t, size_t numel, float* dst) {
-    const uint8_t* src = t.data;
+void convert_to_f32(const StTensor& t, size_t numel, float* dst, size_t first = 0) {
+    const uint8_t* src = t.data + first * st_dtype_size(t.dtype);
     switch (t.dtype) {
         case StDType::F32:
             if (numel > 0) std::memcpy(dst, src, numel * sizeof(float));
@@ -536,6 +536,21 @@ void ModelWeights::read_f32(std::string_view name, const Shape& expected, float*
     const size_t numel = t->nbytes / st_dtype_size(t->dtype);
     MF_CHECK(numel == 0 || dst != nullptr, "read_f32 of '", printable(name), "' into a null buffer");
     convert_to_f32(*t, numel, dst);
+}
+
+void ModelWeights::read_f32_rows(std::string_view name, const Shape& expected, int64_t first_row, int64_t rows,
+                                 float* dst) const {
+    const StTensor* t = find(name);
+    if (t == nullptr) fail("tensor '", printable(name), "' not found in the weights of ", dir_.string());
+    if (t->shape != expected || expected.empty())
+        fail("tensor '", printable(name), "' in ", t->file, " has shape ", shape_str(t->shape), ", expected ",
+             shape_str(expected));
+    if (first_row < 0 || rows < 0 || first_row + rows > expected[0])
+        fail("tensor '", printable(name), "': rows [", first_row, ", ", first_row + rows, ") outside its ", expected[0],
+             " rows");
+    const size_t row = static_cast<size_t>(shape_numel(expected) / std::max<int64_t>(expected[0], 1));
+    MF_CHECK(rows == 0 || dst != nullptr, "read_f32_rows of '", printable(name), "' into a null buffer");
+    convert_to_f32(*t, static_cast<size_t>(rows) * row, dst, static_cast<size_t>(first_row) * row);
 }
 
 // --- writing ------------------------------------------------------------------------------------

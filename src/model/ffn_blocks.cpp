@@ -89,13 +89,6 @@ Tensor row_view(const Tensor& t, int64_t first, int64_t n) {
     return Tensor(base, t.dtype(), {n, C}, t.device());
 }
 
-// Experts [first, first + n) of a stacked [E, A, B] tensor.
-Tensor expert_view(const Tensor& t, int64_t first, int64_t n) {
-    const int64_t A = t.dim(1), B = t.dim(2);
-    char* base = static_cast<char*>(t.data()) + static_cast<size_t>(first * A * B) * dtype_size(t.dtype());
-    return Tensor(base, t.dtype(), {n, A, B}, t.device());
-}
-
 }  // namespace
 
 EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets) {
@@ -188,9 +181,11 @@ void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const
 
 namespace {
 
-void check_ep(const MoeDims& d, const Tensor& x) {
+void check_ep(const MoeDims& d, const Tensor& x, const MoeWeights& w) {
     MF_CHECK(x.device() == Device::cpu, "expert parallelism runs on the CPU backend only for now");
     MF_CHECK(d.num_experts % d.ep_size() == 0, "EP size ", d.ep_size(), " does not divide ", d.num_experts, " experts");
+    MF_CHECK(w.gate_up.dim(0) == d.num_experts / d.ep_size(), "the expert weights hold ", w.gate_up.dim(0),
+             " experts, this EP rank owns ", d.num_experts / d.ep_size());
 }
 
 }  // namespace
@@ -201,19 +196,19 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
     ops::moe_permute_indices(a.expert_offsets, a.sorted_pair, a.pair_row, a.topk_idx, d.num_experts);
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);
     if (d.ep != nullptr) {
-        check_ep(d, x);
+        check_ep(d, x, w);
         a.routing = ep_plan(d, a.expert_offsets);
         const EpRouting& r = a.routing;
-        const int64_t El = d.num_experts / d.ep_size(), first = d.ep->rank() * El, R = r.num_local;
+        const int64_t R = r.num_local;
         // Every rank of the group has the same N·K pairs, so N·K·S rows (alloc) always suffice.
         MF_CHECK(R <= a.x_local.dim(0), "expert parallelism: ", R, " rows received, capacity ", a.x_local.dim(0));
         std::memcpy(a.local_offsets.data(), r.local_offsets.data(), r.local_offsets.size() * sizeof(int32_t));
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         ep_dispatch(d, r, a.x_perm, a.exchange, x_local);
-        ops::grouped_matmul_forward(h_local, x_local, expert_view(w.gate_up, first, El), a.local_offsets);
+        ops::grouped_matmul_forward(h_local, x_local, w.gate_up, a.local_offsets);
         ops::swiglu_forward(a_local, h_local);
-        ops::grouped_matmul_forward(y_local, a_local, expert_view(w.down, first, El), a.local_offsets);
+        ops::grouped_matmul_forward(y_local, a_local, w.down, a.local_offsets);
         ep_combine(d, r, y_local, a.exchange, a.y_perm);
         ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
         return;
@@ -228,21 +223,21 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                         const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d) {
     ops::moe_unpermute_backward(s.dy_perm, s.dtopk_weight, dy, a.y_perm, a.topk_weight, a.pair_row);
     if (d.ep != nullptr) {
-        check_ep(d, dy);
+        check_ep(d, dy, w);
         const EpRouting& r = a.routing;
-        const int64_t El = d.num_experts / d.ep_size(), first = d.ep->rank() * El, R = r.num_local;
+        const int64_t R = r.num_local;
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R);
         const Tensor dy_local = row_view(s.dy_local, 0, R), da_local = row_view(s.da_local, 0, R);
         const Tensor dh_local = row_view(s.dh_local, 0, R), dx_local = row_view(s.dx_local, 0, R);
         ep_dispatch(d, r, s.dy_perm, s.exchange, dy_local);
         ops::zero(da_local);
-        ops::grouped_matmul_backward(da_local, expert_view(g.down, first, El), dy_local, a_local,
-                                     expert_view(w.down, first, El), a.local_offsets);
+        ops::grouped_matmul_backward(da_local, g.down, dy_local, a_local,
+                                     w.down, a.local_offsets);
         ops::swiglu_backward(dh_local, da_local, h_local);
         ops::zero(dx_local);
-        ops::grouped_matmul_backward(dx_local, expert_view(g.gate_up, first, El), dh_local, x_local,
-                                     expert_view(w.gate_up, first, El), a.local_offsets);
+        ops::grouped_matmul_backward(dx_local, g.gate_up, dh_local, x_local,
+                                     w.gate_up, a.local_offsets);
         ep_combine(d, r, dx_local, s.exchange, s.dx_perm);  // every row of dx_perm comes back
     } else {
         ops::zero(s.da_perm);

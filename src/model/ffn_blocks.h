@@ -17,9 +17,8 @@
 // rows), the owner reorders what it received from source-major to expert-major and runs its
 // experts on it, and combine sends the outputs back the reverse way into the sorted order, where
 // the top-k weighted sum proceeds as without EP. Backward: output gradients travel the dispatch
-// way, input gradients the combine way. The weight tensors still hold all E experts (the flat
-// parameter layout is unchanged); only the local slice is read and only its gradient written, so
-// a sum of the gradient buffer over the world yields every expert's full gradient.
+// way, input gradients the combine way. Under EP the stacked weights (and their gradients) hold
+// only this rank's E/S experts ([E/S, ...]); the router holds all E.
 #pragma once
 
 #include <cstdint>
@@ -65,7 +64,7 @@ struct EpRouting {
 };
 
 struct MoeWeights {
-    Tensor router, gate_up, down;  // [E, H], [E, 2I, H], [E, H, I]
+    Tensor router, gate_up, down;  // [E, H], [E', 2I, H], [E', H, I]; E' = E / EP size (E without EP)
 };
 
 // The dispatch/combine steps on their own (CPU tensors; collective over d.ep, every rank calls

@@ -2,15 +2,37 @@
 
 namespace mf::model {
 
-const ParamSpec& ParamTable::add(std::string name, Shape shape, bool is_expert) {
+Shape ParamSpec::global_shape() const {
+    Shape s = shape;
+    if (is_expert) s[0] = experts_total;
+    return s;
+}
+
+const ParamSpec& ParamTable::add(std::string name, Shape shape, bool is_expert, ExpertShard shard) {
     MF_CHECK(find(name) == nullptr, "duplicate parameter ", name);
     ParamSpec spec;
     spec.name = std::move(name);
+    spec.is_expert = is_expert;
+    if (is_expert) {
+        MF_CHECK(!shape.empty() && shard.size >= 1 && shard.rank >= 0 && shard.rank < shard.size &&
+                     shape[0] % shard.size == 0,
+                 "expert shard ", shard.rank, "/", shard.size, " of ", spec.name);
+        spec.experts_total = shape[0];
+        shape[0] /= shard.size;
+        spec.expert_first = shard.rank * shape[0];
+    }
     spec.numel = shape_numel(shape);
     spec.shape = std::move(shape);
-    spec.offset = total_;
-    spec.is_expert = is_expert;
-    total_ += spec.numel;
+    // Replicated parameters are packed first: shift every expert parameter up by the newcomer.
+    if (is_expert) {
+        spec.offset = replicated_ + experts_;
+        experts_ += spec.numel;
+    } else {
+        spec.offset = replicated_;
+        for (auto& s : specs_)
+            if (s.is_expert) s.offset += spec.numel;
+        replicated_ += spec.numel;
+    }
     specs_.push_back(std::move(spec));
     return specs_.back();
 }

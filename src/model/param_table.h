@@ -1,9 +1,16 @@
-// The model's parameters as one flat fp32 buffer, sliced into named tensors.
+// The model's parameters as one flat buffer, sliced into named tensors.
 //
 // Names are the HF Transformers v5 module names (`model.layers.3.self_attn.q_proj.weight`,
 // `model.layers.3.mlp.experts.gate_up_proj` stacked [E, 2I, H]), so recipe patterns such as
 // `optim.no_decay` and the parity fixtures speak the same language as a user's HF code. The
 // gradient buffer has the same layout: grad(name) is the same slice of the gradient buffer.
+//
+// Layout: specs() keeps the order parameters were added in (layer order), but offsets put every
+// replicated (non-expert) parameter first and the stacked expert weights after them, so the
+// buffer is two contiguous regions: [0, expert_offset()) replicated on every rank and
+// [expert_offset(), total()) the experts. Under expert parallelism (ExpertShard) a rank's table
+// holds only its E/S experts: stacked specs have shape [E/S, ...] and say which global experts
+// they hold (expert_first); the replicated region is the same on every rank.
 #pragma once
 
 #include <cstdint>
@@ -15,26 +22,40 @@
 
 namespace mf::model {
 
+// This rank's share of the experts: experts [rank·E/size, (rank+1)·E/size) of every MoE layer.
+struct ExpertShard {
+    int64_t rank = 0;
+    int64_t size = 1;
+    bool sharded() const { return size > 1; }
+};
+
 struct ParamSpec {
     std::string name;
-    Shape shape;
+    Shape shape;  // the local shape (stacked experts: [E/S, ...])
     int64_t offset = 0;  // in elements, into the flat buffer
     int64_t numel = 0;
-    bool is_expert = false;  // stacked expert weights (split over EP ranks later)
+    bool is_expert = false;    // stacked expert weights (split over EP ranks)
+    int64_t expert_first = 0;  // stacked experts: the global index of local expert 0
+    int64_t experts_total = 0; // stacked experts: E over all ranks
+    // The shape over all ranks (== shape unless the experts are sharded).
+    Shape global_shape() const;
 };
 
 class ParamTable {
  public:
-    // Appends a parameter right after the previous one (so consecutive specs are contiguous).
-    const ParamSpec& add(std::string name, Shape shape, bool is_expert = false);
+    // Appends a parameter; offsets keep the two regions above (experts after everything else).
+    // For an expert parameter `shape` is the GLOBAL [E, ...] shape, and `shard` picks the local rows.
+    const ParamSpec& add(std::string name, Shape shape, bool is_expert = false, ExpertShard shard = {});
     const ParamSpec* find(std::string_view name) const;
     const ParamSpec& get(std::string_view name) const;  // throws naming the parameter
     const std::vector<ParamSpec>& specs() const { return specs_; }
-    int64_t total() const { return total_; }
+    int64_t total() const { return replicated_ + experts_; }
+    // Elements in the replicated region = the offset of the expert region.
+    int64_t expert_offset() const { return replicated_; }
 
  private:
     std::vector<ParamSpec> specs_;
-    int64_t total_ = 0;
+    int64_t replicated_ = 0, experts_ = 0;
 };
 
 }  // namespace mf::model

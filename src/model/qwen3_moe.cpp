@@ -56,7 +56,7 @@ MoeDims moe_dims(const Qwen3MoeConfig& c) {
 
 }  // namespace
 
-ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c) {
+ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c, ExpertShard shard) {
     ParamTable table;
     const int64_t H = c.hidden_size, D = c.head_dim;
     table.add("model.embed_tokens.weight", {c.vocab_size, H});
@@ -70,8 +70,8 @@ ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c) {
         table.add(p + "self_attn.k_norm.weight", {D});
         if (c.is_moe_layer(l)) {
             table.add(p + "mlp.gate.weight", {c.num_experts, H});
-            table.add(p + "mlp.experts.gate_up_proj", {c.num_experts, 2 * c.moe_intermediate_size, H}, true);
-            table.add(p + "mlp.experts.down_proj", {c.num_experts, H, c.moe_intermediate_size}, true);
+            table.add(p + "mlp.experts.gate_up_proj", {c.num_experts, 2 * c.moe_intermediate_size, H}, true, shard);
+            table.add(p + "mlp.experts.down_proj", {c.num_experts, H, c.moe_intermediate_size}, true, shard);
         } else {
             // gate_proj then up_proj, adjacent: together the fused [2I, H] gate_up matrix.
             table.add(p + "mlp.gate_proj.weight", {c.intermediate_size, H});
@@ -89,7 +89,12 @@ ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c) {
 Qwen3Moe::Qwen3Moe(Qwen3MoeConfig config, ModelPlacement placement)
     : config_(std::move(config)), placement_(placement),
       param_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16), act_dtype_(param_dtype_),
-      table_(qwen3_moe_param_table(config_)), ws_(std::make_unique<Workspace>()) {
+      table_(qwen3_moe_param_table(config_, placement.shard)),
+      total_params_(placement.shard.sharded() ? qwen3_moe_param_table(config_).total() : table_.total()),
+      ws_(std::make_unique<Workspace>()) {
+    if (placement.shard.sharded() && (config_.num_experts == 0 || config_.num_experts % placement.shard.size != 0))
+        fail("expert parallelism: EP size ", placement.shard.size, " must divide the number of experts (",
+             config_.num_experts, ")");
     MF_CHECK(placement.device == Device::cuda || placement.grad_dtype == DType::f32, "CPU models keep f32 gradients");
     MF_CHECK(placement.grad_dtype == DType::f32 || placement.grad_dtype == DType::bf16, "gradients are f32 or bf16");
     const size_t P = static_cast<size_t>(table_.total());
@@ -177,12 +182,19 @@ void Qwen3Moe::build_layers() {
 }
 
 void Qwen3Moe::init_random(uint64_t seed, float std) {
+    // Drawn over the whole model in layer order, so every EP shard gets its slice of the same values.
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, std);
     std::vector<float> host(static_cast<size_t>(table_.total()));
     for (const auto& s : table_.specs()) {
         const bool is_norm = s.shape.size() == 1;
-        for (int64_t i = 0; i < s.numel; ++i) host[static_cast<size_t>(s.offset + i)] = is_norm ? 1.0f : normal(rng);
+        const int64_t per_row = s.is_expert ? s.numel / s.shape[0] : s.numel;
+        const int64_t first = s.is_expert ? s.expert_first * per_row : 0;
+        const int64_t total = s.is_expert ? s.experts_total * per_row : s.numel;
+        for (int64_t i = 0; i < total; ++i) {
+            const float x = is_norm ? 1.0f : normal(rng);
+            if (i >= first && i < first + s.numel) host[static_cast<size_t>(s.offset + i - first)] = x;
+        }
     }
     set_params_from_host(host.data());
 }
@@ -190,7 +202,7 @@ void Qwen3Moe::init_random(uint64_t seed, float std) {
 int64_t qwen3_moe_active_params(const Qwen3MoeConfig& c, const ParamTable& table) {
     int64_t n = 0;
     for (const auto& s : table.specs()) {
-        if (s.is_expert) n += s.numel / c.num_experts * c.num_experts_per_tok;
+        if (s.is_expert) n += s.numel / s.shape[0] * c.num_experts_per_tok;
         else n += s.numel;
     }
     return n;
@@ -309,14 +321,12 @@ Recompute parse_recompute(std::string_view name) {
 }
 
 void Qwen3Moe::set_expert_parallel(parallel::Communicator* ep_group) {
-    if (ep_group != nullptr && ep_group->size() > 1) {
-        if (placement_.device != Device::cpu) fail("expert parallelism runs on the CPU backend only for now");
-        if (config_.num_experts % ep_group->size() != 0)
-            fail("dist.ep_size = ", ep_group->size(), " must divide the number of experts (", config_.num_experts, ")");
-        ep_ = ep_group;
-    } else {
-        ep_ = nullptr;
-    }
+    const ExpertShard& sh = placement_.shard;
+    const int64_t size = ep_group != nullptr ? ep_group->size() : 1, rank = ep_group != nullptr ? ep_group->rank() : 0;
+    if (size != sh.size || rank != sh.rank)
+        fail("expert parallelism: the model holds expert shard ", sh.rank, " of ", sh.size, ", the EP group is rank ",
+             rank, " of ", size);
+    ep_ = size > 1 ? ep_group : nullptr;
     ws_->B = -1;  // the activation plan changes
 }
 
@@ -363,6 +373,9 @@ void Qwen3Moe::validate(const data::Batch& b) const {
 
 StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, float* logits) {
     validate(batch);
+    if (placement_.shard.sharded() && ep_ == nullptr)
+        fail("this model holds expert shard ", placement_.shard.rank, " of ", placement_.shard.size,
+             "; set its EP group (set_expert_parallel) before step()");
     const auto& c = config_;
     const int64_t B = batch.B, T = batch.T, N = B * T, H = c.hidden_size;
     plan(B, T);

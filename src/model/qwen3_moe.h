@@ -40,8 +40,9 @@ struct LossScales {
     double aux = 0;
 };
 
-// The parameter layout (HF v5 names, shapes, offsets) of a config, without allocating anything.
-ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c);
+// The parameter layout (HF v5 names, shapes, offsets) of a config, without allocating anything;
+// with a shard, the table of one EP rank (its E/S experts of every MoE layer).
+ParamTable qwen3_moe_param_table(const Qwen3MoeConfig& c, ExpertShard shard = {});
 // Parameters a single token touches (top-k of the experts).
 int64_t qwen3_moe_active_params(const Qwen3MoeConfig& c, const ParamTable& table);
 // Model FLOPs per token for training at sequence length T (BENCHMARKS.md formula).
@@ -50,9 +51,11 @@ double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T);
 // Where the model lives and in which dtypes: CPU = f32 everywhere (the reference); CUDA = bf16
 // parameters and activations with f32 router/softmax/loss math, gradients bf16 or f32 (the
 // precision policy; fp32 master weights, when used, belong to the optimizer).
+// `shard`: the experts this rank holds under expert parallelism (param_table.h).
 struct ModelPlacement {
     Device device = Device::cpu;
     DType grad_dtype = DType::f32;
+    ExpertShard shard = {};
 };
 
 // Activation recomputation (train.recompute): `none` keeps every layer's activations for the
@@ -74,6 +77,7 @@ class Qwen3Moe {
     Device device() const { return placement_.device; }
     DType param_dtype() const { return param_dtype_; }
     DType grad_dtype() const { return placement_.grad_dtype; }
+    const ExpertShard& expert_shard() const { return placement_.shard; }
     // The flat buffers as tensors [P] (device and dtype as placed).
     Tensor params_tensor() const { return params_.as(param_dtype_, {table_.total()}); }
     Tensor grads_tensor() const { return grads_.as(placement_.grad_dtype, {table_.total()}); }
@@ -87,11 +91,13 @@ class Qwen3Moe {
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
 
-    // Expert parallelism over `ep_group` (CPU only for now; null turns it off): this rank computes
-    // experts [rank·E/S, (rank+1)·E/S) of every MoE layer for the tokens the group's ranks route to
-    // them (model/ffn_blocks.h). Every rank still holds all parameters; only the local experts'
-    // gradients are written here, so the gradient buffer must be summed over the world afterwards.
-    // Every rank of the group must call step() in lockstep. The group must outlive the model's use.
+    // Expert parallelism over `ep_group`: the model holds experts [rank·E/S, (rank+1)·E/S) of every
+    // MoE layer (its placement's shard, which must match the group's rank and size) and computes
+    // them for the tokens the group's ranks route to them (model/ffn_blocks.h). Its expert
+    // gradients are this rank's contributions; summing them over the ranks holding the same shard
+    // (the DP group) and the replicated region over the world gives the full gradient
+    // (train/distributed.h). Every rank of the group must call step() in lockstep. The group must
+    // outlive the model's use. A sharded model must have its group set before step().
     void set_expert_parallel(parallel::Communicator* ep_group);
 
     void set_recompute(Recompute r);
@@ -112,8 +118,10 @@ class Qwen3Moe {
     // Bytes of activation memory the last step used (the arena's high-water mark).
     size_t activation_bytes() const;
 
-    // Parameter counts: all, and those a single token touches (top-k experts only).
+    // Parameter counts: held by this rank (its buffer), of the whole model, and those a single token
+    // touches (top-k experts only).
     int64_t num_params() const { return table_.total(); }
+    int64_t num_params_total() const { return total_params_; }
     int64_t num_active_params() const { return qwen3_moe_active_params(config_, table_); }
     double flops_per_token(int64_t T) const { return qwen3_moe_flops_per_token(config_, T); }
 
@@ -130,6 +138,7 @@ class Qwen3Moe {
     ModelPlacement placement_;
     DType param_dtype_, act_dtype_;
     ParamTable table_;
+    int64_t total_params_ = 0;
     Buffer params_, grads_;
     std::vector<Layer> layers_;
     std::unique_ptr<Workspace> ws_;
