@@ -3,9 +3,14 @@
 // (labels = inputs, one document per row), and trained with the full step: forward, backward,
 // global-norm clipping and AdamW. Warm-up steps are not timed; the device is synchronised before
 // every clock read (each step ends with host reads of the loss and the gradient norm).
+// Under `moeforge launch` (WORLD_SIZE > 1) every rank runs the step on its own micro-batch with
+// expert parallelism of --ep-size (default 1: pure data parallelism) and ZeRO-1 over the DP group
+// (--no-zero1 to keep whole AdamW state), exactly as the trainer does; rank 0 prints the line with
+// tokens/s per GPU (one rank's tokens over the step time) and the largest peak memory of any rank.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <algorithm>
 #include <random>
 
 #include "cli/args.h"
@@ -14,13 +19,15 @@
 #include "io/file.h"
 #include "model/qwen3_moe.h"
 #include "ops/ops.h"
+#include "train/distributed.h"
 #include "train/optimizer.h"
 
 namespace mf::cli {
 
 int cmd_bench(const Args& args) {
-    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute"},
-                       {"profile"}, "bench");
+    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute",
+                        "ep-size", "timeout"},
+                       {"profile", "no-zero1"}, "bench");
     const std::filesystem::path cfg_file = a.require("config", "bench");
     auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
                                                 cfg_file.string());
@@ -38,28 +45,38 @@ int cmd_bench(const Args& args) {
     const Device device = dev == "cpu" ? Device::cpu : (cuda_available() ? Device::cuda : Device::cpu);
     if (dev == "cuda" && device != Device::cuda) fail("bench: --device cuda, but no CUDA device is available");
     const bool mixed = precision == "mixed";
+    train::Recipe run;  // the distributed part of a recipe, from the options
+    run.source = "bench";
+    run.dist.ep_size = parse_int_option(a.get("ep-size", "1"), "ep-size");
+    run.dist.timeout_s = static_cast<double>(parse_int_option(a.get("timeout", "300"), "timeout"));
+    const auto dist = train::DistContext::from_environment(run, device);  // before the model: picks the GPU
+    if (cfg.num_experts % run.dist.ep_size != 0)
+        fail("bench: --ep-size ", run.dist.ep_size, " must divide the ", cfg.num_experts, " experts");
 
     const size_t mem0 = device_memory_used();
-    model::Qwen3Moe m(cfg, {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32});
+    model::Qwen3Moe m(cfg, {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32, dist->expert_shard()});
+    if (dist->ep_size() > 1) m.set_expert_parallel(dist->ep_group());
     uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
     for (const auto& s : m.params().specs()) {
-        if (s.shape.size() == 1) ops::fill_normal(m.param(s.name), seed++, 1.0f, 0.0f);  // norms: ones
-        else ops::fill_normal(m.param(s.name), seed++, 0.0f, 0.02f);
+        // Replicated tensors: the same draws on every rank; expert shards: each rank its own.
+        const uint64_t sd = (seed++) * 1000003u + (s.is_expert ? static_cast<uint64_t>(s.expert_first) : 0u);
+        if (s.shape.size() == 1) ops::fill_normal(m.param(s.name), sd, 1.0f, 0.0f);  // norms: ones
+        else ops::fill_normal(m.param(s.name), sd, 0.0f, 0.02f);
     }
     m.set_recompute(model::parse_recompute(a.get("recompute", "none")));
     train::Recipe::Optim optim;
     optim.lr = 1e-5;
     optim.weight_decay = 0.01;
-    train::AdamW adamw(m, optim, mixed);
+    train::AdamW adamw(m, optim, mixed, a.has("no-zero1") ? nullptr : dist->dp_group());
 
-    std::mt19937 rng(1234);
+    std::mt19937 rng(1234u + static_cast<unsigned>(dist->rank()));
     std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B));
     for (auto& r : rows)
         for (int64_t t = 0; t < T; ++t) r.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(cfg.vocab_size)));
     const data::Batch batch = data::make_row_batch(rows, {}, T, 0);
-    const int64_t targets = batch.num_targets();
+    const int64_t targets = dist->sum_i64(batch.num_targets());
     const model::LossScales scales{1.0 / static_cast<double>(targets),
-                                   cfg.output_router_logits ? cfg.router_aux_loss_coef : 0.0};
+                                   cfg.output_router_logits ? cfg.router_aux_loss_coef / dist->world_size() : 0.0};
 
     double last_loss = 0, timed = 0;
     for (int64_t i = 0; i < warmup + steps; ++i) {
@@ -70,20 +87,28 @@ int cmd_bench(const Args& args) {
         ops::synchronize(device);
         const auto t0 = std::chrono::steady_clock::now();
         const model::StepStats s = m.step(batch, &scales);
-        train::clip_grad_norm(m, 1.0);
+        dist->all_reduce_grads(m);
+        train::clip_grad_norm(m, 1.0, dist.get());
         adamw.step(optim.lr);
         m.zero_grads();
         ops::synchronize(device);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        last_loss = s.ce_sum / static_cast<double>(targets) + scales.aux * s.aux;
+        const double sums[2] = {s.ce_sum, s.aux};
+        const std::vector<double> total = dist->sum_f64(sums);
+        last_loss = total[0] / static_cast<double>(targets) + scales.aux * total[1];  // aux: the mean over ranks
         if (i >= warmup) timed += dt;
-        std::fprintf(stderr, "bench step %lld: %.1f ms, loss %.4f\n", static_cast<long long>(i + 1), dt * 1e3, last_loss);
+        if (dist->is_main())
+            std::fprintf(stderr, "bench step %lld: %.1f ms, loss %.4f\n", static_cast<long long>(i + 1), dt * 1e3, last_loss);
     }
     const double step_s = timed / static_cast<double>(std::max<int64_t>(steps, 1));
     const double tps = static_cast<double>(B * T) / step_s;
     const double flops = m.flops_per_token(T);
-    const double mem = device == Device::cuda ? static_cast<double>(device_memory_used() - mem0)
-                                              : 0.0;
+    // The largest of the ranks' peaks (each rank puts its own value in its slot of a sum).
+    std::vector<double> mems(static_cast<size_t>(dist->world_size()), 0.0);
+    mems[static_cast<size_t>(dist->rank())] =
+        device == Device::cuda ? static_cast<double>(device_memory_used() - mem0) : 0.0;
+    mems = dist->sum_f64(mems);
+    const double mem = *std::max_element(mems.begin(), mems.end());
     json::Value v = json::Value::object();
     v.set("system", "moeforge");
     v.set("device", device_name(device));
@@ -92,7 +117,10 @@ int cmd_bench(const Args& args) {
     v.set("layers", cfg.num_hidden_layers);
     v.set("micro_batch", B);
     v.set("seq_len", T);
-    v.set("params", m.num_params());
+    v.set("params", m.num_params_total());
+    v.set("world_size", static_cast<int64_t>(dist->world_size()));
+    v.set("ep_size", static_cast<int64_t>(dist->ep_size()));
+    v.set("zero1", !a.has("no-zero1") && dist->world_size() / dist->ep_size() > 1);
     v.set("flops_per_token", json::Value(flops));
     v.set("step_ms", json::Value(step_s * 1e3));
     v.set("tokens_per_s_per_gpu", json::Value(tps));
@@ -107,7 +135,7 @@ int cmd_bench(const Args& args) {
             prof.set(op.name, json::Value(op.seconds * 1e3 / static_cast<double>(std::max<int64_t>(steps, 1))));
         v.set("ms_per_step_by_op", std::move(prof));
     }
-    std::printf("%s\n", v.dump().c_str());
+    if (dist->is_main()) std::printf("%s\n", v.dump().c_str());
     return 0;
 }
 

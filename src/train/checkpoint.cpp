@@ -7,6 +7,7 @@
 
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "train/distributed.h"
 
 namespace mf::train {
 
@@ -61,22 +62,33 @@ const json::Value* lookup(const json::Value& v, const char* a, const char* b) {
     return (x != nullptr && b != nullptr) ? x->find(b) : x;
 }
 
+// Tensor name prefixes: the master parameters and AdamW's two moments.
+const std::string kStateTensors[] = {"param/", "exp_avg/", "exp_avg_sq/"};
+
 }  // namespace
 
 void save_checkpoint(const fs::path& root, const CheckpointState& state, model::Qwen3Moe& model, AdamW& adam,
-                     int64_t keep, const CheckpointLayout& layout) {
+                     int64_t keep, const CheckpointLayout& layout, DistContext* dist) {
+    // Collective part: this rank's state, whole over the ZeRO group, then over the EP group.
+    std::vector<float> local[3];
+    adam.get_state(local[0], local[1], local[2]);
+    std::vector<float> full[3];
+    for (int i = 0; i < 3; ++i) full[i] = dist != nullptr ? dist->gather_params(model, local[i]) : std::move(local[i]);
+    if (dist != nullptr && !dist->is_main()) return;
+
     fs::create_directories(root);
     const fs::path final_dir = root / step_dir_name(state.step);
     {
         io::AtomicDir dir(final_dir);
-        const int64_t P = model.num_params();
-        std::vector<float> params, m, v;
-        adam.get_state(params, m, v);
-        const std::vector<io::StWriteTensor> tensors = {
-            {"params", io::StDType::F32, {P}, params.data()},
-            {"exp_avg", io::StDType::F32, {P}, m.data()},
-            {"exp_avg_sq", io::StDType::F32, {P}, v.data()},
-        };
+        const model::ParamTable table = model::qwen3_moe_param_table(model.config());
+        const int64_t P = table.total();
+        std::vector<io::StWriteTensor> tensors;
+        for (int i = 0; i < 3; ++i) {
+            MF_CHECK(static_cast<int64_t>(full[i].size()) == P, "checkpoint: gathered state has the wrong size");
+            for (const auto& spec : table.specs())
+                tensors.push_back({kStateTensors[i] + spec.name, io::StDType::F32, spec.shape,
+                                   full[i].data() + spec.offset});
+        }
         io::write_safetensors(dir.tmp_path() / "tensors.safetensors", tensors, {{"format", "moeforge"}});
         json::Value s = json::Value::object();
         s.set("magic", kCheckpointMagic);
@@ -126,15 +138,19 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
              kCheckpointFormatVersion);
     if (!field("world_size").is_int() || !field("ep_size").is_int())
         fail(where, ": \"world_size\" and \"ep_size\" must be integers");
-    if (field("world_size").as_int() != layout.world_size || field("ep_size").as_int() != layout.ep_size)
-        fail(where, ": checkpoint written with world size ", field("world_size").as_int(), " and EP size ",
-             field("ep_size").as_int(), "; this run has world size ", layout.world_size, ", EP size ", layout.ep_size,
-             " (resuming at another world size is not supported yet)");
     if (field("config_hash").as_string() != hex(model.config().hash()))
         fail(where, ": the checkpoint was written for a different model config (hash ", field("config_hash").as_string(),
              ", this model ", hex(model.config().hash()), ")");
-    if (field("num_params").as_int() != model.num_params())
-        fail(where, ": checkpoint has ", field("num_params").as_int(), " parameters, the model ", model.num_params());
+    if (field("num_params").as_int() != model.num_params_total())
+        fail(where, ": checkpoint has ", field("num_params").as_int(), " parameters, the model ",
+             model.num_params_total());
+    if ((field("world_size").as_int() != layout.world_size || field("ep_size").as_int() != layout.ep_size) &&
+        layout.rank == 0)
+        std::printf("resume: checkpoint written at world size %lld (EP %lld), continuing at world size %lld (EP %lld); "
+                    "the global batch is now %lld rows per micro-step\n",
+                    static_cast<long long>(field("world_size").as_int()), static_cast<long long>(field("ep_size").as_int()),
+                    static_cast<long long>(layout.world_size), static_cast<long long>(layout.ep_size),
+                    static_cast<long long>(layout.world_size * recipe.train.micro_batch));
 
     const json::Value now = recipe.to_json();
     const json::Value& then = field("recipe");
@@ -150,22 +166,28 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         fail(dir.string(), ": the recipe changed since this checkpoint (", diffs,
              "); resuming would not continue the same run. Pass --force-resume to resume anyway");
 
-    const io::SafetensorsFile tensors = io::SafetensorsFile::open(dir / "tensors.safetensors");
-    const int64_t P = model.num_params();
-    auto restore = [&](const char* name, std::vector<float>& dst) {
-        dst.resize(static_cast<size_t>(P));
-        const io::StTensor* t = tensors.find(name);
-        if (t == nullptr) fail(dir.string(), "/tensors.safetensors: missing tensor \"", name, "\"");
-        if (t->dtype != io::StDType::F32 || t->shape != Shape{P})
-            fail(dir.string(), "/tensors.safetensors: tensor \"", name, "\" has the wrong dtype or shape (expected F32 [",
-                 P, "])");
-        std::memcpy(dst.data(), t->data, static_cast<size_t>(P) * sizeof(float));
-    };
-    std::vector<float> params, m, v;
-    restore("params", params);
-    restore("exp_avg", m);
-    restore("exp_avg_sq", v);
-    adam.set_state(params, m, v);
+    // Every tensor of the whole model is checked; this rank reads its slice (its experts).
+    const fs::path file = dir / "tensors.safetensors";
+    const io::SafetensorsFile tensors = io::SafetensorsFile::open(file);
+    const model::ParamTable& mine = model.params();
+    std::vector<float> local[3];
+    for (int i = 0; i < 3; ++i) {
+        local[i].resize(static_cast<size_t>(mine.total()));
+        for (const auto& spec : mine.specs()) {
+            const std::string name = kStateTensors[i] + spec.name;
+            const io::StTensor* t = tensors.find(name);
+            if (t == nullptr) fail(file.string(), ": missing tensor \"", name, "\"");
+            if (t->dtype != io::StDType::F32 || t->shape != spec.global_shape())
+                fail(file.string(), ": tensor \"", name, "\" has the wrong dtype or shape (expected F32 ",
+                     shape_str(spec.global_shape()), ")");
+            const int64_t first = spec.is_expert ? spec.expert_first * (spec.numel / spec.shape[0]) : 0;
+            std::memcpy(local[i].data() + spec.offset, t->data + static_cast<size_t>(first) * sizeof(float),
+                        static_cast<size_t>(spec.numel) * sizeof(float));
+        }
+    }
+    if (tensors.tensors().size() != 3 * mine.specs().size())
+        fail(file.string(), ": holds ", tensors.tensors().size(), " tensors, expected ", 3 * mine.specs().size());
+    adam.set_state(local[0], local[1], local[2]);
 
     CheckpointState state;
     state.step = field("step").as_int();

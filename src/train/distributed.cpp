@@ -62,28 +62,40 @@ std::string DistContext::describe() const {
            std::to_string(ep_size()) + ", " + impl_->world->backend() + ")";
 }
 
-std::vector<double> DistContext::sum_f64(std::span<const double> values) {
+namespace {
+
+// all_gather of `count` host elements per rank through `comm`: direct for TCP, staged through
+// device buffers for NCCL (whose collectives take device memory). recv holds size() * count.
+void all_gather_host(parallel::Communicator& comm, Device device, const void* send, void* recv, int64_t count,
+                     DType dtype) {
+    const int64_t n = static_cast<int64_t>(comm.size());
+    if (device != Device::cuda) {
+        comm.all_gather(send, recv, count, dtype);
+        return;
+    }
+    const Buffer dsend(static_cast<size_t>(count) * dtype_size(dtype), Device::cuda);
+    const Buffer drecv(static_cast<size_t>(count * n) * dtype_size(dtype), Device::cuda);
+    ops::copy_from_host(dsend.as(dtype, {count}), send);
+    comm.all_gather(dsend.data(), drecv.data(), count, dtype);
+    comm.synchronize();
+    ops::copy_to_host(recv, drecv.as(dtype, {count * n}));
+}
+
+}  // namespace
+
+std::vector<double> DistContext::sum_f64(std::span<const double> values, Group g) {
     std::vector<double> sums(values.begin(), values.end());
     if (!distributed()) return sums;
     // Doubles travel as their bit patterns (i64), exactly; the sum is done here in rank order.
+    parallel::Communicator& comm = *group(g);
     const int64_t n = static_cast<int64_t>(values.size());
-    const int world = world_size();
-    std::vector<int64_t> send(values.size()), recv(values.size() * static_cast<size_t>(world));
+    const int size = comm.size();
+    std::vector<int64_t> send(values.size()), recv(values.size() * static_cast<size_t>(size));
     std::memcpy(send.data(), values.data(), values.size() * sizeof(double));
-    parallel::Communicator& comm = *impl_->world;
-    if (device_ == Device::cuda) {
-        const Buffer dsend(send.size() * sizeof(int64_t), Device::cuda);
-        const Buffer drecv(recv.size() * sizeof(int64_t), Device::cuda);
-        ops::copy_from_host(dsend.as(DType::i64, {n}), send.data());
-        comm.all_gather(dsend.data(), drecv.data(), n, DType::i64);
-        comm.synchronize();
-        ops::copy_to_host(recv.data(), drecv.as(DType::i64, {n * world}));
-    } else {
-        comm.all_gather(send.data(), recv.data(), n, DType::i64);
-    }
+    all_gather_host(comm, device_, send.data(), recv.data(), n, DType::i64);
     for (size_t i = 0; i < sums.size(); ++i) {
         double s = 0;
-        for (int r = 0; r < world; ++r) {
+        for (int r = 0; r < size; ++r) {
             double x;
             std::memcpy(&x, &recv[static_cast<size_t>(r) * values.size() + i], sizeof x);
             s += x;
@@ -95,19 +107,8 @@ std::vector<double> DistContext::sum_f64(std::span<const double> values) {
 
 int64_t DistContext::sum_i64(int64_t value) {
     if (!distributed()) return value;
-    const int world = world_size();
-    std::vector<int64_t> recv(static_cast<size_t>(world));
-    parallel::Communicator& comm = *impl_->world;
-    if (device_ == Device::cuda) {
-        const Buffer dsend(sizeof(int64_t), Device::cuda);
-        const Buffer drecv(recv.size() * sizeof(int64_t), Device::cuda);
-        ops::copy_from_host(dsend.as(DType::i64, {1}), &value);
-        comm.all_gather(dsend.data(), drecv.data(), 1, DType::i64);
-        comm.synchronize();
-        ops::copy_to_host(recv.data(), drecv.as(DType::i64, {world}));
-    } else {
-        comm.all_gather(&value, recv.data(), 1, DType::i64);
-    }
+    std::vector<int64_t> recv(static_cast<size_t>(world_size()));
+    all_gather_host(*impl_->world, device_, &value, recv.data(), 1, DType::i64);
     int64_t s = 0;
     for (const int64_t x : recv) s += x;
     return s;
@@ -116,11 +117,60 @@ int64_t DistContext::sum_i64(int64_t value) {
 void DistContext::all_reduce_grads(model::Qwen3Moe& model) {
     if (!distributed()) return;
     const Tensor g = model.grads_tensor();
-    impl_->world->all_reduce_sum(g.data(), model.params().total(), model.grad_dtype());
+    const int64_t rep = model.params().expert_offset(), total = model.params().total();
+    const DType dt = model.grad_dtype();
+    if (ep_size() == 1) {
+        impl_->world->all_reduce_sum(g.data(), total, dt);
+    } else {
+        impl_->world->all_reduce_sum(g.data(), rep, dt);
+        if (layout_.dp_size() > 1)
+            impl_->groups.dp->all_reduce_sum(static_cast<char*>(g.data()) + static_cast<size_t>(rep) * dtype_size(dt),
+                                             total - rep, dt);
+    }
     impl_->world->synchronize();
+    if (impl_->groups.dp) impl_->groups.dp->synchronize();
+}
+
+model::ExpertShard DistContext::expert_shard() const {
+    return {layout_.ep_rank(rank_), layout_.ep_size};
+}
+
+std::vector<float> DistContext::gather_params(const model::Qwen3Moe& model, const std::vector<float>& local) {
+    const model::ParamTable& mine = model.params();
+    MF_CHECK(static_cast<int64_t>(local.size()) == mine.total(), "gather_params: ", local.size(),
+             " values, the model holds ", mine.total());
+    if (!model.expert_shard().sharded()) return local;
+    const model::ParamTable full = model::qwen3_moe_param_table(model.config());
+    std::vector<float> out(static_cast<size_t>(full.total()));
+    // The replicated region is laid out the same in both tables.
+    std::copy(local.begin(), local.begin() + mine.expert_offset(), out.begin());
+    // One all_gather of every rank's expert region, then each stacked tensor's rows into place:
+    // rank p's local experts are global experts [p·E/S, (p+1)·E/S), in rank order.
+    const int64_t S = ep_size(), region = mine.total() - mine.expert_offset();
+    std::vector<float> all(static_cast<size_t>(region * S));
+    all_gather_host(*ep_group(), device_, local.data() + mine.expert_offset(), all.data(), region, DType::f32);
+    for (const auto& spec : mine.specs()) {
+        if (!spec.is_expert) continue;
+        const int64_t dst = full.get(spec.name).offset;
+        for (int64_t p = 0; p < S; ++p) {
+            const float* src = all.data() + p * region + (spec.offset - mine.expert_offset());
+            std::copy(src, src + spec.numel, out.begin() + dst + p * spec.numel);
+        }
+    }
+    return out;
 }
 
 parallel::Communicator* DistContext::ep_group() const { return impl_ ? impl_->groups.ep.get() : nullptr; }
+parallel::Communicator* DistContext::dp_group() const { return impl_ ? impl_->groups.dp.get() : nullptr; }
+parallel::Communicator* DistContext::group(Group g) const {
+    if (!impl_) return nullptr;
+    switch (g) {
+        case Group::ep: return impl_->groups.ep.get();
+        case Group::dp: return impl_->groups.dp.get();
+        case Group::world: break;
+    }
+    return impl_->world.get();
+}
 
 void DistContext::barrier() {
     if (!distributed()) return;

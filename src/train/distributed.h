@@ -37,6 +37,10 @@
 
 namespace mf::train {
 
+// The communicators a collective can run over (communicator.h: EP groups are consecutive ranks,
+// DP groups strided by the EP size).
+enum class Group { world, ep, dp };
+
 class DistContext {
  public:
     // Reads the process environment; for WORLD_SIZE > 1 runs the rendezvous and builds the world
@@ -58,19 +62,26 @@ class DistContext {
     // "world 2 (dp 2 x ep 1, tcp)" for the start line; "" for a single process.
     std::string describe() const;
 
-    // Element-wise sums over the world, identical bits on every rank ([in] this rank's values,
+    // Element-wise sums over a group, identical bits on every rank of it ([in] this rank's values,
     // returns the sums in the same order).
-    std::vector<double> sum_f64(std::span<const double> values);
+    std::vector<double> sum_f64(std::span<const double> values, Group group = Group::world);
     int64_t sum_i64(int64_t value);
-    // The model's gradients summed over the world in place. On return every rank holds the same
-    // gradient buffer. Non-expert parameters are replicated, so this is their data-parallel sum;
-    // under EP a rank writes only its own experts' gradients (the rest stay zero), so the world sum
-    // of an expert's slice is the sum over the ranks that own it (its DP group).
-    // NOTE: EP here still keeps every expert on every rank (memory is not yet divided by ep_size),
-    // which is what makes one flat world all-reduce enough.
+    // The model's gradients reduced in place: the replicated region (param_table.h) summed over the
+    // world, the expert region over the DP group (the ranks holding the same experts; the EP ranks'
+    // expert regions hold different experts). On return every rank of a DP group holds the same
+    // gradient buffer, and the replicated region is the same everywhere.
     void all_reduce_grads(model::Qwen3Moe& model);
-    // The EP group for Qwen3Moe::set_expert_parallel (null for a single process).
+    // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
+    model::ExpertShard expert_shard() const;
+    // The whole model's values from this rank's (`local`: host f32 in the model's table layout):
+    // the replicated region as is, every stacked expert tensor gathered over the EP group. Returns
+    // host f32 in the layout of qwen3_moe_param_table(config) on every rank (collective over EP).
+    std::vector<float> gather_params(const model::Qwen3Moe& model, const std::vector<float>& local);
+    // The EP group for Qwen3Moe::set_expert_parallel, and the DP group (ranks holding the same
+    // experts; ZeRO-1 shards optimizer state over it). Null for a single process.
     parallel::Communicator* ep_group() const;
+    parallel::Communicator* dp_group() const;
+    parallel::Communicator* group(Group g) const;
     // Returns when every rank has reached it (the identity for a single process).
     void barrier();
 

@@ -50,7 +50,8 @@ struct HfTensor {
     int64_t offset;  // elements into the flat buffer
 };
 
-// The HF tensors of a config, per-expert (what transformers writes), in parameter-table order.
+// The HF tensors of a table, per-expert (what transformers writes), in parameter-table order. For
+// a sharded table only the rank's experts appear (named by their global index, at local offsets).
 std::vector<HfTensor> hf_layout(const model::Qwen3MoeConfig& cfg, const model::ParamTable& table) {
     std::vector<HfTensor> out;
     const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
@@ -61,13 +62,13 @@ std::vector<HfTensor> hf_layout(const model::Qwen3MoeConfig& cfg, const model::P
         }
         const std::string prefix = expert_prefix(spec.name);
         const bool gate_up = spec.name.ends_with("gate_up_proj");
-        for (int64_t e = 0; e < cfg.num_experts; ++e) {
-            const std::string ep = prefix + std::to_string(e) + ".";
+        for (int64_t j = 0; j < spec.shape[0]; ++j) {
+            const std::string ep = prefix + std::to_string(spec.expert_first + j) + ".";
             if (gate_up) {
-                out.push_back({ep + "gate_proj.weight", {I, H}, spec.offset + e * 2 * I * H});
-                out.push_back({ep + "up_proj.weight", {I, H}, spec.offset + e * 2 * I * H + I * H});
+                out.push_back({ep + "gate_proj.weight", {I, H}, spec.offset + j * 2 * I * H});
+                out.push_back({ep + "up_proj.weight", {I, H}, spec.offset + j * 2 * I * H + I * H});
             } else {
-                out.push_back({ep + "down_proj.weight", {H, I}, spec.offset + e * H * I});
+                out.push_back({ep + "down_proj.weight", {H, I}, spec.offset + j * H * I});
             }
         }
     }
@@ -130,33 +131,52 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
              cfg.num_hidden_layers, " layers, ", cfg.num_experts, " experts)");
     }
 
+    // Everything checked against the whole model; now read what this rank holds (its experts).
     auto m = std::make_unique<model::Qwen3Moe>(std::move(cfg), placement);
+    const model::ParamTable& local = m->params();
     std::vector<float> host(static_cast<size_t>(m->num_params()));
-    for (const auto& src : sources) weights.read_f32(src.name, src.shape, host.data() + src.dst->offset);
+    for (const auto& spec : local.specs()) {
+        if (is_stacked(spec) && weights.find(spec.name) != nullptr)  // v5 spelling: the rank's rows of it
+            weights.read_f32_rows(spec.name, spec.global_shape(), spec.expert_first, spec.shape[0],
+                                  host.data() + spec.offset);
+    }
+    for (const auto& t : hf_layout(m->config(), local)) {
+        if (weights.find(t.name) == nullptr) continue;  // inside a stacked tensor read above
+        weights.read_f32(t.name, t.shape, host.data() + t.offset);
+    }
     m->set_params_from_host(host.data());
     return m;
 }
 
 void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
                    size_t max_shard_bytes) {
-    const auto& cfg = m.config();
+    MF_CHECK(!m.expert_shard().sharded(), "save_hf_model: this model holds one expert shard; gather the full "
+                                          "parameters first (DistContext::gather_params) and pass them");
+    std::vector<float> host(static_cast<size_t>(m.num_params()));
+    m.get_params_to_host(host.data());
+    save_hf_model(dir, m.config(), host, raw_config, tokenizer_dir, max_shard_bytes);
+}
+
+void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const std::vector<float>& host,
+                   const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
     json::Value config = raw_config != nullptr ? *raw_config : cfg.to_json();
     io::StDType dtype = io::StDType::F32;
     if (cfg.dtype == "bfloat16") dtype = io::StDType::BF16;
     else if (cfg.dtype == "float16") fail("writing float16 checkpoints is not supported; set dtype to bfloat16 or float32");
+    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+    MF_CHECK(static_cast<int64_t>(host.size()) == table.total(), "save_hf_model: ", host.size(),
+             " parameters given, the model has ", table.total());
 
     // Convert into one staging buffer in the output dtype, laid out tensor after tensor in HF order.
-    std::vector<float> host(static_cast<size_t>(m.num_params()));
-    m.get_params_to_host(host.data());
     struct Piece {
         std::string name;
         Shape shape;
         const float* src;
     };
     std::vector<Piece> pieces;
-    for (const auto& t : hf_layout(cfg, m.params())) pieces.push_back({t.name, t.shape, host.data() + t.offset});
+    for (const auto& t : hf_layout(cfg, table)) pieces.push_back({t.name, t.shape, host.data() + t.offset});
     const size_t elem = io::st_dtype_size(dtype);
-    std::vector<uint8_t> staging(static_cast<size_t>(m.num_params()) * elem);
+    std::vector<uint8_t> staging(static_cast<size_t>(table.total()) * elem);
     std::vector<io::StWriteTensor> tensors;
     size_t off = 0;
     for (const auto& p : pieces) {

@@ -6,12 +6,14 @@
 // (`gate_up [E, 2I, H]`, gate rows first, and `down [E, H, I]`). Loading stacks them, saving
 // splits them again, so `transformers` and vLLM read what we write. The v5 in-memory spelling
 // (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is accepted on load as well. A tensor the
-// model does not use, or one it needs and the directory lacks, is an error naming it.
+// model does not use, or one it needs and the directory lacks, is an error naming it. Under expert
+// parallelism (placement.shard) every tensor is still checked, but a rank reads only its experts.
 #pragma once
 
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/json.h"
 #include "model/qwen3_moe.h"
@@ -29,8 +31,14 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const std::filesystem::path& dir,
 // config's dtype (float32, bfloat16 or float16), and the tokenizer files found in `tokenizer_dir`
 // (when not empty) into `dir`, which must exist. Callers wanting all-or-nothing pass the
 // temporary path of an io::AtomicDir.
+// The model must hold every expert (not an EP shard).
 void save_hf_model(const std::filesystem::path& dir, model::Qwen3Moe& model, const json::Value* raw_config,
                    const std::filesystem::path& tokenizer_dir, size_t max_shard_bytes = size_t{5} << 30);
+// The same from the whole model's parameters as host f32 in the layout of qwen3_moe_param_table(cfg)
+// (e.g. gathered from the EP ranks by DistContext::gather_params).
+void save_hf_model(const std::filesystem::path& dir, const model::Qwen3MoeConfig& cfg, const std::vector<float>& params,
+                   const json::Value* raw_config, const std::filesystem::path& tokenizer_dir,
+                   size_t max_shard_bytes = size_t{5} << 30);
 
 // Tokenizer and generation files copied along with a model.
 const std::vector<std::string>& tokenizer_file_names();

@@ -51,6 +51,7 @@ constexpr std::string_view kKnownKeys[] = {
     "checkpoint.keep",
     "dist.ep_size",
     "dist.timeout_s",
+    "dist.shard_optimizer",
     "seed",
     "device",
     "precision",
@@ -417,6 +418,7 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
 
     conv.get_int("dist.ep_size", 1, 1 << 20, r.dist.ep_size);
     conv.get_number("dist.timeout_s", 0, kInf, true, false, "a finite number of seconds > 0", r.dist.timeout_s);
+    conv.get_bool("dist.shard_optimizer", r.dist.shard_optimizer);
 
     conv.get_int("seed", 0, kMaxInt, r.seed);
     conv.get_choice("device", {"auto", "cpu", "cuda"}, r.device);
@@ -471,7 +473,7 @@ json::Value Recipe::to_json() const {
                                       {"warmup_steps", optim.warmup_steps},
                                       {"min_lr_ratio", optim.min_lr_ratio}})},
         {"checkpoint", Value(Value::Object{{"every", checkpoint.every}, {"keep", checkpoint.keep}})},
-        {"dist", Value(Value::Object{{"ep_size", dist.ep_size}, {"timeout_s", dist.timeout_s}})},
+        {"dist", Value(Value::Object{{"ep_size", dist.ep_size}, {"timeout_s", dist.timeout_s}, {"shard_optimizer", dist.shard_optimizer}})},
         {"seed", seed},
         {"device", device},
         {"precision", precision},

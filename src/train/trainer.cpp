@@ -84,34 +84,33 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     // Before the model: on cuda the NCCL communicator selects this rank's GPU.
     const std::unique_ptr<DistContext> dist = DistContext::from_environment(recipe, device);
     const bool is_main = dist->is_main();
-    model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32};
+    model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32,
+                                    dist->expert_shard()};
     const fs::path model_dir = recipe.model;
     json::Value raw_config;
+    if (dist->ep_size() > 1) {
+        const model::Qwen3MoeConfig c = read_hf_config(model_dir);
+        if (c.num_experts == 0 || c.num_experts % dist->ep_size() != 0)
+            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(), " must divide the model's ", c.num_experts,
+                 " experts");
+    }
     auto model = load_hf_model(model_dir, &raw_config, placement);
     model->set_recompute(model::parse_recompute(recipe.train.recompute));
     const auto& cfg = model->config();
-    if (dist->ep_size() > 1) {
-        if (device != Device::cpu)
-            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(),
-                 ": expert parallelism runs on the CPU backend only for now (device: cpu)");
-        if (cfg.num_experts % dist->ep_size() != 0)
-            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(), " must divide the model's ", cfg.num_experts,
-                 " experts");
-        model->set_expert_parallel(dist->ep_group());
-    }
+    if (dist->ep_size() > 1) model->set_expert_parallel(dist->ep_group());
 
     const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
     data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
                         recipe.data.shuffle, static_cast<uint64_t>(recipe.seed), 0,
                         data::LoaderShard{dist->rank(), dist->world_size()});
-    const CheckpointLayout layout{dist->world_size(), dist->ep_size()};
+    const CheckpointLayout layout{dist->world_size(), dist->ep_size(), dist->rank()};
 
     const fs::path out = recipe.out;
     if (is_main) {
         fs::create_directories(out);
         io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
     }
-    AdamW optimizer(*model, recipe.optim, mixed);
+    AdamW optimizer(*model, recipe.optim, mixed, recipe.dist.shard_optimizer ? dist->dp_group() : nullptr);
     const fs::path ckpt_root = out / "checkpoints";
     int64_t first_step = 0;
     if (!resume.from.empty()) {
@@ -156,19 +155,29 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
     }
 
-    const int64_t P = model->num_params();
-    const double state_bytes_per_param = device == Device::cpu ? 16.0 : (mixed ? 2.0 + 4.0 + 12.0 : 8.0);
+    // This rank's bytes of parameters, gradients and optimizer state (EP shard, ZeRO-1 chunk).
+    const double state_bytes =
+        static_cast<double>(model->num_params()) * static_cast<double>(dtype_size(model->param_dtype()) +
+                                                                       dtype_size(model->grad_dtype())) +
+        static_cast<double>(optimizer.state_bytes());
     const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
     const bool tty = is_main && isatty(fileno(stdout)) != 0;
     if (is_main)
         std::printf(
             "moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | "
             "%s%s%s\n",
-            model_dir.string().c_str(), static_cast<long long>(P), static_cast<long long>(model->num_active_params()),
+            model_dir.string().c_str(), static_cast<long long>(model->num_params_total()),
+            static_cast<long long>(model->num_active_params()),
             static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
             static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum),
             device_name(device), dist->distributed() ? " | " : "", dist->describe().c_str());
 
+    if (is_main && dist->distributed())
+        std::printf("this rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n",
+                    static_cast<long long>(model->num_params()),
+                    dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
+                    static_cast<double>(optimizer.state_bytes()) / (1024.0 * 1024.0),
+                    recipe.dist.shard_optimizer && dist->world_size() / dist->ep_size() > 1 ? " (ZeRO-1 shard)" : "");
     TrainSummary summary;
     summary.out_dir = out.string();
     for (int64_t step = first_step; step < recipe.train.steps; ++step) {
@@ -204,7 +213,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         m.aux_loss = aux_sum / num_micro;
         m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
         // The gradients are identical on every rank, so this global norm is too.
-        m.grad_norm = clip_grad_norm(*model, recipe.train.grad_clip);
+        m.grad_norm = clip_grad_norm(*model, recipe.train.grad_clip, dist.get());
         m.lr = lr_at(recipe.optim, step, recipe.train.steps);
         bool skipped = false;
         if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
@@ -228,23 +237,24 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         m.tokens = tokens;
         m.tokens_per_s = dt > 0 ? static_cast<double>(tokens) / dt : 0.0;
         // params + grads + AdamW state (per the policy) + the activation arena's high-water mark.
-        m.peak_mem_gib = (state_bytes_per_param * static_cast<double>(P) + static_cast<double>(model->activation_bytes())) /
-                         (1024.0 * 1024.0 * 1024.0);
+        m.peak_mem_gib = (state_bytes + static_cast<double>(model->activation_bytes())) / (1024.0 * 1024.0 * 1024.0);
         if (step == first_step) summary.first_loss = m.loss;
         summary.last_loss = m.loss;
-        if (!is_main) continue;  // every rank's m is the same; rank 0 records it
-        json::Value line = m.to_json();
-        if (skipped) line.set("skipped", true);
-        metrics_file << line.dump() << "\n";
-        metrics_file.flush();
+        if (is_main) {  // every rank's m is the same; rank 0 records it
+            json::Value line = m.to_json();
+            if (skipped) line.set("skipped", true);
+            metrics_file << line.dump() << "\n";
+            metrics_file.flush();
+        }
         if (recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) {
             CheckpointState st;
             st.step = m.step;
             st.adam_step = optimizer.step_count();
             st.loader = loader.state();
             st.recipe = recipe.to_json();
-            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep, layout);
+            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep, layout, dist.get());
         }
+        if (!is_main) continue;
         if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
             if (tty) std::printf("\r\033[K");
             std::printf("step %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s\n",
@@ -255,6 +265,10 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     }
     if (tty) std::printf("\r\033[K");
     summary.steps = recipe.train.steps;
+    // The whole model on rank 0 for the export (every EP rank contributes its experts).
+    std::vector<float> full_params(static_cast<size_t>(model->num_params()));
+    model->get_params_to_host(full_params.data());
+    full_params = dist->gather_params(*model, full_params);
     if (!is_main) {
         // Rank 0 writes the export; returning only after it has keeps every rank's exit status
         // meaningful (a failed export on rank 0 makes this barrier fail here too).
@@ -270,7 +284,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     // Export: everything into a temporary sibling directory, then one rename into place.
     {
         io::AtomicDir dir(out);
-        save_hf_model(dir.tmp_path(), *model, &raw_config, model_dir);
+        save_hf_model(dir.tmp_path(), cfg, full_params, &raw_config, model_dir);
         for (const char* name : {"metrics.jsonl", "recipe.json"})
             io::atomic_write_file(dir.tmp_path() / name, io::read_text_file(out / name, size_t{1} << 30));
         // Checkpoints move along as hard links: until the commit the old OUT still has them.

@@ -18,8 +18,11 @@
 // the backward the gradients are summed over the world; the loss is then HF's over the union of all
 // ranks' micro-batches, and clipping and AdamW run identically everywhere. Rank 0 alone writes
 // metrics, logs, checkpoints and the export; every rank waits at a barrier for the export before
-// returning. With dist.ep_size > 1 (CPU only for now) each MoE layer's experts are computed by
-// their owners in the EP group (model/ffn_blocks.h); the gradient sum stays one world all-reduce.
+// returning. With dist.ep_size > 1 each rank holds E/EP experts of every MoE layer and computes
+// them for the tokens its EP group routes there (model/ffn_blocks.h); the replicated gradients are
+// summed over the world and the expert gradients over the DP group (train/distributed.h). With
+// dist.shard_optimizer the AdamW state is sharded over the DP group (train/optimizer.h). Checkpoints and the
+// export gather the whole model onto rank 0 (every rank takes part).
 #pragma once
 
 #include <cstdint>

@@ -13,9 +13,11 @@
 //   - final weights: relative L2 distance 1e-5 (seen: 1e-7), and the test checks that training
 //     moved the weights by far more than that, so the bound can fail.
 // The same comparison for EP=2 and EP=2 x DP=2 (dist.ep_size; experts computed by their owners).
-// A DP run repeated is bitwise identical (metrics and weights), so is one resumed from a DP
-// checkpoint (which records world size 2 and is refused by a single process), files come from
-// rank 0 only, a rank killed mid-run makes its peer exit non-zero at once (the connection drops),
+// A DP run repeated is bitwise identical (metrics and weights), and so is one with the AdamW state
+// whole on every rank instead of sharded (dist.shard_optimizer, ZeRO-1), and one resumed from a DP
+// checkpoint. Checkpoints do not depend on the layout: an EP=2 checkpoint equals the one-rank
+// run's, resumes in one process, and a one-rank checkpoint resumes at EP=2, each continuing like the
+// uninterrupted runs. Under EP a rank holds only its experts. Files come from rank 0 only, a rank killed mid-run makes its peer exit non-zero at once (the connection drops),
 // and a rank that stops answering (SIGSTOP) makes its peer exit non-zero after dist.timeout_s.
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -23,6 +25,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <sstream>
 #include <thread>
@@ -162,6 +165,20 @@ TEST_F(DpTrain, TwoRanksMatchOneRankAndRepeatBitwise) {
             EXPECT_EQ(again[i].find(key)->dump(), dp[i].find(key)->dump()) << "step " << i + 1 << " " << key;
     EXPECT_EQ(test::read_file(dir_ / "dp2_again" / "model.safetensors"),
               test::read_file(dir_ / "dp2" / "model.safetensors"));
+
+    // ZeRO-1 only moves where the AdamW state lives: whole on both ranks, the run is the same bits.
+    finetune("dp2_whole_state", 2, "train.micro_batch=2 dist.shard_optimizer=false");
+    const auto whole = read_metrics(dir_ / "dp2_whole_state" / "metrics.jsonl");
+    ASSERT_EQ(whole.size(), dp.size());
+    for (size_t i = 0; i < dp.size(); ++i)
+        for (const char* key : {"loss", "grad_norm"})
+            EXPECT_EQ(whole[i].find(key)->dump(), dp[i].find(key)->dump()) << "step " << i + 1 << " " << key;
+    EXPECT_EQ(test::read_file(dir_ / "dp2_whole_state" / "model.safetensors"),
+              test::read_file(dir_ / "dp2" / "model.safetensors"));
+    // ... and it holds half of it per rank (AdamW m and v: 8 bytes per parameter on the CPU).
+    const double sharded_gib = dp.back().find("peak_mem_gib")->as_double();
+    const double whole_gib = whole.back().find("peak_mem_gib")->as_double();
+    EXPECT_LT(sharded_gib, whole_gib) << "ZeRO-1 should lower the per-rank state";
 }
 
 TEST_F(DpTrain, CheckpointRecordsTheWorldSizeAndResumesBitwise) {
@@ -187,11 +204,70 @@ TEST_F(DpTrain, CheckpointRecordsTheWorldSizeAndResumesBitwise) {
             EXPECT_EQ(resumed[i].find(key)->dump(), full[i + 5].find(key)->dump()) << "step " << i + 6 << " " << key;
     EXPECT_EQ(test::read_file(dir_ / "ckpt_resumed" / "model.safetensors"),
               test::read_file(dir_ / "ckpt" / "model.safetensors"));
-    // Resuming it in a single process is refused with the reason.
-    std::string out;
-    const std::string cmd = bin() + " " + finetune_args("ckpt", "train.micro_batch=2") + " --resume";
-    EXPECT_NE(test::run_command(cmd, &out), 0) << out;
-    EXPECT_NE(out.find("world size 2"), std::string::npos) << out;
+}
+
+// The tensors of two checkpoints, by name, within the weight tolerance (relative L2 over all).
+double checkpoint_rel_l2(const fs::path& a, const fs::path& b) {
+    auto read = [](const fs::path& dir) {
+        const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "tensors.safetensors");
+        std::map<std::string, std::vector<float>> out;
+        for (const io::StTensor& t : f.tensors()) {
+            std::vector<float> v(t.nbytes / sizeof(float));
+            std::memcpy(v.data(), t.data, t.nbytes);
+            out[t.name] = std::move(v);
+        }
+        return out;
+    };
+    return rel_l2(read(a), read(b));
+}
+
+// Metrics of steps 6..10 of `resumed` against the same steps of `full`, and the final weights.
+void expect_same_tail(const fs::path& resumed_dir, const fs::path& full_dir) {
+    const auto full = read_metrics(full_dir / "metrics.jsonl");
+    const auto resumed = read_metrics(resumed_dir / "metrics.jsonl");
+    ASSERT_EQ(full.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps - 5));
+    for (size_t i = 0; i < resumed.size(); ++i) {
+        EXPECT_EQ(resumed[i].find("step")->as_int(), full[i + 5].find("step")->as_int());
+        for (const char* key : {"loss", "ce_loss", "grad_norm"}) {
+            const double x = resumed[i].find(key)->as_double(), y = full[i + 5].find(key)->as_double();
+            EXPECT_TRUE(close_rel(x, y, kMetricRelTol))
+                << resumed_dir.filename() << " vs " << full_dir.filename() << " step " << i + 6 << " " << key << ": "
+                << x << " vs " << y;
+        }
+    }
+    EXPECT_LE(rel_l2(read_weights(resumed_dir), read_weights(full_dir)), kWeightRelL2Tol);
+}
+
+// A checkpoint written under EP=2 holds the whole model (both ranks' experts gathered) and equals the
+// one-rank run's; it resumes in one process, and the one-rank checkpoint resumes at EP=2.
+TEST_F(DpTrain, CheckpointsResumeAtAnotherWorldAndEpSize) {
+    finetune("ck_ep2", 2, "train.micro_batch=2 dist.ep_size=2 checkpoint.every=5");
+    finetune("ck_one", 0, "train.micro_batch=2 train.grad_accum=2 checkpoint.every=5");
+    const fs::path ep5 = dir_ / "ck_ep2" / "checkpoints" / "step-00000005";
+    const fs::path one5 = dir_ / "ck_one" / "checkpoints" / "step-00000005";
+    ASSERT_TRUE(fs::exists(ep5) && fs::exists(one5));
+    const double d = checkpoint_rel_l2(ep5, one5);
+    EXPECT_LE(d, kWeightRelL2Tol) << "EP=2 checkpoint vs one rank's at step 5";
+    const json::Value s = json::parse(test::read_file(ep5 / "state.json"), "state.json");
+    EXPECT_EQ(s.find("world_size")->as_int(), 2);
+    EXPECT_EQ(s.find("ep_size")->as_int(), 2);
+    std::printf("EP=2 vs one-rank checkpoint at step 5: rel L2 %.3g\n", d);
+
+    // EP=2 checkpoint -> one process (the same rows per step: micro_batch 2 x grad_accum 2).
+    std::string log;
+    std::string cmd = bin() + " " + finetune_args("ck_ep2_to_one", "train.micro_batch=2 train.grad_accum=2") +
+                      " --resume " + ep5.string() + " --force-resume";
+    ASSERT_EQ(test::run_command(cmd, &log), 0) << log;
+    EXPECT_NE(log.find("checkpoint written at world size 2 (EP 2), continuing at world size 1 (EP 1)"),
+              std::string::npos)
+        << log;
+    expect_same_tail(dir_ / "ck_ep2_to_one", dir_ / "ck_ep2");
+    // One-rank checkpoint -> EP=2 on two processes.
+    cmd = bin() + " launch --nproc-per-node 2 -- " + finetune_args("ck_one_to_ep2", "train.micro_batch=2 dist.ep_size=2") +
+          " --resume " + one5.string() + " --force-resume";
+    ASSERT_EQ(test::run_command(cmd, &log), 0) << log;
+    expect_same_tail(dir_ / "ck_one_to_ep2", dir_ / "ck_one");
 }
 
 // Two ranks started by hand (no launcher, which would stop the survivor itself); once rank 0 has
@@ -289,11 +365,21 @@ void expect_same_training(const fs::path& a_dir, const fs::path& b_dir) {
 // rank on the same rows; the EP run recomputes the MoE blocks in the backward (train.recompute moe),
 // so the dispatch/combine of the recomputation runs in lockstep too.
 TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
-    finetune("ep2", 2, "train.micro_batch=2 dist.ep_size=2 train.recompute=moe");
+    const std::string log = finetune("ep2", 2, "train.micro_batch=2 dist.ep_size=2 train.recompute=moe");
     finetune("one_ep_ref", 0, "train.micro_batch=2 train.grad_accum=2");
     expect_same_training(dir_ / "ep2", dir_ / "one_ep_ref");
     const json::Value s = json::parse(test::read_file(dir_ / "ep2" / "recipe.json"), "recipe.json");
     EXPECT_EQ(s.find("dist")->find("ep_size")->as_int(), 2);
+    // Each rank holds the replicated parameters and half of the experts (counted from the HF files).
+    int64_t replicated = 0, experts = 0;
+    const io::ModelWeights w = io::ModelWeights::open(dir_ / "base");
+    for (const std::string& name : w.names()) {
+        int64_t n = 1;
+        for (const int64_t x : w.find(name)->shape) n *= x;
+        (name.find(".mlp.experts.") != std::string::npos ? experts : replicated) += n;
+    }
+    const std::string held = "this rank holds " + std::to_string(replicated + experts / 2) + " parameters";
+    EXPECT_NE(log.find(held), std::string::npos) << "expected \"" << held << "\" in\n" << log;
 }
 
 // EP=2 x DP=2 on four processes against one rank with 4 micro-batches of the same rows.
