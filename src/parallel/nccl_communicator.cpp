@@ -4,6 +4,7 @@
 
 #include "parallel/nccl_communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -142,15 +143,21 @@ void NcclCommunicator::all_reduce_sum(void* data, int64_t count, DType dtype) {
         wait_nccl(op);
         return;
     }
-    // bf16: sum in fp32, round once (the default stream orders the casts with stream_, see header).
-    Buffer wide(static_cast<size_t>(count) * sizeof(float), Device::cuda);
-    const Tensor narrow(data, DType::bf16, {count}, Device::cuda);
-    const Tensor f32 = wide.as(DType::f32, {count});
-    ops::cast(f32, narrow);
-    MF_CHECK_NCCL(ncclAllReduce(f32.data(), f32.data(), static_cast<size_t>(count), ncclFloat32, ncclSum, comm_, stream_));
-    wait_nccl(op);
-    ops::cast(narrow, f32);
-    synchronize();  // `wide` is freed on return
+    // bf16: sum in fp32, round once (the default stream orders the casts with stream_, see header),
+    // through one fp32 workspace of at most kWideChunk elements, kept for the next call, so a large
+    // gradient all-reduce costs no allocation and no transient memory of its size.
+    const int64_t chunk = std::min<int64_t>(count, kWideChunk);
+    if (wide_.nbytes() < static_cast<size_t>(chunk) * sizeof(float))
+        wide_ = Buffer(static_cast<size_t>(chunk) * sizeof(float), Device::cuda);
+    for (int64_t first = 0; first < count; first += chunk) {
+        const int64_t n = std::min(chunk, count - first);
+        const Tensor narrow(static_cast<uint16_t*>(data) + first, DType::bf16, {n}, Device::cuda);
+        const Tensor f32 = wide_.as(DType::f32, {n});
+        ops::cast(f32, narrow);
+        MF_CHECK_NCCL(ncclAllReduce(f32.data(), f32.data(), static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream_));
+        wait_nccl(op);
+        ops::cast(narrow, f32);
+    }
 }
 
 void NcclCommunicator::broadcast(void* data, int64_t count, DType dtype, int root) {

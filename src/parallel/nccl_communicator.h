@@ -58,6 +58,9 @@ class NcclCommunicator final : public Communicator {
     [[noreturn]] void abort_with(const char* op, const std::string& why);
     uint32_t begin(const char* op);
 
+    static constexpr int64_t kWideChunk = int64_t{1} << 25;  // fp32 elements of the bf16 all-reduce workspace
+    Buffer wide_;
+
     ncclComm_t comm_ = nullptr;
     cudaStream_t stream_ = nullptr;
     int rank_ = 0, size_ = 1, world_rank_ = 0;
