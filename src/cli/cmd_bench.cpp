@@ -86,8 +86,9 @@ int cmd_bench(const Args& args) {
         }
         ops::synchronize(device);
         const auto t0 = std::chrono::steady_clock::now();
+        dist->begin_grad_sync(m);
         const model::StepStats s = m.step(batch, &scales);
-        dist->all_reduce_grads(m);
+        dist->finish_grad_sync(m);
         train::clip_grad_norm(m, 1.0, dist.get());
         adamw.step(optim.lr);
         m.zero_grads();

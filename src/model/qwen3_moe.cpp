@@ -451,6 +451,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
                                       static_cast<float>(scales->aux * static_cast<double>(E) / (rows * rows)));
     ops::zero(ws.d_resid);
     ops::rmsnorm_backward(ws.d_resid, grad("model.norm.weight"), ws.d_ln, x_final, normf, ws.lnf_rstd);
+    if (grad_hook_ && !c.tie_word_embeddings) grad_hook_(kGradsHead);
     for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
         const Layer& L = layers_[static_cast<size_t>(l)];
         auto& la = ws.acts(l, recompute_);
@@ -472,8 +473,10 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         attention_block_backward(ws.d_ln, L.g_attn, ws.attn_scratch, ws.d_mid, la.ln1, la.attn, L.attn, ad, B, T,
                                  ws.positions, ws.doc_ids);
         ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd);
+        if (grad_hook_) grad_hook_(l);
     }
     ops::embedding_backward(grad("model.embed_tokens.weight"), ws.d_resid, ws.ids);
+    if (grad_hook_) grad_hook_(c.tie_word_embeddings ? kGradsEmbeddingAndHead : kGradsEmbedding);
     (void)H;
     return stats;
 }

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -100,6 +101,15 @@ class Qwen3Moe {
     // outlive the model's use. A sharded model must have its group set before step().
     void set_expert_parallel(parallel::Communicator* ep_group);
 
+    // Called during the backward of step() as gradients become final for this micro-batch: with
+    // kGradsHead once the final norm's and the untied LM head's are (right after the loss), with l
+    // after layer l's (l = L-1 down to 0), and last with kGradsEmbedding (or
+    // kGradsEmbeddingAndHead for tied embeddings, whose head gradient is the embedding's). The
+    // calls come while the device may still be computing them: a stream-ordered consumer (an NCCL
+    // reduction behind an event) is what it is for. An empty function turns it off.
+    static constexpr int64_t kGradsHead = -1, kGradsEmbedding = -2, kGradsEmbeddingAndHead = -3;
+    void set_grad_hook(std::function<void(int64_t)> hook) { grad_hook_ = std::move(hook); }
+
     void set_recompute(Recompute r);
     Recompute recompute() const { return recompute_; }
 
@@ -144,6 +154,7 @@ class Qwen3Moe {
     std::unique_ptr<Workspace> ws_;
     Recompute recompute_ = Recompute::none;
     parallel::Communicator* ep_ = nullptr;
+    std::function<void(int64_t)> grad_hook_;
 };
 
 }  // namespace mf::model

@@ -66,6 +66,15 @@ class Communicator {
                               std::span<const int64_t> send_offsets, void* recv,
                               std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                               DType dtype) = 0;
+    // Starts data[i] = sum over ranks of data[i] and returns without waiting for it. NCCL runs it on a
+    // side stream with its own NCCL communicator, after the work already enqueued on the default
+    // stream, so it overlaps whatever the default stream does next; bf16 is summed by NCCL in bf16
+    // (for 2 ranks one rounding of the exact sum, like all_reduce_sum; for more, each hop rounds).
+    // wait_async() completes every reduction started, with the timeout. Backends without
+    // concurrency (TCP) reduce at once, exactly as all_reduce_sum. `data` must stay valid and
+    // untouched by other work until wait_async() returns.
+    virtual void all_reduce_sum_async(void* data, int64_t count, DType dtype) { all_reduce_sum(data, count, dtype); }
+    virtual void wait_async() {}
     // Returns once every rank has entered the barrier.
     virtual void barrier() = 0;
     // Completes all work enqueued by this communicator (NCCL: waits on its stream, with the

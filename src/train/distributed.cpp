@@ -131,6 +131,69 @@ void DistContext::all_reduce_grads(model::Qwen3Moe& model) {
     if (impl_->groups.dp) impl_->groups.dp->synchronize();
 }
 
+// Starts the reduction of the given specs' gradients (merged into contiguous ranges per region):
+// the replicated region over the world, the expert region over the DP group (the world without EP).
+void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& which) {
+    const auto& specs = model.params().specs();
+    const DType dt = model.grad_dtype();
+    char* base = static_cast<char*>(model.grads_tensor().data());
+    std::vector<std::pair<int64_t, int64_t>> ranges[2];  // [replicated, expert] (first, end)
+    for (const size_t i : which) {
+        if (reduced_[i]) continue;
+        reduced_[i] = true;
+        auto& r = ranges[specs[i].is_expert ? 1 : 0];
+        const int64_t a = specs[i].offset, b = a + specs[i].numel;
+        if (!r.empty() && r.back().second == a) r.back().second = b;
+        else if (!r.empty() && r.back().first == b) r.back().first = a;
+        else r.emplace_back(a, b);
+    }
+    for (int region = 0; region < 2; ++region) {
+        parallel::Communicator* comm = region == 1 && ep_size() > 1 ? impl_->groups.dp.get() : impl_->world.get();
+        if (comm->size() == 1) continue;
+        for (const auto& [a, b] : ranges[region])
+            comm->all_reduce_sum_async(base + static_cast<size_t>(a) * dtype_size(dt), b - a, dt);
+    }
+}
+
+void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
+    if (!distributed()) return;
+    const auto& specs = model.params().specs();
+    reduced_.assign(specs.size(), false);
+    // The specs each hook call completes: layer l's by name, the head's and the embedding's.
+    const int64_t L = model.config().num_hidden_layers;
+    std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(L));
+    std::vector<size_t> head, embedding;
+    for (size_t i = 0; i < specs.size(); ++i) {
+        const std::string& n = specs[i].name;
+        if (n.rfind("model.layers.", 0) == 0) {
+            const int64_t l = std::stoll(n.substr(13, n.find('.', 13) - 13));
+            by_layer[static_cast<size_t>(l)].push_back(i);
+        } else if (n == "model.embed_tokens.weight") {
+            embedding.push_back(i);
+        } else {
+            head.push_back(i);  // model.norm.weight, lm_head.weight
+        }
+    }
+    model.set_grad_hook([this, &model, by_layer, head, embedding](int64_t id) {
+        if (id >= 0) reduce_specs(model, by_layer[static_cast<size_t>(id)]);
+        if (id == model::Qwen3Moe::kGradsHead || id == model::Qwen3Moe::kGradsEmbeddingAndHead) reduce_specs(model, head);
+        if (id == model::Qwen3Moe::kGradsEmbedding || id == model::Qwen3Moe::kGradsEmbeddingAndHead)
+            reduce_specs(model, embedding);
+    });
+}
+
+void DistContext::finish_grad_sync(model::Qwen3Moe& model) {
+    model.set_grad_hook({});
+    if (!distributed()) return;
+    std::vector<size_t> rest;
+    for (size_t i = 0; i < reduced_.size(); ++i)
+        if (!reduced_[i]) rest.push_back(i);
+    if (!rest.empty()) reduce_specs(model, rest);
+    impl_->world->wait_async();
+    if (impl_->groups.dp) impl_->groups.dp->wait_async();
+    reduced_.clear();
+}
+
 model::ExpertShard DistContext::expert_shard() const {
     return {layout_.ep_rank(rank_), layout_.ep_size};
 }

@@ -71,6 +71,14 @@ class DistContext {
     // expert regions hold different experts). On return every rank of a DP group holds the same
     // gradient buffer, and the replicated region is the same everywhere.
     void all_reduce_grads(model::Qwen3Moe& model);
+    // The same reduction overlapped with the backward: begin_grad_sync installs the model's grad
+    // hook (Qwen3Moe::set_grad_hook) so that the next step() starts each layer's reductions as soon
+    // as its backward is enqueued (all_reduce_sum_async: on NCCL a side stream overlapping the
+    // backward of the layers below); finish_grad_sync reduces whatever was not started, waits for
+    // all, and removes the hook. Call them around the LAST micro-batch of an optimizer step (the
+    // gradients must be complete sums over the micro-batches before they are reduced).
+    void begin_grad_sync(model::Qwen3Moe& model);
+    void finish_grad_sync(model::Qwen3Moe& model);
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
     // The whole model's values from this rank's (`local`: host f32 in the model's table layout):
@@ -89,6 +97,9 @@ class DistContext {
     int rank_ = 0;
     Device device_ = Device::cpu;
     parallel::ParallelLayout layout_;
+    // Gradient ranges reduced so far in the current sync (per parameter spec).
+    std::vector<bool> reduced_;
+    void reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

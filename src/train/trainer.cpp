@@ -197,16 +197,18 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
         scales.aux = add_aux ? cfg.router_aux_loss_coef / num_micro : 0.0;
         double local_ce = 0, local_aux = 0;
-        for (const auto& b : micro) {
-            const model::StepStats s = model->step(b, &scales);
+        for (size_t i = 0; i < micro.size(); ++i) {
+            // The gradient reduction overlaps the last micro-batch's backward (train/distributed.h).
+            if (i + 1 == micro.size()) dist->begin_grad_sync(*model);
+            const model::StepStats s = model->step(micro[i], &scales);
             local_ce += s.ce_sum;
             local_aux += s.aux;
         }
+        dist->finish_grad_sync(*model);
         const double local_sums[3] = {local_ce, local_aux, static_cast<double>(local_tokens)};
         const std::vector<double> sums = dist->sum_f64(local_sums);
         const double ce_sum = sums[0], aux_sum = sums[1];
         const int64_t tokens = static_cast<int64_t>(sums[2]);
-        dist->all_reduce_grads(*model);
         StepMetrics m;
         m.step = step + 1;
         m.ce_loss = targets > 0 ? ce_sum / static_cast<double>(targets) : 0.0;

@@ -389,6 +389,14 @@ TEST_F(DpTrain, ExpertTimesDataParallelMatchesOneRank) {
     expect_same_training(dir_ / "ep2dp2", dir_ / "one_accum4");
 }
 
+// Gradient accumulation under DP: the reduction overlaps only the last micro-batch's backward
+// (DistContext::begin_grad_sync), after the earlier ones have accumulated, and still gives the sum.
+TEST_F(DpTrain, DataParallelWithAccumulationMatchesOneRank) {
+    finetune("dp2_accum2", 2, "train.micro_batch=1 train.grad_accum=2");
+    finetune("one_mb1_accum4", 0, "train.micro_batch=1 train.grad_accum=4");
+    expect_same_training(dir_ / "dp2_accum2", dir_ / "one_mb1_accum4");
+}
+
 TEST_F(DpTrain, BadEpSizeIsRefusedClearly) {
     std::string out;
     const std::string cmd = bin() + " launch --nproc-per-node 3 -- " + finetune_args("ep3", "dist.ep_size=3");
