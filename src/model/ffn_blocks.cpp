@@ -1,6 +1,7 @@
 #include "model/ffn_blocks.h"
 
 #include <cstring>
+#include <limits>
 
 #include "core/check.h"
 #include "ops/ops.h"
@@ -45,7 +46,9 @@ void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
         a_local = arena.alloc(act, {cap, d.intermediate});
         y_local = arena.alloc(act, {cap, d.hidden});
         exchange = arena.alloc(act, {cap, d.hidden});
-        local_offsets = arena.alloc(DType::i32, {d.num_experts / d.ep_size() + 1});
+        const int64_t El = d.num_experts / d.ep_size();
+        plan_buffers.peer_offsets = arena.alloc(DType::i32, {d.ep_size() * (El + 1)});
+        plan_buffers.index = arena.alloc(DType::i32, {El + 1 + cap});
     }
     logits = arena.alloc(DType::f32, {N, d.num_experts});
     probs = arena.alloc(DType::f32, {N, d.num_experts});
@@ -55,8 +58,10 @@ void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
     sorted_pair = arena.alloc(DType::i32, {P});
     pair_row = arena.alloc(DType::i32, {P});
     x_perm = arena.alloc(act, {P, d.hidden});
-    h_perm = arena.alloc(act, {P, 2 * d.intermediate});
-    a_perm = arena.alloc(act, {P, d.intermediate});
+    if (d.ep == nullptr) {  // under EP the expert activations live in the *_local buffers
+        h_perm = arena.alloc(act, {P, 2 * d.intermediate});
+        a_perm = arena.alloc(act, {P, d.intermediate});
+    }
     y_perm = arena.alloc(act, {P, d.hidden});
 }
 
@@ -71,14 +76,16 @@ void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
         exchange = arena.alloc(act, {cap, d.hidden});
     }
     dy_perm = arena.alloc(act, {P, d.hidden});
-    da_perm = arena.alloc(act, {P, d.intermediate});
-    dh_perm = arena.alloc(act, {P, 2 * d.intermediate});
+    if (d.ep == nullptr) {
+        da_perm = arena.alloc(act, {P, d.intermediate});
+        dh_perm = arena.alloc(act, {P, 2 * d.intermediate});
+    }
     dx_perm = arena.alloc(act, {P, d.hidden});
     dtopk_weight = arena.alloc(DType::f32, {N, d.top_k});
     dlogits = arena.alloc(DType::f32, {N, d.num_experts});
 }
 
-// --- expert parallelism (host bookkeeping and row exchange; CPU tensors) ----------------------------
+// --- expert parallelism -----------------------------------------------------------------------------
 
 namespace {
 
@@ -89,40 +96,86 @@ Tensor row_view(const Tensor& t, int64_t first, int64_t n) {
     return Tensor(base, t.dtype(), {n, C}, t.device());
 }
 
+// Elements [first, first + n) of a flat tensor.
+Tensor flat_view(const Tensor& t, int64_t first, int64_t n) {
+    char* base = static_cast<char*>(t.data()) + static_cast<size_t>(first) * dtype_size(t.dtype());
+    return Tensor(base, t.dtype(), {n}, t.device());
+}
+
+bool has_data(const Tensor& t) { return t.data() != nullptr; }
+
+// CPU tensors travel over TCP, device tensors over NCCL: anything else would hand one a pointer it
+// cannot read.
+void check_backend(const parallel::Communicator& ep, Device device, const char* op) {
+    const bool nccl = std::strcmp(ep.backend(), "nccl") == 0;
+    MF_CHECK(nccl == (device == Device::cuda), op, ": ", device_name(device), " tensors with a ", ep.backend(),
+             " EP group (cpu tensors need tcp, cuda tensors nccl)");
+}
+
 }  // namespace
 
-EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets) {
+EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBuffers& buffers) {
     parallel::Communicator& ep = *d.ep;
     const int64_t S = ep.size(), E = d.num_experts, El = E / S;
-    MF_CHECK(expert_offsets.numel() == E + 1 && expert_offsets.device() == Device::cpu,
-             "ep_plan: expert_offsets must be [E + 1] on the host");
-    const int32_t* off = expert_offsets.ptr<int32_t>();
+    const Device device = expert_offsets.device();
+    MF_CHECK(expert_offsets.numel() == E + 1 && expert_offsets.dtype() == DType::i32,
+             "ep_plan: expert_offsets must be [E + 1] i32");
+    check_backend(ep, device, "ep_plan");
+    // Each peer p gets this rank's offsets of p's experts, off[p·El .. (p+1)·El] (El + 1 entries, the
+    // slices overlap by one), straight from expert_offsets; the receiver takes differences.
+    std::vector<int64_t> slice_counts(static_cast<size_t>(S), El + 1), send_slices(static_cast<size_t>(S)),
+        recv_slices(static_cast<size_t>(S));
+    for (int64_t p = 0; p < S; ++p) {
+        send_slices[static_cast<size_t>(p)] = p * El;
+        recv_slices[static_cast<size_t>(p)] = p * (El + 1);
+    }
+    std::vector<int32_t> off(static_cast<size_t>(E + 1)), peer(static_cast<size_t>(S * (El + 1)));
+    if (device == Device::cuda) {
+        const Tensor& staging = buffers.peer_offsets;
+        MF_CHECK(has_data(staging) && staging.device() == Device::cuda && staging.dtype() == DType::i32 &&
+                     staging.numel() >= S * (El + 1),
+                 "ep_plan: device expert_offsets need a device i32 peer_offsets buffer of ", S * (El + 1), " entries");
+        ep.all_to_all_v(expert_offsets.data(), slice_counts, send_slices, staging.data(), slice_counts, recv_slices,
+                        DType::i32);
+        ep.synchronize();  // waits for the peers (and every kernel before) with the communicator's timeout
+        ops::copy_to_host(off.data(), expert_offsets);
+        ops::copy_to_host(peer.data(), flat_view(staging, 0, S * (El + 1)));
+    } else {
+        ops::copy_to_host(off.data(), expert_offsets);
+        ep.all_to_all_v(off.data(), slice_counts, send_slices, peer.data(), slice_counts, recv_slices, DType::i32);
+    }
+    // cnt_recv[s·El + j]: rows source s sends for local expert j.
+    std::vector<int64_t> cnt_recv(static_cast<size_t>(S * El));
+    for (int64_t s = 0; s < S; ++s) {
+        const int32_t* o = peer.data() + s * (El + 1);
+        for (int64_t j = 0; j < El; ++j) {
+            if (o[j] < 0 || o[j + 1] < o[j])
+                fail("expert parallelism: rank ", ep.world_rank(), " received decreasing row offsets from EP rank ", s);
+            cnt_recv[static_cast<size_t>(s * El + j)] = o[j + 1] - o[j];
+        }
+    }
     EpRouting r;
     r.send_counts.resize(static_cast<size_t>(S));
     r.send_offsets.resize(static_cast<size_t>(S));
-    std::vector<int64_t> cnt_send(static_cast<size_t>(E)), cnt_recv(static_cast<size_t>(E));
-    std::vector<int64_t> cnt_counts(static_cast<size_t>(S), El), cnt_offsets(static_cast<size_t>(S));
-    for (int64_t e = 0; e < E; ++e) cnt_send[static_cast<size_t>(e)] = off[e + 1] - off[e];
     for (int64_t p = 0; p < S; ++p) {
-        r.send_offsets[static_cast<size_t>(p)] = off[p * El];
-        r.send_counts[static_cast<size_t>(p)] = off[(p + 1) * El] - off[p * El];
-        cnt_offsets[static_cast<size_t>(p)] = p * El;
+        const int32_t first = off[static_cast<size_t>(p * El)], last = off[static_cast<size_t>((p + 1) * El)];
+        r.send_offsets[static_cast<size_t>(p)] = first;
+        r.send_counts[static_cast<size_t>(p)] = last - first;
+        MF_CHECK(r.send_offsets[static_cast<size_t>(p)] >= 0 && r.send_counts[static_cast<size_t>(p)] >= 0,
+                 "ep_plan: expert_offsets are not ascending");
     }
-    // cnt_recv[s * El + j]: rows source s sends for local expert j.
-    ep.all_to_all_v(cnt_send.data(), cnt_counts, cnt_offsets, cnt_recv.data(), cnt_counts, cnt_offsets, DType::i64);
     r.recv_counts.assign(static_cast<size_t>(S), 0);
     r.recv_offsets.assign(static_cast<size_t>(S), 0);
     for (int64_t s = 0; s < S; ++s) {
-        for (int64_t j = 0; j < El; ++j) {
-            const int64_t c = cnt_recv[static_cast<size_t>(s * El + j)];
-            if (c < 0) fail("expert parallelism: rank ", ep.world_rank(), " received a negative row count");
-            r.recv_counts[static_cast<size_t>(s)] += c;
-        }
+        for (int64_t j = 0; j < El; ++j)
+            r.recv_counts[static_cast<size_t>(s)] += cnt_recv[static_cast<size_t>(s * El + j)];
         if (s + 1 < S)
             r.recv_offsets[static_cast<size_t>(s + 1)] =
                 r.recv_offsets[static_cast<size_t>(s)] + r.recv_counts[static_cast<size_t>(s)];
     }
     r.num_local = r.recv_offsets.back() + r.recv_counts.back();
+    MF_CHECK(r.num_local <= std::numeric_limits<int32_t>::max() - El - 1, "expert parallelism: ", r.num_local,
+             " rows received do not fit int32 row indices");
     r.local_offsets.assign(static_cast<size_t>(El + 1), 0);
     r.local_order.reserve(static_cast<size_t>(r.num_local));
     for (int64_t j = 0; j < El; ++j) {
@@ -134,6 +187,21 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets) {
         }
         r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(r.local_order.size());
     }
+    const Tensor& index = buffers.index;
+    if (!has_data(index)) {
+        MF_CHECK(device == Device::cpu, "ep_plan: device expert_offsets need a device i32 index buffer");
+        return r;
+    }
+    MF_CHECK(index.device() == device && index.dtype() == DType::i32 && index.numel() >= El + 1 + r.num_local,
+             "ep_plan: the index buffer needs ", El + 1 + r.num_local, " i32 entries on the ", device_name(device),
+             ", has ", index.numel());
+    // One upload: [local_offsets | local_order].
+    std::vector<int32_t> packed(r.local_offsets);
+    packed.reserve(static_cast<size_t>(El + 1 + r.num_local));
+    for (const int64_t row : r.local_order) packed.push_back(static_cast<int32_t>(row));
+    r.group_offsets = flat_view(index, 0, El + 1);
+    r.local_index = flat_view(index, El + 1, r.num_local);
+    ops::copy_from_host(flat_view(index, 0, El + 1 + r.num_local), packed.data());
     return r;
 }
 
@@ -158,31 +226,46 @@ static void copy_row(const Tensor& dst, int64_t dst_row, const Tensor& src, int6
                 static_cast<const char*>(src.data()) + static_cast<size_t>(src_row) * row_bytes, row_bytes);
 }
 
+static void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted,
+                           const Tensor& exchange, const Tensor& local) {
+    MF_CHECK(exchange.dim(0) >= r.num_local && local.dim(0) >= r.num_local && sorted.dim(-1) == exchange.dim(-1) &&
+                 local.dim(-1) == exchange.dim(-1) && sorted.dtype() == exchange.dtype() &&
+                 local.dtype() == exchange.dtype(),
+             op, ": buffer shapes");
+    MF_CHECK(sorted.device() == exchange.device() && local.device() == exchange.device(), op, ": mixed devices");
+    check_backend(*d.ep, exchange.device(), op);
+    MF_CHECK(has_data(r.local_index) || exchange.device() == Device::cpu, op,
+             ": device tensors need a routing planned with an index buffer");
+}
+
 // sorted [P, H] (expert-sorted rows of this rank) -> local [num_local, H] (expert-major rows of the
 // local experts, from every source), through `exchange` (source-major).
 void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& exchange,
                  const Tensor& local) {
-    MF_CHECK(exchange.dim(0) >= r.num_local && local.dim(0) >= r.num_local && sorted.dim(-1) == exchange.dim(-1) &&
-                 local.dim(-1) == exchange.dim(-1),
-             "ep_dispatch: buffer shapes");
+    check_exchange("ep_dispatch", d, r, sorted, exchange, local);
     exchange_rows(*d.ep, sorted, r.send_counts, r.send_offsets, exchange, r.recv_counts, r.recv_offsets);
+    if (has_data(r.local_index)) {
+        ops::gather_rows(row_view(local, 0, r.num_local), row_view(exchange, 0, r.num_local), r.local_index);
+        return;
+    }
     for (int64_t i = 0; i < r.num_local; ++i) copy_row(local, i, exchange, r.local_order[static_cast<size_t>(i)]);
 }
 
 // The reverse: local [num_local, H] -> sorted [P, H], every row back where dispatch took it from.
 void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& exchange,
                 const Tensor& sorted) {
-    MF_CHECK(exchange.dim(0) >= r.num_local && local.dim(0) >= r.num_local && sorted.dim(-1) == exchange.dim(-1) &&
-                 local.dim(-1) == exchange.dim(-1),
-             "ep_combine: buffer shapes");
-    for (int64_t i = 0; i < r.num_local; ++i) copy_row(exchange, r.local_order[static_cast<size_t>(i)], local, i);
+    check_exchange("ep_combine", d, r, sorted, exchange, local);
+    if (has_data(r.local_index)) {
+        ops::scatter_rows(row_view(exchange, 0, r.num_local), row_view(local, 0, r.num_local), r.local_index);
+    } else {
+        for (int64_t i = 0; i < r.num_local; ++i) copy_row(exchange, r.local_order[static_cast<size_t>(i)], local, i);
+    }
     exchange_rows(*d.ep, exchange, r.recv_counts, r.recv_offsets, sorted, r.send_counts, r.send_offsets);
 }
 
 namespace {
 
-void check_ep(const MoeDims& d, const Tensor& x, const MoeWeights& w) {
-    MF_CHECK(x.device() == Device::cpu, "expert parallelism runs on the CPU backend only for now");
+void check_ep(const MoeDims& d, const MoeWeights& w) {
     MF_CHECK(d.num_experts % d.ep_size() == 0, "EP size ", d.ep_size(), " does not divide ", d.num_experts, " experts");
     MF_CHECK(w.gate_up.dim(0) == d.num_experts / d.ep_size(), "the expert weights hold ", w.gate_up.dim(0),
              " experts, this EP rank owns ", d.num_experts / d.ep_size());
@@ -196,19 +279,18 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
     ops::moe_permute_indices(a.expert_offsets, a.sorted_pair, a.pair_row, a.topk_idx, d.num_experts);
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);
     if (d.ep != nullptr) {
-        check_ep(d, x, w);
-        a.routing = ep_plan(d, a.expert_offsets);
+        check_ep(d, w);
+        a.routing = ep_plan(d, a.expert_offsets, a.plan_buffers);
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local;
         // Every rank of the group has the same N·K pairs, so N·K·S rows (alloc) always suffice.
         MF_CHECK(R <= a.x_local.dim(0), "expert parallelism: ", R, " rows received, capacity ", a.x_local.dim(0));
-        std::memcpy(a.local_offsets.data(), r.local_offsets.data(), r.local_offsets.size() * sizeof(int32_t));
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         ep_dispatch(d, r, a.x_perm, a.exchange, x_local);
-        ops::grouped_matmul_forward(h_local, x_local, w.gate_up, a.local_offsets);
+        ops::grouped_matmul_forward(h_local, x_local, w.gate_up, r.group_offsets);
         ops::swiglu_forward(a_local, h_local);
-        ops::grouped_matmul_forward(y_local, a_local, w.down, a.local_offsets);
+        ops::grouped_matmul_forward(y_local, a_local, w.down, r.group_offsets);
         ep_combine(d, r, y_local, a.exchange, a.y_perm);
         ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
         return;
@@ -223,7 +305,7 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                         const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d) {
     ops::moe_unpermute_backward(s.dy_perm, s.dtopk_weight, dy, a.y_perm, a.topk_weight, a.pair_row);
     if (d.ep != nullptr) {
-        check_ep(d, dy, w);
+        check_ep(d, w);
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local;
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
@@ -233,11 +315,11 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         ep_dispatch(d, r, s.dy_perm, s.exchange, dy_local);
         ops::zero(da_local);
         ops::grouped_matmul_backward(da_local, g.down, dy_local, a_local,
-                                     w.down, a.local_offsets);
+                                     w.down, r.group_offsets);
         ops::swiglu_backward(dh_local, da_local, h_local);
         ops::zero(dx_local);
         ops::grouped_matmul_backward(dx_local, g.gate_up, dh_local, x_local,
-                                     w.gate_up, a.local_offsets);
+                                     w.gate_up, r.group_offsets);
         ep_combine(d, r, dx_local, s.exchange, s.dx_perm);  // every row of dx_perm comes back
     } else {
         ops::zero(s.da_perm);

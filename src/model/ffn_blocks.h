@@ -11,14 +11,18 @@
 // Forward writes y; backward accumulates into dx and the parameter gradients (+=). Activations
 // are in the activation dtype; router logits, probabilities and weights are always f32.
 //
-// Expert parallelism (MoeDims::ep set, CPU only for now): the S ranks of an EP group split the
-// experts, rank p owning [p·E/S, (p+1)·E/S). After the router and the sort by expert, dispatch
-// sends each owner its rows (all_to_all_v over the EP group: per-expert counts first, then the
-// rows), the owner reorders what it received from source-major to expert-major and runs its
-// experts on it, and combine sends the outputs back the reverse way into the sorted order, where
-// the top-k weighted sum proceeds as without EP. Backward: output gradients travel the dispatch
-// way, input gradients the combine way. Under EP the stacked weights (and their gradients) hold
-// only this rank's E/S experts ([E/S, ...]); the router holds all E.
+// Expert parallelism (MoeDims::ep set): the S ranks of an EP group split the experts, rank p owning
+// [p·E/S, (p+1)·E/S). After the router and the sort by expert, dispatch sends each owner its rows
+// (all_to_all_v over the EP group: the per-expert row offsets first, then the rows), the owner
+// reorders what it received from source-major to expert-major (gather_rows by the planned index) and
+// runs its experts on it, and combine sends the outputs back the reverse way (scatter_rows, then
+// all_to_all_v) into the sorted order, where the top-k weighted sum proceeds as without EP.
+// Backward: output gradients travel the dispatch way, input gradients the combine way. Under EP the
+// stacked weights (and their gradients) hold only this rank's E/S experts ([E/S, ...]); the router
+// holds all E. Both backends: CPU tensors over the TCP communicator, CUDA tensors over NCCL, whose
+// collectives are ordered with the ops:: kernels on the legacy default stream. Planning needs the
+// row counts on the host, so each forward's plan costs one wait for the device and the peers (with
+// the communicator's timeout); dispatch, expert compute and combine then run without host waits.
 #pragma once
 
 #include <cstdint>
@@ -54,27 +58,42 @@ struct MoeDims {
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
 
-// Who sends which rows where in one MoE block's dispatch (host bookkeeping; see the header comment).
+// Who sends which rows where in one MoE block's dispatch (host bookkeeping; see the header comment),
+// plus two device-side views of it that dispatch, combine and the local grouped GEMMs read.
 struct EpRouting {
     int64_t num_local = 0;  // rows received = rows of the local expert computation
     std::vector<int64_t> send_counts, send_offsets;  // [S] rows to each peer, in the expert-sorted order
     std::vector<int64_t> recv_counts, recv_offsets;  // [S] rows from each peer, source-major
     std::vector<int64_t> local_order;                // [num_local] source-major row of expert-major row i
     std::vector<int32_t> local_offsets;              // [E/S + 1] expert-major row offsets
+    // local_offsets and local_order as i32 on the tensors' device (views of EpPlanBuffers::index);
+    // undefined (null) when planned without an index buffer on the CPU.
+    Tensor group_offsets, local_index;
+};
+
+// Buffers ep_plan writes, on expert_offsets' device, both i32 (MoeActs holds them):
+//   peer_offsets [S·(E/S + 1)]: every peer's expert offsets of this rank's experts, as received
+//                (needed on the GPU, where NCCL moves device memory; on the CPU a host vector stands
+//                in when it is undefined);
+//   index        [E/S + 1 + capacity]: local_offsets then local_order, which the routing's
+//                group_offsets and local_index view (needed on the GPU; on the CPU, without it,
+//                dispatch and combine reorder with a host loop).
+struct EpPlanBuffers {
+    Tensor peer_offsets, index;
 };
 
 struct MoeWeights {
     Tensor router, gate_up, down;  // [E, H], [E', 2I, H], [E', H, I]; E' = E / EP size (E without EP)
 };
 
-// The dispatch/combine steps on their own (CPU tensors; collective over d.ep, every rank calls
-// them in the same order). ep_plan exchanges the per-expert row counts of this rank's expert-sorted
-// rows (expert_offsets [E+1] i32) and plans both directions. ep_dispatch: sorted [P, H] -> local
-// [num_local, H], expert-major over the local experts and, within an expert, by source rank and
-// then source order; ep_combine is its exact inverse (local -> sorted). `exchange` is a
-// source-major staging buffer of at least num_local rows; rows are copied, never summed, so a
-// round trip returns every row bit for bit.
-EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets);
+// The dispatch/combine steps on their own (collective over d.ep, every rank calls them in the same
+// order; CPU tensors with a TCP group, CUDA tensors with an NCCL group). ep_plan exchanges the
+// per-expert row offsets of this rank's expert-sorted rows (expert_offsets [E+1] i32) and plans both
+// directions. ep_dispatch: sorted [P, H] -> local [num_local, H], expert-major over the local experts
+// and, within an expert, by source rank and then source order; ep_combine is its exact inverse
+// (local -> sorted). `exchange` is a source-major staging buffer of at least num_local rows; rows are
+// copied, never summed, so a round trip returns every row bit for bit.
+EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBuffers& buffers = {});
 void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& exchange,
                  const Tensor& local);
 void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& exchange,
@@ -85,16 +104,17 @@ struct MoeActs {
     Tensor topk_idx, topk_weight;  // [N, K]
     Tensor expert_offsets;         // [E + 1]
     Tensor sorted_pair, pair_row;  // [N·K]
-    Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]
+    Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
     // EP only (capacity N·K·S rows, of which routing.num_local are used): the local experts' input
-    // and activations (expert-major), the exchange buffer (source-major) and the local offsets.
-    Tensor x_local, h_local, a_local, y_local, exchange, local_offsets;
+    // and activations (expert-major), the exchange buffer (source-major) and ep_plan's buffers.
+    Tensor x_local, h_local, a_local, y_local, exchange;
+    EpPlanBuffers plan_buffers;
     EpRouting routing;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act);
 };
 
 struct MoeScratch {
-    Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;
+    Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;  // da, dh: not under EP
     Tensor dy_local, da_local, dh_local, dx_local, exchange;  // EP only, N·K·S rows each
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act);
 };

@@ -23,6 +23,7 @@
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
 #include "kernels/cuda/router.cuh"
+#include "kernels/cuda/rows.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "ops/cuda_ops.h"
 
@@ -104,6 +105,16 @@ void cast(const Tensor& dst, const Tensor& src) {
 }
 
 void synchronize() { MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream)); }
+
+void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
+    mf::cuda::gather_rows(dst.data(), src.data(), I(index), rows(dst), rows(src),
+                          src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
+}
+
+void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
+    mf::cuda::scatter_rows(dst.data(), src.data(), I(index), rows(src), rows(dst),
+                           src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
+}
 
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);

@@ -15,6 +15,8 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();
+void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
+void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight);
