@@ -76,6 +76,9 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int world_rank, double timeo
 }
 
 NcclCommunicator::~NcclCommunicator() {
+    side_.reset();  // its communicator and stream first
+    if (ready_ != nullptr) cudaEventDestroy(ready_);
+    if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
     if (scratch_ != nullptr) cudaFree(scratch_);
     if (comm_ != nullptr) {
         // Finalize flushes outstanding work; if it cannot finish in time, abort instead of hanging.
@@ -225,6 +228,39 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     wait_nccl(op);
     if (color < 0 || child == nullptr) return nullptr;
     return std::unique_ptr<Communicator>(new NcclCommunicator(child, world_rank_, timeout_s_, stream_, op));
+}
+
+void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dtype) {
+    const char* op = "all_reduce_sum_async";
+    checked_nbytes(count, dtype, op);
+    begin(op);
+    if (side_ == nullptr) {
+        // First use (every rank reaches it at the same point of the program): a second NCCL
+        // communicator over the same ranks, driven on a non-blocking stream so that it runs
+        // concurrently with the default stream instead of being serialised behind it.
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+        MF_CHECK_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+        ncclConfig_t config = nonblocking_config();
+        ncclComm_t child = nullptr;
+        MF_CHECK_NCCL(ncclCommSplit(comm_, 0, rank_, &child, &config));
+        wait_nccl(op);
+        side_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, side_stream_, op));
+    }
+    if (count == 0) return;
+    // After everything enqueued on the default stream so far (the gradients being produced).
+    MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
+    side_->begin(op);
+    MF_CHECK_NCCL(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, side_->comm_,
+                                side_stream_));
+    side_->wait_nccl(op);
+    async_pending_ = true;
+}
+
+void NcclCommunicator::wait_async() {
+    if (!async_pending_) return;
+    side_->synchronize();  // polls the side stream with the timeout
+    async_pending_ = false;
 }
 
 }  // namespace mf::parallel

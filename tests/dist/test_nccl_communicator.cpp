@@ -1,7 +1,8 @@
 // NcclCommunicator on 2 GPUs (forked ranks, rendezvous on loopback): all_reduce identical on both
 // ranks and equal to the fp32 serial sum up to NCCL's order (checked bit for bit between ranks, and
 // exactly for integer-valued data), rank-coded all_to_all_v dispatch and combine with zero counts,
-// broadcast, all_gather, split. Skips (exit 77) without NCCL in the build or with fewer than 2 GPUs.
+// broadcast, all_gather, split, and all_reduce_sum_async on the side stream (exact on integer
+// data, one rounding for bf16 over 2 ranks). Skips (exit 77) without NCCL in the build or with fewer than 2 GPUs.
 // NOTE: the parent never touches CUDA, so that the forked ranks can initialise it.
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/bf16.h"
 #include "dist_test_util.h"
 
 #if defined(MOEFORGE_WITH_NCCL)
@@ -90,6 +92,34 @@ TEST(Nccl, TwoGpuCollectives) {
             for (int64_t k = 0; k < rc[p]; ++k)
                 rank_check(recv[ro[p] + k] == ((int64_t{p} << 40) | (int64_t{rank} << 20) | k), "all_to_all_v code");
         rank_check(dback.host() == send, "combine");
+        // all_reduce_sum_async: several reductions started on the side stream behind default-stream
+        // work (a kernel-free memcpy that writes the input first), then waited for; f32 integer data
+        // gives the exact sums, and a bf16 buffer of 2 ranks equals the one-rounding sum.
+        std::vector<float> a(300007), c(1031);
+        for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>((i * 3 + rank * 5) % 512);
+        for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<float>((i + rank) % 64);
+        DeviceVector<float> da(std::vector<float>(a.size(), -1.f)), dc(c);
+        cudaMemcpyAsync(da.ptr, a.data(), a.size() * 4, cudaMemcpyHostToDevice, nullptr);
+        comm.all_reduce_sum_async(da.ptr, 1000, DType::f32);
+        comm.all_reduce_sum_async(da.ptr + 1000, static_cast<int64_t>(a.size()) - 1000, DType::f32);
+        comm.all_reduce_sum_async(dc.ptr, static_cast<int64_t>(c.size()), DType::f32);
+        comm.wait_async();
+        const auto ra = da.host(), rc2 = dc.host();
+        for (size_t i = 0; i < a.size(); ++i)
+            rank_check(ra[i] == static_cast<float>((i * 3) % 512 + (i * 3 + 5) % 512), "async f32 all_reduce");
+        for (size_t i = 0; i < c.size(); ++i)
+            rank_check(rc2[i] == static_cast<float>(i % 64 + (i + 1) % 64), "async f32 all_reduce (2nd buffer)");
+        std::vector<uint16_t> h(777);
+        for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(0.1f * static_cast<float>(i) + 0.37f * rank);
+        DeviceVector<uint16_t> dh(h);
+        comm.all_reduce_sum_async(dh.ptr, static_cast<int64_t>(h.size()), DType::bf16);
+        comm.wait_async();
+        const auto rh = dh.host();
+        for (size_t i = 0; i < h.size(); ++i) {
+            const float exact = bf16_to_f32(f32_to_bf16(0.1f * static_cast<float>(i))) +
+                                bf16_to_f32(f32_to_bf16(0.1f * static_cast<float>(i) + 0.37f));
+            rank_check(rh[i] == f32_to_bf16(exact), "async bf16 all_reduce of 2 ranks: one rounding");
+        }
         auto solo = comm.split(rank, 0);
         rank_check(solo != nullptr && solo->size() == 1 && solo->rank() == 0, "split");
         comm.barrier();
