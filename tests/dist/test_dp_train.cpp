@@ -32,6 +32,7 @@
 
 #include "core/json.h"
 #include "dist_test_util.h"
+#include "train_test_util.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -42,50 +43,15 @@ namespace {
 
 constexpr double kMetricRelTol = 1e-4;
 constexpr double kWeightRelL2Tol = 1e-5;
+constexpr test::TrainTolerance kTol{kMetricRelTol, kWeightRelL2Tol};
 constexpr int kSteps = 10;
 
-std::string bin() { return test::moeforge_binary(); }
-std::string repo() { return (fs::path(test::fixtures_dir()) / ".." / "..").lexically_normal().string(); }
-
-std::vector<json::Value> read_metrics(const fs::path& file) {
-    std::vector<json::Value> out;
-    std::istringstream in(test::read_file(file));
-    std::string line;
-    while (std::getline(in, line)) out.push_back(json::parse(line, file.string()));
-    return out;
-}
-
-// All weights of an HF directory, by name, as f32.
-std::map<std::string, std::vector<float>> read_weights(const fs::path& dir) {
-    const io::ModelWeights w = io::ModelWeights::open(dir);
-    std::map<std::string, std::vector<float>> out;
-    for (const std::string& name : w.names()) {
-        const io::StTensor* t = w.find(name);
-        int64_t n = 1;
-        for (const int64_t d : t->shape) n *= d;
-        std::vector<float> v(static_cast<size_t>(n));
-        w.read_f32(name, t->shape, v.data());
-        out[name] = std::move(v);
-    }
-    return out;
-}
-
-// ||a - b|| / ||b|| over all tensors together.
-double rel_l2(const std::map<std::string, std::vector<float>>& a, const std::map<std::string, std::vector<float>>& b) {
-    double diff = 0, norm = 0;
-    for (const auto& [name, vb] : b) {
-        const auto it = a.find(name);
-        if (it == a.end() || it->second.size() != vb.size()) return INFINITY;
-        for (size_t i = 0; i < vb.size(); ++i) {
-            const double d = static_cast<double>(it->second[i]) - vb[i];
-            diff += d * d;
-            norm += static_cast<double>(vb[i]) * vb[i];
-        }
-    }
-    return std::sqrt(diff / norm);
-}
-
-bool close_rel(double a, double b, double tol) { return std::fabs(a - b) <= tol * std::max(std::fabs(b), 1e-6); }
+using test::bin;
+using test::close_rel;
+using test::read_metrics;
+using test::read_weights;
+using test::rel_l2;
+using test::repo;
 
 class DpTrain : public ::testing::Test {
  protected:
@@ -206,39 +172,6 @@ TEST_F(DpTrain, CheckpointRecordsTheWorldSizeAndResumesBitwise) {
               test::read_file(dir_ / "ckpt" / "model.safetensors"));
 }
 
-// The tensors of two checkpoints, by name, within the weight tolerance (relative L2 over all).
-double checkpoint_rel_l2(const fs::path& a, const fs::path& b) {
-    auto read = [](const fs::path& dir) {
-        const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "tensors.safetensors");
-        std::map<std::string, std::vector<float>> out;
-        for (const io::StTensor& t : f.tensors()) {
-            std::vector<float> v(t.nbytes / sizeof(float));
-            std::memcpy(v.data(), t.data, t.nbytes);
-            out[t.name] = std::move(v);
-        }
-        return out;
-    };
-    return rel_l2(read(a), read(b));
-}
-
-// Metrics of steps 6..10 of `resumed` against the same steps of `full`, and the final weights.
-void expect_same_tail(const fs::path& resumed_dir, const fs::path& full_dir) {
-    const auto full = read_metrics(full_dir / "metrics.jsonl");
-    const auto resumed = read_metrics(resumed_dir / "metrics.jsonl");
-    ASSERT_EQ(full.size(), static_cast<size_t>(kSteps));
-    ASSERT_EQ(resumed.size(), static_cast<size_t>(kSteps - 5));
-    for (size_t i = 0; i < resumed.size(); ++i) {
-        EXPECT_EQ(resumed[i].find("step")->as_int(), full[i + 5].find("step")->as_int());
-        for (const char* key : {"loss", "ce_loss", "grad_norm"}) {
-            const double x = resumed[i].find(key)->as_double(), y = full[i + 5].find(key)->as_double();
-            EXPECT_TRUE(close_rel(x, y, kMetricRelTol))
-                << resumed_dir.filename() << " vs " << full_dir.filename() << " step " << i + 6 << " " << key << ": "
-                << x << " vs " << y;
-        }
-    }
-    EXPECT_LE(rel_l2(read_weights(resumed_dir), read_weights(full_dir)), kWeightRelL2Tol);
-}
-
 // A checkpoint written under EP=2 holds the whole model (both ranks' experts gathered) and equals the
 // one-rank run's; it resumes in one process, and the one-rank checkpoint resumes at EP=2.
 TEST_F(DpTrain, CheckpointsResumeAtAnotherWorldAndEpSize) {
@@ -247,7 +180,7 @@ TEST_F(DpTrain, CheckpointsResumeAtAnotherWorldAndEpSize) {
     const fs::path ep5 = dir_ / "ck_ep2" / "checkpoints" / "step-00000005";
     const fs::path one5 = dir_ / "ck_one" / "checkpoints" / "step-00000005";
     ASSERT_TRUE(fs::exists(ep5) && fs::exists(one5));
-    const double d = checkpoint_rel_l2(ep5, one5);
+    const double d = test::checkpoint_rel_l2(ep5, one5);
     EXPECT_LE(d, kWeightRelL2Tol) << "EP=2 checkpoint vs one rank's at step 5";
     const json::Value s = json::parse(test::read_file(ep5 / "state.json"), "state.json");
     EXPECT_EQ(s.find("world_size")->as_int(), 2);
@@ -262,12 +195,12 @@ TEST_F(DpTrain, CheckpointsResumeAtAnotherWorldAndEpSize) {
     EXPECT_NE(log.find("checkpoint written at world size 2 (EP 2), continuing at world size 1 (EP 1)"),
               std::string::npos)
         << log;
-    expect_same_tail(dir_ / "ck_ep2_to_one", dir_ / "ck_ep2");
+    test::expect_same_tail(dir_ / "ck_ep2_to_one", dir_ / "ck_ep2", kSteps, 5, kTol);
     // One-rank checkpoint -> EP=2 on two processes.
     cmd = bin() + " launch --nproc-per-node 2 -- " + finetune_args("ck_one_to_ep2", "train.micro_batch=2 dist.ep_size=2") +
           " --resume " + one5.string() + " --force-resume";
     ASSERT_EQ(test::run_command(cmd, &log), 0) << log;
-    expect_same_tail(dir_ / "ck_one_to_ep2", dir_ / "ck_one");
+    test::expect_same_tail(dir_ / "ck_one_to_ep2", dir_ / "ck_one", kSteps, 5, kTol);
 }
 
 // Two ranks started by hand (no launcher, which would stop the survivor itself); once rank 0 has
@@ -342,23 +275,8 @@ TEST_F(DpTrain, StoppedRankMakesThePeerFailAfterTheTimeout) {
     std::printf("stopped peer: rank 0 exited after %.2f s (timeout %.0f s)\n", f.seconds, kTimeout);
 }
 
-// Per-step metrics and final weights of run `a` against run `b` within the tolerances above.
 void expect_same_training(const fs::path& a_dir, const fs::path& b_dir) {
-    const auto a = read_metrics(a_dir / "metrics.jsonl");
-    const auto b = read_metrics(b_dir / "metrics.jsonl");
-    ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
-    ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
-    for (size_t i = 0; i < a.size(); ++i) {
-        for (const char* key : {"loss", "ce_loss", "aux_loss", "grad_norm"}) {
-            const double x = a[i].find(key)->as_double(), y = b[i].find(key)->as_double();
-            EXPECT_TRUE(close_rel(x, y, kMetricRelTol)) << a_dir.filename() << " vs " << b_dir.filename() << " step "
-                                                        << i + 1 << " " << key << ": " << x << " vs " << y;
-        }
-        EXPECT_EQ(a[i].find("tokens")->as_int(), b[i].find("tokens")->as_int()) << "step " << i + 1;
-    }
-    const double dist = rel_l2(read_weights(a_dir), read_weights(b_dir));
-    EXPECT_LE(dist, kWeightRelL2Tol) << a_dir.filename() << " vs " << b_dir.filename();
-    std::printf("%s vs %s: final weights rel L2 %.3g\n", a_dir.filename().c_str(), b_dir.filename().c_str(), dist);
+    test::expect_same_training(a_dir, b_dir, kSteps, kTol);
 }
 
 // EP=2 (each rank computes 4 of the tiny model's 8 experts for both ranks' tokens) against one

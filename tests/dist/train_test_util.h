@@ -1,0 +1,130 @@
+// Helpers for the dist tests that train through the binary: read a run's metrics.jsonl, an HF
+// directory's weights or a training checkpoint's tensors, and compare two runs within stated
+// tolerances (per-step metrics relative, final weights by relative L2 distance over all tensors).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/json.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+namespace mf::test {
+
+inline std::string bin() { return moeforge_binary(); }
+inline std::string repo() {
+    return (std::filesystem::path(fixtures_dir()) / ".." / "..").lexically_normal().string();
+}
+
+inline std::vector<json::Value> read_metrics(const std::filesystem::path& file) {
+    std::vector<json::Value> out;
+    std::istringstream in(test::read_file(file));
+    std::string line;
+    while (std::getline(in, line)) out.push_back(json::parse(line, file.string()));
+    return out;
+}
+
+// All weights of an HF directory, by name, as f32.
+inline std::map<std::string, std::vector<float>> read_weights(const std::filesystem::path& dir) {
+    const io::ModelWeights w = io::ModelWeights::open(dir);
+    std::map<std::string, std::vector<float>> out;
+    for (const std::string& name : w.names()) {
+        const io::StTensor* t = w.find(name);
+        int64_t n = 1;
+        for (const int64_t d : t->shape) n *= d;
+        std::vector<float> v(static_cast<size_t>(n));
+        w.read_f32(name, t->shape, v.data());
+        out[name] = std::move(v);
+    }
+    return out;
+}
+
+// ||a - b|| / ||b|| over all tensors together.
+inline double rel_l2(const std::map<std::string, std::vector<float>>& a,
+                     const std::map<std::string, std::vector<float>>& b) {
+    double diff = 0, norm = 0;
+    for (const auto& [name, vb] : b) {
+        const auto it = a.find(name);
+        if (it == a.end() || it->second.size() != vb.size()) return INFINITY;
+        for (size_t i = 0; i < vb.size(); ++i) {
+            const double d = static_cast<double>(it->second[i]) - vb[i];
+            diff += d * d;
+            norm += static_cast<double>(vb[i]) * vb[i];
+        }
+    }
+    return std::sqrt(diff / norm);
+}
+
+inline bool close_rel(double a, double b, double tol) {
+    return std::fabs(a - b) <= tol * std::max(std::fabs(b), 1e-6);
+}
+// The tensors of two training checkpoints, by name: relative L2 distance over all.
+inline double checkpoint_rel_l2(const std::filesystem::path& a, const std::filesystem::path& b) {
+    auto read = [](const std::filesystem::path& dir) {
+        const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "tensors.safetensors");
+        std::map<std::string, std::vector<float>> out;
+        for (const io::StTensor& t : f.tensors()) {
+            std::vector<float> v(t.nbytes / sizeof(float));
+            if (t.nbytes > 0) std::memcpy(v.data(), t.data, t.nbytes);
+            out[t.name] = std::move(v);
+        }
+        return out;
+    };
+    return rel_l2(read(a), read(b));
+}
+
+struct TrainTolerance {
+    double metric_rel;     // per-step loss, ce_loss, aux_loss, grad_norm
+    double weight_rel_l2;  // final weights
+};
+
+// Per-step metrics and final weights of run `a` against run `b`.
+inline void expect_same_training(const std::filesystem::path& a_dir, const std::filesystem::path& b_dir, int steps,
+                                 TrainTolerance tol) {
+    const auto a = read_metrics(a_dir / "metrics.jsonl");
+    const auto b = read_metrics(b_dir / "metrics.jsonl");
+    ASSERT_EQ(a.size(), static_cast<size_t>(steps));
+    ASSERT_EQ(b.size(), static_cast<size_t>(steps));
+    for (size_t i = 0; i < a.size(); ++i) {
+        for (const char* key : {"loss", "ce_loss", "aux_loss", "grad_norm"}) {
+            const double x = a[i].find(key)->as_double(), y = b[i].find(key)->as_double();
+            EXPECT_TRUE(close_rel(x, y, tol.metric_rel)) << a_dir.filename() << " vs " << b_dir.filename() << " step "
+                                                         << i + 1 << " " << key << ": " << x << " vs " << y;
+        }
+        EXPECT_EQ(a[i].find("tokens")->as_int(), b[i].find("tokens")->as_int()) << "step " << i + 1;
+    }
+    const double dist = rel_l2(read_weights(a_dir), read_weights(b_dir));
+    EXPECT_LE(dist, tol.weight_rel_l2) << a_dir.filename() << " vs " << b_dir.filename();
+    std::printf("%s vs %s: final weights rel L2 %.3g\n", a_dir.filename().c_str(), b_dir.filename().c_str(), dist);
+}
+
+// Metrics of steps from+1..steps of `resumed` (resumed at step `from`) against the same steps of
+// `full`, and the final weights.
+inline void expect_same_tail(const std::filesystem::path& resumed_dir, const std::filesystem::path& full_dir,
+                             int steps, int from, TrainTolerance tol) {
+    const auto full = read_metrics(full_dir / "metrics.jsonl");
+    const auto resumed = read_metrics(resumed_dir / "metrics.jsonl");
+    ASSERT_EQ(full.size(), static_cast<size_t>(steps));
+    ASSERT_EQ(resumed.size(), static_cast<size_t>(steps - from));
+    for (size_t i = 0; i < resumed.size(); ++i) {
+        const size_t j = i + static_cast<size_t>(from);
+        EXPECT_EQ(resumed[i].find("step")->as_int(), full[j].find("step")->as_int());
+        for (const char* key : {"loss", "ce_loss", "grad_norm"}) {
+            const double x = resumed[i].find(key)->as_double(), y = full[j].find(key)->as_double();
+            EXPECT_TRUE(close_rel(x, y, tol.metric_rel)) << resumed_dir.filename() << " vs " << full_dir.filename()
+                                                         << " step " << j + 1 << " " << key << ": " << x << " vs " << y;
+        }
+    }
+    EXPECT_LE(rel_l2(read_weights(resumed_dir), read_weights(full_dir)), tol.weight_rel_l2);
+}
+
+}  // namespace mf::test
