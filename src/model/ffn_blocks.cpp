@@ -1,10 +1,19 @@
 #include "model/ffn_blocks.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "core/check.h"
 #include "ops/ops.h"
+
+#if defined(MOEFORGE_WITH_NCCL)
+#include "parallel/nccl_communicator.h"
+#endif
+
+namespace mf::parallel {
+class NcclCommunicator;  // only used through pointers where NCCL is not built
+}  // namespace mf::parallel
 
 namespace mf::model {
 
@@ -104,12 +113,25 @@ Tensor flat_view(const Tensor& t, int64_t first, int64_t n) {
 
 bool has_data(const Tensor& t) { return t.data() != nullptr; }
 
+// Experts [first, first + n) of a stacked [E', A, B] weight (undefined stays undefined).
+Tensor expert_view(const Tensor& t, int64_t first, int64_t n) {
+    if (!has_data(t)) return Tensor();
+    const int64_t per_expert = t.dim(1) * t.dim(2);
+    char* base = static_cast<char*>(t.data()) + static_cast<size_t>(first * per_expert) * dtype_size(t.dtype());
+    return Tensor(base, t.dtype(), {n, t.dim(1), t.dim(2)}, t.device());
+}
+
 // CPU tensors travel over TCP, device tensors over NCCL: anything else would hand one a pointer it
 // cannot read.
 void check_backend(const parallel::Communicator& ep, Device device, const char* op) {
     const bool nccl = std::strcmp(ep.backend(), "nccl") == 0;
     MF_CHECK(nccl == (device == Device::cuda), op, ": ", device_name(device), " tensors with a ", ep.backend(),
              " EP group (cpu tensors need tcp, cuda tensors nccl)");
+}
+
+int64_t num_chunks(const MoeDims& d) {
+    const int64_t El = d.num_experts / d.ep_size();
+    return std::clamp<int64_t>(d.ep_chunks, 1, std::max<int64_t>(El, 1));
 }
 
 }  // namespace
@@ -144,49 +166,62 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
         ops::copy_to_host(off.data(), expert_offsets);
         ep.all_to_all_v(off.data(), slice_counts, send_slices, peer.data(), slice_counts, recv_slices, DType::i32);
     }
-    // cnt_recv[s·El + j]: rows source s sends for local expert j.
-    std::vector<int64_t> cnt_recv(static_cast<size_t>(S * El));
+    // cnt[s·El + j]: rows source s sends for local expert j.
+    std::vector<int64_t> cnt(static_cast<size_t>(S * El));
     for (int64_t s = 0; s < S; ++s) {
         const int32_t* o = peer.data() + s * (El + 1);
         for (int64_t j = 0; j < El; ++j) {
             if (o[j] < 0 || o[j + 1] < o[j])
                 fail("expert parallelism: rank ", ep.world_rank(), " received decreasing row offsets from EP rank ", s);
-            cnt_recv[static_cast<size_t>(s * El + j)] = o[j + 1] - o[j];
+            cnt[static_cast<size_t>(s * El + j)] = o[j + 1] - o[j];
         }
     }
+    for (int64_t e = 0; e < E; ++e)
+        MF_CHECK(off[static_cast<size_t>(e)] >= 0 && off[static_cast<size_t>(e + 1)] >= off[static_cast<size_t>(e)],
+                 "ep_plan: expert_offsets are not ascending from 0");
+
+    // Chunk c holds local experts [c·El/C, (c+1)·El/C): its rows are a contiguous block of the local
+    // buffers (expert-major) and of `exchange` (source-major within the chunk), in chunk order.
     EpRouting r;
-    r.send_counts.resize(static_cast<size_t>(S));
-    r.send_offsets.resize(static_cast<size_t>(S));
-    for (int64_t p = 0; p < S; ++p) {
-        const int32_t first = off[static_cast<size_t>(p * El)], last = off[static_cast<size_t>((p + 1) * El)];
-        r.send_offsets[static_cast<size_t>(p)] = first;
-        r.send_counts[static_cast<size_t>(p)] = last - first;
-        MF_CHECK(r.send_offsets[static_cast<size_t>(p)] >= 0 && r.send_counts[static_cast<size_t>(p)] >= 0,
-                 "ep_plan: expert_offsets are not ascending");
-    }
-    r.recv_counts.assign(static_cast<size_t>(S), 0);
-    r.recv_offsets.assign(static_cast<size_t>(S), 0);
-    for (int64_t s = 0; s < S; ++s) {
-        for (int64_t j = 0; j < El; ++j)
-            r.recv_counts[static_cast<size_t>(s)] += cnt_recv[static_cast<size_t>(s * El + j)];
-        if (s + 1 < S)
-            r.recv_offsets[static_cast<size_t>(s + 1)] =
-                r.recv_offsets[static_cast<size_t>(s)] + r.recv_counts[static_cast<size_t>(s)];
-    }
-    r.num_local = r.recv_offsets.back() + r.recv_counts.back();
-    MF_CHECK(r.num_local <= std::numeric_limits<int32_t>::max() - El - 1, "expert parallelism: ", r.num_local,
-             " rows received do not fit int32 row indices");
+    const int64_t C = num_chunks(d);
     r.local_offsets.assign(static_cast<size_t>(El + 1), 0);
-    r.local_order.reserve(static_cast<size_t>(r.num_local));
-    for (int64_t j = 0; j < El; ++j) {
-        for (int64_t s = 0; s < S; ++s) {
-            int64_t start = r.recv_offsets[static_cast<size_t>(s)];
-            for (int64_t jj = 0; jj < j; ++jj) start += cnt_recv[static_cast<size_t>(s * El + jj)];
-            const int64_t c = cnt_recv[static_cast<size_t>(s * El + j)];
-            for (int64_t k = 0; k < c; ++k) r.local_order.push_back(start + k);
+    int64_t row = 0;
+    for (int64_t c = 0; c < C; ++c) {
+        EpChunk ch;
+        ch.first_expert = c * El / C;
+        ch.num_experts = (c + 1) * El / C - ch.first_expert;
+        ch.first_row = row;
+        const int64_t j0 = ch.first_expert, j1 = j0 + ch.num_experts;
+        ch.send_counts.resize(static_cast<size_t>(S));
+        ch.send_offsets.resize(static_cast<size_t>(S));
+        ch.recv_counts.assign(static_cast<size_t>(S), 0);
+        ch.recv_offsets.assign(static_cast<size_t>(S), 0);
+        for (int64_t p = 0; p < S; ++p) {
+            const int32_t first = off[static_cast<size_t>(p * El + j0)], last = off[static_cast<size_t>(p * El + j1)];
+            ch.send_offsets[static_cast<size_t>(p)] = first;
+            ch.send_counts[static_cast<size_t>(p)] = last - first;
+            for (int64_t j = j0; j < j1; ++j)
+                ch.recv_counts[static_cast<size_t>(p)] += cnt[static_cast<size_t>(p * El + j)];
+            ch.recv_offsets[static_cast<size_t>(p)] = row;
+            row += ch.recv_counts[static_cast<size_t>(p)];
         }
-        r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(r.local_order.size());
+        ch.num_rows = row - ch.first_row;
+        // Expert-major order inside the chunk: expert, then source rank, then source order.
+        for (int64_t j = j0; j < j1; ++j) {
+            for (int64_t s = 0; s < S; ++s) {
+                int64_t src_row = ch.recv_offsets[static_cast<size_t>(s)];
+                for (int64_t jj = j0; jj < j; ++jj) src_row += cnt[static_cast<size_t>(s * El + jj)];
+                const int64_t c_rows = cnt[static_cast<size_t>(s * El + j)];
+                for (int64_t k = 0; k < c_rows; ++k) r.local_order.push_back(src_row + k);
+            }
+            MF_CHECK(static_cast<int64_t>(r.local_order.size()) <= std::numeric_limits<int32_t>::max() - El - 1,
+                     "expert parallelism: ", r.local_order.size(), " rows received do not fit int32 row indices");
+            r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(r.local_order.size());
+        }
+        r.chunks.push_back(std::move(ch));
     }
+    r.num_local = row;
+
     const Tensor& index = buffers.index;
     if (!has_data(index)) {
         MF_CHECK(device == Device::cpu, "ep_plan: device expert_offsets need a device i32 index buffer");
@@ -198,36 +233,94 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
     // One upload: [local_offsets | local_order].
     std::vector<int32_t> packed(r.local_offsets);
     packed.reserve(static_cast<size_t>(El + 1 + r.num_local));
-    for (const int64_t row : r.local_order) packed.push_back(static_cast<int32_t>(row));
+    for (const int64_t i : r.local_order) packed.push_back(static_cast<int32_t>(i));
     r.group_offsets = flat_view(index, 0, El + 1);
     r.local_index = flat_view(index, El + 1, r.num_local);
     ops::copy_from_host(flat_view(index, 0, El + 1 + r.num_local), packed.data());
     return r;
 }
 
-// Rows counted per peer, H elements each, through the EP group's all_to_all_v.
-static void exchange_rows(parallel::Communicator& ep, const Tensor& send, const std::vector<int64_t>& send_counts,
-                          const std::vector<int64_t>& send_offsets, const Tensor& recv,
-                          const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_offsets) {
-    const int64_t H = send.dim(-1);
+namespace {
+
+// Overlap needs the NCCL side stream (all_to_all_v_start); elsewhere each exchange completes at once.
+parallel::NcclCommunicator* overlap_comm(const MoeDims& d, int64_t chunks) {
+#if defined(MOEFORGE_WITH_NCCL)
+    if (chunks > 1) return dynamic_cast<parallel::NcclCommunicator*>(d.ep);
+#else
+    (void)d;
+    (void)chunks;
+#endif
+    return nullptr;
+}
+
+// One chunk's rows, H elements each, over the EP group: toward the owners (sorted -> exchange) or
+// back (exchange -> sorted). With `overlap` it is only started; returns the ticket to join (0: done).
+uint64_t exchange_chunk(parallel::Communicator& ep, parallel::NcclCommunicator* overlap, const EpChunk& ch,
+                        bool to_owners, const Tensor& sorted, const Tensor& exchange) {
+    const int64_t H = sorted.dim(-1);
     auto times_h = [H](const std::vector<int64_t>& v) {
         std::vector<int64_t> out(v.size());
         for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * H;
         return out;
     };
-    const auto sc = times_h(send_counts), so = times_h(send_offsets), rc = times_h(recv_counts),
-               ro = times_h(recv_offsets);
-    ep.all_to_all_v(send.data(), sc, so, recv.data(), rc, ro, send.dtype());
+    const auto sc = times_h(ch.send_counts), so = times_h(ch.send_offsets), rc = times_h(ch.recv_counts),
+               ro = times_h(ch.recv_offsets);
+    const Tensor& from = to_owners ? sorted : exchange;
+    const Tensor& to = to_owners ? exchange : sorted;
+    const auto& from_counts = to_owners ? sc : rc;
+    const auto& from_offsets = to_owners ? so : ro;
+    const auto& to_counts = to_owners ? rc : sc;
+    const auto& to_offsets = to_owners ? ro : so;
+#if defined(MOEFORGE_WITH_NCCL)
+    if (overlap != nullptr)
+        return overlap->all_to_all_v_start(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets,
+                                           from.dtype());
+#else
+    (void)overlap;
+#endif
+    ep.all_to_all_v(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets, from.dtype());
+    return 0;
 }
 
-static void copy_row(const Tensor& dst, int64_t dst_row, const Tensor& src, int64_t src_row) {
+void join(parallel::NcclCommunicator* overlap, uint64_t ticket) {
+#if defined(MOEFORGE_WITH_NCCL)
+    if (overlap != nullptr && ticket != 0) overlap->all_to_all_v_join(ticket);
+#else
+    (void)overlap;
+    (void)ticket;
+#endif
+}
+
+void copy_row(const Tensor& dst, int64_t dst_row, const Tensor& src, int64_t src_row) {
     const size_t row_bytes = static_cast<size_t>(src.dim(-1)) * dtype_size(src.dtype());
     std::memcpy(static_cast<char*>(dst.data()) + static_cast<size_t>(dst_row) * row_bytes,
                 static_cast<const char*>(src.data()) + static_cast<size_t>(src_row) * row_bytes, row_bytes);
 }
 
-static void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted,
-                           const Tensor& exchange, const Tensor& local) {
+// The chunk's rows exchange (source-major) -> local (expert-major): local[i] = exchange[local_order[i]].
+void gather_chunk(const EpRouting& r, const EpChunk& ch, const Tensor& exchange, const Tensor& local) {
+    if (has_data(r.local_index)) {
+        ops::gather_rows(row_view(local, ch.first_row, ch.num_rows), row_view(exchange, 0, r.num_local),
+                         flat_view(r.local_index, ch.first_row, ch.num_rows));
+        return;
+    }
+    for (int64_t i = ch.first_row; i < ch.first_row + ch.num_rows; ++i)
+        copy_row(local, i, exchange, r.local_order[static_cast<size_t>(i)]);
+}
+
+// The inverse: exchange[local_order[i]] = local[i] over the chunk's rows.
+void scatter_chunk(const EpRouting& r, const EpChunk& ch, const Tensor& local, const Tensor& exchange) {
+    if (has_data(r.local_index)) {
+        ops::scatter_rows(row_view(exchange, 0, r.num_local), row_view(local, ch.first_row, ch.num_rows),
+                          flat_view(r.local_index, ch.first_row, ch.num_rows));
+        return;
+    }
+    for (int64_t i = ch.first_row; i < ch.first_row + ch.num_rows; ++i)
+        copy_row(exchange, r.local_order[static_cast<size_t>(i)], local, i);
+}
+
+void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted,
+                    const Tensor& exchange, const Tensor& local) {
     MF_CHECK(exchange.dim(0) >= r.num_local && local.dim(0) >= r.num_local && sorted.dim(-1) == exchange.dim(-1) &&
                  local.dim(-1) == exchange.dim(-1) && sorted.dtype() == exchange.dtype() &&
                  local.dtype() == exchange.dtype(),
@@ -238,29 +331,27 @@ static void check_exchange(const char* op, const MoeDims& d, const EpRouting& r,
              ": device tensors need a routing planned with an index buffer");
 }
 
+}  // namespace
+
 // sorted [P, H] (expert-sorted rows of this rank) -> local [num_local, H] (expert-major rows of the
-// local experts, from every source), through `exchange` (source-major).
+// local experts, from every source), through `exchange` (source-major per chunk).
 void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& exchange,
                  const Tensor& local) {
     check_exchange("ep_dispatch", d, r, sorted, exchange, local);
-    exchange_rows(*d.ep, sorted, r.send_counts, r.send_offsets, exchange, r.recv_counts, r.recv_offsets);
-    if (has_data(r.local_index)) {
-        ops::gather_rows(row_view(local, 0, r.num_local), row_view(exchange, 0, r.num_local), r.local_index);
-        return;
+    for (const EpChunk& ch : r.chunks) {
+        exchange_chunk(*d.ep, nullptr, ch, true, sorted, exchange);
+        gather_chunk(r, ch, exchange, local);
     }
-    for (int64_t i = 0; i < r.num_local; ++i) copy_row(local, i, exchange, r.local_order[static_cast<size_t>(i)]);
 }
 
 // The reverse: local [num_local, H] -> sorted [P, H], every row back where dispatch took it from.
 void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& exchange,
                 const Tensor& sorted) {
     check_exchange("ep_combine", d, r, sorted, exchange, local);
-    if (has_data(r.local_index)) {
-        ops::scatter_rows(row_view(exchange, 0, r.num_local), row_view(local, 0, r.num_local), r.local_index);
-    } else {
-        for (int64_t i = 0; i < r.num_local; ++i) copy_row(exchange, r.local_order[static_cast<size_t>(i)], local, i);
+    for (const EpChunk& ch : r.chunks) {
+        scatter_chunk(r, ch, local, exchange);
+        exchange_chunk(*d.ep, nullptr, ch, false, sorted, exchange);
     }
-    exchange_rows(*d.ep, exchange, r.recv_counts, r.recv_offsets, sorted, r.send_counts, r.send_offsets);
 }
 
 namespace {
@@ -269,6 +360,30 @@ void check_ep(const MoeDims& d, const MoeWeights& w) {
     MF_CHECK(d.num_experts % d.ep_size() == 0, "EP size ", d.ep_size(), " does not divide ", d.num_experts, " experts");
     MF_CHECK(w.gate_up.dim(0) == d.num_experts / d.ep_size(), "the expert weights hold ", w.gate_up.dim(0),
              " experts, this EP rank owns ", d.num_experts / d.ep_size());
+}
+
+// The EP pipeline shared by forward and backward: every chunk's dispatch of `sorted_in` is started,
+// then chunk by chunk: join its dispatch, gather its rows into `local_in`, run `compute` (which
+// leaves the chunk's results in `local_out`), scatter them and start their combine into
+// `sorted_out`; finally join every combine. With one chunk, or without an NCCL side stream, each
+// exchange completes before the next step, which is the plain dispatch -> compute -> combine.
+template <typename Compute>
+void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& exchange,
+                 const Tensor& local_in, const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
+    check_exchange("expert parallelism", d, r, sorted_in, exchange, local_in);
+    parallel::NcclCommunicator* overlap = overlap_comm(d, static_cast<int64_t>(r.chunks.size()));
+    std::vector<uint64_t> tickets(r.chunks.size(), 0);
+    for (size_t c = 0; c < r.chunks.size(); ++c)
+        tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, exchange);
+    for (size_t c = 0; c < r.chunks.size(); ++c) {
+        const EpChunk& ch = r.chunks[c];
+        join(overlap, tickets[c]);
+        gather_chunk(r, ch, exchange, local_in);
+        compute(ch);
+        scatter_chunk(r, ch, local_out, exchange);
+        tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, exchange);
+    }
+    for (const uint64_t t : tickets) join(overlap, t);
 }
 
 }  // namespace
@@ -287,11 +402,17 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         MF_CHECK(R <= a.x_local.dim(0), "expert parallelism: ", R, " rows received, capacity ", a.x_local.dim(0));
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
-        ep_dispatch(d, r, a.x_perm, a.exchange, x_local);
-        ops::grouped_matmul_forward(h_local, x_local, w.gate_up, r.group_offsets);
-        ops::swiglu_forward(a_local, h_local);
-        ops::grouped_matmul_forward(y_local, a_local, w.down, r.group_offsets);
-        ep_combine(d, r, y_local, a.exchange, a.y_perm);
+        // Each chunk's grouped GEMMs see all R rows but only its experts' offsets (absolute row
+        // numbers), so they touch only the chunk's rows.
+        ep_pipeline(d, r, a.x_perm, a.exchange, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
+            const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
+            ops::grouped_matmul_forward(h_local, x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
+                                        offsets);
+            ops::swiglu_forward(row_view(a_local, ch.first_row, ch.num_rows),
+                                row_view(h_local, ch.first_row, ch.num_rows));
+            ops::grouped_matmul_forward(y_local, a_local, expert_view(w.down, ch.first_expert, ch.num_experts),
+                                        offsets);
+        });
         ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
         return;
     }
@@ -312,15 +433,20 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         const Tensor a_local = row_view(a.a_local, 0, R);
         const Tensor dy_local = row_view(s.dy_local, 0, R), da_local = row_view(s.da_local, 0, R);
         const Tensor dh_local = row_view(s.dh_local, 0, R), dx_local = row_view(s.dx_local, 0, R);
-        ep_dispatch(d, r, s.dy_perm, s.exchange, dy_local);
-        ops::zero(da_local);
-        ops::grouped_matmul_backward(da_local, g.down, dy_local, a_local,
-                                     w.down, r.group_offsets);
-        ops::swiglu_backward(dh_local, da_local, h_local);
-        ops::zero(dx_local);
-        ops::grouped_matmul_backward(dx_local, g.gate_up, dh_local, x_local,
-                                     w.gate_up, r.group_offsets);
-        ep_combine(d, r, dx_local, s.exchange, s.dx_perm);  // every row of dx_perm comes back
+        // Output gradients travel the dispatch way, input gradients come back the combine way (every
+        // row of dx_perm is written).
+        ep_pipeline(d, r, s.dy_perm, s.exchange, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
+            const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
+            const Tensor rows_da = row_view(da_local, ch.first_row, ch.num_rows);
+            ops::zero(rows_da);
+            ops::grouped_matmul_backward(da_local, expert_view(g.down, ch.first_expert, ch.num_experts), dy_local,
+                                         a_local, expert_view(w.down, ch.first_expert, ch.num_experts), offsets);
+            ops::swiglu_backward(row_view(dh_local, ch.first_row, ch.num_rows), rows_da,
+                                 row_view(h_local, ch.first_row, ch.num_rows));
+            ops::zero(row_view(dx_local, ch.first_row, ch.num_rows));
+            ops::grouped_matmul_backward(dx_local, expert_view(g.gate_up, ch.first_expert, ch.num_experts), dh_local,
+                                         x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets);
+        });
     } else {
         ops::zero(s.da_perm);
         ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets);

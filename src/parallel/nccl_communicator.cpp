@@ -76,6 +76,11 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int world_rank, double timeo
 }
 
 NcclCommunicator::~NcclCommunicator() {
+    exchange_.reset();
+    for (cudaEvent_t e : exchange_done_)
+        if (e != nullptr) cudaEventDestroy(e);
+    if (exchange_ready_ != nullptr) cudaEventDestroy(exchange_ready_);
+    if (exchange_stream_ != nullptr) cudaStreamDestroy(exchange_stream_);
     side_.reset();  // its communicator and stream first
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
@@ -261,6 +266,37 @@ void NcclCommunicator::wait_async() {
     if (!async_pending_) return;
     side_->synchronize();  // polls the side stream with the timeout
     async_pending_ = false;
+}
+
+uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
+                                              std::span<const int64_t> send_offsets, void* recv,
+                                              std::span<const int64_t> recv_counts,
+                                              std::span<const int64_t> recv_offsets, DType dtype) {
+    const char* op = "all_to_all_v_start";
+    begin(op);
+    if (exchange_ == nullptr) {
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&exchange_stream_, cudaStreamNonBlocking));
+        MF_CHECK_CUDA(cudaEventCreateWithFlags(&exchange_ready_, cudaEventDisableTiming));
+        for (cudaEvent_t& e : exchange_done_) MF_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        ncclConfig_t config = nonblocking_config();
+        ncclComm_t child = nullptr;
+        MF_CHECK_NCCL(ncclCommSplit(comm_, 0, rank_, &child, &config));
+        wait_nccl(op);
+        exchange_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, exchange_stream_, op));
+    }
+    MF_CHECK_CUDA(cudaEventRecord(exchange_ready_, stream_));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(exchange_stream_, exchange_ready_, 0));
+    exchange_->all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype);
+    const uint64_t ticket = ++exchange_tickets_;
+    MF_CHECK_CUDA(cudaEventRecord(exchange_done_[ticket % kExchangeTickets], exchange_stream_));
+    return ticket;
+}
+
+void NcclCommunicator::all_to_all_v_join(uint64_t ticket) {
+    MF_CHECK(ticket >= 1 && ticket <= exchange_tickets_ && exchange_tickets_ - ticket < kExchangeTickets, "rank ",
+             world_rank_, ": all_to_all_v_join: ticket ", ticket, " is not one of the last ", kExchangeTickets,
+             " exchanges started (", exchange_tickets_, ")");
+    MF_CHECK_CUDA(cudaStreamWaitEvent(stream_, exchange_done_[ticket % kExchangeTickets], 0));
 }
 
 }  // namespace mf::parallel

@@ -55,6 +55,21 @@ class NcclCommunicator final : public Communicator {
     void wait_async() override;
     std::unique_ptr<Communicator> split(int color, int key) override;
 
+    // Exchanges that overlap the default stream's work (EP dispatch/combine pipelining,
+    // model/ffn_blocks.cpp). all_to_all_v_start is all_to_all_v on a third NCCL communicator over the
+    // same ranks (made on first use, which every rank reaches at the same point) and its own
+    // non-blocking stream, ordered after the work enqueued on this communicator's stream so far (an
+    // event); it returns a ticket. all_to_all_v_join(ticket) makes this communicator's stream wait on
+    // the device (no host wait) until that exchange and every one started before it are done.
+    // The buffers must stay untouched until joined. Only the last kExchangeTickets tickets can be
+    // joined; a hung peer surfaces at the next synchronize() of this communicator (its timeout).
+    static constexpr uint64_t kExchangeTickets = 16;
+    uint64_t all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
+                                std::span<const int64_t> send_offsets, void* recv,
+                                std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                                DType dtype);
+    void all_to_all_v_join(uint64_t ticket);
+
  private:
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
     // Waits until the (nonblocking) communicator has finished the last NCCL call, with the timeout.
@@ -68,6 +83,11 @@ class NcclCommunicator final : public Communicator {
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
     bool async_pending_ = false;
+    std::unique_ptr<NcclCommunicator> exchange_;  // all_to_all_v_start's communicator, made on first use
+    cudaStream_t exchange_stream_ = nullptr;
+    cudaEvent_t exchange_ready_ = nullptr;
+    cudaEvent_t exchange_done_[kExchangeTickets] = {};
+    uint64_t exchange_tickets_ = 0;
 
     ncclComm_t comm_ = nullptr;
     cudaStream_t stream_ = nullptr;

@@ -4,10 +4,11 @@
 //     checks it got exactly the rows routed to its experts (expert-major, then source rank, then
 //     source order) and each source checks that every row came back to its place with its owner's
 //     mark. Routings: one rank sends no rows to the other, a rank receives nothing, a rank sends
-//     nothing at all, and a heavier one.
+//     nothing at all, and a heavier one; unpipelined and in 2 chunks.
 //  2. A whole EP=2 moe_block_forward + moe_block_backward (rank p: experts [p·E/2, (p+1)·E/2) of one
-//     shared random weight set, and its own N tokens) against the EP=1 block on one GPU computing both
-//     ranks' 2N tokens, and both against the fp32 CPU block fed the same bf16-rounded inputs.
+//     shared random weight set, and its own N tokens), unpipelined and pipelined in 3 chunks, against
+//     the EP=1 block on one GPU computing both ranks' 2N tokens, and all against the fp32 CPU block
+//     fed the same bf16-rounded inputs.
 //     Tolerance (CONVENTIONS.md, the rule for reductions, with the one-GPU block as the "naive"
 //     computation of the same thing in bf16): for y, dx, rank p's expert weight gradients vs the
 //     matching slice, and the router gradient summed over both ranks,
@@ -19,8 +20,9 @@
 //     (checked first: a flipped choice would be a routing difference, not rounding). The same
 //     harness also runs on the CPU backend over TCP (every build), where "one GPU" is the CPU block.
 //  3. MF_BENCH=1: the EP=2 MoE block forward and forward+backward at the Qwen3-30B-A3B-like shape
-//     (16384 tokens per rank, hidden 2048, 128 experts, top-8, expert dim 768), the dispatch+combine
-//     exchange alone, and one GPU running its 16384 tokens through all 128 experts (no EP).
+//     (16384 tokens per rank, hidden 2048, 128 experts, top-8, expert dim 768) with ep_chunks 1, 2, 4
+//     and 8, the dispatch+combine exchange alone, and one GPU running its 16384 tokens through all
+//     128 experts (no EP).
 // The GPU tests skip (exit 77) with fewer than 2 GPUs, and are not built without NCCL.
 // NOTE: the parent never touches CUDA, so that the forked ranks can initialise it.
 #include <gtest/gtest.h>
@@ -111,7 +113,6 @@ std::vector<T> download_raw(const Tensor& t) {
     return v;
 }
 
-Tensor rows_of(const Tensor& t, int64_t n) { return Tensor(t.data(), t.dtype(), {n, t.dim(-1)}, t.device()); }
 
 // ---------------------------------------------------------------------------------------------
 // 2. the whole block: EP=2 vs one GPU vs the fp32 CPU block (the CPU variant runs everywhere)
@@ -218,7 +219,7 @@ std::string compare(const std::string& what, const std::vector<float>& ep, const
     const double tol = 2 * e_one + std::ldexp(std::max(1.0, ref_max), -16);
     char line[256];
     std::snprintf(line, sizeof line,
-                  "  %-24s n=%-8zu max|ep-cpu| %.3e  tol %.3e (2·max|1gpu-cpu| %.3e + floor)  max|ep-1gpu| %.3e  "
+                  "  %-27s n=%-8zu max|ep-cpu| %.3e  tol %.3e (2·max|1gpu-cpu| %.3e + floor)  max|ep-1gpu| %.3e  "
                   "bitwise equal %.1f%%\n",
                   what.c_str(), ref.size(), e_ep, tol, 2 * e_one, d_ep_one,
                   100.0 * static_cast<double>(same) / static_cast<double>(std::max<size_t>(ref.size(), 1)));
@@ -229,33 +230,37 @@ std::string compare(const std::string& what, const std::vector<float>& ep, const
 
 // `device`: cuda (NCCL group) compares EP=2 and one GPU against the CPU; cpu (TCP group) runs the
 // same comparison with the CPU block in place of both GPU runs (then EP must match it to the floor).
+// EP runs twice: unpipelined (ep_chunks 1) and pipelined in 3 uneven chunks (8 local experts: 2, 3, 3).
 std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Device device) {
     const int me = comm.rank(), S = comm.size();
     const int64_t El = s.E / S;
     const Problem p = make_problem(s, 1234);
-    model::MoeDims d_ep{s.H, s.I, s.E, s.K, true, &comm};
     model::MoeDims d_one{s.H, s.I, s.E, s.K, true, nullptr};
-    const BlockResult ep = run_block(device, p, d_ep, me * s.N, s.N, me * El, El);
     const BlockResult one = run_block(device, p, d_one, 0, S * s.N, 0, s.E);
     const BlockResult ref = run_block(Device::cpu, p, d_one, 0, S * s.N, 0, s.E);
-
     const int64_t NH = s.N * s.H, NK = s.N * s.K;
     const std::vector<int32_t> one_topk(one.topk.begin() + me * NK, one.topk.begin() + (me + 1) * NK);
     const std::vector<int32_t> ref_topk(ref.topk.begin() + me * NK, ref.topk.begin() + (me + 1) * NK);
-    rank_check(ep.topk == one_topk && ep.topk == ref_topk, "the three runs routed differently");
-    std::vector<int64_t> load(static_cast<size_t>(s.E), 0);
-    for (const int32_t e : ep.topk) ++load[static_cast<size_t>(e)];
     std::string out = "N=" + std::to_string(s.N) + "/rank H=" + std::to_string(s.H) + " I=" + std::to_string(s.I) +
                       " E=" + std::to_string(s.E) + " K=" + std::to_string(s.K) + "; this rank's pairs per expert:";
+    std::vector<int64_t> load(static_cast<size_t>(s.E), 0);
+    for (const int32_t e : one_topk) ++load[static_cast<size_t>(e)];
     for (const int64_t c : load) out += " " + std::to_string(c);
     out += "\n";
-    const int64_t gu = El * 2 * s.I * s.H, dn = El * s.H * s.I;
-    out += compare("y", ep.y, slice(one.y, me * NH, NH), slice(ref.y, me * NH, NH));
-    out += compare("dx", ep.dx, slice(one.dx, me * NH, NH), slice(ref.dx, me * NH, NH));
-    out += compare("d gate_up (own slice)", ep.g_gate_up, slice(one.g_gate_up, me * gu, gu),
-                   slice(ref.g_gate_up, me * gu, gu));
-    out += compare("d down (own slice)", ep.g_down, slice(one.g_down, me * dn, dn), slice(ref.g_down, me * dn, dn));
-    out += compare("d router (sum of ranks)", ep.g_router, one.g_router, ref.g_router);
+    for (const int64_t chunks : {1, 3}) {
+        const model::MoeDims d_ep{s.H, s.I, s.E, s.K, true, &comm, chunks};
+        const BlockResult ep = run_block(device, p, d_ep, me * s.N, s.N, me * El, El);
+        rank_check(ep.topk == one_topk && ep.topk == ref_topk, "the runs routed differently");
+        const std::string c = "c" + std::to_string(chunks) + " ";
+        const int64_t gu = El * 2 * s.I * s.H, dn = El * s.H * s.I;
+        out += compare(c + "y", ep.y, slice(one.y, me * NH, NH), slice(ref.y, me * NH, NH));
+        out += compare(c + "dx", ep.dx, slice(one.dx, me * NH, NH), slice(ref.dx, me * NH, NH));
+        out += compare(c + "d gate_up (own slice)", ep.g_gate_up, slice(one.g_gate_up, me * gu, gu),
+                       slice(ref.g_gate_up, me * gu, gu));
+        out += compare(c + "d down (own slice)", ep.g_down, slice(one.g_down, me * dn, dn),
+                       slice(ref.g_down, me * dn, dn));
+        out += compare(c + "d router (sum of ranks)", ep.g_router, one.g_router, ref.g_router);
+    }
     return out;
 }
 
@@ -276,6 +281,8 @@ TEST(NcclEp, MoeBlockEp2OnCpuOverTcpMatchesOneRank) {
 #if defined(MOEFORGE_WITH_NCCL)
 
 constexpr const char* kSkip = "skip";
+
+Tensor rows_of(const Tensor& t, int64_t n) { return Tensor(t.data(), t.dtype(), {n, t.dim(-1)}, t.device()); }
 
 // Runs fn on 2 forked ranks, each on its own GPU in an NCCL world of 2; the test is skipped when a
 // rank sees fewer than 2 GPUs. Prints what each rank returned.
@@ -325,10 +332,11 @@ int64_t rows_for(int routing, int r, int64_t e) {
     }
 }
 
-std::string device_round_trip(parallel::Communicator& comm, int routing, DType dtype) {
+std::string device_round_trip(parallel::Communicator& comm, int routing, DType dtype, int64_t chunks) {
     const int S = comm.size(), me = comm.rank();
     const int64_t El = kExperts / S, cols = dtype == DType::bf16 ? 8 : 4;  // bf16: 16-byte rows
-    const std::string name = "routing " + std::to_string(routing) + " " + dtype_name(dtype);
+    const std::string name =
+        "routing " + std::to_string(routing) + " " + dtype_name(dtype) + " chunks " + std::to_string(chunks);
     std::vector<int32_t> offsets(kExperts + 1, 0);
     for (int64_t e = 0; e < kExperts; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(rows_for(routing, me, e));
     const int64_t P = offsets[kExperts];
@@ -351,7 +359,7 @@ std::string device_round_trip(parallel::Communicator& comm, int routing, DType d
     const int64_t cap = std::max<int64_t>(expected_local, 1);
 
     Pool pool(Device::cuda);
-    model::MoeDims d{cols, 1, kExperts, 1, false, &comm};
+    model::MoeDims d{cols, 1, kExperts, 1, false, &comm, chunks};
     const Tensor offsets_d = pool.make(DType::i32, {kExperts + 1});
     ops::copy_from_host(offsets_d, offsets.data());
     const model::EpPlanBuffers buffers{pool.make(DType::i32, {S * (El + 1)}), pool.make(DType::i32, {El + 1 + cap})};
@@ -415,7 +423,8 @@ TEST(NcclEp, DispatchCombineRankCodedBitForBit) {
         [](parallel::NcclCommunicator& comm) {
             std::string out;
             for (int routing = 0; routing < 4; ++routing)
-                for (const DType dtype : {DType::f32, DType::bf16}) out += device_round_trip(comm, routing, dtype);
+                for (const DType dtype : {DType::f32, DType::bf16})
+                    for (const int64_t chunks : {1, 2}) out += device_round_trip(comm, routing, dtype, chunks);
             return out;
         },
         120);
@@ -500,22 +509,33 @@ std::string bench(parallel::Communicator& comm) {
     {
         model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm};
         BenchModel m(s, d, El, 42);
-        const double fwd = median_ms([&] { m.forward(d); });
-        const double step = median_ms([&] {
-            m.forward(d);
-            m.backward(d);
-        });
+        for (const int64_t chunks : {1, 2, 4, 8}) {  // 1: no pipeline
+            d.ep_chunks = chunks;
+            const double fwd = median_ms([&] { m.forward(d); });
+            const double step = median_ms([&] {
+                m.forward(d);
+                m.backward(d);
+            });
+            const int64_t rows = m.a.routing.num_local;
+            std::snprintf(line, sizeof line,
+                          "BENCH EP=2 rank %d chunks %lld: local rows %lld; fwd %.2f ms, fwd+bwd %.2f ms "
+                          "(%.0f TFLOP/s expert GEMMs)\n",
+                          comm.rank(), static_cast<long long>(chunks), static_cast<long long>(rows), fwd, step,
+                          3 * expert_tflop(rows) / (step * 1e-3));
+            out += line;
+        }
+        d.ep_chunks = 1;
+        m.forward(d);
         const int64_t rows = m.a.routing.num_local;
         const Tensor x_local = rows_of(m.a.x_local, rows), y_local = rows_of(m.a.y_local, rows);
         const double exch = median_ms([&] {
             model::ep_dispatch(d, m.a.routing, m.a.x_perm, m.a.exchange, x_local);
             model::ep_combine(d, m.a.routing, y_local, m.a.exchange, m.a.y_perm);
         });
-        std::snprintf(line, sizeof line,
-                      "BENCH EP=2 rank %d: local rows %lld; fwd %.2f ms, fwd+bwd %.2f ms (%.0f TFLOP/s expert GEMMs); "
-                      "dispatch+combine alone %.2f ms\n",
-                      comm.rank(), static_cast<long long>(rows), fwd, step, 3 * expert_tflop(rows) / (step * 1e-3),
-                      exch);
+        // Bytes of the local rows, moved once by dispatch and once by combine (self rows included).
+        const double bytes = 2.0 * static_cast<double>(rows * s.H * 2);
+        std::snprintf(line, sizeof line, "BENCH EP=2 rank %d: dispatch+combine alone %.2f ms (%.0f GB/s of rows)\n",
+                      comm.rank(), exch, bytes / (exch * 1e-3) / 1e9);
         out += line;
     }
     comm.barrier();

@@ -10,12 +10,15 @@ namespace mf::cpu {
 
 namespace {
 
-void check_args(const char* op, const void* dst, const void* src, const int32_t* index, int64_t num_rows,
-                int64_t other_rows, int64_t row_bytes) {
-    MF_CHECK(num_rows >= 0 && other_rows >= 0 && row_bytes >= 0, op, ": bad shape rows=", num_rows,
-             " other rows=", other_rows, " row bytes=", row_bytes);
-    MF_CHECK(num_rows == 0 || row_bytes == 0 || (dst != nullptr && src != nullptr && index != nullptr), op,
-             ": null buffer");
+// `direct`: the buffer with num_rows rows; `indexed`: the one the index points into (may be null
+// when it has no rows: every index is then out of range).
+void check_args(const char* op, const void* direct, const void* indexed, const int32_t* index, int64_t num_rows,
+                int64_t indexed_rows, int64_t row_bytes) {
+    MF_CHECK(num_rows >= 0 && indexed_rows >= 0 && row_bytes >= 0, op, ": bad shape rows=", num_rows,
+             " indexed rows=", indexed_rows, " row bytes=", row_bytes);
+    MF_CHECK(num_rows == 0 || row_bytes == 0 ||
+                 (direct != nullptr && index != nullptr && (indexed != nullptr || indexed_rows == 0)),
+             op, ": null buffer");
 }
 
 }  // namespace
@@ -36,7 +39,7 @@ void gather_rows(void* dst, const void* src, const int32_t* index, int64_t num_r
 
 void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t num_dst_rows,
                   int64_t row_bytes) {
-    check_args("scatter_rows", dst, src, index, num_rows, num_dst_rows, row_bytes);
+    check_args("scatter_rows", src, dst, index, num_rows, num_dst_rows, row_bytes);
     const size_t n = static_cast<size_t>(row_bytes);
     char* out = static_cast<char*>(dst);
     const char* in = static_cast<const char*>(src);

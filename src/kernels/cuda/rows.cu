@@ -75,13 +75,16 @@ bool fits(int64_t bytes, int64_t row_bytes, const void* a, const void* b) {
     return row_bytes % bytes == 0 && aligned(a) && aligned(b);
 }
 
+// The indexed buffer (src of a gather, dst of a scatter) may be null when bound is 0.
 template <bool kGather>
 void launch(const char* op, void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t bound,
             int64_t row_bytes, cudaStream_t stream) {
     MF_CHECK(num_rows >= 0 && bound >= 0 && row_bytes >= 0, op, ": bad shape rows=", num_rows, " indexed rows=", bound,
              " row bytes=", row_bytes);
     if (num_rows == 0 || row_bytes == 0) return;
-    MF_CHECK(dst != nullptr && src != nullptr && index != nullptr, op, ": null buffer");
+    const void* indexed = kGather ? src : dst;
+    const void* direct = kGather ? dst : src;
+    MF_CHECK(direct != nullptr && index != nullptr && (indexed != nullptr || bound == 0), op, ": null buffer");
     MF_CHECK(num_rows <= std::numeric_limits<int64_t>::max() / row_bytes &&
                  bound <= std::numeric_limits<int64_t>::max() / row_bytes,
              op, ": ", num_rows, " rows of ", row_bytes, " bytes overflow");
