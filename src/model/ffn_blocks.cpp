@@ -45,16 +45,33 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& g, MlpScratch& s, co
 
 // --- dropless MoE ---------------------------------------------------------------------------------
 
-void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
+std::vector<Tensor> EpRowStore::carve(int64_t rows, const std::vector<int64_t>& cols, DType dt, Device dev) {
+    MF_CHECK(rows >= 0, "EpRowStore: negative row count");
+    int64_t width = 0;
+    for (const int64_t c : cols) width += c;
+    const size_t need = static_cast<size_t>(rows * width) * dtype_size(dt);
+    if (buf_.nbytes() < need || buf_.device() != dev || buf_.data() == nullptr) {
+        buf_ = Buffer();  // free first: the old and new buffers never coexist
+        buf_ = Buffer(std::max<size_t>(need + need / 8, 256), dev);
+    }
+    std::vector<Tensor> out;
+    size_t off = 0;
+    for (const int64_t c : cols) {
+        out.push_back(buf_.as(dt, {rows, c}, off));
+        off += static_cast<size_t>(rows * c) * dtype_size(dt);
+    }
+    return out;
+}
+
+void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
+                    std::shared_ptr<EpRowStore> exchange_rows) {
     const int64_t P = N * d.top_k;
     if (d.ep != nullptr) {
-        // Worst case: every rank of the group routes all its pairs to this rank's experts.
+        // The row buffers are carved per step from the stores (sized by the real routing); the
+        // bookkeeping below is sized for the worst case: every rank routes all its pairs here.
         const int64_t cap = P * d.ep_size();
-        x_local = arena.alloc(act, {cap, d.hidden});
-        h_local = arena.alloc(act, {cap, 2 * d.intermediate});
-        a_local = arena.alloc(act, {cap, d.intermediate});
-        y_local = arena.alloc(act, {cap, d.hidden});
-        exchange = arena.alloc(act, {cap, d.hidden});
+        local_store = local ? std::move(local) : std::make_shared<EpRowStore>();
+        exchange_store = exchange_rows ? std::move(exchange_rows) : std::make_shared<EpRowStore>();
         const int64_t El = d.num_experts / d.ep_size();
         plan_buffers.peer_offsets = arena.alloc(DType::i32, {d.ep_size() * (El + 1)});
         plan_buffers.index = arena.alloc(DType::i32, {El + 1 + cap});
@@ -74,16 +91,9 @@ void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
     y_perm = arena.alloc(act, {P, d.hidden});
 }
 
-void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act) {
+void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows) {
     const int64_t P = N * d.top_k;
-    if (d.ep != nullptr) {
-        const int64_t cap = P * d.ep_size();
-        dy_local = arena.alloc(act, {cap, d.hidden});
-        da_local = arena.alloc(act, {cap, d.intermediate});
-        dh_local = arena.alloc(act, {cap, 2 * d.intermediate});
-        dx_local = arena.alloc(act, {cap, d.hidden});
-        exchange = arena.alloc(act, {cap, d.hidden});
-    }
+    if (d.ep != nullptr) store = rows ? std::move(rows) : std::make_shared<EpRowStore>();
     dy_perm = arena.alloc(act, {P, d.hidden});
     if (d.ep == nullptr) {
         da_perm = arena.alloc(act, {P, d.intermediate});
@@ -398,8 +408,13 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         a.routing = ep_plan(d, a.expert_offsets, a.plan_buffers);
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local;
-        // Every rank of the group has the same N·K pairs, so N·K·S rows (alloc) always suffice.
-        MF_CHECK(R <= a.x_local.dim(0), "expert parallelism: ", R, " rows received, capacity ", a.x_local.dim(0));
+        const int64_t H = d.hidden, I = d.intermediate;
+        const auto rows = a.local_store->carve(R, {H, 2 * I, I, H}, x.dtype(), x.device());
+        a.x_local = rows[0];
+        a.h_local = rows[1];
+        a.a_local = rows[2];
+        a.y_local = rows[3];
+        a.exchange = a.exchange_store->carve(R, {H}, x.dtype(), x.device())[0];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         // Each chunk's grouped GEMMs see all R rows but only its experts' offsets (absolute row
@@ -428,7 +443,13 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
     if (d.ep != nullptr) {
         check_ep(d, w);
         const EpRouting& r = a.routing;
-        const int64_t R = r.num_local;
+        const int64_t R = r.num_local, H = d.hidden, I = d.intermediate;
+        const auto rows = s.store->carve(R, {H, I, 2 * I, H, H}, dy.dtype(), dy.device());
+        s.dy_local = rows[0];
+        s.da_local = rows[1];
+        s.dh_local = rows[2];
+        s.dx_local = rows[3];
+        s.exchange = rows[4];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R);
         const Tensor dy_local = row_view(s.dy_local, 0, R), da_local = row_view(s.da_local, 0, R);

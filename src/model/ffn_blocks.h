@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/tensor.h"
@@ -99,6 +100,22 @@ struct EpRouting {
 //   index        [E/S + 1 + capacity]: local_offsets then local_order, which the routing's
 //                group_offsets and local_index view (needed on the GPU; on the CPU, without it,
 //                dispatch and combine reorder with a host loop).
+// Rows for the EP-local buffers, sized by the routing actually met rather than by the N·K·S-row
+// worst case a dropless all-to-all allows (every rank sending everything to one rank): the store
+// grows to the largest request seen, with 1/8 headroom, and never shrinks. A growth frees the old
+// memory (which synchronises the device), so views from an earlier carve() are valid only until a
+// carve() that grows; each store serves one user at a time (a layer's kept activations, or the
+// shared scratch).
+class EpRowStore {
+ public:
+    // Consecutive [rows, cols[i]] views of `dt` on `dev`.
+    std::vector<Tensor> carve(int64_t rows, const std::vector<int64_t>& cols, DType dt, Device dev);
+    size_t bytes() const { return buf_.nbytes(); }
+
+ private:
+    Buffer buf_;
+};
+
 struct EpPlanBuffers {
     Tensor peer_offsets, index;
 };
@@ -126,18 +143,24 @@ struct MoeActs {
     Tensor expert_offsets;         // [E + 1]
     Tensor sorted_pair, pair_row;  // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
-    // EP only (capacity N·K·S rows, of which routing.num_local are used): the local experts' input
-    // and activations (expert-major), the exchange buffer (source-major) and ep_plan's buffers.
+    // EP only: the local experts' input and activations (expert-major) and the forward's exchange
+    // buffer (source-major), routing.num_local rows each, carved by moe_block_forward from
+    // `local_store` (kept until the backward) and `exchange_store` (free again once the forward
+    // returns; the model shares it with the MoeScratch), and ep_plan's buffers (arena).
     Tensor x_local, h_local, a_local, y_local, exchange;
+    std::shared_ptr<EpRowStore> local_store, exchange_store;
     EpPlanBuffers plan_buffers;
     EpRouting routing;
-    void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act);
+    // Stores not given are made fresh (EP only).
+    void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local = {},
+               std::shared_ptr<EpRowStore> exchange = {});
 };
 
 struct MoeScratch {
     Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;  // da, dh: not under EP
-    Tensor dy_local, da_local, dh_local, dx_local, exchange;  // EP only, N·K·S rows each
-    void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act);
+    Tensor dy_local, da_local, dh_local, dx_local, exchange;  // EP only, carved from `store` by the backward
+    std::shared_ptr<EpRowStore> store;
+    void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };
 
 void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const MoeWeights& w, const MoeDims& d);

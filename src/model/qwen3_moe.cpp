@@ -41,6 +41,15 @@ struct Qwen3Moe::Workspace {
     AttentionScratch attn_scratch;
     MoeScratch moe_scratch;
     MlpScratch mlp_scratch;
+    // EP rows sized by the real routing (ffn_blocks.h EpRowStore), kept across steps: one per
+    // kept set of MoE activations, and one scratch shared by the backward and the forward's exchange.
+    std::vector<std::shared_ptr<EpRowStore>> ep_local;
+    std::shared_ptr<EpRowStore> ep_scratch;
+    std::shared_ptr<EpRowStore> ep_local_store(size_t i) {
+        if (ep_local.size() <= i) ep_local.resize(i + 1);
+        if (!ep_local[i]) ep_local[i] = std::make_shared<EpRowStore>();
+        return ep_local[i];
+    }
 };
 
 namespace {
@@ -223,7 +232,11 @@ double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T) {
     return 6.0 * matmul + 3.0 * attention;
 }
 
-size_t Qwen3Moe::activation_bytes() const { return ws_->arena.high_water(); }
+size_t Qwen3Moe::activation_bytes() const {
+    size_t n = ws_->arena.high_water();
+    for (const auto& s : ws_->ep_local) n += s ? s->bytes() : 0;
+    return n + (ws_->ep_scratch ? ws_->ep_scratch->bytes() : 0);
+}
 
 std::string Qwen3Moe::locate_nonfinite_activation() const {
     const Workspace& ws = *ws_;
@@ -261,6 +274,7 @@ void Qwen3Moe::plan(int64_t B, int64_t T) {
 
 void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     Workspace& ws = *ws_;
+    if (ep_ != nullptr && !ws.ep_scratch) ws.ep_scratch = std::make_shared<EpRowStore>();
     const auto& c = config_;
     const int64_t N = B * T, H = c.hidden_size;
     const DType act = act_dtype_;
@@ -292,11 +306,13 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
         bool has_dense = false;
         for (int64_t j = 0; j < c.num_hidden_layers; ++j) has_dense = has_dense || !c.is_moe_layer(j);
         const bool any_mlp = recompute_ == Recompute::full ? has_dense : !c.is_moe_layer(l);
-        if (any_moe && recompute_ == Recompute::none) la.moe.alloc(A, md, N, act);
+        if (any_moe && recompute_ == Recompute::none)
+            la.moe.alloc(A, md, N, act, ws.ep_local_store(static_cast<size_t>(l)), ws.ep_scratch);
         if (any_mlp) la.mlp.alloc(A, N, c.intermediate_size, act);
         la.ffn_out = ffn_out;
     }
-    if (recompute_ != Recompute::none && c.num_experts > 0) ws.shared_moe.alloc(A, md, N, act);
+    if (recompute_ != Recompute::none && c.num_experts > 0)
+        ws.shared_moe.alloc(A, md, N, act, ws.ep_local_store(0), ws.ep_scratch);
     ws.lnf = A.alloc(act, {N, H});
     ws.lnf_rstd = A.alloc(DType::f32, {N});
     ws.losses = A.alloc(DType::f32, {N});
@@ -308,7 +324,7 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
         ws.aux_counts = A.alloc(DType::f32, {c.num_experts});
         ws.aux_prob_sums = A.alloc(DType::f32, {c.num_experts});
         ws.dprobs = A.alloc(DType::f32, {N, c.num_experts});
-        ws.moe_scratch.alloc(A, md, N, act);
+        ws.moe_scratch.alloc(A, md, N, act, ws.ep_scratch);
     }
     ws.mlp_scratch.alloc(A, N, c.intermediate_size, act);
 }

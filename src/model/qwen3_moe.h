@@ -125,7 +125,8 @@ class Qwen3Moe {
     std::string locate_nonfinite_activation() const;
     std::string locate_nonfinite_gradient() const;
 
-    // Bytes of activation memory the last step used (the arena's high-water mark).
+    // Bytes of activation memory the last step used (the arena's high-water mark, plus the EP row
+    // stores, which grow to the largest routing met).
     size_t activation_bytes() const;
 
     // Parameter counts: held by this rank (its buffer), of the whole model, and those a single token
