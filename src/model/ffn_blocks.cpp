@@ -64,7 +64,7 @@ std::vector<Tensor> EpRowStore::carve(int64_t rows, const std::vector<int64_t>& 
 }
 
 void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
-                    std::shared_ptr<EpRowStore> exchange_rows) {
+                    std::shared_ptr<EpRowStore> exchange_rows, const Tensor* shared_x_perm) {
     const int64_t P = N * d.top_k;
     if (d.ep != nullptr) {
         // The row buffers are carved per step from the stores (sized by the real routing); the
@@ -83,7 +83,7 @@ void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::s
     expert_offsets = arena.alloc(DType::i32, {d.num_experts + 1});
     sorted_pair = arena.alloc(DType::i32, {P});
     pair_row = arena.alloc(DType::i32, {P});
-    x_perm = arena.alloc(act, {P, d.hidden});
+    x_perm = d.ep != nullptr && shared_x_perm != nullptr ? *shared_x_perm : arena.alloc(act, {P, d.hidden});
     if (d.ep == nullptr) {  // under EP the expert activations live in the *_local buffers
         h_perm = arena.alloc(act, {P, 2 * d.intermediate});
         a_perm = arena.alloc(act, {P, d.intermediate});
@@ -409,12 +409,13 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local;
         const int64_t H = d.hidden, I = d.intermediate;
-        const auto rows = a.local_store->carve(R, {H, 2 * I, I, H}, x.dtype(), x.device());
+        const auto rows = a.local_store->carve(R, {H, 2 * I, I}, x.dtype(), x.device());
         a.x_local = rows[0];
         a.h_local = rows[1];
         a.a_local = rows[2];
-        a.y_local = rows[3];
-        a.exchange = a.exchange_store->carve(R, {H}, x.dtype(), x.device())[0];
+        const auto temp = a.exchange_store->carve(R, {H, H}, x.dtype(), x.device());
+        a.exchange = temp[0];
+        a.y_local = temp[1];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         // Each chunk's grouped GEMMs see all R rows but only its experts' offsets (absolute row

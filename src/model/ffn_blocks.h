@@ -144,16 +144,18 @@ struct MoeActs {
     Tensor sorted_pair, pair_row;  // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
     // EP only: the local experts' input and activations (expert-major) and the forward's exchange
-    // buffer (source-major), routing.num_local rows each, carved by moe_block_forward from
-    // `local_store` (kept until the backward) and `exchange_store` (free again once the forward
-    // returns; the model shares it with the MoeScratch), and ep_plan's buffers (arena).
+    // buffer (source-major) and expert outputs, routing.num_local rows each, carved by
+    // moe_block_forward: x, h, a from `local_store` (kept for the backward), exchange and y_local
+    // from `exchange_store` (free again once the forward returns: the combine has copied y_local
+    // into y_perm; the model shares it with the MoeScratch), and ep_plan's buffers (arena).
     Tensor x_local, h_local, a_local, y_local, exchange;
     std::shared_ptr<EpRowStore> local_store, exchange_store;
     EpPlanBuffers plan_buffers;
     EpRouting routing;
-    // Stores not given are made fresh (EP only).
+    // Stores not given are made fresh (EP only). Under EP x_perm is only the dispatch's source (the
+    // backward reads x_local), so layers may share one: `shared_x_perm` ([N·K, H]) when given.
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local = {},
-               std::shared_ptr<EpRowStore> exchange = {});
+               std::shared_ptr<EpRowStore> exchange = {}, const Tensor* shared_x_perm = nullptr);
 };
 
 struct MoeScratch {
