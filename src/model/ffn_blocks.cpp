@@ -7,14 +7,6 @@
 #include "core/check.h"
 #include "ops/ops.h"
 
-#if defined(MOEFORGE_WITH_NCCL)
-#include "parallel/nccl_communicator.h"
-#endif
-
-namespace mf::parallel {
-class NcclCommunicator;  // only used through pointers where NCCL is not built
-}  // namespace mf::parallel
-
 namespace mf::model {
 
 // --- dense MLP ------------------------------------------------------------------------------------
@@ -252,21 +244,11 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
 
 namespace {
 
-// Overlap needs the NCCL side stream (all_to_all_v_start); elsewhere each exchange completes at once.
-parallel::NcclCommunicator* overlap_comm(const MoeDims& d, int64_t chunks) {
-#if defined(MOEFORGE_WITH_NCCL)
-    if (chunks > 1) return dynamic_cast<parallel::NcclCommunicator*>(d.ep);
-#else
-    (void)d;
-    (void)chunks;
-#endif
-    return nullptr;
-}
-
 // One chunk's rows, H elements each, over the EP group: toward the owners (sorted -> exchange) or
-// back (exchange -> sorted). With `overlap` it is only started; returns the ticket to join (0: done).
-uint64_t exchange_chunk(parallel::Communicator& ep, parallel::NcclCommunicator* overlap, const EpChunk& ch,
-                        bool to_owners, const Tensor& sorted, const Tensor& exchange) {
+// back (exchange -> sorted). With `overlap` it is only started (Communicator::all_to_all_v_start);
+// returns the ticket to join (0: done).
+uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners,
+                        const Tensor& sorted, const Tensor& exchange) {
     const int64_t H = sorted.dim(-1);
     auto times_h = [H](const std::vector<int64_t>& v) {
         std::vector<int64_t> out(v.size());
@@ -281,24 +263,15 @@ uint64_t exchange_chunk(parallel::Communicator& ep, parallel::NcclCommunicator* 
     const auto& from_offsets = to_owners ? so : ro;
     const auto& to_counts = to_owners ? rc : sc;
     const auto& to_offsets = to_owners ? ro : so;
-#if defined(MOEFORGE_WITH_NCCL)
-    if (overlap != nullptr)
-        return overlap->all_to_all_v_start(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets,
-                                           from.dtype());
-#else
-    (void)overlap;
-#endif
+    if (overlap)
+        return ep.all_to_all_v_start(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets,
+                                     from.dtype());
     ep.all_to_all_v(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets, from.dtype());
     return 0;
 }
 
-void join(parallel::NcclCommunicator* overlap, uint64_t ticket) {
-#if defined(MOEFORGE_WITH_NCCL)
-    if (overlap != nullptr && ticket != 0) overlap->all_to_all_v_join(ticket);
-#else
-    (void)overlap;
-    (void)ticket;
-#endif
+void join(parallel::Communicator& ep, uint64_t ticket) {
+    if (ticket != 0) ep.all_to_all_v_join(ticket);
 }
 
 void copy_row(const Tensor& dst, int64_t dst_row, const Tensor& src, int64_t src_row) {
@@ -349,7 +322,7 @@ void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, con
                  const Tensor& local) {
     check_exchange("ep_dispatch", d, r, sorted, exchange, local);
     for (const EpChunk& ch : r.chunks) {
-        exchange_chunk(*d.ep, nullptr, ch, true, sorted, exchange);
+        exchange_chunk(*d.ep, false, ch, true, sorted, exchange);
         gather_chunk(r, ch, exchange, local);
     }
 }
@@ -360,7 +333,7 @@ void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const
     check_exchange("ep_combine", d, r, sorted, exchange, local);
     for (const EpChunk& ch : r.chunks) {
         scatter_chunk(r, ch, local, exchange);
-        exchange_chunk(*d.ep, nullptr, ch, false, sorted, exchange);
+        exchange_chunk(*d.ep, false, ch, false, sorted, exchange);
     }
 }
 
@@ -381,19 +354,19 @@ template <typename Compute>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& exchange,
                  const Tensor& local_in, const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
     check_exchange("expert parallelism", d, r, sorted_in, exchange, local_in);
-    parallel::NcclCommunicator* overlap = overlap_comm(d, static_cast<int64_t>(r.chunks.size()));
+    const bool overlap = r.chunks.size() > 1;
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c)
         tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, exchange);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
-        join(overlap, tickets[c]);
+        join(*d.ep, tickets[c]);
         gather_chunk(r, ch, exchange, local_in);
         compute(ch);
         scatter_chunk(r, ch, local_out, exchange);
         tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, exchange);
     }
-    for (const uint64_t t : tickets) join(overlap, t);
+    for (const uint64_t t : tickets) join(*d.ep, t);
 }
 
 }  // namespace

@@ -66,6 +66,19 @@ class Communicator {
                               std::span<const int64_t> send_offsets, void* recv,
                               std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                               DType dtype) = 0;
+    // all_to_all_v that may overlap what follows: starts the exchange and returns a ticket;
+    // all_to_all_v_join(ticket) orders later work after that exchange and every one started before it.
+    // The buffers must stay untouched until joined. NCCL runs it on a side stream with its own
+    // communicator (nccl_communicator.h); backends without concurrency (TCP) exchange at once and
+    // return ticket 0, whose join is a no-op.
+    virtual uint64_t all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
+                                        std::span<const int64_t> send_offsets, void* recv,
+                                        std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                                        DType dtype) {
+        all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype);
+        return 0;
+    }
+    virtual void all_to_all_v_join(uint64_t ticket) { (void)ticket; }
     // Starts data[i] = sum over ranks of data[i] and returns without waiting for it. NCCL runs it on a
     // side stream with its own NCCL communicator, after the work already enqueued on the default
     // stream, so it overlaps whatever the default stream does next; bf16 is summed by NCCL in bf16

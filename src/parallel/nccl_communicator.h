@@ -67,8 +67,8 @@ class NcclCommunicator final : public Communicator {
     uint64_t all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
                                 std::span<const int64_t> send_offsets, void* recv,
                                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
-                                DType dtype);
-    void all_to_all_v_join(uint64_t ticket);
+                                DType dtype) override;
+    void all_to_all_v_join(uint64_t ticket) override;
 
  private:
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
