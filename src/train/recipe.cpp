@@ -52,6 +52,7 @@ constexpr std::string_view kKnownKeys[] = {
     "dist.ep_size",
     "dist.timeout_s",
     "dist.shard_optimizer",
+    "dist.log_ranks",
     "seed",
     "device",
     "precision",
@@ -419,6 +420,7 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     conv.get_int("dist.ep_size", 1, 1 << 20, r.dist.ep_size);
     conv.get_number("dist.timeout_s", 0, kInf, true, false, "a finite number of seconds > 0", r.dist.timeout_s);
     conv.get_bool("dist.shard_optimizer", r.dist.shard_optimizer);
+    conv.get_choice("dist.log_ranks", {"main", "all"}, r.dist.log_ranks);
 
     conv.get_int("seed", 0, kMaxInt, r.seed);
     conv.get_choice("device", {"auto", "cpu", "cuda"}, r.device);
@@ -473,7 +475,10 @@ json::Value Recipe::to_json() const {
                                       {"warmup_steps", optim.warmup_steps},
                                       {"min_lr_ratio", optim.min_lr_ratio}})},
         {"checkpoint", Value(Value::Object{{"every", checkpoint.every}, {"keep", checkpoint.keep}})},
-        {"dist", Value(Value::Object{{"ep_size", dist.ep_size}, {"timeout_s", dist.timeout_s}, {"shard_optimizer", dist.shard_optimizer}})},
+        {"dist", Value(Value::Object{{"ep_size", dist.ep_size},
+                                     {"timeout_s", dist.timeout_s},
+                                     {"shard_optimizer", dist.shard_optimizer},
+                                     {"log_ranks", dist.log_ranks}})},
         {"seed", seed},
         {"device", device},
         {"precision", precision},

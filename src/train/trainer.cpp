@@ -84,6 +84,10 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     // Before the model: on cuda the NCCL communicator selects this rank's GPU.
     const std::unique_ptr<DistContext> dist = DistContext::from_environment(recipe, device);
     const bool is_main = dist->is_main();
+    // Who prints: rank 0, or with dist.log_ranks = all every rank, each line led by its rank.
+    const bool logs = is_main || recipe.dist.log_ranks == "all";
+    const std::string who =
+        dist->distributed() && recipe.dist.log_ranks == "all" ? "[rank " + std::to_string(dist->rank()) + "] " : "";
     model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32,
                                     dist->expert_shard()};
     const fs::path model_dir = recipe.model;
@@ -118,16 +122,18 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         if (resume.from == "auto") dir = latest_checkpoint(ckpt_root);
         else dir = fs::path(resume.from);
         if (!dir) {
-            if (is_main)
-                std::printf("resume: no checkpoint under %s, starting from step 0\n", ckpt_root.string().c_str());
+            if (logs)
+                std::printf("%sresume: no checkpoint under %s, starting from step 0\n", who.c_str(),
+                            ckpt_root.string().c_str());
         } else {
             const CheckpointState st = load_checkpoint(*dir, recipe, *model, optimizer, resume.force, layout);
             if (st.step > recipe.train.steps)
                 fail(dir->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
             loader.restore(st.loader);
             first_step = st.step;
-            if (is_main)
-                std::printf("resumed from %s (step %lld)\n", dir->string().c_str(), static_cast<long long>(st.step));
+            if (logs)
+                std::printf("%sresumed from %s (step %lld)\n", who.c_str(), dir->string().c_str(),
+                            static_cast<long long>(st.step));
         }
     }
     // metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
@@ -172,8 +178,8 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
             static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum),
             device_name(device), dist->distributed() ? " | " : "", dist->describe().c_str());
 
-    if (is_main && dist->distributed())
-        std::printf("this rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n",
+    if (logs && dist->distributed())
+        std::printf("%sthis rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n", who.c_str(),
                     static_cast<long long>(model->num_params()),
                     dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
                     static_cast<double>(optimizer.state_bytes()) / (1024.0 * 1024.0),
@@ -227,8 +233,8 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
                 if (is_main) metrics_file << m.to_json().dump() << "\n";
                 fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
             }
-            if (is_main)
-                std::printf("step %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n",
+            if (logs)
+                std::printf("%sstep %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n", who.c_str(),
                             static_cast<long long>(m.step), where.c_str());
             skipped = true;
         } else {
@@ -256,12 +262,13 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
             st.recipe = recipe.to_json();
             save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep, layout, dist.get());
         }
-        if (!is_main) continue;
+        if (!logs) continue;
         if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
             if (tty) std::printf("\r\033[K");
-            std::printf("step %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s\n",
-                        static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss, m.ce_loss,
-                        m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s);
+            std::printf("%sstep %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | "
+                        "%.2f GiB\n",
+                        who.c_str(), static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss,
+                        m.ce_loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, m.peak_mem_gib);
         }
         print_progress(m.step, recipe.train.steps, tty);
     }

@@ -315,6 +315,15 @@ TEST_F(DpTrain, DataParallelWithAccumulationMatchesOneRank) {
     expect_same_training(dir_ / "dp2_accum2", dir_ / "one_mb1_accum4");
 }
 
+// Rank 0 alone logs unless the recipe asks every rank to (dist.log_ranks: all).
+TEST_F(DpTrain, EveryRankLogsWhenAsked) {
+    const std::string quiet = finetune("log_main", 2, "train.micro_batch=2 train.steps=6");
+    EXPECT_EQ(quiet.find("[rank"), std::string::npos) << quiet;
+    const std::string all = finetune("log_all", 2, "train.micro_batch=2 train.steps=6 dist.log_ranks=all");
+    for (const char* line : {"[rank 0] step    1/6", "[rank 1] step    6/6", "[rank 1] this rank holds"})
+        EXPECT_NE(all.find(line), std::string::npos) << line << "\n" << all;
+}
+
 TEST_F(DpTrain, BadEpSizeIsRefusedClearly) {
     std::string out;
     const std::string cmd = bin() + " launch --nproc-per-node 3 -- " + finetune_args("ep3", "dist.ep_size=3");
