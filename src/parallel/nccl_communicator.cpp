@@ -4,10 +4,15 @@
 
 #include "parallel/nccl_communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
 
 #include "core/cuda_check.h"
@@ -33,6 +38,67 @@ std::string seconds_str(double s) {
     std::snprintf(buf, sizeof buf, "%g", s);
     return buf;
 }
+
+// The watchdog: a thread that watches every enqueued NCCL operation (an event recorded after it on
+// its stream). The communicator's own waits poll with the timeout, but a host call that blocks in
+// CUDA (a device-to-host copy, a cudaFree while unwinding after an error) behind an NCCL kernel
+// whose peer never comes would hang forever. So when an operation is still not done timeout_s after
+// it was enqueued, the watchdog prints who and what timed out and ends the process at once with
+// status 1 (_exit: no destructor may block on the stuck kernel); the peers' own watchdogs or waits
+// end theirs. Operations complete in order per stream, so only the oldest one per stream can be late.
+class Watchdog {
+ public:
+    static Watchdog& get() {
+        static Watchdog* w = new Watchdog();  // never destroyed: its thread outlives static teardown
+        return *w;
+    }
+    void watch(cudaStream_t stream, double timeout_s, int world_rank, const char* op, uint32_t tag) {
+        cudaEvent_t ev = nullptr;
+        if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return;
+        if (cudaEventRecord(ev, stream) != cudaSuccess) {
+            cudaEventDestroy(ev);
+            return;
+        }
+        const std::lock_guard<std::mutex> lock(mu_);
+        pending_.push_back({ev, net::now_s() + timeout_s, timeout_s, world_rank, op, tag});
+    }
+
+ private:
+    struct Pending {
+        cudaEvent_t ev;
+        double deadline, timeout_s;
+        int world_rank;
+        const char* op;
+        uint32_t tag;
+    };
+    Watchdog() { std::thread([this] { loop(); }).detach(); }
+    void loop() {
+        for (;;) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            const std::lock_guard<std::mutex> lock(mu_);
+            const double now = net::now_s();
+            for (auto it = pending_.begin(); it != pending_.end();) {
+                const cudaError_t st = cudaEventQuery(it->ev);
+                if (st == cudaErrorNotReady) {
+                    if (now > it->deadline) {
+                        std::fprintf(stderr,
+                                     "rank %d: timed out after %s s waiting for the other ranks in %s (tag %u; NCCL "
+                                     "does not name the late peer); the NCCL watchdog ends this process\n",
+                                     it->world_rank, seconds_str(it->timeout_s).c_str(), it->op, it->tag);
+                        std::fflush(nullptr);
+                        ::_exit(1);
+                    }
+                    ++it;
+                    continue;
+                }
+                cudaEventDestroy(it->ev);  // done (or the context is gone: nothing left to watch)
+                it = pending_.erase(it);
+            }
+        }
+    }
+    std::mutex mu_;
+    std::deque<Pending> pending_;
+};
 
 ncclConfig_t nonblocking_config() {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -108,7 +174,11 @@ void NcclCommunicator::wait_nccl(const char* op) {
     for (;;) {
         ncclResult_t state = ncclSuccess;
         MF_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
-        if (state == ncclSuccess) return;
+        if (state == ncclSuccess) {
+            // Enqueued: from here the watchdog bounds how long its kernels may wait for the peers.
+            Watchdog::get().watch(stream_, timeout_s_, world_rank_, op, seq_);
+            return;
+        }
         if (state != ncclInProgress) abort_with(op, detail::concat("NCCL error: ", ncclGetErrorString(state)));
         if (net::now_s() > deadline)
             abort_with(op, detail::concat("timed out after ", seconds_str(timeout_s_),

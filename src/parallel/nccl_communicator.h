@@ -9,6 +9,10 @@
 //     initialisation, enqueueing and synchronize() poll NCCL's async state and the stream, and after
 //     timeout_s seconds abort the communicator (ncclCommAbort) and throw mf::Error naming this rank,
 //     the operation and its tag. NCCL does not say which peer is late, so the message says so.
+//     Besides, a process-wide watchdog thread watches every enqueued operation (an event after it):
+//     one still not done timeout_s after it was enqueued ends the process with status 1 and the same
+//     diagnostic, so a host call that blocks inside CUDA behind a stuck NCCL kernel (a device-to-host
+//     copy, a cudaFree while unwinding) cannot hang the rank.
 //   - all_reduce_sum of bf16 converts to a temporary fp32 buffer (ops::cast), reduces in fp32 and
 //     rounds once, as the TCP backend does. NCCL's reduction order is fixed for a given world size,
 //     topology and NCCL_ALGO/NCCL_PROTO, so results are run-to-run deterministic and identical on every

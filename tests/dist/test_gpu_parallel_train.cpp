@@ -1,8 +1,8 @@
 // Expert and data parallelism on 2 GPUs over NCCL, end to end through the binary: the tiny model
 // fine-tuned on the cuda device by `moeforge launch --nproc-per-node 2` with dist.ep_size 2 (each GPU
 // holds 4 of the 8 experts) and with pure DP, against one GPU seeing the same rows (micro_batch 2 x
-// grad_accum 2), and a one-GPU checkpoint resumed at EP=2. Skips visibly (exit 77) without NCCL in
-// the build or with fewer than 2 GPUs.
+// grad_accum 2), a one-GPU checkpoint resumed at EP=2, and a stopped rank named by its peer's
+// timeout. Skips visibly (exit 77) without NCCL in the build or with fewer than 2 GPUs.
 //
 // Tolerances. The runs use precision mixed (fp32 gradients, master weights and AdamW state; bf16
 // parameters and activations), so the parallel and single runs differ only by fp32 summation order
@@ -12,6 +12,9 @@
 //   - final weights: relative L2 distance 4e-3 (the test checks that training moved the weights by
 //     more than 10x that, so the bound can fail).
 #include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -88,6 +91,22 @@ TEST_F(GpuParallelTrain, ExpertAndDataParallelMatchOneGpu) {
     ASSERT_TRUE(fs::exists(step5));
     run("one_to_ep2", 2, "train.micro_batch=2 dist.ep_size=2", " --resume " + step5.string() + " --force-resume");
     test::expect_same_tail(dir_ / "one_to_ep2", dir_ / "one", kSteps, 5, kTol);
+}
+
+// A rank that stops answering (SIGSTOP) mid-run makes its peer fail after dist.timeout_s with the
+// diagnostic, instead of hanging in an NCCL wait (NCCL cannot say which peer is late).
+TEST_F(GpuParallelTrain, StoppedRankMakesThePeerFailAfterTheTimeout) {
+    const fs::path dir = dir_ / "stopped";
+    fs::create_directories(dir);
+    constexpr double kTimeout = 5;
+    const test::PeerFailure f = test::run_and_signal_rank1(
+        dir, args("stopped/out", "train.micro_batch=2 train.steps=100000 dist.ep_size=2 dist.timeout_s=5"), SIGSTOP);
+    ASSERT_NE(f.status, -1) << "rank 0 still running 30 s after its peer stopped\n" << f.log;
+    EXPECT_TRUE(WIFEXITED(f.status) && WEXITSTATUS(f.status) != 0) << "status " << f.status << "\n" << f.log;
+    EXPECT_NE(f.log.find("rank 0: timed out after 5 s"), std::string::npos) << f.log;
+    EXPECT_GE(f.seconds, kTimeout * 0.9) << f.log;
+    EXPECT_LT(f.seconds, kTimeout + 15) << f.log;
+    std::printf("stopped peer on 2 GPUs: rank 0 exited after %.2f s (timeout %.0f s)\n", f.seconds, kTimeout);
 }
 
 }  // namespace

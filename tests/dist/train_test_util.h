@@ -4,8 +4,13 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +20,7 @@
 #include <vector>
 
 #include "core/json.h"
+#include "dist_test_util.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -125,6 +131,56 @@ inline void expect_same_tail(const std::filesystem::path& resumed_dir, const std
         }
     }
     EXPECT_LE(rel_l2(read_weights(resumed_dir), read_weights(full_dir)), tol.weight_rel_l2);
+}
+
+// Two ranks started by hand (no launcher, which would stop the survivor itself); once rank 0 has
+// logged steps, rank 1 gets `sig`. Returns rank 0's exit status and the seconds it took to exit.
+struct PeerFailure {
+    int status = -1;
+    double seconds = 0;
+    std::string log;
+};
+inline PeerFailure run_and_signal_rank1(const std::filesystem::path& dir, const std::string& args, int sig) {
+    const int port = free_port();
+    pid_t pids[2];
+    for (int r = 0; r < 2; ++r) {
+        const std::string cmd = "RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
+                                " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " exec " + bin() + " " +
+                                args + " >" + (dir / ("rank" + std::to_string(r) + ".log")).string() + " 2>&1";
+        pids[r] = ::fork();
+        if (pids[r] == 0) {
+            ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+            ::_exit(127);
+        }
+    }
+    PeerFailure result;
+    const auto started = std::chrono::steady_clock::now();
+    bool training = false;
+    while (!training && std::chrono::steady_clock::now() - started < std::chrono::seconds(30)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        const std::filesystem::path metrics = dir / "out" / "metrics.jsonl";
+        try {
+            training = std::filesystem::exists(metrics) && read_metrics(metrics).size() >= 2;
+        } catch (const Error&) {  // a line being written
+        }
+    }
+    ::kill(pids[1], training ? sig : SIGKILL);
+    const auto signalled_at = std::chrono::steady_clock::now();
+    pid_t done = 0;
+    while ((done = ::waitpid(pids[0], &result.status, WNOHANG)) == 0 &&
+           std::chrono::steady_clock::now() - signalled_at < std::chrono::seconds(30))
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled_at).count();
+    if (done == 0) {
+        ::kill(pids[0], SIGKILL);
+        ::waitpid(pids[0], nullptr, 0);
+        result.status = -1;
+    }
+    ::kill(pids[1], SIGKILL);
+    ::waitpid(pids[1], nullptr, 0);
+    result.log = read_file(dir / "rank0.log");
+    if (!training) result.log = "rank 0 never logged 2 steps:\n" + result.log;
+    return result;
 }
 
 }  // namespace mf::test
