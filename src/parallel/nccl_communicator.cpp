@@ -75,9 +75,14 @@ class Watchdog {
     void loop() {
         for (;;) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
-            const std::lock_guard<std::mutex> lock(mu_);
+            // The events are queried outside the lock, so watch() never waits on a CUDA call.
+            std::deque<Pending> mine;
+            {
+                const std::lock_guard<std::mutex> lock(mu_);
+                mine.swap(pending_);
+            }
             const double now = net::now_s();
-            for (auto it = pending_.begin(); it != pending_.end();) {
+            for (auto it = mine.begin(); it != mine.end();) {
                 const cudaError_t st = cudaEventQuery(it->ev);
                 if (st == cudaErrorNotReady) {
                     if (now > it->deadline) {
@@ -92,8 +97,10 @@ class Watchdog {
                     continue;
                 }
                 cudaEventDestroy(it->ev);  // done (or the context is gone: nothing left to watch)
-                it = pending_.erase(it);
+                it = mine.erase(it);
             }
+            const std::lock_guard<std::mutex> lock(mu_);
+            pending_.insert(pending_.begin(), mine.begin(), mine.end());  // older ones first
         }
     }
     std::mutex mu_;
@@ -164,9 +171,12 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::abort_with(const char* op, const std::string& why) {
-    ncclCommAbort(comm_);
-    comm_ = nullptr;
-    fail("rank ", world_rank_, ": ", why, " in ", op, " (tag ", seq_, "); NCCL communicator aborted");
+    // Fatal for the process: kernels of this or another communicator may be stuck waiting for the
+    // late peer, and unwinding (cudaFree, communicator destructors) would block behind them. So the
+    // rank reports itself, the operation and its tag, and ends at once with status 1.
+    std::fprintf(stderr, "rank %d: %s in %s (tag %u); ending this process\n", world_rank_, why.c_str(), op, seq_);
+    std::fflush(nullptr);
+    ::_exit(1);
 }
 
 void NcclCommunicator::wait_nccl(const char* op) {

@@ -7,8 +7,9 @@
 //     blocking stream, so that ops:: kernels on the default stream are ordered with it.
 //   - No wait is unbounded: the communicator is created nonblocking (ncclConfig_t.blocking = 0);
 //     initialisation, enqueueing and synchronize() poll NCCL's async state and the stream, and after
-//     timeout_s seconds abort the communicator (ncclCommAbort) and throw mf::Error naming this rank,
-//     the operation and its tag. NCCL does not say which peer is late, so the message says so.
+//     timeout_s seconds print a diagnostic naming this rank, the operation and its tag, and end the
+//     process with status 1 at once (no exception: unwinding would block in cudaFree behind kernels
+//     stuck on the late peer). NCCL does not say which peer is late, so the message says so.
 //     Besides, a process-wide watchdog thread watches every enqueued operation (an event after it):
 //     one still not done timeout_s after it was enqueued ends the process with status 1 and the same
 //     diagnostic, so a host call that blocks inside CUDA behind a stuck NCCL kernel (a device-to-host
@@ -78,6 +79,7 @@ class NcclCommunicator final : public Communicator {
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
     // Waits until the (nonblocking) communicator has finished the last NCCL call, with the timeout.
     void wait_nccl(const char* op);
+    // Prints "rank R: WHY in OP (tag N)" and ends the process with status 1 (see the .cpp).
     [[noreturn]] void abort_with(const char* op, const std::string& why);
     uint32_t begin(const char* op);
 
