@@ -166,7 +166,20 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         fail(dir.string(), ": the recipe changed since this checkpoint (", diffs,
              "); resuming would not continue the same run. Pass --force-resume to resume anyway");
 
-    // Every tensor of the whole model is checked; this rank reads its slice (its experts).
+    CheckpointState state;
+    state.step = field("step").as_int();
+    state.adam_step = field("adam_step").as_int();
+    const json::Value& loader = field("loader");
+    if (!loader.is_object() || loader.find("epoch") == nullptr || loader.find("cursor") == nullptr)
+        fail(where, ": field \"loader\" must hold epoch and cursor");
+    state.loader.epoch = loader.find("epoch")->as_int();
+    state.loader.cursor = loader.find("cursor")->as_int();
+    if (state.step < 0 || state.adam_step < 0 || state.loader.epoch < 0 || state.loader.cursor < 0)
+        fail(where, ": negative step or loader position");
+    state.recipe = then;
+
+    // Every tensor of the whole model is checked before anything is restored; this rank reads its
+    // slice (its experts).
     const fs::path file = dir / "tensors.safetensors";
     const io::SafetensorsFile tensors = io::SafetensorsFile::open(file);
     const model::ParamTable& mine = model.params();
@@ -189,17 +202,6 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         fail(file.string(), ": holds ", tensors.tensors().size(), " tensors, expected ", 3 * mine.specs().size());
     adam.set_state(local[0], local[1], local[2]);
 
-    CheckpointState state;
-    state.step = field("step").as_int();
-    state.adam_step = field("adam_step").as_int();
-    const json::Value& loader = field("loader");
-    if (!loader.is_object() || loader.find("epoch") == nullptr || loader.find("cursor") == nullptr)
-        fail(where, ": field \"loader\" must hold epoch and cursor");
-    state.loader.epoch = loader.find("epoch")->as_int();
-    state.loader.cursor = loader.find("cursor")->as_int();
-    if (state.step < 0 || state.adam_step < 0 || state.loader.epoch < 0 || state.loader.cursor < 0)
-        fail(where, ": negative step or loader position");
-    state.recipe = then;
     adam.set_step_count(state.adam_step);
     return state;
 }
