@@ -222,10 +222,15 @@ void atomic_write_file(const fs::path& path, std::string_view bytes) {
 
 // --- atomic directories -----------------------------------------------------------------------
 
-AtomicDir::AtomicDir(fs::path dir) : dir_(strip_trailing_separator(std::move(dir))) {
+fs::path AtomicDir::temp_path_for(const fs::path& dir, const std::string& tmp_tag) {
+    fs::path tmp = strip_trailing_separator(dir);
+    tmp += ".tmp-" + (tmp_tag.empty() ? std::to_string(::getpid()) : tmp_tag);
+    return tmp;
+}
+
+AtomicDir::AtomicDir(fs::path dir, const std::string& tmp_tag) : dir_(strip_trailing_separator(std::move(dir))) {
     MF_CHECK(dir_.has_filename(), "cannot build directory '", dir_.string(), "' atomically: it has no name");
-    tmp_path_ = dir_;
-    tmp_path_ += ".tmp-" + std::to_string(::getpid());
+    tmp_path_ = temp_path_for(dir_, tmp_tag);
     std::error_code ec;
     fs::create_directories(parent_or_dot(dir_), ec);
     if (ec) fail("cannot create ", parent_or_dot(dir_).string(), ": ", ec.message());

@@ -82,9 +82,13 @@ void fsync_path(const std::filesystem::path& path);
 // onto DIR, fsyncs the parent and then removes the old copy. So at every instant DIR is either
 // the complete old directory, absent (between the two renames), or the complete new one.
 // Destroyed without commit(), it removes the temporary directory and leaves DIR untouched.
+// `tmp_tag` replaces the pid in the temporary name when several processes fill one directory (the
+// ranks of a run writing their checkpoint shards: rank 0 builds and commits, the others only write
+// into tmp_path(), which they can name themselves with temp_path_for()).
 class AtomicDir {
  public:
-    explicit AtomicDir(std::filesystem::path dir);
+    explicit AtomicDir(std::filesystem::path dir, const std::string& tmp_tag = "");
+    static std::filesystem::path temp_path_for(const std::filesystem::path& dir, const std::string& tmp_tag);
     ~AtomicDir();
     AtomicDir(const AtomicDir&) = delete;
     AtomicDir& operator=(const AtomicDir&) = delete;

@@ -1,6 +1,8 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <cstring>
 #include <cstdio>
 #include <vector>
@@ -65,48 +67,92 @@ const json::Value* lookup(const json::Value& v, const char* a, const char* b) {
 // Tensor name prefixes: the master parameters and AdamW's two moments.
 const std::string kStateTensors[] = {"param/", "exp_avg/", "exp_avg_sq/"};
 
+// "shard-00003-of-00008.safetensors": the tensors rank 3 of 8 wrote.
+std::string shard_file_name(int64_t rank, int64_t world) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "shard-%05lld-of-%05lld.safetensors", static_cast<long long>(rank),
+                  static_cast<long long>(world));
+    return buf;
+}
+
+// "exp_avg/model.layers.0.mlp.experts.down_proj@1536" -> kind 1, the name, offset 1536.
+struct PieceName {
+    int kind = -1;
+    std::string name;
+    int64_t offset = -1;
+};
+PieceName parse_piece_name(const std::string& s) {
+    PieceName p;
+    for (int k = 0; k < 3; ++k)
+        if (s.rfind(kStateTensors[k], 0) == 0) p.kind = k;
+    const size_t at = s.rfind('@');
+    if (p.kind < 0 || at == std::string::npos || at + 1 >= s.size() || at + 1 + 18 < s.size()) return {};
+    int64_t v = 0;
+    for (size_t i = at + 1; i < s.size(); ++i) {
+        if (s[i] < '0' || s[i] > '9') return {};
+        v = v * 10 + (s[i] - '0');
+    }
+    p.name = s.substr(kStateTensors[p.kind].size(), at - kStateTensors[p.kind].size());
+    p.offset = v;
+    return p;
+}
+
 }  // namespace
 
 void save_checkpoint(const fs::path& root, const CheckpointState& state, model::Qwen3Moe& model, AdamW& adam,
                      int64_t keep, const CheckpointLayout& layout, DistContext* dist) {
-    // Collective part: this rank's state, whole over the ZeRO group, then over the EP group.
-    std::vector<float> local[3];
-    adam.get_state(local[0], local[1], local[2]);
-    std::vector<float> full[3];
-    for (int i = 0; i < 3; ++i) full[i] = dist != nullptr ? dist->gather_params(model, local[i]) : std::move(local[i]);
-    if (dist != nullptr && !dist->is_main()) return;
-
-    fs::create_directories(root);
+    const bool main = dist == nullptr || dist->is_main();
+    const int64_t world = dist != nullptr ? dist->world_size() : 1, rank = dist != nullptr ? dist->rank() : 0;
     const fs::path final_dir = root / step_dir_name(state.step);
-    {
-        io::AtomicDir dir(final_dir);
-        const model::ParamTable table = model::qwen3_moe_param_table(model.config());
-        const int64_t P = table.total();
-        std::vector<io::StWriteTensor> tensors;
-        for (int i = 0; i < 3; ++i) {
-            MF_CHECK(static_cast<int64_t>(full[i].size()) == P, "checkpoint: gathered state has the wrong size");
-            for (const auto& spec : table.specs())
-                tensors.push_back({kStateTensors[i] + spec.name, io::StDType::F32, spec.shape,
-                                   full[i].data() + spec.offset});
-        }
-        io::write_safetensors(dir.tmp_path() / "tensors.safetensors", tensors, {{"format", "moeforge"}});
-        json::Value s = json::Value::object();
-        s.set("magic", kCheckpointMagic);
-        s.set("format_version", kCheckpointFormatVersion);
-        s.set("world_size", layout.world_size);
-        s.set("ep_size", layout.ep_size);
-        s.set("config_hash", hex(model.config().hash()));
-        s.set("num_params", P);
-        s.set("step", state.step);
-        s.set("adam_step", state.adam_step);
-        json::Value loader = json::Value::object();
-        loader.set("epoch", state.loader.epoch);
-        loader.set("cursor", state.loader.cursor);
-        s.set("loader", std::move(loader));
-        s.set("recipe", state.recipe);
-        io::atomic_write_file(dir.tmp_path() / "state.json", s.dump(2) + "\n");
-        dir.commit();
+    // Rank 0 makes the temporary directory; every rank writes its shard into it; rank 0 adds
+    // state.json and renames it into place once all shards are there.
+    std::unique_ptr<io::AtomicDir> dir;
+    if (main) {
+        fs::create_directories(root);
+        dir = std::make_unique<io::AtomicDir>(final_dir, "shards");
     }
+    if (dist != nullptr) dist->barrier();
+    {
+        // This rank's pieces: its ZeRO chunk of its table, each parameter's part named by its
+        // offset in the whole tensor. Replicated parameters come from EP rank 0's group only.
+        std::vector<float> chunk[3];
+        adam.get_chunk(chunk[0], chunk[1], chunk[2]);
+        const int64_t lo = adam.chunk_begin(), hi = adam.chunk_end();
+        const bool writes_replicated = dist == nullptr || dist->expert_shard().rank == 0;
+        std::vector<io::StWriteTensor> tensors;
+        for (int k = 0; k < 3; ++k) {
+            for (const auto& spec : model.params().specs()) {
+                if (!spec.is_expert && !writes_replicated) continue;
+                const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
+                if (a >= b) continue;
+                const int64_t row = spec.is_expert ? spec.numel / spec.shape[0] : 0;
+                const int64_t global = (spec.is_expert ? spec.expert_first * row : 0) + (a - spec.offset);
+                tensors.push_back({kStateTensors[k] + spec.name + "@" + std::to_string(global), io::StDType::F32,
+                                   {b - a}, chunk[k].data() + (a - lo)});
+            }
+        }
+        io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world), tensors,
+                              {{"format", "moeforge"}});
+    }
+    if (dist != nullptr) dist->barrier();
+    if (!main) return;
+    json::Value s = json::Value::object();
+    s.set("magic", kCheckpointMagic);
+    s.set("format_version", kCheckpointFormatVersion);
+    s.set("world_size", layout.world_size);
+    s.set("ep_size", layout.ep_size);
+    s.set("config_hash", hex(model.config().hash()));
+    s.set("num_params", model.num_params_total());
+    s.set("shards", world);
+    s.set("step", state.step);
+    s.set("adam_step", state.adam_step);
+    json::Value loader = json::Value::object();
+    loader.set("epoch", state.loader.epoch);
+    loader.set("cursor", state.loader.cursor);
+    s.set("loader", std::move(loader));
+    s.set("recipe", state.recipe);
+    io::atomic_write_file(dir->tmp_path() / "state.json", s.dump(2) + "\n");
+    dir->commit();
     // Prune: the newest `keep` complete checkpoints stay; leftovers of crashed writes go.
     auto all = list_checkpoints(root);
     for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i].second);
@@ -178,28 +224,66 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         fail(where, ": negative step or loader position");
     state.recipe = then;
 
-    // Every tensor of the whole model is checked before anything is restored; this rank reads its
-    // slice (its experts).
-    const fs::path file = dir / "tensors.safetensors";
-    const io::SafetensorsFile tensors = io::SafetensorsFile::open(file);
-    const model::ParamTable& mine = model.params();
-    std::vector<float> local[3];
-    for (int i = 0; i < 3; ++i) {
-        local[i].resize(static_cast<size_t>(mine.total()));
-        for (const auto& spec : mine.specs()) {
-            const std::string name = kStateTensors[i] + spec.name;
-            const io::StTensor* t = tensors.find(name);
-            if (t == nullptr) fail(file.string(), ": missing tensor \"", name, "\"");
-            if (t->dtype != io::StDType::F32 || t->shape != spec.global_shape())
-                fail(file.string(), ": tensor \"", name, "\" has the wrong dtype or shape (expected F32 ",
-                     shape_str(spec.global_shape()), ")");
-            const int64_t first = spec.is_expert ? spec.expert_first * (spec.numel / spec.shape[0]) : 0;
-            std::memcpy(local[i].data() + spec.offset, t->data + static_cast<size_t>(first) * sizeof(float),
-                        static_cast<size_t>(spec.numel) * sizeof(float));
+    // Every shard's pieces are indexed and checked against the whole model (each tensor tiled
+    // exactly, no gap, no overlap, nothing unknown) before anything is restored; this rank then
+    // copies the parts it holds (its experts) out of the memory-mapped shards.
+    const json::Value& shards_field = field("shards");
+    if (!shards_field.is_int() || shards_field.as_int() < 1 || shards_field.as_int() > (int64_t{1} << 20))
+        fail(where, ": field \"shards\" must be a positive integer");
+    const int64_t num_shards = shards_field.as_int();
+    std::vector<io::SafetensorsFile> files;
+    for (int64_t r = 0; r < num_shards; ++r) files.push_back(io::SafetensorsFile::open(dir / shard_file_name(r, num_shards)));
+    const model::ParamTable full = model::qwen3_moe_param_table(model.config());
+    struct Piece {
+        int64_t offset, length;
+        const uint8_t* data;
+        const std::string* file;
+    };
+    std::map<std::string, std::vector<Piece>> pieces[3];  // kind -> tensor -> pieces
+    for (const io::SafetensorsFile& f : files) {
+        for (const io::StTensor& t : f.tensors()) {
+            const PieceName p = parse_piece_name(t.name);
+            const model::ParamSpec* spec = p.kind >= 0 ? full.find(p.name) : nullptr;
+            if (spec == nullptr)
+                fail(t.file, ": tensor \"", t.name, "\" is not a piece of this model's state (KIND/NAME@OFFSET)");
+            if (t.dtype != io::StDType::F32 || t.shape.size() != 1 || p.offset + t.shape[0] > spec->numel)
+                fail(t.file, ": tensor \"", t.name, "\" has the wrong dtype or shape (F32, 1-D, inside the ",
+                     spec->numel, " elements of ", p.name, ")");
+            pieces[p.kind][p.name].push_back({p.offset, t.shape[0], t.data, &t.file});
         }
     }
-    if (tensors.tensors().size() != 3 * mine.specs().size())
-        fail(file.string(), ": holds ", tensors.tensors().size(), " tensors, expected ", 3 * mine.specs().size());
+    for (int k = 0; k < 3; ++k) {
+        for (const auto& spec : full.specs()) {
+            auto& list = pieces[k][spec.name];
+            std::sort(list.begin(), list.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+            int64_t covered = 0;
+            for (const Piece& pc : list) {
+                if (pc.offset != covered)
+                    fail(dir.string(), ": ", kStateTensors[k], spec.name, " has ",
+                         pc.offset > covered ? "a gap" : "overlapping pieces", " at element ", std::min(pc.offset, covered),
+                         " (", *pc.file, ")");
+                covered += pc.length;
+            }
+            if (covered != spec.numel)
+                fail(dir.string(), ": missing tensor \"", kStateTensors[k], spec.name, "\" (", covered, " of ",
+                     spec.numel, " elements in the shards)");
+        }
+    }
+    const model::ParamTable& mine = model.params();
+    std::vector<float> local[3];
+    for (int k = 0; k < 3; ++k) {
+        local[k].resize(static_cast<size_t>(mine.total()));
+        for (const auto& spec : mine.specs()) {
+            const int64_t first = spec.is_expert ? spec.expert_first * (spec.numel / spec.shape[0]) : 0;
+            for (const Piece& pc : pieces[k][spec.name]) {
+                const int64_t a = std::max(first, pc.offset), b = std::min(first + spec.numel, pc.offset + pc.length);
+                if (a >= b) continue;
+                std::memcpy(local[k].data() + spec.offset + (a - first),
+                            pc.data + static_cast<size_t>(a - pc.offset) * sizeof(float),
+                            static_cast<size_t>(b - a) * sizeof(float));
+            }
+        }
+    }
     adam.set_state(local[0], local[1], local[2]);
 
     adam.set_step_count(state.adam_step);

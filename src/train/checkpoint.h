@@ -1,16 +1,24 @@
 // Resumable training checkpoints.
 //
 // A checkpoint is a directory OUT/checkpoints/step-NNNNNNNN/ holding
-//   tensors.safetensors  per parameter of the WHOLE model (every expert, whatever the EP size),
-//                        f32: "param/NAME" (the master weights), "exp_avg/NAME", "exp_avg_sq/NAME"
-//   state.json           magic, format version, world and EP size it was written at, config hash,
-//                        step, AdamW step, data-loader state (epoch, cursor), the seed, the recipe
-// The tensors do not depend on the parallel layout (the EP shards and ZeRO-1 chunks are gathered
-// before writing; on load every rank reads its slice), and the loader state is a position in the
-// document order every rank shares, so a checkpoint resumes at any world and EP size.
-// Each is written into a temporary sibling directory, fsynced and renamed into place
-// (io::AtomicDir), so a directory named step-* is always complete; a crash leaves at most a
-// *.tmp-* directory, which is ignored and swept. The newest `keep` checkpoints are kept.
+//   shard-RRRRR-of-WWWWW.safetensors   one per rank of the run that wrote it: that rank's part of
+//                        the optimizer state of the WHOLE model, f32, as 1-D pieces named
+//                        "KIND/NAME@OFFSET" (KIND: param = the master weights, exp_avg, exp_avg_sq;
+//                        OFFSET: where the piece starts in the whole tensor NAME, flattened). A rank
+//                        writes its ZeRO-1 chunk of the parameters it holds (its experts; the
+//                        replicated ones only from EP rank 0's group), so no rank ever gathers the
+//                        model, and together the shards tile every tensor exactly once.
+//   state.json           magic, format version, world and EP size it was written at, the number of
+//                        shards, config hash, step, AdamW step, data-loader state (epoch, cursor), the
+//                        seed, and the recipe
+// Loading indexes every shard's pieces, checks that they tile each tensor of the model exactly (no
+// gap, no overlap, nothing unknown, F32), and each rank copies out the parts it holds from the
+// memory-mapped files. The loader state is a position in the document order every rank shares. So
+// a checkpoint resumes at any world and EP size. All ranks must see OUT (a shared filesystem).
+// Rank 0 creates the temporary sibling directory, every rank writes its shard into it, and rank 0
+// adds state.json, fsyncs and renames it into place (io::AtomicDir), so a directory named step-*
+// is always complete; a crash leaves at most a *.tmp-* directory, which is ignored and swept. The
+// newest `keep` checkpoints are kept.
 // Everything a step depends on is in here, so a resumed run is bitwise identical to an
 // uninterrupted one on the same world size; at another world size the run continues from the same
 // document with a global batch of the new size.
@@ -49,7 +57,7 @@ struct CheckpointState {
 };
 
 // Writes OUT/checkpoints/step-<step> and prunes to the newest `keep`. In a multi-process run every
-// rank calls it (the EP shards and ZeRO chunks are gathered) and rank 0 writes.
+// rank calls it and writes its shard; rank 0 completes the directory.
 void save_checkpoint(const std::filesystem::path& root, const CheckpointState& state, model::Qwen3Moe& model,
                      AdamW& adam, int64_t keep, const CheckpointLayout& layout = {}, DistContext* dist = nullptr);
 

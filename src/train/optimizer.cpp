@@ -109,39 +109,15 @@ void AdamW::step(double lr) {
     zero_->synchronize();
 }
 
-void AdamW::gather_chunks(std::vector<float>& full) const {
-    if (zero_ == nullptr) return;
-    const Device dev = model_.device();
-    Buffer staging;
-    float* data = full.data();
-    if (dev == Device::cuda) {  // NCCL broadcasts device memory
-        staging = Buffer(full.size() * sizeof(float), dev);
-        ops::copy_from_host(staging.as(DType::f32, {total_}), full.data());
-        data = staging.as(DType::f32, {total_}).ptr<float>();
-    }
-    for (int r = 0; r < zero_size_; ++r) {
-        const int64_t a = chunk_lo(r), b = chunk_hi(r);
-        if (a < b) zero_->broadcast(data + a, b - a, DType::f32, r);
-    }
-    zero_->synchronize();
-    if (dev == Device::cuda) ops::copy_to_host(full.data(), staging.as(DType::f32, {total_}));
-}
-
-void AdamW::get_state(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
+void AdamW::get_chunk(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
     const int64_t n = hi_ - lo_;
-    master.assign(static_cast<size_t>(total_), 0.0f);
-    m.assign(static_cast<size_t>(total_), 0.0f);
-    v.assign(static_cast<size_t>(total_), 0.0f);
-    if (master_.data() != nullptr) {
-        to_host_f32(master.data() + lo_, master_.as(DType::f32, {n}));
-        gather_chunks(master);
-    } else {
-        model_.get_params_to_host(master.data());  // identical on every rank of the group
-    }
-    to_host_f32(m.data() + lo_, m_.as(state_dtype_, {n}));
-    to_host_f32(v.data() + lo_, v_.as(state_dtype_, {n}));
-    gather_chunks(m);
-    gather_chunks(v);
+    master.assign(static_cast<size_t>(n), 0.0f);
+    m.assign(static_cast<size_t>(n), 0.0f);
+    v.assign(static_cast<size_t>(n), 0.0f);
+    if (master_.data() != nullptr) to_host_f32(master.data(), master_.as(DType::f32, {n}));
+    else to_host_f32(master.data(), flat_range(model_.params_tensor(), lo_, n));
+    to_host_f32(m.data(), m_.as(state_dtype_, {n}));
+    to_host_f32(v.data(), v_.as(state_dtype_, {n}));
 }
 
 void AdamW::set_state(const std::vector<float>& master, const std::vector<float>& m, const std::vector<float>& v) {

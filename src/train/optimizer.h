@@ -39,18 +39,18 @@ class AdamW {
     int64_t step_count() const { return step_; }
     void set_step_count(int64_t s) { step_ = s; }
 
-    // The state as f32 on the host (for checkpoints), in the model's table layout, whole (ZeRO
-    // chunks gathered; collective over the ZeRO group): the master parameters (the model's own on
-    // the CPU and under bf16, the fp32 master under mixed) and the two moments.
-    void get_state(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const;
+    // This rank's chunk [chunk_begin(), chunk_end()) of the flat buffer (all of it without ZeRO) as
+    // host f32, for checkpoints: the master parameters (the model's own on the CPU and under bf16,
+    // the fp32 master under mixed) and the two moments. Local: no communication.
+    void get_chunk(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const;
+    int64_t chunk_begin() const { return lo_; }
+    int64_t chunk_end() const { return hi_; }
     // From whole vectors in the model's table layout; each rank keeps its chunk.
     void set_state(const std::vector<float>& master, const std::vector<float>& m, const std::vector<float>& v);
     // Bytes of optimizer state this rank holds (m, v and the master when there is one).
     size_t state_bytes() const;
 
  private:
-    // Fills full[lo_p, hi_p) for every other rank p from its owner (full[lo, hi) is this rank's).
-    void gather_chunks(std::vector<float>& full) const;
     int64_t chunk_lo(int r) const;
     int64_t chunk_hi(int r) const;
 

@@ -1,10 +1,12 @@
 // Training checkpoints that are damaged or do not belong to the run are refused with an error that
 // names the file and the problem, never a crash or a silent half-restore: a tensor missing, one of
-// the wrong shape or dtype, an extra one, a truncated tensors file, a state.json with a bad magic,
-// a future format version, another model config, a negative loader position. The checkpoint is
-// written by a real 2-step run of the binary, then copied and damaged one way per case.
+// the wrong shape or dtype, an unknown one, pieces that leave a gap or overlap, a missing or
+// truncated shard file, a state.json with a bad magic, a future format version, another model
+// config, a negative loader position. The checkpoint is written by a real 2-step run of the binary
+// (one shard), then copied and damaged one way per case.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <vector>
 
 #include "core/json.h"
@@ -18,6 +20,8 @@ namespace {
 
 std::string repo() { return (fs::path(test::fixtures_dir()) / ".." / "..").lexically_normal().string(); }
 
+const char* const kShard = "shard-00000-of-00001.safetensors";
+
 class CheckpointErrors : public ::testing::Test {
  protected:
     static void SetUpTestSuite() {
@@ -30,7 +34,7 @@ class CheckpointErrors : public ::testing::Test {
             << out;
         ASSERT_EQ(test::run_command(finetune_cmd("run", "train.steps=2 checkpoint.every=2"), &out), 0) << out;
         good_ = dir_ / "run" / "checkpoints" / "step-00000002";
-        ASSERT_TRUE(fs::exists(good_ / "tensors.safetensors"));
+        ASSERT_TRUE(fs::exists(good_ / kShard));
     }
     static std::string finetune_cmd(const std::string& out, const std::string& extra) {
         return test::moeforge_binary() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" +
@@ -58,7 +62,7 @@ class CheckpointErrors : public ::testing::Test {
         std::vector<io::StWriteTensor> tensors;
         std::vector<std::vector<uint8_t>> keep;
         {
-            const io::SafetensorsFile f = io::SafetensorsFile::open(ckpt / "tensors.safetensors");
+            const io::SafetensorsFile f = io::SafetensorsFile::open(ckpt / kShard);
             for (const io::StTensor& t : f.tensors()) {
                 keep.emplace_back(t.data, t.data + t.nbytes);
                 tensors.push_back({t.name, t.dtype, t.shape, nullptr});
@@ -67,7 +71,7 @@ class CheckpointErrors : public ::testing::Test {
         for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = keep[i].data();
         std::vector<float> extra(64, 1.0f);
         edit(tensors, extra);
-        io::write_safetensors(ckpt / "tensors.safetensors", tensors, {{"format", "moeforge"}});
+        io::write_safetensors(ckpt / kShard, tensors, {{"format", "moeforge"}});
     }
     static void edit_state(const fs::path& ckpt, const std::string& key, const json::Value& value) {
         json::Value s = json::parse(test::read_file(ckpt / "state.json"), "state.json");
@@ -88,48 +92,86 @@ TEST_F(CheckpointErrors, GoodCheckpointResumes) {
 TEST_F(CheckpointErrors, MissingTensorIsNamed) {
     const fs::path c = copy("missing");
     rewrite_tensors(c, [](auto& t, auto&) {
-        std::erase_if(t, [](const io::StWriteTensor& x) { return x.name == "exp_avg/model.norm.weight"; });
+        std::erase_if(t, [](const io::StWriteTensor& x) { return x.name == "exp_avg/model.norm.weight@0"; });
     });
-    const std::string out = resume_fails(c);
+    std::string out = resume_fails(c);
     EXPECT_NE(out.find("missing tensor \"exp_avg/model.norm.weight\""), std::string::npos) << out;
-    EXPECT_NE(out.find("tensors.safetensors"), std::string::npos) << out;
+    EXPECT_NE(out.find(c.string()), std::string::npos) << out;
+    // A whole shard file missing is named.
+    const fs::path d = copy("missing_shard");
+    fs::remove(d / kShard);
+    out = resume_fails(d);
+    EXPECT_NE(out.find(kShard), std::string::npos) << out;
+}
+
+TEST_F(CheckpointErrors, GapsAndOverlapsAreNamed) {
+    // model.norm.weight's param piece split in two, the second moved by one element: a gap.
+    const fs::path c = copy("gap");
+    std::vector<float> norm;
+    rewrite_tensors(c, [&](auto& t, auto&) {
+        for (auto& x : t) {
+            if (x.name != "param/model.norm.weight@0") continue;
+            const int64_t n = x.shape[0];
+            norm.assign(static_cast<const float*>(x.data), static_cast<const float*>(x.data) + n);
+            x.shape = {n / 2};
+            t.push_back({"param/model.norm.weight@" + std::to_string(n / 2 + 1), io::StDType::F32, {n - n / 2 - 1},
+                         norm.data() + n / 2 + 1});
+            break;
+        }
+    });
+    std::string out = resume_fails(c);
+    EXPECT_NE(out.find("param/model.norm.weight has a gap at element"), std::string::npos) << out;
+    // The same piece twice: an overlap.
+    const fs::path d = copy("overlap");
+    rewrite_tensors(d, [&](auto& t, auto&) {
+        for (auto& x : t)
+            if (x.name == "exp_avg/model.norm.weight@0") {
+                t.push_back({"exp_avg/model.norm.weight@1", io::StDType::F32, {1}, x.data});
+                break;
+            }
+    });
+    out = resume_fails(d);
+    EXPECT_NE(out.find("exp_avg/model.norm.weight has overlapping pieces"), std::string::npos) << out;
 }
 
 TEST_F(CheckpointErrors, WrongShapeOrDtypeIsNamed) {
     const fs::path c = copy("shape");
     rewrite_tensors(c, [](auto& t, auto&) {
         for (auto& x : t)
-            if (x.name == "param/model.norm.weight") x.shape = {x.shape[0] / 2};
+            if (x.name == "param/model.norm.weight@0") x.shape = {x.shape[0] + 1, 1};
     });
     std::string out = resume_fails(c);
-    EXPECT_NE(out.find("tensor \"param/model.norm.weight\" has the wrong dtype or shape"), std::string::npos) << out;
+    EXPECT_NE(out.find("tensor \"param/model.norm.weight@0\" has the wrong dtype or shape"), std::string::npos) << out;
     const fs::path d = copy("dtype");
     rewrite_tensors(d, [](auto& t, auto&) {
         for (auto& x : t)
-            if (x.name == "exp_avg_sq/model.norm.weight") {
+            if (x.name == "exp_avg_sq/model.norm.weight@0") {
                 x.dtype = io::StDType::BF16;
                 x.shape = {x.shape[0] * 2};
             }
     });
     out = resume_fails(d);
-    EXPECT_NE(out.find("tensor \"exp_avg_sq/model.norm.weight\" has the wrong dtype or shape"), std::string::npos)
+    EXPECT_NE(out.find("tensor \"exp_avg_sq/model.norm.weight@0\" has the wrong dtype or shape"), std::string::npos)
         << out;
 }
 
 TEST_F(CheckpointErrors, ExtraTensorIsRefused) {
     const fs::path c = copy("extra");
-    rewrite_tensors(c, [](auto& t, auto& extra) { t.push_back({"param/not.a.parameter", io::StDType::F32, {64}, extra.data()}); });
+    rewrite_tensors(c, [](auto& t, auto& extra) {
+        t.push_back({"param/not.a.parameter@0", io::StDType::F32, {64}, extra.data()});
+    });
     const std::string out = resume_fails(c);
-    EXPECT_NE(out.find("expected"), std::string::npos) << out;
-    EXPECT_NE(out.find("tensors.safetensors"), std::string::npos) << out;
+    EXPECT_NE(out.find("tensor \"param/not.a.parameter@0\" is not a piece of this model's state"), std::string::npos)
+        << out;
+    EXPECT_NE(out.find(kShard), std::string::npos) << out;
 }
 
 TEST_F(CheckpointErrors, TruncatedTensorsFileIsNamed) {
     const fs::path c = copy("truncated");
-    const fs::path f = c / "tensors.safetensors";
+    const fs::path f = c / kShard;
     fs::resize_file(f, fs::file_size(f) / 2);
     const std::string out = resume_fails(c);
-    EXPECT_NE(out.find("tensors.safetensors"), std::string::npos) << out;
+    EXPECT_NE(out.find(kShard), std::string::npos) << out;
 }
 
 TEST_F(CheckpointErrors, BadStateIsNamed) {

@@ -259,9 +259,17 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
 
 // EP=2 x DP=2 on four processes against one rank with 4 micro-batches of the same rows.
 TEST_F(DpTrain, ExpertTimesDataParallelMatchesOneRank) {
-    finetune("ep2dp2", 4, "train.micro_batch=2 dist.ep_size=2");
-    finetune("one_accum4", 0, "train.micro_batch=2 train.grad_accum=4");
+    finetune("ep2dp2", 4, "train.micro_batch=2 dist.ep_size=2 checkpoint.every=5");
+    finetune("one_accum4", 0, "train.micro_batch=2 train.grad_accum=4 checkpoint.every=5");
     expect_same_training(dir_ / "ep2dp2", dir_ / "one_accum4");
+    // Four shards (each rank's ZeRO-1 chunk of its experts; the replicated state from EP rank 0's
+    // group) tile the same state as the one-rank checkpoint.
+    const fs::path a = dir_ / "ep2dp2" / "checkpoints" / "step-00000010";
+    const fs::path b = dir_ / "one_accum4" / "checkpoints" / "step-00000010";
+    EXPECT_TRUE(fs::exists(a / "shard-00003-of-00004.safetensors"));
+    const double d = test::checkpoint_rel_l2(a, b);
+    EXPECT_LE(d, kWeightRelL2Tol) << "EP=2 x DP=2 checkpoint vs one rank's";
+    EXPECT_EQ(test::read_checkpoint(a).size(), test::read_checkpoint(b).size());
 }
 
 // Gradient accumulation under DP: the reduction overlaps only the last micro-batch's backward

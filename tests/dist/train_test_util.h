@@ -73,19 +73,29 @@ inline double rel_l2(const std::map<std::string, std::vector<float>>& a,
 inline bool close_rel(double a, double b, double tol) {
     return std::fabs(a - b) <= tol * std::max(std::fabs(b), 1e-6);
 }
-// The tensors of two training checkpoints, by name: relative L2 distance over all.
-inline double checkpoint_rel_l2(const std::filesystem::path& a, const std::filesystem::path& b) {
-    auto read = [](const std::filesystem::path& dir) {
-        const io::SafetensorsFile f = io::SafetensorsFile::open(dir / "tensors.safetensors");
-        std::map<std::string, std::vector<float>> out;
+// A training checkpoint's state, whole: every shard's "KIND/NAME@OFFSET" pieces put back into
+// "KIND/NAME" tensors (flattened).
+inline std::map<std::string, std::vector<float>> read_checkpoint(const std::filesystem::path& dir) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+        if (entry.path().extension() != ".safetensors") continue;
+        const io::SafetensorsFile f = io::SafetensorsFile::open(entry.path());
         for (const io::StTensor& t : f.tensors()) {
-            std::vector<float> v(t.nbytes / sizeof(float));
-            if (t.nbytes > 0) std::memcpy(v.data(), t.data, t.nbytes);
-            out[t.name] = std::move(v);
+            const size_t at = t.name.rfind('@');
+            const std::string name = t.name.substr(0, at);
+            const size_t offset = std::stoull(t.name.substr(at + 1));
+            std::vector<float>& v = out[name];
+            const size_t n = t.nbytes / sizeof(float);
+            if (v.size() < offset + n) v.resize(offset + n);
+            if (n > 0) std::memcpy(v.data() + offset, t.data, t.nbytes);
         }
-        return out;
-    };
-    return rel_l2(read(a), read(b));
+    }
+    return out;
+}
+
+// The state of two training checkpoints: relative L2 distance over all.
+inline double checkpoint_rel_l2(const std::filesystem::path& a, const std::filesystem::path& b) {
+    return rel_l2(read_checkpoint(a), read_checkpoint(b));
 }
 
 struct TrainTolerance {
