@@ -203,22 +203,43 @@ std::vector<float> DistContext::gather_params(const model::Qwen3Moe& model, cons
     MF_CHECK(static_cast<int64_t>(local.size()) == mine.total(), "gather_params: ", local.size(),
              " values, the model holds ", mine.total());
     if (!model.expert_shard().sharded()) return local;
+    // Only world rank 0's EP group takes part (the others hold copies of the same experts), and
+    // only its EP rank 0 = world rank 0 receives: one stacked tensor at a time, so no buffer larger
+    // than one tensor's E experts exists anywhere (device staging under NCCL included).
+    if (layout_.dp_rank(rank_) != 0) return {};
+    parallel::Communicator& ep = *ep_group();
+    const int64_t S = ep.size();
+    const bool root = ep.rank() == 0;
     const model::ParamTable full = model::qwen3_moe_param_table(model.config());
-    std::vector<float> out(static_cast<size_t>(full.total()));
-    // The replicated region is laid out the same in both tables.
-    std::copy(local.begin(), local.begin() + mine.expert_offset(), out.begin());
-    // One all_gather of every rank's expert region, then each stacked tensor's rows into place:
-    // rank p's local experts are global experts [p·E/S, (p+1)·E/S), in rank order.
-    const int64_t S = ep_size(), region = mine.total() - mine.expert_offset();
-    std::vector<float> all(static_cast<size_t>(region * S));
-    all_gather_host(*ep_group(), device_, local.data() + mine.expert_offset(), all.data(), region, DType::f32);
+    std::vector<float> out;
+    if (root) {
+        out.resize(static_cast<size_t>(full.total()));
+        std::copy(local.begin(), local.begin() + mine.expert_offset(), out.begin());  // the replicated region
+    }
     for (const auto& spec : mine.specs()) {
         if (!spec.is_expert) continue;
-        const int64_t dst = full.get(spec.name).offset;
+        const int64_t n = spec.numel;
+        std::vector<int64_t> send_counts(static_cast<size_t>(S), 0), send_offsets(static_cast<size_t>(S), 0);
+        std::vector<int64_t> recv_counts(static_cast<size_t>(S), 0), recv_offsets(static_cast<size_t>(S), 0);
+        send_counts[0] = n;
         for (int64_t p = 0; p < S; ++p) {
-            const float* src = all.data() + p * region + (spec.offset - mine.expert_offset());
-            std::copy(src, src + spec.numel, out.begin() + dst + p * spec.numel);
+            recv_counts[static_cast<size_t>(p)] = root ? n : 0;
+            recv_offsets[static_cast<size_t>(p)] = root ? p * n : 0;
         }
+        const float* send = local.data() + spec.offset;
+        float* recv = root ? out.data() + full.get(spec.name).offset : nullptr;  // rank p's experts at p·n
+        if (device_ != Device::cuda) {
+            std::vector<float> dummy(1);
+            ep.all_to_all_v(send, send_counts, send_offsets, root ? recv : dummy.data(), recv_counts, recv_offsets,
+                            DType::f32);
+            continue;
+        }
+        const Buffer dsend(static_cast<size_t>(n) * sizeof(float), Device::cuda);
+        const Buffer drecv(static_cast<size_t>(root ? S * n : 1) * sizeof(float), Device::cuda);
+        ops::copy_from_host(dsend.as(DType::f32, {n}), send);
+        ep.all_to_all_v(dsend.data(), send_counts, send_offsets, drecv.data(), recv_counts, recv_offsets, DType::f32);
+        ep.synchronize();
+        if (root) ops::copy_to_host(recv, drecv.as(DType::f32, {S * n}));
     }
     return out;
 }

@@ -82,8 +82,10 @@ class DistContext {
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
     // The whole model's values from this rank's (`local`: host f32 in the model's table layout):
-    // the replicated region as is, every stacked expert tensor gathered over the EP group. Returns
-    // host f32 in the layout of qwen3_moe_param_table(config) on every rank (collective over EP).
+    // the replicated region as is, every stacked expert tensor gathered over the EP group, one
+    // tensor at a time. Returns host f32 in the layout of qwen3_moe_param_table(config) on world
+    // rank 0, and an empty vector on every other rank (all ranks call it; without EP it returns
+    // `local` everywhere).
     std::vector<float> gather_params(const model::Qwen3Moe& model, const std::vector<float>& local);
     // The EP group for Qwen3Moe::set_expert_parallel, and the DP group (ranks holding the same
     // experts; ZeRO-1 shards optimizer state over it). Null for a single process.
