@@ -67,7 +67,8 @@ int cmd_bench(const Args& args) {
     train::Recipe::Optim optim;
     optim.lr = 1e-5;
     optim.weight_decay = 0.01;
-    train::AdamW adamw(m, optim, mixed, a.has("no-zero1") ? nullptr : dist->dp_group());
+    train::AdamW adamw(m, optim, mixed, a.has("no-zero1") ? nullptr : dist->group(train::Group::world),
+                       a.has("no-zero1") ? nullptr : dist->dp_group());
 
     std::mt19937 rng(1234u + static_cast<unsigned>(dist->rank()));
     std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B));
@@ -121,7 +122,7 @@ int cmd_bench(const Args& args) {
     v.set("params", m.num_params_total());
     v.set("world_size", static_cast<int64_t>(dist->world_size()));
     v.set("ep_size", static_cast<int64_t>(dist->ep_size()));
-    v.set("zero1", !a.has("no-zero1") && dist->world_size() / dist->ep_size() > 1);
+    v.set("zero1", !a.has("no-zero1") && dist->world_size() > 1);
     v.set("flops_per_token", json::Value(flops));
     v.set("step_ms", json::Value(step_s * 1e3));
     v.set("tokens_per_s_per_gpu", json::Value(tps));

@@ -113,22 +113,30 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     }
     if (dist != nullptr) dist->barrier();
     {
-        // This rank's pieces: its ZeRO chunk of its table, each parameter's part named by its
-        // offset in the whole tensor. Replicated parameters come from EP rank 0's group only.
-        std::vector<float> chunk[3];
-        adam.get_chunk(chunk[0], chunk[1], chunk[2]);
-        const int64_t lo = adam.chunk_begin(), hi = adam.chunk_end();
-        const bool writes_replicated = dist == nullptr || dist->expert_shard().rank == 0;
+        // This rank's pieces: the state it owns (its ZeRO-1 chunks of the replicated region and of
+        // its experts), each parameter's part named by its offset in the whole tensor. A region
+        // that is not sharded is owned whole by each of its replicas, so only the first replica
+        // writes it (world rank 0 the replicated region, DP rank 0 its experts): the pieces of
+        // all ranks then tile the model exactly once.
+        const bool first_replica[2] = {dist == nullptr || dist->rank() == 0,
+                                       dist == nullptr || dist->rank() / dist->ep_size() == 0};
+        std::vector<float> owned[3];
+        adam.get_owned(owned[0], owned[1], owned[2]);
         std::vector<io::StWriteTensor> tensors;
         for (int k = 0; k < 3; ++k) {
-            for (const auto& spec : model.params().specs()) {
-                if (!spec.is_expert && !writes_replicated) continue;
-                const int64_t a = std::max(lo, spec.offset), b = std::min(hi, spec.offset + spec.numel);
-                if (a >= b) continue;
-                const int64_t row = spec.is_expert ? spec.numel / spec.shape[0] : 0;
-                const int64_t global = (spec.is_expert ? spec.expert_first * row : 0) + (a - spec.offset);
-                tensors.push_back({kStateTensors[k] + spec.name + "@" + std::to_string(global), io::StDType::F32,
-                                   {b - a}, chunk[k].data() + (a - lo)});
+            int64_t at = 0;
+            for (const AdamW::Range& r : adam.owned()) {
+                const bool writes = r.sharded || first_replica[r.region];
+                for (const auto& spec : model.params().specs()) {
+                    if (!writes) break;
+                    const int64_t a = std::max(r.begin, spec.offset), b = std::min(r.end, spec.offset + spec.numel);
+                    if (a >= b) continue;
+                    const int64_t row = spec.is_expert ? spec.numel / spec.shape[0] : 0;
+                    const int64_t global = (spec.is_expert ? spec.expert_first * row : 0) + (a - spec.offset);
+                    tensors.push_back({kStateTensors[k] + spec.name + "@" + std::to_string(global), io::StDType::F32,
+                                       {b - a}, owned[k].data() + at + (a - r.begin)});
+                }
+                at += r.end - r.begin;
             }
         }
         io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world), tensors,

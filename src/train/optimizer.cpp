@@ -45,29 +45,41 @@ void from_host_f32(const Tensor& t, const float* in) {
 
 }  // namespace
 
-AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, parallel::Communicator* zero_group)
+AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, parallel::Communicator* replicated_group,
+             parallel::Communicator* expert_group)
     : model_(model), optim_(optim), total_(model.num_params()) {
-    if (zero_group != nullptr && zero_group->size() > 1) {
-        zero_ = zero_group;
-        zero_rank_ = zero_group->rank();
-        zero_size_ = zero_group->size();
+    const int64_t split = model.params().expert_offset();
+    parallel::Communicator* groups[2] = {replicated_group, expert_group};
+    const int64_t bounds[3] = {0, split, total_};
+    for (int k = 0; k < 2; ++k) {
+        Region& r = regions_[k];
+        r.begin = bounds[k];
+        r.end = bounds[k + 1];
+        if (groups[k] != nullptr && groups[k]->size() > 1) {
+            r.group = groups[k];
+            r.rank = groups[k]->rank();
+            r.size = groups[k]->size();
+        }
+        const int64_t per = (r.end - r.begin + r.size - 1) / r.size;
+        r.chunk = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+        const int64_t lo = r.lo(r.rank), hi = r.hi(r.rank);
+        if (lo < hi) owned_.push_back({lo, hi, k, r.group != nullptr});
+        owned_elems_ += hi - lo;
     }
-    const int64_t per = (total_ + zero_size_ - 1) / zero_size_;
-    chunk_ = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-    lo_ = chunk_lo(zero_rank_);
-    hi_ = chunk_hi(zero_rank_);
-    const int64_t n = hi_ - lo_;
     const Device dev = model.device();
     const bool master = mixed && dev == Device::cuda;
     state_dtype_ = (dev == Device::cpu || master) ? DType::f32 : DType::bf16;
-    const size_t bytes = static_cast<size_t>(n) * dtype_size(state_dtype_);
+    const size_t bytes = static_cast<size_t>(owned_elems_) * dtype_size(state_dtype_);
     m_ = Buffer(bytes, dev);
     v_ = Buffer(bytes, dev);
     m_.zero();
     v_.zero();
     if (master) {
-        master_ = Buffer(static_cast<size_t>(n) * sizeof(float), dev);
-        if (n > 0) ops::cast(master_.as(DType::f32, {n}), flat_range(model.params_tensor(), lo_, n));
+        master_ = Buffer(static_cast<size_t>(owned_elems_) * sizeof(float), dev);
+        for_owned([&](const Range& r, int64_t at) {
+            ops::cast(master_.as(DType::f32, {r.end - r.begin}, static_cast<size_t>(at) * sizeof(float)),
+                      flat_range(model.params_tensor(), r.begin, r.end - r.begin));
+        });
     }
     for (const auto& spec : model.params().specs()) {
         bool decay = true;
@@ -77,8 +89,14 @@ AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, par
     }
 }
 
-int64_t AdamW::chunk_lo(int r) const { return std::min<int64_t>(total_, static_cast<int64_t>(r) * chunk_); }
-int64_t AdamW::chunk_hi(int r) const { return std::min<int64_t>(total_, chunk_lo(r) + chunk_); }
+template <typename F>
+void AdamW::for_owned(F&& f) const {
+    int64_t at = 0;
+    for (const Range& r : owned_) {
+        f(r, at);
+        at += r.end - r.begin;
+    }
+}
 
 size_t AdamW::state_bytes() const { return m_.nbytes() + v_.nbytes() + master_.nbytes(); }
 
@@ -86,49 +104,63 @@ void AdamW::step(double lr) {
     ++step_;
     const auto& specs = model_.params().specs();
     const Tensor params = model_.params_tensor(), grads = model_.grads_tensor();
-    for (size_t i = 0; i < specs.size(); ++i) {
-        // The part of this parameter inside this rank's chunk.
-        const int64_t a = std::max(lo_, specs[i].offset), b = std::min(hi_, specs[i].offset + specs[i].numel);
-        if (a >= b) continue;
-        const int64_t n = b - a;
-        const size_t off = static_cast<size_t>(a - lo_);
-        const Tensor m = m_.as(state_dtype_, {n}, off * dtype_size(state_dtype_));
-        const Tensor v = v_.as(state_dtype_, {n}, off * dtype_size(state_dtype_));
-        const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
-        const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
-                                static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
-                                decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_};
-        ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
+    const size_t es = dtype_size(state_dtype_);
+    for_owned([&](const Range& r, int64_t at) {
+        for (size_t i = 0; i < specs.size(); ++i) {
+            // The part of this parameter inside this owned range.
+            const int64_t a = std::max(r.begin, specs[i].offset), b = std::min(r.end, specs[i].offset + specs[i].numel);
+            if (a >= b) continue;
+            const int64_t n = b - a;
+            const size_t off = static_cast<size_t>(at + a - r.begin);
+            const Tensor m = m_.as(state_dtype_, {n}, off * es), v = v_.as(state_dtype_, {n}, off * es);
+            const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
+            const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
+                                    static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
+                                    decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_};
+            ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
+        }
+    });
+    // Every chunk from its owner over its region's group, in place: afterwards all ranks hold the
+    // same parameters.
+    for (const Region& g : regions_) {
+        if (g.group == nullptr) continue;
+        for (int r = 0; r < g.size; ++r)
+            if (g.lo(r) < g.hi(r))
+                g.group->broadcast(flat_range(params, g.lo(r), g.hi(r) - g.lo(r)).data(), g.hi(r) - g.lo(r),
+                                   model_.param_dtype(), r);
+        g.group->synchronize();
     }
-    if (zero_ == nullptr) return;
-    // Every chunk from its owner, in place: afterwards all ranks hold the same parameters.
-    for (int r = 0; r < zero_size_; ++r) {
-        const int64_t a = chunk_lo(r), b = chunk_hi(r);
-        if (a < b) zero_->broadcast(flat_range(params, a, b - a).data(), b - a, model_.param_dtype(), r);
-    }
-    zero_->synchronize();
 }
 
-void AdamW::get_chunk(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
-    const int64_t n = hi_ - lo_;
-    master.assign(static_cast<size_t>(n), 0.0f);
-    m.assign(static_cast<size_t>(n), 0.0f);
-    v.assign(static_cast<size_t>(n), 0.0f);
-    if (master_.data() != nullptr) to_host_f32(master.data(), master_.as(DType::f32, {n}));
-    else to_host_f32(master.data(), flat_range(model_.params_tensor(), lo_, n));
-    to_host_f32(m.data(), m_.as(state_dtype_, {n}));
-    to_host_f32(v.data(), v_.as(state_dtype_, {n}));
+void AdamW::get_owned(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
+    master.assign(static_cast<size_t>(owned_elems_), 0.0f);
+    m.assign(static_cast<size_t>(owned_elems_), 0.0f);
+    v.assign(static_cast<size_t>(owned_elems_), 0.0f);
+    for_owned([&](const Range& r, int64_t at) {
+        const int64_t n = r.end - r.begin;
+        const size_t es = dtype_size(state_dtype_);
+        if (master_.data() != nullptr)
+            to_host_f32(master.data() + at, master_.as(DType::f32, {n}, static_cast<size_t>(at) * sizeof(float)));
+        else
+            to_host_f32(master.data() + at, flat_range(model_.params_tensor(), r.begin, n));
+        to_host_f32(m.data() + at, m_.as(state_dtype_, {n}, static_cast<size_t>(at) * es));
+        to_host_f32(v.data() + at, v_.as(state_dtype_, {n}, static_cast<size_t>(at) * es));
+    });
 }
 
 void AdamW::set_state(const std::vector<float>& master, const std::vector<float>& m, const std::vector<float>& v) {
     MF_CHECK(static_cast<int64_t>(master.size()) == total_ && static_cast<int64_t>(m.size()) == total_ &&
                  static_cast<int64_t>(v.size()) == total_,
              "optimizer state size mismatch");
-    const int64_t n = hi_ - lo_;
     model_.set_params_from_host(master.data());  // the bf16 parameters are the rounded master
-    if (master_.data() != nullptr) from_host_f32(master_.as(DType::f32, {n}), master.data() + lo_);
-    from_host_f32(m_.as(state_dtype_, {n}), m.data() + lo_);
-    from_host_f32(v_.as(state_dtype_, {n}), v.data() + lo_);
+    const size_t es = dtype_size(state_dtype_);
+    for_owned([&](const Range& r, int64_t at) {
+        const int64_t n = r.end - r.begin;
+        if (master_.data() != nullptr)
+            from_host_f32(master_.as(DType::f32, {n}, static_cast<size_t>(at) * sizeof(float)), master.data() + r.begin);
+        from_host_f32(m_.as(state_dtype_, {n}, static_cast<size_t>(at) * es), m.data() + r.begin);
+        from_host_f32(v_.as(state_dtype_, {n}, static_cast<size_t>(at) * es), v.data() + r.begin);
+    });
 }
 
 double clip_grad_norm(model::Qwen3Moe& model, double max_norm, DistContext* dist) {

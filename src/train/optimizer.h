@@ -7,15 +7,19 @@
 // parameters (8 bytes per parameter with the gradients), `mixed` keeps an fp32 master copy and
 // fp32 m and v (16 bytes per parameter) and writes the rounded master into the bf16 parameters.
 //
-// ZeRO-1 (a `zero_group` of D > 1 ranks holding the same parameters, i.e. the DP group): the
-// model's flat buffer is cut into D contiguous chunks (rank r owns [r·C, (r+1)·C), C = ⌈P/D⌉
-// rounded up to 64 elements, the last one shorter), and each rank keeps m, v (and the master)
-// only for its chunk, dividing the optimizer state by D. The gradients are complete on every rank
-// (all-reduced before the step); each rank updates its chunk of the parameters, then every chunk
-// is broadcast from its owner, in place, so all ranks leave step() with identical parameters. The
-// update of an element does not depend on D, so a ZeRO-1 run equals the unsharded one bit for bit.
+// ZeRO-1: the optimizer state of each parameter is sharded over the ranks holding that parameter
+// (its replica group): the replicated region of the flat buffer (param_table.h) over
+// `replicated_group` (the world), the expert region over `expert_group` (the DP group; without EP
+// also the world). A region of P elements over a group of D ranks is cut into D contiguous chunks
+// (rank r owns [r·C, (r+1)·C) of it, C = ⌈P/D⌉ rounded up to 64 elements, the last one shorter),
+// and each rank keeps m, v (and the master) for its chunks only. The gradients are complete on every
+// rank (reduced before the step); each rank updates its chunks of the parameters, then every chunk
+// is broadcast from its owner over the region's group, in place, so all ranks leave step() with
+// identical parameters. An element's update does not depend on the sharding, so a ZeRO-1 run
+// equals the unsharded one bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -31,36 +35,55 @@ class DistContext;
 class AdamW {
  public:
     // `mixed`: keep fp32 master weights and moments (GPU only; on the CPU everything is fp32 anyway).
-    // `zero_group`: shard the state over it (ZeRO-1, above); null or size 1: every rank keeps it all.
-    AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, parallel::Communicator* zero_group = nullptr);
+    // The groups: shard the state of each region over it (ZeRO-1, above); null or size 1: this rank
+    // keeps that region's state whole.
+    AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed,
+          parallel::Communicator* replicated_group = nullptr, parallel::Communicator* expert_group = nullptr);
     // One update with learning rate `lr`; increments the step count first (bias correction t ≥ 1).
-    // Collective over the ZeRO group.
+    // Collective over the ZeRO groups.
     void step(double lr);
     int64_t step_count() const { return step_; }
     void set_step_count(int64_t s) { step_ = s; }
 
-    // This rank's chunk [chunk_begin(), chunk_end()) of the flat buffer (all of it without ZeRO) as
-    // host f32, for checkpoints: the master parameters (the model's own on the CPU and under bf16,
-    // the fp32 master under mixed) and the two moments. Local: no communication.
-    void get_chunk(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const;
-    int64_t chunk_begin() const { return lo_; }
-    int64_t chunk_end() const { return hi_; }
-    // From whole vectors in the model's table layout; each rank keeps its chunk.
+    // The ranges of the flat buffer whose state this rank holds (one per region, ascending; the whole
+    // region without ZeRO; empty ranges are left out).
+    struct Range {
+        int64_t begin, end;
+        int region;    // 0: the replicated region, 1: the experts
+        bool sharded;  // ZeRO-1 over the region's group; else every replica owns the whole region
+    };
+    const std::vector<Range>& owned() const { return owned_; }
+    // The state of owned() as host f32, the ranges one after the other, for checkpoints: the master
+    // parameters (the model's own on the CPU and under bf16, the fp32 master under mixed) and the
+    // two moments. Local: no communication.
+    void get_owned(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const;
+    // From whole vectors in the model's table layout; each rank keeps what it owns.
     void set_state(const std::vector<float>& master, const std::vector<float>& m, const std::vector<float>& v);
     // Bytes of optimizer state this rank holds (m, v and the master when there is one).
     size_t state_bytes() const;
 
  private:
-    int64_t chunk_lo(int r) const;
-    int64_t chunk_hi(int r) const;
+    // One region of the flat buffer and how its state is sharded.
+    struct Region {
+        int64_t begin = 0, end = 0;             // the region
+        parallel::Communicator* group = nullptr;  // null: not sharded
+        int rank = 0, size = 1;
+        int64_t chunk = 0;                        // elements per rank
+        int64_t lo(int r) const { return std::min(end, begin + static_cast<int64_t>(r) * chunk); }
+        int64_t hi(int r) const { return std::min(end, lo(r) + chunk); }
+    };
+    // Runs f(range, offset of its state in m_/v_/master_) over the owned ranges.
+    template <typename F>
+    void for_owned(F&& f) const;
 
     model::Qwen3Moe& model_;
     Recipe::Optim optim_;
-    parallel::Communicator* zero_ = nullptr;
-    int zero_rank_ = 0, zero_size_ = 1;
-    int64_t total_, chunk_, lo_, hi_;  // this rank's chunk [lo_, hi_) of the flat buffer
+    int64_t total_;
+    Region regions_[2];          // replicated, experts
+    std::vector<Range> owned_;
+    int64_t owned_elems_ = 0;
     DType state_dtype_;
-    Buffer master_, m_, v_;  // [hi_ - lo_]; master_ empty unless mixed on the GPU
+    Buffer master_, m_, v_;  // [owned_elems_]; master_ empty unless mixed on the GPU
     std::vector<bool> decay_;  // per parameter spec
     int64_t step_ = 0;
 };

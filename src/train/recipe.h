@@ -74,7 +74,7 @@ struct Recipe {
     struct Dist {
         int64_t ep_size = 1;        // expert-parallel group size: divides the world size and the expert count
         double timeout_s = 300.0;   // longest any single collective wait may last before the run fails, > 0
-        bool shard_optimizer = true;  // ZeRO-1: AdamW state sharded over the DP group (train/optimizer.h)
+        bool shard_optimizer = true;  // ZeRO-1: AdamW state sharded over each replica group (train/optimizer.h)
         std::string log_ranks = "main";  // main: rank 0 alone logs; all: every rank prints its lines, "[rank R] "
     } dist;
 

@@ -114,7 +114,8 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         fs::create_directories(out);
         io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
     }
-    AdamW optimizer(*model, recipe.optim, mixed, recipe.dist.shard_optimizer ? dist->dp_group() : nullptr);
+    AdamW optimizer(*model, recipe.optim, mixed, recipe.dist.shard_optimizer ? dist->group(Group::world) : nullptr,
+                    recipe.dist.shard_optimizer ? dist->dp_group() : nullptr);
     const fs::path ckpt_root = out / "checkpoints";
     int64_t first_step = 0;
     if (!resume.from.empty()) {
@@ -183,7 +184,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
                     static_cast<long long>(model->num_params()),
                     dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
                     static_cast<double>(optimizer.state_bytes()) / (1024.0 * 1024.0),
-                    recipe.dist.shard_optimizer && dist->world_size() / dist->ep_size() > 1 ? " (ZeRO-1 shard)" : "");
+                    recipe.dist.shard_optimizer ? " (ZeRO-1 shard)" : "");
     TrainSummary summary;
     summary.out_dir = out.string();
     for (int64_t step = first_step; step < recipe.train.steps; ++step) {

@@ -17,12 +17,13 @@
 // 1 / global targets, the aux loss is averaged over all grad_accum × world micro-batches, and after
 // the backward the gradients are summed over the world; the loss is then HF's over the union of all
 // ranks' micro-batches, and clipping and AdamW run identically everywhere. Rank 0 alone writes
-// metrics, logs, checkpoints and the export; every rank waits at a barrier for the export before
-// returning. With dist.ep_size > 1 each rank holds E/EP experts of every MoE layer and computes
-// them for the tokens its EP group routes there (model/ffn_blocks.h); the replicated gradients are
-// summed over the world and the expert gradients over the DP group (train/distributed.h). With
-// dist.shard_optimizer the AdamW state is sharded over the DP group (train/optimizer.h). Checkpoints and the
-// export gather the whole model onto rank 0 (every rank takes part).
+// metrics, logs and the export (dist.log_ranks: all lets every rank print); every rank writes its
+// checkpoint shard (train/checkpoint.h) and waits at a barrier for the export before returning.
+// With dist.ep_size > 1 each rank holds E/EP experts of every MoE layer and computes them for the
+// tokens its EP group routes there (model/ffn_blocks.h); the replicated gradients are summed over
+// the world and the expert gradients over the DP group, during the backward (train/distributed.h).
+// With dist.shard_optimizer the AdamW state is sharded over each parameter's replica group
+// (train/optimizer.h). The export gathers the whole model onto rank 0, one tensor at a time.
 #pragma once
 
 #include <cstdint>

@@ -255,6 +255,22 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
     }
     const std::string held = "this rank holds " + std::to_string(replicated + experts / 2) + " parameters";
     EXPECT_NE(log.find(held), std::string::npos) << "expected \"" << held << "\" in\n" << log;
+    // ZeRO-1 under EP shards the replicated parameters' state over the world (DP is 1 here): the same
+    // bits, less AdamW state per rank.
+    const std::string whole = finetune(
+        "ep2_whole_state", 2, "train.micro_batch=2 dist.ep_size=2 train.recompute=moe dist.shard_optimizer=false");
+    const auto a = read_metrics(dir_ / "ep2" / "metrics.jsonl");
+    const auto b = read_metrics(dir_ / "ep2_whole_state" / "metrics.jsonl");
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].find("loss")->dump(), b[i].find("loss")->dump());
+    EXPECT_EQ(test::read_file(dir_ / "ep2" / "model.safetensors"),
+              test::read_file(dir_ / "ep2_whole_state" / "model.safetensors"));
+    auto adam_mib = [](const std::string& text) {
+        const size_t at = text.find("AdamW state ");
+        return at == std::string::npos ? -1.0 : std::stod(text.substr(at + 12));
+    };
+    EXPECT_GT(adam_mib(log), 0.0) << log;
+    EXPECT_LT(adam_mib(log), adam_mib(whole)) << log << "\n" << whole;
 }
 
 // EP=2 x DP=2 on four processes against one rank with 4 micro-batches of the same rows.
