@@ -8,6 +8,8 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/adamw.cuh"
@@ -18,6 +20,7 @@
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
+#include "kernels/cuda/grouped_gemm_cublas.cuh"
 #include "kernels/cuda/moe_permute.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
@@ -262,19 +265,94 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
                                      rows(dout), topk_weight.dim(-1), dout.dim(-1), ctx().stream);
 }
 
+// Grouped expert GEMMs: the own mma.sync kernel (grouped_gemm.cuh: device offsets, never syncs) or
+// the cuBLAS path (grouped_gemm_cublas.cuh: one host read of the offsets and one stream sync per call,
+// then one cuBLASLt matmul per group over 4 streams). Both compute the same formulas with fp32
+// accumulation, deterministically. MOEFORGE_GROUPED_GEMM=own|cublas|auto picks one (default auto).
+//
+// auto: the cuBLAS path when the mean work of a group, 2·(M/E)·C·OC flops, reaches 2^31 for the row
+// products (forward, backward input) or 2^30 for the weight gradient. H200 (MF_BENCH=1 of
+// test_cuda_grouped_gemm, uneven log-normal loads; TFLOP/s own -> cuBLAS; fwd / bwd-in / bwd-w f32):
+//   65536 rows / 128 experts (512 rows each) gate_up 3.2 GFLOP/group  294->391  254->385  149->276
+//                                            down    1.6 GFLOP/group  242->229  281->223  156->225
+//   131072 rows / 128 experts (1024 rows)    gate_up 6.4 GFLOP/group  282->525  264->534  217->459
+//                                            down    3.2 GFLOP/group  252->412  284->380  211->383
+//   131072 rows / 64 experts (2048 rows)     gate_up                  290->656  273->656  264->608
+//                                            down                     256->531  298->531  252->516
+// (dense cuBLASLt of the same total size: 770-795 gate_up, 683-693 down.) Below ~2 GFLOP per group
+// the cuBLAS path is bound by the host issuing one matmul per group, and the own kernel wins the row
+// products; the weight gradient is the own kernel's weakest product, so cuBLAS wins it already at
+// 1.6 GFLOP per group. M/E over-estimates the rows per group when the offsets cover only part of the
+// buffer (the EP pipeline hands each chunk of experts all local rows).
+namespace {
+
+enum class GroupedGemmPath { own, cublas, automatic };
+
+constexpr double kCublasMinRowProductFlops = 2147483648.0;  // 2^31 per group
+constexpr double kCublasMinWeightGradFlops = 1073741824.0;  // 2^30 per group
+
+GroupedGemmPath grouped_gemm_setting() {
+    static const GroupedGemmPath path = [] {
+        const char* env = std::getenv("MOEFORGE_GROUPED_GEMM");
+        const std::string_view v = env == nullptr ? "auto" : env;
+        if (v == "own") return GroupedGemmPath::own;
+        if (v == "cublas") return GroupedGemmPath::cublas;
+        if (v == "auto" || v.empty()) return GroupedGemmPath::automatic;
+        mf::fail("environment variable MOEFORGE_GROUPED_GEMM='", v, "': expected own, cublas or auto");
+    }();
+    return path;
+}
+
+// Whether a grouped product over M buffer rows and E groups of [C] x [OC] takes the cuBLAS path.
+bool grouped_uses_cublas(int64_t M, int64_t E, int64_t C, int64_t OC, bool weight_grad) {
+    switch (grouped_gemm_setting()) {
+        case GroupedGemmPath::own:
+            return false;
+        case GroupedGemmPath::cublas:
+            return true;
+        case GroupedGemmPath::automatic:
+            break;
+    }
+    if (E <= 0) return false;
+    const double flops_per_group = 2.0 * static_cast<double>(M / E) * static_cast<double>(C) * static_cast<double>(OC);
+    return flops_per_group >= (weight_grad ? kCublasMinWeightGradFlops : kCublasMinRowProductFlops);
+}
+
+mf::cuda::GroupedGemmCublas& grouped_cublas() {
+    static auto* g = new mf::cuda::GroupedGemmCublas(ctx().gemm.handle);  // never destroyed, like ctx()
+    return *g;
+}
+
+}  // namespace
+
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) {
-    mf::cuda::grouped_matmul_forward(B(out), B(inp), B(weight), I(offsets), rows(inp), weight.dim(0), weight.dim(2),
-                                     weight.dim(1), ctx().stream);
+    const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
+    if (grouped_uses_cublas(M, E, C, OC, false))
+        mf::cuda::grouped_matmul_forward_cublas(grouped_cublas(), B(out), B(inp), B(weight), I(offsets), M, E, C, OC,
+                                                ctx().stream);
+    else
+        mf::cuda::grouped_matmul_forward(B(out), B(inp), B(weight), I(offsets), M, E, C, OC, ctx().stream);
 }
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
-    if (defined(dinp))
-        mf::cuda::grouped_matmul_backward_input(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC, true, ctx().stream);
-    if (defined(dweight))
-        mf::cuda::grouped_matmul_backward_weight(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets), M, E, C,
-                                                 OC, ctx().stream);
+    if (defined(dinp)) {
+        if (grouped_uses_cublas(M, E, C, OC, false))
+            mf::cuda::grouped_matmul_backward_input_cublas(grouped_cublas(), B(dinp), B(dout), B(weight), I(offsets), M,
+                                                           E, C, OC, true, ctx().stream);
+        else
+            mf::cuda::grouped_matmul_backward_input(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC, true,
+                                                    ctx().stream);
+    }
+    if (defined(dweight)) {
+        if (grouped_uses_cublas(M, E, C, OC, true))
+            mf::cuda::grouped_matmul_backward_weight_cublas(grouped_cublas(), dweight.data(), dweight.dtype(), B(dout),
+                                                            B(inp), I(offsets), M, E, C, OC, ctx().stream);
+        else
+            mf::cuda::grouped_matmul_backward_weight(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets), M, E,
+                                                     C, OC, ctx().stream);
+    }
 }
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,

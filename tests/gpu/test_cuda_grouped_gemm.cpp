@@ -1,5 +1,6 @@
-// GPU parity of the grouped expert GEMMs (kernels/cuda/grouped_gemm.cuh) against the fp32 CPU
-// reference (kernels/cpu/grouped_matmul.h), fed the same bf16-rounded inputs; offsets live on the device.
+// GPU parity of the grouped expert GEMMs against the fp32 CPU reference (kernels/cpu/grouped_matmul.h),
+// fed the same bf16-rounded inputs; offsets live on the device. Every case runs through every path:
+// the own kernel (kernels/cuda/grouped_gemm.cuh) and the cuBLAS path (kernels/cuda/grouped_gemm_cublas.cuh).
 //
 // Tolerance rule (CONVENTIONS.md): max_i |gpu_i − ref_i| <= 2 · max_i |naive_i − ref_i| + floor, where
 // ref is the CPU kernel and naive is the same computation stored the way a bf16 kernel stores it
@@ -7,8 +8,8 @@
 // naive = ref). floor = 2^-16 · max(1, max|ref|)
 // covers fp32 summation-order differences. Outputs are poisoned with NaN before every GPU call, so an
 // element never written fails, and rows outside the groups must come back untouched. Sweeps: empty
-// experts, single rows, ragged groups, sizes that are no tile multiple, 130 experts. MF_BENCH=1 times
-// the Qwen3-30B-A3B expert shapes.
+// experts, single rows, ragged groups, sizes that are no tile multiple, offsets[0] > 0 with rows after
+// offsets[E], 130 experts. MF_BENCH=1 times both paths at the Qwen3-30B-A3B expert shapes.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -26,6 +27,7 @@
 #include "kernels/cpu/grouped_matmul.h"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
+#include "kernels/cuda/grouped_gemm_cublas.cuh"
 #include "test_cuda_helpers.h"
 
 namespace {
@@ -34,6 +36,49 @@ using mf::cuda::bf16;
 using namespace mf::test;  // DeviceBuffer, bf16 copies (test_cuda_common.h), expect_parity (test_cuda_helpers.h)
 
 const auto* const kGpuEnvironment = ::testing::AddGlobalTestEnvironment(new GpuEnvironment);
+
+// ---------------------------------------------------------------------------------------------
+// paths: the same three entries through the own kernel or through cuBLAS
+
+struct Path {
+    const char* name;
+    bool cublas;
+};
+
+const std::vector<Path> kPaths = {{"own", false}, {"cublas", true}};
+
+// The cuBLAS path's state (default lanes), created on first use and kept for the process.
+mf::cuda::GroupedGemmCublas& cublas_state() {
+    static auto* lt = new mf::cuda::GemmContext();
+    static auto* state = new mf::cuda::GroupedGemmCublas(lt->handle);
+    return *state;
+}
+
+void forward(const Path& p, bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
+             int64_t E, int64_t C, int64_t OC) {
+    if (p.cublas)
+        mf::cuda::grouped_matmul_forward_cublas(cublas_state(), out, inp, weight, offsets, M, E, C, OC, nullptr);
+    else
+        mf::cuda::grouped_matmul_forward(out, inp, weight, offsets, M, E, C, OC, nullptr);
+}
+
+void backward_input(const Path& p, bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets, int64_t M,
+                    int64_t E, int64_t C, int64_t OC, bool accumulate) {
+    if (p.cublas)
+        mf::cuda::grouped_matmul_backward_input_cublas(cublas_state(), dinp, dout, weight, offsets, M, E, C, OC,
+                                                       accumulate, nullptr);
+    else
+        mf::cuda::grouped_matmul_backward_input(dinp, dout, weight, offsets, M, E, C, OC, accumulate, nullptr);
+}
+
+void backward_weight(const Path& p, void* dweight, mf::DType dtype, const bf16* dout, const bf16* inp,
+                     const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC) {
+    if (p.cublas)
+        mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), dweight, dtype, dout, inp, offsets, M, E, C, OC,
+                                                        nullptr);
+    else
+        mf::cuda::grouped_matmul_backward_weight(dweight, dtype, dout, inp, offsets, M, E, C, OC, nullptr);
+}
 
 // ---------------------------------------------------------------------------------------------
 // cases
@@ -55,9 +100,9 @@ struct GroupCase {
         for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + sizes[e];
         return off;
     }
-    std::string label(const char* op) const {
-        return std::string(op) + " E=" + std::to_string(E) + " C=" + std::to_string(C) + " OC=" + std::to_string(OC) +
-               " M=" + std::to_string(rows());
+    std::string label(const Path& p, const char* op) const {
+        return std::string(p.name) + " " + op + " E=" + std::to_string(E) + " C=" + std::to_string(C) +
+               " OC=" + std::to_string(OC) + " M=" + std::to_string(rows());
     }
 };
 
@@ -100,240 +145,292 @@ void expect_untouched(const std::string& what, const std::vector<float>& now, co
 // parity
 
 TEST(CudaGroupedGemm, ForwardParity) {
-    std::mt19937 rng(11);
-    for (const GroupCase& g : make_cases()) {
-        const int64_t M = g.rows();
-        const auto off = g.offsets();
-        const auto inp = random_bf16(rng, M * g.C);
-        const auto weight = random_bf16(rng, g.E * g.OC * g.C);
-        std::vector<float> ref(M * g.OC, 0.0f);
-        mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
-
-        DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
-        const DeviceBuffer d_off = device_copy(off);
-        upload_bf16(d_inp.as<void>(), inp);
-        upload_bf16(d_w.as<void>(), weight);
-        d_out.poison();
-        mf::cuda::grouped_matmul_forward(d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M,
-                                         g.E, g.C, g.OC, nullptr);
-        MF_CHECK_CUDA(cudaDeviceSynchronize());
-        const auto gpu = download_bf16(d_out.as<void>(), ref.size());
-        std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
-        split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
-        split_rows(ref, g.OC, off, &ref_in, &ref_out);
-        expect_parity(g.label("forward"), gpu_in, ref_in, round_bf16(ref_in));
-        expect_untouched(g.label("forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
-    }
-}
-
-TEST(CudaGroupedGemm, BackwardInputParity) {
-    std::mt19937 rng(12);
-    for (const GroupCase& g : make_cases()) {
-        for (bool accumulate : {false, true}) {
+    for (const Path& p : kPaths) {
+        std::mt19937 rng(11);
+        for (const GroupCase& g : make_cases()) {
             const int64_t M = g.rows();
             const auto off = g.offsets();
-            const auto dout = random_bf16(rng, M * g.OC);
+            const auto inp = random_bf16(rng, M * g.C);
             const auto weight = random_bf16(rng, g.E * g.OC * g.C);
-            const auto before = random_bf16(rng, M * g.C);
-            std::vector<float> product(M * g.C, 0.0f);
-            mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(), off.data(),
-                                             g.E, g.C, g.OC);
-            const auto ref = accumulate ? fp32_add(before, product) : product;
-            const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
+            std::vector<float> ref(M * g.OC, 0.0f);
+            mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
 
-            DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
+            DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
             const DeviceBuffer d_off = device_copy(off);
-            upload_bf16(d_dout.as<void>(), dout);
+            upload_bf16(d_inp.as<void>(), inp);
             upload_bf16(d_w.as<void>(), weight);
-            if (accumulate)
-                upload_bf16(d_dinp.as<void>(), before);
-            else
-                d_dinp.poison();
-            mf::cuda::grouped_matmul_backward_input(d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(),
-                                                    d_off.as<int32_t>(), M, g.E, g.C, g.OC, accumulate, nullptr);
+            d_out.poison();
+            forward(p, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
             MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const auto gpu = download_bf16(d_dinp.as<void>(), ref.size());
-            std::vector<float> gpu_in, gpu_out, ref_in, ref_out, naive_in, naive_out, before_in, before_out;
-            split_rows(gpu, g.C, off, &gpu_in, &gpu_out);
-            split_rows(ref, g.C, off, &ref_in, &ref_out);
-            split_rows(naive, g.C, off, &naive_in, &naive_out);
-            split_rows(before, g.C, off, &before_in, &before_out);
-            const char* op = accumulate ? "backward input +=" : "backward input =";
-            expect_parity(g.label(op), gpu_in, ref_in, naive_in);
-            expect_untouched(g.label(op), gpu_out, accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
+            const auto gpu = download_bf16(d_out.as<void>(), ref.size());
+            std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
+            split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
+            split_rows(ref, g.OC, off, &ref_in, &ref_out);
+            expect_parity(g.label(p, "forward"), gpu_in, ref_in, round_bf16(ref_in));
+            expect_untouched(g.label(p, "forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
         }
     }
 }
 
-TEST(CudaGroupedGemm, BackwardWeightParity) {
-    std::mt19937 rng(13);
-    for (const GroupCase& g : make_cases()) {
-        for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
-            const int64_t M = g.rows();
-            const auto off = g.offsets();
-            const auto dout = random_bf16(rng, M * g.OC);
-            const auto inp = random_bf16(rng, M * g.C);
-            const auto before = random_bf16(rng, g.E * g.OC * g.C);
-            std::vector<float> product(g.E * g.OC * g.C, 0.0f);
-            mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(), g.E,
-                                             g.C, g.OC);
-            const auto ref = fp32_add(before, product);
+TEST(CudaGroupedGemm, BackwardInputParity) {
+    for (const Path& p : kPaths) {
+        std::mt19937 rng(12);
+        for (const GroupCase& g : make_cases()) {
+            for (bool accumulate : {false, true}) {
+                const int64_t M = g.rows();
+                const auto off = g.offsets();
+                const auto dout = random_bf16(rng, M * g.OC);
+                const auto weight = random_bf16(rng, g.E * g.OC * g.C);
+                const auto before = random_bf16(rng, M * g.C);
+                std::vector<float> product(M * g.C, 0.0f);
+                mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(),
+                                                 off.data(), g.E, g.C, g.OC);
+                const auto ref = accumulate ? fp32_add(before, product) : product;
+                const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
 
-            const bool f32 = dtype == mf::DType::f32;
-            DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
-            const DeviceBuffer d_off = device_copy(off);
-            upload_bf16(d_dout.as<void>(), dout);
-            upload_bf16(d_inp.as<void>(), inp);
-            if (f32)
-                upload(d_dw.as<void>(), before);
-            else
-                upload_bf16(d_dw.as<void>(), before);
-            mf::cuda::grouped_matmul_backward_weight(d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
-                                                     d_off.as<int32_t>(), M, g.E, g.C, g.OC, nullptr);
-            MF_CHECK_CUDA(cudaDeviceSynchronize());
-            if (f32) {
-                const auto gpu = download<float>(d_dw.as<void>(), ref.size());
-                expect_parity(g.label("backward weight f32 +="), gpu, ref, ref);
-                // Empty experts keep their gradient bit for bit.
-                for (int64_t e = 0; e < g.E; ++e) {
-                    if (g.sizes[e] != 0) continue;
-                    const int64_t n = g.OC * g.C;
-                    EXPECT_TRUE(std::equal(gpu.begin() + e * n, gpu.begin() + (e + 1) * n, before.begin() + e * n))
-                        << g.label("backward weight") << ": empty expert " << e << " changed";
-                }
-            } else {
-                expect_parity(g.label("backward weight bf16 +="), download_bf16(d_dw.as<void>(), ref.size()), ref,
-                              naive_bf16_add(before, product));
+                DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
+                const DeviceBuffer d_off = device_copy(off);
+                upload_bf16(d_dout.as<void>(), dout);
+                upload_bf16(d_w.as<void>(), weight);
+                if (accumulate)
+                    upload_bf16(d_dinp.as<void>(), before);
+                else
+                    d_dinp.poison();
+                backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E,
+                               g.C, g.OC, accumulate);
+                MF_CHECK_CUDA(cudaDeviceSynchronize());
+                const auto gpu = download_bf16(d_dinp.as<void>(), ref.size());
+                std::vector<float> gpu_in, gpu_out, ref_in, ref_out, naive_in, naive_out, before_in, before_out;
+                split_rows(gpu, g.C, off, &gpu_in, &gpu_out);
+                split_rows(ref, g.C, off, &ref_in, &ref_out);
+                split_rows(naive, g.C, off, &naive_in, &naive_out);
+                split_rows(before, g.C, off, &before_in, &before_out);
+                const char* op = accumulate ? "backward input +=" : "backward input =";
+                expect_parity(g.label(p, op), gpu_in, ref_in, naive_in);
+                expect_untouched(g.label(p, op), gpu_out,
+                                 accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
             }
         }
     }
 }
 
-TEST(CudaGroupedGemm, Deterministic) {
-    std::mt19937 rng(14);
-    const GroupCase g{6, 256, 192, {100, 0, 513, 7, 250, 129}};
-    const int64_t M = g.rows();
-    const auto off = g.offsets();
-    DeviceBuffer d_dout(M * g.OC * 2), d_inp(M * g.C * 2), d_dw(g.E * g.OC * g.C * 4);
-    const DeviceBuffer d_off = device_copy(off);
-    upload_bf16(d_dout.as<void>(), random_bf16(rng, M * g.OC));
-    upload_bf16(d_inp.as<void>(), random_bf16(rng, M * g.C));
-    std::vector<float> first;
-    for (int run = 0; run < 3; ++run) {
-        MF_CHECK_CUDA(cudaMemset(d_dw.as<void>(), 0, d_dw.bytes()));
-        mf::cuda::grouped_matmul_backward_weight(d_dw.as<void>(), mf::DType::f32, d_dout.as<bf16>(), d_inp.as<bf16>(),
-                                                 d_off.as<int32_t>(), M, g.E, g.C, g.OC, nullptr);
-        const auto now = download<float>(d_dw.as<void>(), g.E * g.OC * g.C);
-        if (run == 0)
-            first = now;
-        else
-            EXPECT_EQ(std::memcmp(first.data(), now.data(), now.size() * 4), 0) << "run " << run << " differs";
+TEST(CudaGroupedGemm, BackwardWeightParity) {
+    for (const Path& p : kPaths) {
+        std::mt19937 rng(13);
+        for (const GroupCase& g : make_cases()) {
+            for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+                const int64_t M = g.rows();
+                const auto off = g.offsets();
+                const auto dout = random_bf16(rng, M * g.OC);
+                const auto inp = random_bf16(rng, M * g.C);
+                const auto before = random_bf16(rng, g.E * g.OC * g.C);
+                std::vector<float> product(g.E * g.OC * g.C, 0.0f);
+                mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(),
+                                                 g.E, g.C, g.OC);
+                const auto ref = fp32_add(before, product);
+
+                const bool f32 = dtype == mf::DType::f32;
+                DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
+                const DeviceBuffer d_off = device_copy(off);
+                upload_bf16(d_dout.as<void>(), dout);
+                upload_bf16(d_inp.as<void>(), inp);
+                if (f32)
+                    upload(d_dw.as<void>(), before);
+                else
+                    upload_bf16(d_dw.as<void>(), before);
+                backward_weight(p, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M,
+                                g.E, g.C, g.OC);
+                MF_CHECK_CUDA(cudaDeviceSynchronize());
+                const auto gpu =
+                    f32 ? download<float>(d_dw.as<void>(), ref.size()) : download_bf16(d_dw.as<void>(), ref.size());
+                expect_parity(g.label(p, f32 ? "backward weight f32 +=" : "backward weight bf16 +="), gpu, ref,
+                              f32 ? ref : naive_bf16_add(before, product));
+                // Empty experts keep their gradient bit for bit.
+                for (int64_t e = 0; e < g.E; ++e) {
+                    if (g.sizes[e] != 0) continue;
+                    const int64_t n = g.OC * g.C;
+                    EXPECT_TRUE(std::equal(gpu.begin() + e * n, gpu.begin() + (e + 1) * n, before.begin() + e * n))
+                        << g.label(p, "backward weight") << ": empty expert " << e << " changed";
+                }
+            }
+        }
     }
 }
 
-// Offsets that break the contract are clamped on the device (running max, then [0, M]) instead of
-// reading or writing outside the buffers; the result equals the CPU on the clamped offsets.
+// Three runs of every product give the same bits (the cuBLAS path spreads groups over streams).
+TEST(CudaGroupedGemm, Deterministic) {
+    for (const Path& p : kPaths) {
+        std::mt19937 rng(14);
+        const GroupCase g{6, 256, 192, {100, 0, 513, 7, 250, 129}};
+        const int64_t M = g.rows();
+        const auto off = g.offsets();
+        DeviceBuffer d_dout(M * g.OC * 2), d_inp(M * g.C * 2), d_w(g.E * g.OC * g.C * 2), d_dw(g.E * g.OC * g.C * 4),
+            d_out(M * g.OC * 2), d_dinp(M * g.C * 2);
+        const DeviceBuffer d_off = device_copy(off);
+        upload_bf16(d_dout.as<void>(), random_bf16(rng, M * g.OC));
+        upload_bf16(d_inp.as<void>(), random_bf16(rng, M * g.C));
+        upload_bf16(d_w.as<void>(), random_bf16(rng, g.E * g.OC * g.C));
+        std::vector<float> first_dw;
+        std::vector<uint16_t> first_out, first_dinp;
+        for (int run = 0; run < 3; ++run) {
+            MF_CHECK_CUDA(cudaMemset(d_dw.as<void>(), 0, d_dw.bytes()));
+            backward_weight(p, d_dw.as<void>(), mf::DType::f32, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                            d_off.as<int32_t>(), M, g.E, g.C, g.OC);
+            forward(p, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
+            backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C,
+                           g.OC, false);
+            const auto dw = download<float>(d_dw.as<void>(), g.E * g.OC * g.C);
+            const auto out = download<uint16_t>(d_out.as<void>(), M * g.OC);
+            const auto dinp = download<uint16_t>(d_dinp.as<void>(), M * g.C);
+            if (run == 0) {
+                first_dw = dw, first_out = out, first_dinp = dinp;
+                continue;
+            }
+            EXPECT_EQ(std::memcmp(first_dw.data(), dw.data(), dw.size() * 4), 0) << p.name << " run " << run << " dW";
+            EXPECT_TRUE(first_out == out) << p.name << " run " << run << " forward differs";
+            EXPECT_TRUE(first_dinp == dinp) << p.name << " run " << run << " backward input differs";
+        }
+    }
+}
+
+// Offsets that break the contract are clamped (running max, then [0, M]) instead of reading or
+// writing outside the buffers; the result equals the CPU on the clamped offsets.
 TEST(CudaGroupedGemm, BadOffsetsStayInBounds) {
-    std::mt19937 rng(15);
-    const int64_t E = 4, C = 64, OC = 32, M = 100;
-    const std::vector<int32_t> bad = {-5, 40, 20, 90, 1000};  // negative, decreasing, past M
-    const std::vector<int32_t> clamped = {0, 40, 40, 90, 100};
-    const auto inp = random_bf16(rng, M * C);
-    const auto weight = random_bf16(rng, E * OC * C);
-    std::vector<float> ref(M * OC, 0.0f);
-    mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), clamped.data(), E, C, OC);
-    DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
-    const DeviceBuffer d_off = device_copy(bad);
-    upload_bf16(d_inp.as<void>(), inp);
-    upload_bf16(d_w.as<void>(), weight);
-    d_out.poison();
-    mf::cuda::grouped_matmul_forward(d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, E, C,
-                                     OC, nullptr);
-    MF_CHECK_CUDA(cudaDeviceSynchronize());
-    expect_parity("forward with clamped offsets", download_bf16(d_out.as<void>(), ref.size()), ref, round_bf16(ref));
+    for (const Path& p : kPaths) {
+        std::mt19937 rng(15);
+        const int64_t E = 4, C = 64, OC = 32, M = 100;
+        const std::vector<int32_t> bad = {-5, 40, 20, 90, 1000};  // negative, decreasing, past M
+        const std::vector<int32_t> clamped = {0, 40, 40, 90, 100};
+        const auto inp = random_bf16(rng, M * C);
+        const auto weight = random_bf16(rng, E * OC * C);
+        std::vector<float> ref(M * OC, 0.0f);
+        mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), clamped.data(), E, C, OC);
+        DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+        const DeviceBuffer d_off = device_copy(bad);
+        upload_bf16(d_inp.as<void>(), inp);
+        upload_bf16(d_w.as<void>(), weight);
+        d_out.poison();
+        forward(p, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, E, C, OC);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        expect_parity(std::string(p.name) + " forward with clamped offsets",
+                      download_bf16(d_out.as<void>(), ref.size()), ref, round_bf16(ref));
+    }
 }
 
 TEST(CudaGroupedGemm, ArgumentErrors) {
     DeviceBuffer buf(4096);
     const auto* off = buf.as<int32_t>();
-    EXPECT_THROW(
-        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 12, 8, nullptr),
-        mf::Error);  // C not a multiple of 8
-    EXPECT_THROW(
-        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 5000, 8, 8, nullptr),
-        mf::Error);  // too many experts
-    EXPECT_THROW(
-        mf::cuda::grouped_matmul_forward(buf.as<bf16>(), buf.as<bf16>() + 1, buf.as<bf16>(), off, 4, 1, 8, 8, nullptr),
-        mf::Error);  // misaligned
-    EXPECT_THROW(mf::cuda::grouped_matmul_backward_weight(buf.as<void>(), mf::DType::i64, buf.as<bf16>(),
-                                                          buf.as<bf16>(), off, 4, 1, 8, 8, nullptr),
-                 mf::Error);
+    for (const Path& p : kPaths) {
+        EXPECT_THROW(forward(p, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 12, 8), mf::Error)
+            << p.name << ": C not a multiple of 8";
+        EXPECT_THROW(forward(p, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), off, 4, 5000, 8, 8), mf::Error)
+            << p.name << ": too many experts";
+        EXPECT_THROW(forward(p, buf.as<bf16>(), buf.as<bf16>() + 1, buf.as<bf16>(), off, 4, 1, 8, 8), mf::Error)
+            << p.name << ": misaligned";
+        EXPECT_THROW(backward_input(p, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), nullptr, 4, 1, 8, 8, false),
+                     mf::Error)
+            << p.name << ": null offsets";
+        EXPECT_THROW(
+            backward_weight(p, buf.as<void>(), mf::DType::i64, buf.as<bf16>(), buf.as<bf16>(), off, 4, 1, 8, 8),
+            mf::Error)
+            << p.name << ": dweight dtype";
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
-// MF_BENCH=1: Qwen3-30B-A3B expert GEMMs, 16384 tokens x top-8 = 131072 rows over 128 experts,
-// uneven (log-normal expert loads, two experts empty); the dense cuBLASLt GEMM of the same total
-// size is timed alongside as the baseline.
+// MF_BENCH=1: Qwen3-30B-A3B expert GEMMs (hidden 2048, expert dim 768: gate_up C=2048 OC=1536, down
+// C=768 OC=2048) at 65536 rows over 128 experts (8192 tokens x top-8), 131072 rows over 128 experts
+// (16384 tokens) and 131072 rows over 64 experts (the local half under EP=2). Expert loads are uneven
+// (log-normal, two experts empty). Every path is timed (median of 20 after 3 warm-ups, CUDA events
+// around the whole call, so the cuBLAS path's offsets read and host issue count), with the dense
+// cuBLASLt GEMM of the same total size as the baseline.
 
-TEST(CudaGroupedGemm, Benchmark) {
-    if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1 to time";
-    const int64_t E = 128, M = 16384 * 8;
-    std::mt19937 rng(77);
+std::vector<int32_t> bench_offsets(int64_t M, int64_t E, std::mt19937& rng) {
     std::lognormal_distribution<double> load(0.0, 0.6);
     std::vector<double> w(E);
     for (double& x : w) x = load(rng);
-    w[7] = w[77] = 0.0;
+    w[7] = w[E - 11] = 0.0;
     double total = 0.0;
     for (double x : w) total += x;
     std::vector<int32_t> off(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) off[e + 1] = off[e] + static_cast<int32_t>(M * w[e] / total);
     off[E] = static_cast<int32_t>(M);
-    int32_t min_rows = INT32_MAX, max_rows = 0;
-    for (int64_t e = 0; e < E; ++e)
-        if (w[e] > 0)
-            min_rows = std::min(min_rows, off[e + 1] - off[e]), max_rows = std::max(max_rows, off[e + 1] - off[e]);
-    std::printf("BENCH grouped rows per expert: min %d max %d (2 empty)\n", min_rows, max_rows);
-    const DeviceBuffer d_off = device_copy(off);
+    return off;
+}
+
+TEST(CudaGroupedGemm, Benchmark) {
+    if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1 to time";
     mf::cuda::GemmContext ctx;
+    std::mt19937 rng(77);
+    struct Config {
+        int64_t M, E;
+    };
     struct Case {
         const char* label;
         int64_t C, OC;
     };
-    for (const Case& c : {Case{"gate_up", 2048, 1536}, Case{"down", 768, 2048}}) {
-        DeviceBuffer inp(M * c.C * 2), wt(E * c.OC * c.C * 2), out(M * c.OC * 2), dinp(M * c.C * 2),
-            dw32(E * c.OC * c.C * 4), dw16(E * c.OC * c.C * 2), dense_w(c.OC * c.C * 2);
-        fill_random_bf16(inp, M * c.C, rng);
-        fill_random_bf16(wt, E * c.OC * c.C, rng);
-        fill_random_bf16(out, M * c.OC, rng);
-        fill_random_bf16(dense_w, c.OC * c.C, rng);
-        MF_CHECK_CUDA(cudaMemset(dw32.as<void>(), 0, dw32.bytes()));
-        MF_CHECK_CUDA(cudaMemset(dw16.as<void>(), 0, dw16.bytes()));
-        const double flops = 2.0 * M * c.C * c.OC;
-        const double fwd = median_us([&] {
-            mf::cuda::grouped_matmul_forward(out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
-                                             c.C, c.OC, nullptr);
-        });
-        const double bwd_in = median_us([&] {
-            mf::cuda::grouped_matmul_backward_input(dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(),
-                                                    M, E, c.C, c.OC, false, nullptr);
-        });
-        const double bwd_w32 = median_us([&] {
-            mf::cuda::grouped_matmul_backward_weight(dw32.as<void>(), mf::DType::f32, out.as<bf16>(), inp.as<bf16>(),
-                                                     d_off.as<int32_t>(), M, E, c.C, c.OC, nullptr);
-        });
-        const double bwd_w16 = median_us([&] {
-            mf::cuda::grouped_matmul_backward_weight(dw16.as<void>(), mf::DType::bf16, out.as<bf16>(), inp.as<bf16>(),
-                                                     d_off.as<int32_t>(), M, E, c.C, c.OC, nullptr);
-        });
-        const double dense = median_us([&] {
-            mf::cuda::matmul_forward(ctx, out.as<bf16>(), inp.as<bf16>(), dense_w.as<bf16>(), M, c.C, c.OC, nullptr);
-        });
-        std::printf(
-            "BENCH grouped %-8s C=%-5lld OC=%-5lld fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
-            "bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f | dense cuBLASLt same size %8.1f us %6.1f\n",
-            c.label, static_cast<long long>(c.C), static_cast<long long>(c.OC), fwd, flops / fwd * 1e-6, bwd_in,
-            flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16, flops / bwd_w16 * 1e-6, dense,
-            flops / dense * 1e-6);
+    for (const Config& cfg : {Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
+        const int64_t M = cfg.M, E = cfg.E;
+        const auto off = bench_offsets(M, E, rng);
+        int32_t min_rows = INT32_MAX, max_rows = 0;
+        for (int64_t e = 0; e < E; ++e)
+            if (off[e + 1] > off[e])
+                min_rows = std::min(min_rows, off[e + 1] - off[e]), max_rows = std::max(max_rows, off[e + 1] - off[e]);
+        std::printf("BENCH grouped M=%lld E=%lld rows per expert: min %d max %d mean %lld (2 empty)\n",
+                    static_cast<long long>(M), static_cast<long long>(E), min_rows, max_rows,
+                    static_cast<long long>(M / E));
+        const DeviceBuffer d_off = device_copy(off);
+        for (const Case& c : {Case{"gate_up", 2048, 1536}, Case{"down", 768, 2048}}) {
+            DeviceBuffer inp(M * c.C * 2), wt(E * c.OC * c.C * 2), out(M * c.OC * 2), dinp(M * c.C * 2),
+                dw32(E * c.OC * c.C * 4), dw16(E * c.OC * c.C * 2), dense_w(c.OC * c.C * 2);
+            fill_random_bf16(inp, M * c.C, rng);
+            fill_random_bf16(wt, E * c.OC * c.C, rng);
+            fill_random_bf16(out, M * c.OC, rng);
+            fill_random_bf16(dense_w, c.OC * c.C, rng);
+            dw32.zero();
+            dw16.zero();
+            const double flops = 2.0 * M * c.C * c.OC;
+            const double dense = median_us([&] {
+                mf::cuda::matmul_forward(ctx, out.as<bf16>(), inp.as<bf16>(), dense_w.as<bf16>(), M, c.C, c.OC,
+                                         nullptr);
+            });
+            std::printf(
+                "BENCH grouped M=%lld E=%lld %-8s C=%-5lld OC=%-5lld dense cuBLASLt same size %8.1f us %6.1f "
+                "TFLOP/s\n",
+                static_cast<long long>(M), static_cast<long long>(E), c.label, static_cast<long long>(c.C),
+                static_cast<long long>(c.OC), dense, flops / dense * 1e-6);
+            for (const Path& p : kPaths) {
+                const auto timed = [&](auto&& fn) {
+                    try {
+                        return median_us(fn);
+                    } catch (const mf::Error& e) {
+                        std::printf("BENCH   %s failed: %s\n", p.name, e.what());
+                        return 0.0;
+                    }
+                };
+                const double fwd = timed([&] {
+                    forward(p, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C, c.OC);
+                });
+                const double bwd_in = timed([&] {
+                    backward_input(p, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
+                                   c.OC, false);
+                });
+                const double bwd_w32 = timed([&] {
+                    backward_weight(p, dw32.as<void>(), mf::DType::f32, out.as<bf16>(), inp.as<bf16>(),
+                                    d_off.as<int32_t>(), M, E, c.C, c.OC);
+                });
+                const double bwd_w16 = timed([&] {
+                    backward_weight(p, dw16.as<void>(), mf::DType::bf16, out.as<bf16>(), inp.as<bf16>(),
+                                    d_off.as<int32_t>(), M, E, c.C, c.OC);
+                });
+                const auto tf = [&](double us) { return us > 0 ? flops / us * 1e-6 : 0.0; };
+                std::printf(
+                    "BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f | "
+                    "bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f\n",
+                    static_cast<long long>(M), static_cast<long long>(E), c.label, p.name, fwd, tf(fwd), bwd_in,
+                    tf(bwd_in), bwd_w32, tf(bwd_w32), bwd_w16, tf(bwd_w16));
+            }
+        }
     }
 }
 
