@@ -14,8 +14,8 @@
 //
 // Chosen over one cublasGemmGroupedBatchedEx call (also tried, H200, CUDA 13): that was slower at every
 // Qwen3-30B-A3B expert shape we timed but the down projection at 512 rows per expert (e.g. 282 vs 520
-// TFLOP/s forward for gate_up at 131072 rows over 128 experts) and does not take an fp32 C with bf16 A/B (CUBLAS_STATUS_NOT_SUPPORTED), which
-// the fp32 weight gradient needs.
+// TFLOP/s forward for gate_up at 131072 rows over 128 experts) and does not take an fp32 C with bf16 A/B
+// (CUBLAS_STATUS_NOT_SUPPORTED), which the fp32 weight gradient needs.
 //
 // Determinism: every output element belongs to exactly one group product, and a given (product, m, n,
 // k, output type) always runs the same cached algorithm with the same workspace size. Reduction
