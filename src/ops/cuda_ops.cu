@@ -268,15 +268,16 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
 // Grouped expert GEMMs: the own mma.sync kernel (grouped_gemm.cuh: device offsets, never syncs) or
 // the cuBLAS path (grouped_gemm_cublas.cuh: one host read of the offsets and one stream sync per call,
 // then one cuBLASLt matmul per group over 4 streams). Both compute the same formulas with fp32
-// accumulation, deterministically. MOEFORGE_GROUPED_GEMM=own|cublas|auto picks one (default own).
+// accumulation, deterministically. MOEFORGE_GROUPED_GEMM=own|cublas|auto picks one (default cublas).
 //
-// Default own: in a real training step the cuBLAS path is much SLOWER than in the kernel benchmark
-// below (H200, bench/p1.sh with auto, 2026-11-30: P1 36.1k tok/s instead of 63.8k; grouped GEMM
-// 71 + 118 ms per step instead of 9 + 26). Likely causes: every expert's row count changes every
-// step, so the per-shape algorithm cache misses and each of the ~E matmuls of a call pays a
-// heuristic query; and the per-call stream sync leaves the GPU idle while the host issues them.
-// Until those are fixed (algorithms chosen per (N, K) with M bucketed; offsets the host already
-// knows passed in), auto must be asked for explicitly.
+// Default cublas, from whole training steps on the H200 (2026-11-30, bench/p1.sh and bench/p2.sh):
+//   P1 (4 layers, 512 rows per expert)   own 64.1k tok/s, auto 71.5k, cublas 72.7k (70.8k in p1.sh)
+//   P2 EP=2 (8 layers, 2 GPUs)          own 36.1k tok/s/GPU, auto 41.7k, cublas 41.6k
+// (grouped GEMM per P1 step: own 9.2 + 26.4 ms, cublas 8.5 + 17.4 ms fwd + bwd). In a step the
+// cuBLAS path also wins the down projection at 512 rows that the isolated benchmark below gives to
+// the own kernel, so the rule of auto is kept only as an option. The first version of the cuBLAS
+// path chose its algorithm per exact row count and was several times slower in a step (a heuristic
+// query per group: routing changes the rows every step); it now chooses per row bucket.
 //
 // auto: the cuBLAS path when the mean work of a group, 2·(M/E)·C·OC flops, reaches 2^31 for the row
 // products (forward, backward input) or 2^30 for the weight gradient. H200 (MF_BENCH=1 of
@@ -302,9 +303,9 @@ constexpr double kCublasMinWeightGradFlops = 1073741824.0;  // 2^30 per group
 GroupedGemmPath grouped_gemm_setting() {
     static const GroupedGemmPath path = [] {
         const char* env = std::getenv("MOEFORGE_GROUPED_GEMM");
-        const std::string_view v = env == nullptr ? "own" : env;
-        if (v == "own" || v.empty()) return GroupedGemmPath::own;
-        if (v == "cublas") return GroupedGemmPath::cublas;
+        const std::string_view v = env == nullptr ? "cublas" : env;
+        if (v == "own") return GroupedGemmPath::own;
+        if (v == "cublas" || v.empty()) return GroupedGemmPath::cublas;
         if (v == "auto") return GroupedGemmPath::automatic;
         mf::fail("environment variable MOEFORGE_GROUPED_GEMM='", v, "': expected own, cublas or auto");
     }();

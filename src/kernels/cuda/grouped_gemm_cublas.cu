@@ -8,9 +8,16 @@
 //   backward weight  dW_eᵀ[C, OC] += (inp rows as [C, n], op N)        · (dout rows as [OC, n], op T)
 // The matmuls are spread over num_lanes streams (the caller's stream plus side streams forked from it
 // and joined back with events; the least loaded lane takes the next group), so the small products of
-// many experts run side by side; every lane owns its workspace. Per (product, m, n, k, output type)
-// the matrix layouts and the algorithm (the heuristic's first answer) are cached, so a group costs
-// the host one hash lookup and one cublasLtMatmul.
+// many experts run side by side; every lane owns its workspace. The rows of a group (n for the row
+// products, k for the weight gradient) change from call to call, so the algorithm is chosen per
+// row BUCKET (the next power of two, at least 16): per (product, m, n, k with the row dimension
+// bucketed, output type) one heuristic query on the bucket's shape, cached with its layouts; each
+// group then sets its exact rows on those layouts (descriptors are read when the matmul is issued)
+// and runs the bucket's algorithm. Should cuBLASLt refuse that algorithm for the exact shape, the
+// exact shape's own heuristic answer is used (and cached). A group costs the host a hash lookup,
+// two or three attribute writes and one cublasLtMatmul. (An exact-shape cache missed on nearly every
+// group of a training step, since routing changes the rows each step: a heuristic query per group
+// made the step several times slower than the kernel benchmark.)
 //
 // Chosen over one cublasGemmGroupedBatchedEx call (also tried, H200, CUDA 13): that was slower at every
 // Qwen3-30B-A3B expert shape we timed but the down projection at 512 rows per expert (e.g. 282 vs 520
@@ -18,7 +25,8 @@
 // (CUBLAS_STATUS_NOT_SUPPORTED), which the fp32 weight gradient needs.
 //
 // Determinism: every output element belongs to exactly one group product, and a given (product, m, n,
-// k, output type) always runs the same cached algorithm with the same workspace size. Reduction
+// k, output type) always runs the same algorithm (its bucket's, or its own cached fallback) with the
+// same workspace size. Reduction
 // schemes are restricted to NONE and COMPUTE_TYPE (split-K partials kept in fp32 in the lane's
 // workspace and summed by a separate pass in a fixed order), so no atomics are involved and the fp32
 // sum meets the stored value once, through beta (a bf16 output is rounded once). Lanes change only
@@ -248,9 +256,38 @@ class LaneFork {
     bool joined_ = false;
 };
 
-// The cached layouts and algorithm of one group's product (created on first use).
-const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, const GroupProduct& g) {
-    const PlanKey key{static_cast<int>(product), g.m, g.n, g.k, static_cast<int>(d_type)};
+// The row dimension of a product (n for the forward and backward input, k for the weight gradient)
+// rounded up to its bucket.
+int64_t row_bucket(int64_t rows) {
+    int64_t b = 16;
+    while (b < rows) b *= 2;
+    return b;
+}
+
+// Sets a column-major layout's rows and columns.
+void set_dims(cublasLtMatrixLayout_t layout, int64_t rows, int64_t cols) {
+    const uint64_t r = static_cast<uint64_t>(rows), c = static_cast<uint64_t>(cols);
+    MF_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &r, sizeof r));
+    MF_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &c, sizeof c));
+}
+
+// Points the plan's layouts at the exact shape of g.
+void shape_layouts(const Plan& plan, Product product, const GroupProduct& g) {
+    const int p = static_cast<int>(product);
+    const bool ta = kTransA[p] == CUBLAS_OP_T, tb = kTransB[p] == CUBLAS_OP_T;
+    set_dims(plan.a, ta ? g.k : g.m, ta ? g.m : g.k);
+    set_dims(plan.b, tb ? g.n : g.k, tb ? g.k : g.n);
+    set_dims(plan.d, g.m, g.n);
+}
+
+// The layouts of a product shape and the heuristic's first algorithm for it (created on first use).
+const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, const GroupProduct& g,
+                      bool exact) {
+    GroupProduct shape = g;
+    if (!exact) (product == Product::backward_weight ? shape.k : shape.n) =
+        row_bucket(product == Product::backward_weight ? g.k : g.n);
+    const PlanKey key{static_cast<int>(product) + (exact ? kNumProducts : 0), shape.m, shape.n, shape.k,
+                      static_cast<int>(d_type)};
     if (auto it = s.plans.find(key); it != s.plans.end()) return it->second;
     const int p = static_cast<int>(product);
     const bool ta = kTransA[p] == CUBLAS_OP_T, tb = kTransB[p] == CUBLAS_OP_T;
@@ -261,14 +298,17 @@ const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType
             if (plan != nullptr) destroy_layouts(*plan);
         }
     } guard{&plan};
-    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
-    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
-    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.d, d_type, g.m, g.n, g.ldd));
+    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, ta ? shape.k : shape.m, ta ? shape.m : shape.k,
+                                               shape.lda));
+    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, tb ? shape.n : shape.k, tb ? shape.k : shape.n,
+                                               shape.ldb));
+    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.d, d_type, shape.m, shape.n, shape.ldd));
     cublasLtMatmulHeuristicResult_t heuristic{};
     int found = 0;
     MF_CHECK_CUBLAS(
         cublasLtMatmulAlgoGetHeuristic(s.lt, s.ops[p], plan.a, plan.b, plan.d, plan.d, s.pref, 1, &heuristic, &found));
-    MF_CHECK(found > 0, "grouped_matmul (cuBLAS): cuBLASLt has no algorithm for m=", g.m, " n=", g.n, " k=", g.k);
+    MF_CHECK(found > 0, "grouped_matmul (cuBLAS): cuBLASLt has no algorithm for m=", shape.m, " n=", shape.n,
+             " k=", shape.k);
     plan.algo = heuristic.algo;
     if (s.plans.size() >= kMaxCachedPlans) s.clear_plans();
     const Plan& cached = s.plans.emplace(key, plan).first->second;
@@ -286,11 +326,21 @@ void issue(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, 
         // The least loaded lane takes the next group (ties go to the lowest lane).
         const int lane = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
         load[lane] += static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
-        const Plan& plan = find_plan(s, product, d_type, g);
         void* workspace = static_cast<char*>(s.workspace) + static_cast<size_t>(lane) * kLaneWorkspaceBytes;
-        MF_CHECK_CUBLAS(cublasLtMatmul(s.lt, s.ops[static_cast<int>(product)], &alpha, g.a, plan.a, g.b, plan.b, &beta,
-                                       g.d, plan.d, g.d, plan.d, &plan.algo, workspace, kLaneWorkspaceBytes,
-                                       fork.stream_of(lane)));
+        const int p = static_cast<int>(product);
+        // The bucket's algorithm on the exact shape; if cuBLASLt refuses it, the exact shape's own.
+        const PlanKey exact_key{p + kNumProducts, g.m, g.n, g.k, static_cast<int>(d_type)};
+        const bool known_exact = s.plans.count(exact_key) != 0;
+        const Plan& plan = find_plan(s, product, d_type, g, known_exact);
+        shape_layouts(plan, product, g);
+        cublasStatus_t st = cublasLtMatmul(s.lt, s.ops[p], &alpha, g.a, plan.a, g.b, plan.b, &beta, g.d, plan.d, g.d,
+                                           plan.d, &plan.algo, workspace, kLaneWorkspaceBytes, fork.stream_of(lane));
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+            const Plan& own = find_plan(s, product, d_type, g, true);
+            st = cublasLtMatmul(s.lt, s.ops[p], &alpha, g.a, own.a, g.b, own.b, &beta, g.d, own.d, g.d, own.d,
+                                &own.algo, workspace, kLaneWorkspaceBytes, fork.stream_of(lane));
+        }
+        MF_CHECK_CUBLAS(st);
     }
     fork.join();
 }
