@@ -8,5 +8,7 @@ void device_free(void*) {}
 void device_memset_zero(void*, size_t) { MF_FAIL("this moeforge was built without CUDA"); }
 bool cuda_available() { return false; }
 size_t device_memory_used() { return 0; }
+void wait_for_stream(void*) {}
+void set_device_wait_limit(double, int) {}
 
 }  // namespace mf

@@ -135,5 +135,13 @@ void device_memset_zero(void* ptr, size_t nbytes);
 bool cuda_available();
 // Bytes of device memory in use on the current GPU (total − free), 0 without CUDA.
 size_t device_memory_used();
+// Waits on the host until the CUDA stream (a cudaStream_t; null: the legacy default stream) has
+// finished its work. With a limit set (set_device_wait_limit, seconds > 0; a multi-process run sets
+// dist.timeout_s) it polls instead of blocking, and past the limit prints that the device work is
+// stuck (a collective waiting for a rank that stopped answering), naming `rank`, and ends the
+// process with status 1: unwinding would block in cudaFree behind the stuck kernel. Without CUDA:
+// nothing to wait for.
+void wait_for_stream(void* stream);
+void set_device_wait_limit(double seconds, int rank);
 
 }  // namespace mf

@@ -50,7 +50,7 @@ struct Context {
     // Scratch of at least `bytes`, 256-byte aligned, split into `parts` regions on request.
     void* get(size_t bytes) {
         if (scratch.nbytes() < bytes) {
-            MF_CHECK_CUDA(cudaStreamSynchronize(stream));  // the old buffer may still be in use
+            wait_for_stream(stream);  // the old buffer may still be in use
             scratch = Buffer(std::max(bytes, scratch.nbytes() + scratch.nbytes() / 2), Device::cuda);
         }
         return scratch.data();
@@ -84,12 +84,12 @@ void copy(const Tensor& dst, const Tensor& src) {
 
 void copy_from_host(const Tensor& dst, const void* src) {
     MF_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src, dst.nbytes(), cudaMemcpyHostToDevice, ctx().stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));  // the host buffer may go away after return
+    wait_for_stream(ctx().stream);  // the host buffer may go away after return
 }
 
 void copy_to_host(void* dst, const Tensor& src) {
     MF_CHECK_CUDA(cudaMemcpyAsync(dst, src.data(), src.nbytes(), cudaMemcpyDeviceToHost, ctx().stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    wait_for_stream(ctx().stream);
 }
 
 void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
@@ -107,7 +107,7 @@ void cast(const Tensor& dst, const Tensor& src) {
     MF_FAIL("cast from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()), " is not supported");
 }
 
-void synchronize() { MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream)); }
+void synchronize() { wait_for_stream(ctx().stream); }
 
 void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
     mf::cuda::gather_rows(dst.data(), src.data(), I(index), rows(dst), rows(src),
@@ -388,14 +388,14 @@ void scale(const Tensor& x, float s) {
     float* d = reinterpret_cast<float*>(static_cast<char*>(ctx().small.data()) + 128);
     MF_CHECK_CUDA(cudaMemcpyAsync(d, &s, sizeof s, cudaMemcpyHostToDevice, ctx().stream));
     mf::cuda::scale_inplace(x.data(), x.dtype(), d, x.numel(), ctx().stream);
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));  // `s` lives on this stack frame
+    wait_for_stream(ctx().stream);  // `s` lives on this stack frame
 }
 
 double sum(const Tensor& x) {
     mf::cuda::sum_f32(ctx().d_double(), F(x), x.numel(), ctx().stream);
     double v = 0;
     MF_CHECK_CUDA(cudaMemcpyAsync(&v, ctx().d_double(), sizeof v, cudaMemcpyDeviceToHost, ctx().stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    wait_for_stream(ctx().stream);
     return v;
 }
 
@@ -404,7 +404,7 @@ double sum_squares(const Tensor& x) {
     mf::cuda::sum_squares(ctx().d_double(), x.data(), x.dtype(), x.numel(), false, ctx().get(bytes), ctx().stream);
     double v = 0;
     MF_CHECK_CUDA(cudaMemcpyAsync(&v, ctx().d_double(), sizeof v, cudaMemcpyDeviceToHost, ctx().stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    wait_for_stream(ctx().stream);
     return v;
 }
 
@@ -412,7 +412,7 @@ bool all_finite(const Tensor& x) {
     mf::cuda::count_nonfinite(ctx().d_count(), x.data(), x.dtype(), x.numel(), ctx().stream);
     unsigned long long n = 0;
     MF_CHECK_CUDA(cudaMemcpyAsync(&n, ctx().d_count(), sizeof n, cudaMemcpyDeviceToHost, ctx().stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(ctx().stream));
+    wait_for_stream(ctx().stream);
     return n == 0;
 }
 

@@ -41,11 +41,13 @@ std::string seconds_str(double s) {
 
 // The watchdog: a thread that watches every enqueued NCCL operation (an event recorded after it on
 // its stream). The communicator's own waits poll with the timeout, but a host call that blocks in
-// CUDA (a device-to-host copy, a cudaFree while unwinding after an error) behind an NCCL kernel
-// whose peer never comes would hang forever. So when an operation is still not done timeout_s after
-// it was enqueued, the watchdog prints who and what timed out and ends the process at once with
-// status 1 (_exit: no destructor may block on the stuck kernel); the peers' own watchdogs or waits
-// end theirs. Operations complete in order per stream, so only the oldest one per stream can be late.
+// CUDA (a cudaFree, which synchronises the device, behind an NCCL kernel whose peer never comes)
+// would hang forever. So when an operation is still not done timeout_s after it was enqueued, the
+// watchdog prints who and what timed out and ends the process at once with status 1 (_exit: no
+// destructor may block on the stuck kernel); the peers' own watchdogs or waits end theirs.
+// The watchdog's own event queries can block too, behind a main thread stuck inside such a CUDA
+// call (the runtime serialises them), so a second thread that makes no CUDA call at all ends the
+// process when a query has been in progress for longer than the smallest timeout watched.
 class Watchdog {
  public:
     static Watchdog& get() {
@@ -53,6 +55,8 @@ class Watchdog {
         return *w;
     }
     void watch(cudaStream_t stream, double timeout_s, int world_rank, const char* op, uint32_t tag) {
+        int device = 0;
+        if (cudaGetDevice(&device) != cudaSuccess) return;
         cudaEvent_t ev = nullptr;
         if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return;
         if (cudaEventRecord(ev, stream) != cudaSuccess) {
@@ -60,7 +64,10 @@ class Watchdog {
             return;
         }
         const std::lock_guard<std::mutex> lock(mu_);
-        pending_.push_back({ev, net::now_s() + timeout_s, timeout_s, world_rank, op, tag});
+        pending_.push_back({ev, net::now_s() + timeout_s, timeout_s, world_rank, device, op, tag});
+        const double limit = limit_s_.load();
+        if (limit <= 0 || timeout_s < limit) limit_s_.store(timeout_s);
+        rank_.store(world_rank);
     }
 
  private:
@@ -68,10 +75,28 @@ class Watchdog {
         cudaEvent_t ev;
         double deadline, timeout_s;
         int world_rank;
+        int device;  // the GPU the event belongs to: the watchdog thread makes it current
         const char* op;
         uint32_t tag;
     };
-    Watchdog() { std::thread([this] { loop(); }).detach(); }
+    Watchdog() {
+        std::thread([this] { loop(); }).detach();
+        std::thread([this] { deadman(); }).detach();
+    }
+    void deadman() {  // no CUDA calls here
+        for (;;) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            const double since = query_since_.load(), limit = limit_s_.load();
+            if (since > 0 && limit > 0 && net::now_s() - since > limit) {
+                std::fprintf(stderr,
+                             "rank %d: timed out after %s s: the NCCL watchdog is blocked inside CUDA behind a "
+                             "collective whose peer stopped answering; ending this process\n",
+                             rank_.load(), seconds_str(limit).c_str());
+                std::fflush(nullptr);
+                ::_exit(1);
+            }
+        }
+    }
     void loop() {
         for (;;) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -83,7 +108,10 @@ class Watchdog {
             }
             const double now = net::now_s();
             for (auto it = mine.begin(); it != mine.end();) {
+                query_since_.store(net::now_s());
+                cudaSetDevice(it->device);
                 const cudaError_t st = cudaEventQuery(it->ev);
+                query_since_.store(0.0);
                 if (st == cudaErrorNotReady) {
                     if (now > it->deadline) {
                         std::fprintf(stderr,
@@ -105,6 +133,9 @@ class Watchdog {
     }
     std::mutex mu_;
     std::deque<Pending> pending_;
+    std::atomic<double> query_since_{0.0};  // when the event query in progress started; 0: none
+    std::atomic<double> limit_s_{0.0};      // the smallest timeout watched so far
+    std::atomic<int> rank_{-1};
 };
 
 ncclConfig_t nonblocking_config() {

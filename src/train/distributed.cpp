@@ -52,6 +52,8 @@ std::unique_ptr<DistContext> DistContext::from_environment(const Recipe& recipe,
         ctx->impl_->world = std::make_unique<parallel::TcpCommunicator>(env, recipe.dist.timeout_s);
     }
     ctx->impl_->groups = parallel::make_process_groups(*ctx->impl_->world, static_cast<int>(recipe.dist.ep_size));
+    // Host waits on the GPU are bounded too: a stuck collective ends the rank, never hangs it.
+    if (device == Device::cuda) set_device_wait_limit(recipe.dist.timeout_s, ctx->rank_);
     ctx->layout_ = ctx->impl_->groups.layout;
     return ctx;
 }

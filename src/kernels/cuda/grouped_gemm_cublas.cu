@@ -209,7 +209,7 @@ void check_common(const char* what, const void* x, const void* y, const void* z,
 void read_offsets(GroupedGemmCublas::State& s, const int32_t* offsets, int64_t M, int64_t E, cudaStream_t stream) {
     MF_CHECK_CUDA(cudaMemcpyAsync(s.host_offsets, offsets, static_cast<size_t>(E + 1) * sizeof(int32_t),
                                   cudaMemcpyDeviceToHost, stream));
-    MF_CHECK_CUDA(cudaStreamSynchronize(stream));
+    wait_for_stream(stream);  // bounded by dist.timeout_s in a multi-process run (core/tensor.h)
     s.begin.resize(static_cast<size_t>(E + 1));
     int64_t running = 0;
     for (int64_t e = 0; e <= E; ++e) {
