@@ -13,16 +13,9 @@
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "kernels/cuda/cublas_check.cuh"
 #include "kernels/cuda/gemm.cuh"
 
-#define MF_CHECK_CUBLAS(expr)                                                                                         \
-    do {                                                                                                              \
-        cublasStatus_t mf_status_ = (expr);                                                                           \
-        if (mf_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                                         \
-            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                                            \
-                                      ::mf::detail::concat("cuBLAS error: ", cublasGetStatusString(mf_status_), " (", \
-                                                           static_cast<int>(mf_status_), ")"));                       \
-    } while (0)
 
 namespace mf::cuda {
 

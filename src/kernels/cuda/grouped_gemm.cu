@@ -352,21 +352,6 @@ void set_smem_limit(Kernel kernel, size_t bytes) {
     MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-void check_common(const char* what, const void* x, const void* y, const void* z, const void* w, const int32_t* offsets,
-                  int64_t M, int64_t E, int64_t C, int64_t OC) {
-    MF_CHECK(M >= 0 && E >= 0 && C >= 0 && OC >= 0, what, ": negative shape M=", M, " E=", E, " C=", C, " OC=", OC);
-    MF_CHECK(E <= kMaxGroupedExperts, what, ": E=", E, " experts exceeds the supported ", kMaxGroupedExperts);
-    MF_CHECK(M < (int64_t{1} << 31) && C < (int64_t{1} << 31) && OC < (int64_t{1} << 31), what,
-             ": shape exceeds int32 (M=", M, " C=", C, " OC=", OC, ")");
-    MF_CHECK(C % 8 == 0 && OC % 8 == 0, what, ": C=", C, " and OC=", OC, " must be multiples of 8");
-    MF_CHECK(E == 0 || OC == 0 || C <= INT64_MAX / OC / E, what, ": weight size E·OC·C overflows");
-    MF_CHECK(offsets != nullptr, what, ": offsets is null");
-    MF_CHECK(x != nullptr && y != nullptr && z != nullptr && w != nullptr, what, ": null tensor pointer");
-    MF_CHECK(aligned16(x) && aligned16(y) && aligned16(z) && aligned16(w), what,
-             ": tensor pointers must be 16-byte aligned");
-}
 
 void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int64_t M, int64_t E,
                  int64_t N, int64_t K, bool accumulate, cudaStream_t stream) {
@@ -394,16 +379,30 @@ void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const 
 // ---------------------------------------------------------------------------------------------
 // public entries
 
+void check_grouped_args(const char* what, const void* x, const void* y, const void* z, const int32_t* offsets,
+                        int64_t M, int64_t E, int64_t C, int64_t OC) {
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    MF_CHECK(M >= 0 && E >= 0 && C >= 0 && OC >= 0, what, ": negative shape M=", M, " E=", E, " C=", C, " OC=", OC);
+    MF_CHECK(E <= kMaxGroupedExperts, what, ": E=", E, " experts exceeds the supported ", kMaxGroupedExperts);
+    MF_CHECK(M < (int64_t{1} << 31) && C < (int64_t{1} << 31) && OC < (int64_t{1} << 31), what,
+             ": shape exceeds int32 (M=", M, " C=", C, " OC=", OC, ")");
+    MF_CHECK(C % 8 == 0 && OC % 8 == 0, what, ": C=", C, " and OC=", OC, " must be multiples of 8");
+    MF_CHECK(E == 0 || OC == 0 || C <= INT64_MAX / OC / E, what, ": weight size E·OC·C overflows");
+    MF_CHECK(offsets != nullptr, what, ": offsets is null");
+    MF_CHECK(x != nullptr && y != nullptr && z != nullptr, what, ": null tensor pointer");
+    MF_CHECK(aligned16(x) && aligned16(y) && aligned16(z), what, ": tensor pointers must be 16-byte aligned");
+}
+
 void grouped_matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
                             int64_t E, int64_t C, int64_t OC, cudaStream_t stream) {
-    check_common("grouped_matmul_forward", out, inp, weight, out, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_forward", out, inp, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || OC == 0) return;
     launch_rows(/*b_k_major=*/true, out, inp, weight, offsets, M, E, /*N=*/OC, /*K=*/C, false, stream);
 }
 
 void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets, int64_t M,
                                    int64_t E, int64_t C, int64_t OC, bool accumulate, cudaStream_t stream) {
-    check_common("grouped_matmul_backward_input", dinp, dout, weight, dinp, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_backward_input", dinp, dout, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || C == 0) return;
     launch_rows(/*b_k_major=*/false, dinp, dout, weight, offsets, M, E, /*N=*/C, /*K=*/OC, accumulate, stream);
 }
@@ -411,7 +410,7 @@ void grouped_matmul_backward_input(bf16* dinp, const bf16* dout, const bf16* wei
 void grouped_matmul_backward_weight(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
                                     const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
                                     cudaStream_t stream) {
-    check_common("grouped_matmul_backward_weight", dweight, dout, inp, dweight, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_backward_weight", dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
              "grouped_matmul_backward_weight: dweight must be f32 or bf16, got ", dtype_name(dweight_dtype));
     if (M == 0 || E == 0 || C == 0 || OC == 0) return;

@@ -31,6 +31,11 @@ using bf16 = __nv_bfloat16;
 
 constexpr int64_t kMaxGroupedExperts = 1024;
 
+// The requirements above for a call named `what` on the three tensors x, y, z (mf::Error otherwise);
+// shared by this kernel and the cuBLAS path (grouped_gemm_cublas.cuh).
+void check_grouped_args(const char* what, const void* x, const void* y, const void* z, const int32_t* offsets,
+                        int64_t M, int64_t E, int64_t C, int64_t OC);
+
 // out[M, OC]: out[r] = inp[r] · weight[e]ᵀ for the rows r of every group e (written).
 void grouped_matmul_forward(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
                             int64_t E, int64_t C, int64_t OC, cudaStream_t stream);

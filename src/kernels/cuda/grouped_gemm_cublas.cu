@@ -39,16 +39,9 @@
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "kernels/cuda/cublas_check.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
 
-#define MF_CHECK_CUBLAS(expr)                                                                                         \
-    do {                                                                                                              \
-        cublasStatus_t mf_status_ = (expr);                                                                           \
-        if (mf_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                                                         \
-            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                                            \
-                                      ::mf::detail::concat("cuBLAS error: ", cublasGetStatusString(mf_status_), " (", \
-                                                           static_cast<int>(mf_status_), ")"));                       \
-    } while (0)
 
 namespace mf::cuda {
 
@@ -189,20 +182,6 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // argument checks and offsets
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-void check_common(const char* what, const void* x, const void* y, const void* z, const int32_t* offsets, int64_t M,
-                  int64_t E, int64_t C, int64_t OC) {
-    MF_CHECK(M >= 0 && E >= 0 && C >= 0 && OC >= 0, what, ": negative shape M=", M, " E=", E, " C=", C, " OC=", OC);
-    MF_CHECK(E <= kMaxGroupedExperts, what, ": E=", E, " experts exceeds the supported ", kMaxGroupedExperts);
-    MF_CHECK(M < (int64_t{1} << 31) && C < (int64_t{1} << 31) && OC < (int64_t{1} << 31), what,
-             ": shape exceeds int32 (M=", M, " C=", C, " OC=", OC, ")");
-    MF_CHECK(C % 8 == 0 && OC % 8 == 0, what, ": C=", C, " and OC=", OC, " must be multiples of 8");
-    MF_CHECK(E == 0 || OC == 0 || C <= INT64_MAX / OC / E, what, ": weight size E·OC·C overflows");
-    MF_CHECK(offsets != nullptr, what, ": offsets is null");
-    MF_CHECK(x != nullptr && y != nullptr && z != nullptr, what, ": null tensor pointer");
-    MF_CHECK(aligned16(x) && aligned16(y) && aligned16(z), what, ": tensor pointers must be 16-byte aligned");
-}
 
 // Brings the offsets to the host and clamps them like the own kernel: each to [0, M], then to the
 // running maximum, so they are non-decreasing and in range (valid offsets are unchanged).
@@ -353,7 +332,7 @@ void issue(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, 
 void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16* inp, const bf16* weight,
                                    const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
                                    cudaStream_t stream) {
-    check_common("grouped_matmul_forward_cublas", out, inp, weight, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_forward_cublas", out, inp, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || OC == 0) return;
     GroupedGemmCublas::State& s = ctx.state();
     read_offsets(s, offsets, M, E, stream);
@@ -376,7 +355,7 @@ void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16
 void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, const bf16* dout, const bf16* weight,
                                           const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
                                           bool accumulate, cudaStream_t stream) {
-    check_common("grouped_matmul_backward_input_cublas", dinp, dout, weight, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_backward_input_cublas", dinp, dout, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || C == 0) return;
     GroupedGemmCublas::State& s = ctx.state();
     read_offsets(s, offsets, M, E, stream);
@@ -400,7 +379,7 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
                                            int64_t OC, cudaStream_t stream) {
-    check_common("grouped_matmul_backward_weight_cublas", dweight, dout, inp, offsets, M, E, C, OC);
+    check_grouped_args("grouped_matmul_backward_weight_cublas", dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
              "grouped_matmul_backward_weight_cublas: dweight must be f32 or bf16, got ", dtype_name(dweight_dtype));
     if (M == 0 || E == 0 || C == 0 || OC == 0) return;  // adds empty sums
