@@ -148,7 +148,7 @@ class Reader {
                 d = prompt_completion(v);
                 break;
             case SftFormat::text: {
-                const std::string& s = string_field(v, "text", "");
+                const std::string s = string_field(v, "text", "");
                 if (s.empty()) fail("field \"text\" is empty");
                 d.input_ids = tok_->encode(s, true);
                 append_eos(d.input_ids);

@@ -12,7 +12,6 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
-#include <queue>
 #include <sstream>
 #include <unordered_map>
 
@@ -937,15 +936,20 @@ void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& 
             auto it = merges.find((uint64_t(uint32_t(a)) << 32) | uint32_t(b));
             return it == merges.end() ? nullptr : &it->second;
         };
-        std::vector<Candidate> heap_storage;
-        heap_storage.reserve(symbols.size() * 2);
-        std::priority_queue<Candidate> queue(std::less<Candidate>(), std::move(heap_storage));
+        // A max-heap by Candidate::operator< (what std::priority_queue does), on reserved storage.
+        std::vector<Candidate> heap;
+        heap.reserve(symbols.size() * 2);
+        auto push = [&heap](const Candidate& c) {
+            heap.push_back(c);
+            std::push_heap(heap.begin(), heap.end());
+        };
         for (size_t k = 0; k + 1 < symbols.size(); ++k)
             if (const auto* m = lookup(symbols[k].id, symbols[k + 1].id))
-                queue.push({m->first, static_cast<int32_t>(k), m->second});
-        while (!queue.empty()) {
-            const Candidate top = queue.top();
-            queue.pop();
+                push({m->first, static_cast<int32_t>(k), m->second});
+        while (!heap.empty()) {
+            std::pop_heap(heap.begin(), heap.end());
+            const Candidate top = heap.back();
+            heap.pop_back();
             Symbol& cur = symbols[top.pos];
             if (!cur.alive || cur.next < 0) continue;
             Symbol& right = symbols[cur.next];
@@ -957,9 +961,9 @@ void Tokenizer::Impl::bpe_uncached(std::string_view word, std::vector<int32_t>& 
             if (cur.next >= 0) symbols[cur.next].prev = top.pos;
             if (cur.prev >= 0)
                 if (const auto* pm = lookup(symbols[cur.prev].id, cur.id))
-                    queue.push({pm->first, cur.prev, pm->second});
+                    push({pm->first, cur.prev, pm->second});
             if (cur.next >= 0)
-                if (const auto* nm = lookup(cur.id, symbols[cur.next].id)) queue.push({nm->first, top.pos, nm->second});
+                if (const auto* nm = lookup(cur.id, symbols[cur.next].id)) push({nm->first, top.pos, nm->second});
         }
     }
     for (const Symbol& s : symbols)
