@@ -243,6 +243,13 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
     const std::string log = finetune("ep2", 2, "train.micro_batch=2 dist.ep_size=2 train.recompute=moe");
     finetune("one_ep_ref", 0, "train.micro_batch=2 train.grad_accum=2");
     expect_same_training(dir_ / "ep2", dir_ / "one_ep_ref");
+    // The same with no recomputation and with whole-layer recomputation (the EP exchange runs in the
+    // forward, in the recomputed forward and in the backward, in lockstep on both ranks).
+    for (const char* mode : {"none", "full"}) {
+        const std::string name = std::string("ep2_recompute_") + mode;
+        finetune(name, 2, std::string("train.micro_batch=2 dist.ep_size=2 train.recompute=") + mode);
+        expect_same_training(dir_ / name, dir_ / "one_ep_ref");
+    }
     const json::Value s = json::parse(test::read_file(dir_ / "ep2" / "recipe.json"), "recipe.json");
     EXPECT_EQ(s.find("dist")->find("ep_size")->as_int(), 2);
     // Each rank holds the replicated parameters and half of the experts (counted from the HF files).
