@@ -1,4 +1,5 @@
 // `init`, `info` and `eval`: create, describe and evaluate HF model directories.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -95,8 +96,54 @@ int cmd_init(const Args& args) {
     return 0;
 }
 
+namespace {
+
+// What one rank holds at a world size and EP size, as the trainer lays it out: the replicated
+// parameters plus its E/EP experts, gradients alike, and the AdamW state of what it owns under
+// ZeRO-1 (train/optimizer.h: the replicated region's state over the world, the experts' over the
+// DP group, in chunks rounded up to 64 elements; rank 0 owns full chunks, so this is the largest).
+struct RankPlan {
+    int64_t world = 1, ep = 1;
+    std::string device, precision;
+    bool zero1 = true;
+    int64_t params = 0, param_grad_bytes = 0, optimizer_bytes = 0;
+};
+
+RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a) {
+    RankPlan p;
+    p.world = parse_int_option(a.get("world", "1"), "world");
+    p.ep = parse_int_option(a.get("ep-size", "1"), "ep-size");
+    p.device = a.get("device", "cuda");
+    p.precision = a.get("precision", "bf16");
+    p.zero1 = !a.has("no-zero1");
+    if (p.world < 1 || p.ep < 1 || p.world % p.ep != 0) fail("info: --ep-size must divide --world");
+    if (p.ep > 1 && (cfg.num_experts == 0 || cfg.num_experts % p.ep != 0))
+        fail("info: --ep-size ", p.ep, " must divide the ", cfg.num_experts, " experts");
+    if (p.device != "cpu" && p.device != "cuda") fail("info: --device must be cpu or cuda");
+    if (p.precision != "bf16" && p.precision != "mixed") fail("info: --precision must be bf16 or mixed");
+    const model::ParamTable mine = model::qwen3_moe_param_table(cfg, model::ExpertShard{0, p.ep});
+    p.params = mine.total();
+    // bytes per element: parameter, gradient, optimizer state (m, v and the fp32 master if any)
+    int64_t param_b = 2, grad_b = 2, state_b = 4;
+    if (p.device == "cpu") param_b = 4, grad_b = 4, state_b = 8;
+    else if (p.precision == "mixed") grad_b = 4, state_b = 12;
+    p.param_grad_bytes = p.params * (param_b + grad_b);
+    auto owned = [](int64_t n, int64_t ranks) {  // rank 0's chunk of n elements over `ranks`
+        if (ranks <= 1) return n;
+        const int64_t per = (n + ranks - 1) / ranks;
+        return std::min(n, (per + 63) / 64 * 64);
+    };
+    const int64_t rep = mine.expert_offset(), experts = mine.total() - rep;
+    const int64_t owned_elems =
+        p.zero1 ? owned(rep, p.world) + owned(experts, p.world / p.ep) : mine.total();
+    p.optimizer_bytes = owned_elems * state_b;
+    return p;
+}
+
+}  // namespace
+
 int cmd_info(const Args& args) {
-    const ParsedArgs a(args, {"seq-len"}, {"json"}, "info");
+    const ParsedArgs a(args, {"seq-len", "world", "ep-size", "device", "precision"}, {"json", "no-zero1"}, "info");
     if (a.positional().size() != 1) fail("info: expected one model directory");
     const fs::path dir = a.positional()[0];
     const model::Qwen3MoeConfig cfg = train::read_hf_config(dir);
@@ -104,6 +151,7 @@ int cmd_info(const Args& args) {
     const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
     const int64_t total = table.total(), active = model::qwen3_moe_active_params(cfg, table);
     const double flops = model::qwen3_moe_flops_per_token(cfg, T);
+    const RankPlan plan = plan_rank_memory(cfg, a);
     if (a.has("json")) {
         json::Value v = json::Value::object();
         v.set("model_type", "qwen3_moe");
@@ -114,6 +162,16 @@ int cmd_info(const Args& args) {
         json::Value layers = json::Value::array();
         for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
         v.set("layers", std::move(layers));
+        json::Value per = json::Value::object();
+        per.set("world", plan.world);
+        per.set("ep_size", plan.ep);
+        per.set("device", plan.device);
+        per.set("precision", plan.precision);
+        per.set("zero1", plan.zero1);
+        per.set("params", plan.params);
+        per.set("param_grad_bytes", plan.param_grad_bytes);
+        per.set("optimizer_bytes", plan.optimizer_bytes);
+        v.set("per_rank", std::move(per));
         std::printf("%s\n", v.dump().c_str());
         return 0;
     }
@@ -121,6 +179,12 @@ int cmd_info(const Args& args) {
     std::printf("  parameters       %lld total, %lld active per token (%.1f%%)\n", static_cast<long long>(total),
                 static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
     std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    std::printf("  per rank (world %lld, EP %lld, %s %s%s): %lld parameters; parameters + gradients %.2f GiB, "
+                "AdamW state %.2f GiB (before activations)\n",
+                static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
+                plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
+                static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
     std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
                 static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
                 cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);

@@ -14,6 +14,7 @@ constexpr const char* kUsage =
     "commands:\n"
     "  init      --arch qwen3_moe --preset tiny --seed S --out DIR   random-initialised HF model directory\n"
     "  info      DIR                                                parameters, FLOPs per token, layer plan\n"
+    "            [--world W --ep-size E --device cuda|cpu --precision bf16|mixed --no-zero1]  (memory per rank)\n"
     "  eval      --model DIR --data FILE [--json]                   loss of a dataset as one batch\n"
     "  finetune  RECIPE.yaml [key.sub=value ...]                    train and write an HF directory\n"
     "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n"

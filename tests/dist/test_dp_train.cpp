@@ -278,6 +278,17 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
     };
     EXPECT_GT(adam_mib(log), 0.0) << log;
     EXPECT_LT(adam_mib(log), adam_mib(whole)) << log << "\n" << whole;
+    // `moeforge info` plans the same per-rank figures for this layout.
+    std::string info;
+    ASSERT_EQ(test::run_command(bin() + " info " + (dir_ / "base").string() +
+                                    " --world 2 --ep-size 2 --device cpu --json",
+                                &info),
+              0)
+        << info;
+    const json::Value plan = *json::parse(info, "info").find("per_rank");
+    EXPECT_EQ(plan.find("params")->as_int(), replicated + experts / 2);
+    const double planned_mib = static_cast<double>(plan.find("optimizer_bytes")->as_int()) / (1024.0 * 1024.0);
+    EXPECT_NEAR(planned_mib, adam_mib(log), 0.051) << info << "\n" << log;
 }
 
 // EP=2 x DP=2 on four processes against one rank with 4 micro-batches of the same rows.
