@@ -17,11 +17,13 @@
 // rank order in double on every rank, so all ranks get the same bits; the gradient all-reduce is
 // the communicator's fixed-order sum (TCP: fp32 in rank order at group rank 0), so a DP run is
 // bitwise reproducible from run to run and every rank holds identical gradients.
-// Seen on 2 H200s over NCCL (tiny model, 10 steps): DP=2 against one GPU on the same rows gives
-// identical metrics under precision mixed (fp32 gradients) and agrees to 2e-5 in the loss under
-// bf16 (the all-reduce sums bf16 gradients in fp32 and rounds once, one GPU accumulates in bf16).
-// Failures: any collective throws mf::Error after dist.timeout_s without progress or at once when a
-// peer's connection drops, so when one rank dies every other one exits non-zero.
+// The gradient reduction overlapping the backward (begin/finish_grad_sync) sums bf16 in bf16 on
+// NCCL (one rounding of the exact sum for 2 ranks; more for larger groups) and fp32 as fp32.
+// Seen on 2 H200s over NCCL (tiny model, 10 steps, precision mixed): DP=2 identical to one GPU on the
+// same rows; EP=2 within bf16 rounding of it (tests/dist/test_gpu_parallel_train.cpp).
+// Failures: on TCP any collective throws mf::Error after dist.timeout_s without progress or at once
+// when a peer's connection drops; on NCCL the rank prints the diagnostic and ends (nccl_communicator.h),
+// and host waits on the GPU are bounded by the same timeout (core/tensor.h wait_for_stream).
 #pragma once
 
 #include <cstdint>
