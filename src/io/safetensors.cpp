@@ -184,7 +184,8 @@ RawEntry parse_entry(const std::string& name, const json::Value& v, const std::s
     return e;
 }
 
-// Checks that a shard name from an index is a plain file name and resolves it inside `dir`.
+// Checks that a shard name from an index is a plain file name and resolves it inside `dir` (or, for a
+// Hugging Face hub cache snapshot, to a blob of the same cached repository).
 fs::path resolve_in_dir(const fs::path& dir, const fs::path& dir_canonical, const std::string& name,
                         const std::string& where) {
     if (name.empty()) fail(where, ": empty file name");
@@ -207,9 +208,14 @@ fs::path resolve_in_dir(const fs::path& dir, const fs::path& dir_canonical, cons
         fail(where, ": file '", printable(name), "' does not exist in ", dir.string());
     const fs::path canonical = fs::canonical(full, ec);
     if (ec) fail(where, ": cannot resolve ", full.string(), ": ", ec.message());
-    if (canonical.parent_path() != dir_canonical)
+    // Inside the directory, or, for a Hugging Face hub cache snapshot (REPO/snapshots/REV/, whose files
+    // are links to REPO/blobs/HASH), inside that repository's blobs/ directory.
+    const bool in_dir = canonical.parent_path() == dir_canonical;
+    const bool hub_blob = dir_canonical.parent_path().filename() == "snapshots" &&
+                          canonical.parent_path() == dir_canonical.parent_path().parent_path() / "blobs";
+    if (!in_dir && !hub_blob)
         fail(where, ": '", printable(name), "' resolves to ", canonical.string(), ", outside the model directory ",
-             dir_canonical.string());
+             dir_canonical.string(), " (and not a blob of its Hugging Face hub cache repository)");
     if (!fs::is_regular_file(canonical, ec)) fail(where, ": ", full.string(), " is not a regular file");
     return full;
 }

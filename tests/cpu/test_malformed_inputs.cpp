@@ -264,6 +264,24 @@ TEST_F(MalformedModelDir, GoodDirectoriesLoad) {
     fs::rename(d / "model.safetensors", d / "weights.bin");
     fs::create_symlink("weights.bin", d / "model.safetensors");
     EXPECT_EQ(load_error(d), "<no error>");
+    // A Hugging Face hub cache snapshot: REPO/snapshots/REV/* are links to REPO/blobs/HASH.
+    const fs::path repo = *root_ / "hub" / "models--org--tiny";
+    const fs::path snap = repo / "snapshots" / "0123abc";
+    fs::create_directories(repo / "blobs");
+    fs::create_directories(snap);
+    for (const char* f : {"model.safetensors", "config.json"}) {
+        const std::string blob = std::string("blob-") + f;
+        fs::copy_file(*root_ / "good_single" / f, repo / "blobs" / blob);
+        fs::create_symlink(fs::path("../../blobs") / blob, snap / f);
+    }
+    EXPECT_EQ(load_error(snap), "<no error>");
+    // ... but a link from a snapshot to anywhere else is still refused.
+    const fs::path elsewhere = repo / "elsewhere";
+    fs::create_directories(elsewhere);
+    fs::rename(repo / "blobs" / "blob-model.safetensors", elsewhere / "blob-model.safetensors");
+    fs::remove(snap / "model.safetensors");
+    fs::create_symlink("../../elsewhere/blob-model.safetensors", snap / "model.safetensors");
+    EXPECT_NE(load_error(snap).find("outside the model directory"), std::string::npos) << load_error(snap);
 }
 
 TEST_F(MalformedModelDir, EachIsRefusedWithItsOwnMessage) {
