@@ -44,6 +44,20 @@ ProcessGroups make_process_groups(Communicator& world, int ep_size) {
     return groups;
 }
 
+void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
+                             std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets, DType dtype,
+                             const char* op) {
+    const size_t n = static_cast<size_t>(size);
+    MF_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
+                 recv_offsets.size() == n,
+             op, ": counts and offsets need ", n, " entries each");
+    for (size_t p = 0; p < n; ++p) {
+        MF_CHECK(send_offsets[p] >= 0 && recv_offsets[p] >= 0, op, ": negative offset for peer ", p);
+        checked_nbytes(send_counts[p], dtype, op);
+        checked_nbytes(recv_counts[p], dtype, op);
+    }
+}
+
 size_t checked_nbytes(int64_t count, DType dtype, const char* op) {
     MF_CHECK(count >= 0, op, ": negative element count ", count);
     const size_t elem = dtype_size(dtype);

@@ -124,6 +124,12 @@ struct ProcessGroups {
 };
 ProcessGroups make_process_groups(Communicator& world, int ep_size);
 
+// The argument checks every all_to_all_v does: size entries per span, no negative offset, counts
+// that fit in bytes (mf::Error naming `op` otherwise).
+void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
+                             std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets, DType dtype,
+                             const char* op);
+
 // Number of bytes of `count` elements of `dtype`; throws on a negative count or overflow.
 size_t checked_nbytes(int64_t count, DType dtype, const char* op);
 

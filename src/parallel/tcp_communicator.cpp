@@ -357,15 +357,7 @@ void TcpCommunicator::all_to_all_v(const void* send, std::span<const int64_t> se
                                    std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                                    DType dtype) {
     const char* op = "all_to_all_v";
-    const size_t n = static_cast<size_t>(size());
-    MF_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
-                 recv_offsets.size() == n,
-             op, ": counts and offsets need ", n, " entries each");
-    for (size_t p = 0; p < n; ++p) {
-        MF_CHECK(send_offsets[p] >= 0 && recv_offsets[p] >= 0, op, ": negative offset for peer ", p);
-        checked_nbytes(send_counts[p], dtype, op);
-        checked_nbytes(recv_counts[p], dtype, op);
-    }
+    check_all_to_all_v_args(size(), send_counts, send_offsets, recv_counts, recv_offsets, dtype, op);
     MF_CHECK(send_counts[group_rank_] == recv_counts[group_rank_], op, ": this rank sends ",
              send_counts[group_rank_], " elements to itself but expects ", recv_counts[group_rank_]);
     next_tag();

@@ -116,23 +116,6 @@ int64_t DistContext::sum_i64(int64_t value) {
     return s;
 }
 
-void DistContext::all_reduce_grads(model::Qwen3Moe& model) {
-    if (!distributed()) return;
-    const Tensor g = model.grads_tensor();
-    const int64_t rep = model.params().expert_offset(), total = model.params().total();
-    const DType dt = model.grad_dtype();
-    if (ep_size() == 1) {
-        impl_->world->all_reduce_sum(g.data(), total, dt);
-    } else {
-        impl_->world->all_reduce_sum(g.data(), rep, dt);
-        if (layout_.dp_size() > 1)
-            impl_->groups.dp->all_reduce_sum(static_cast<char*>(g.data()) + static_cast<size_t>(rep) * dtype_size(dt),
-                                             total - rep, dt);
-    }
-    impl_->world->synchronize();
-    if (impl_->groups.dp) impl_->groups.dp->synchronize();
-}
-
 // Starts the reduction of the given specs' gradients (merged into contiguous ranges per region):
 // the replicated region over the world, the expert region over the DP group (the world without EP).
 void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& which) {

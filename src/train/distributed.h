@@ -71,9 +71,8 @@ class DistContext {
     // The model's gradients reduced in place: the replicated region (param_table.h) summed over the
     // world, the expert region over the DP group (the ranks holding the same experts; the EP ranks'
     // expert regions hold different experts). On return every rank of a DP group holds the same
-    // gradient buffer, and the replicated region is the same everywhere.
-    void all_reduce_grads(model::Qwen3Moe& model);
-    // The same reduction overlapped with the backward: begin_grad_sync installs the model's grad
+    // gradient buffer, and the replicated region is the same everywhere. The reduction overlaps the
+    // backward: begin_grad_sync installs the model's grad
     // hook (Qwen3Moe::set_grad_hook) so that the next step() starts each layer's reductions as soon
     // as its backward is enqueued (all_reduce_sum_async: on NCCL a side stream overlapping the
     // backward of the layers below); finish_grad_sync reduces whatever was not started, waits for
