@@ -90,8 +90,7 @@ int cmd_bench(const Args& args) {
         dist->begin_grad_sync(m);
         const model::StepStats s = m.step(batch, &scales);
         dist->finish_grad_sync(m);
-        train::clip_grad_norm(m, 1.0, dist.get());
-        adamw.step(optim.lr);
+        adamw.step(optim.lr, train::clip_coefficient(train::grad_norm(m, dist.get()), 1.0));
         m.zero_grads();
         ops::synchronize(device);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -375,8 +375,8 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 }
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
-                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) {
-    const mf::cuda::AdamWParams p{lr, beta1, beta2, eps, weight_decay, step};
+                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) {
+    const mf::cuda::AdamWParams p{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
     if (defined(master))
         mf::cuda::adamw_update_mixed(F(master), F(m), F(v), grad.data(), grad.dtype(), B(param), param.numel(), p,
                                      nullptr, ctx().stream);

@@ -42,7 +42,7 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale) { no_cuda(); }
-void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step) { no_cuda(); }
+void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) { no_cuda(); }
 void scale(const Tensor& x, float s) { no_cuda(); }
 double sum(const Tensor& x) { no_cuda(); }
 double sum_squares(const Tensor& x) { no_cuda(); }

@@ -435,10 +435,11 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
     OpScope scope_("adamw_update");
     MF_CHECK(param.numel() == m.numel() && m.numel() == v.numel() && v.numel() == grad.numel(), "adamw sizes differ");
     if (device_of({&param, &master, &m, &v, &grad}) == Device::cuda)
-        return cuda_impl::adamw_update(param, master, m, v, grad, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step);
+        return cuda_impl::adamw_update(param, master, m, v, grad, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step,
+                                        h.grad_scale);
     MF_CHECK(!defined(master), "CPU parameters are their own master copy");
     cpu::adamw_update(f(param), f(m), f(v), f(grad), param.numel(),
-                      cpu::AdamWParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step});
+                      cpu::AdamWParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.grad_scale});
 }
 
 void scale(const Tensor& x, float s) {

@@ -107,6 +107,7 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 struct AdamWHyper {
     float lr, beta1, beta2, eps, weight_decay;
     int64_t step;  // 1-based
+    float grad_scale = 1.0f;  // every gradient is multiplied by it first (the clipping coefficient)
 };
 // torch.optim.AdamW on one parameter group. CPU: param, m, v, grad f32. CUDA, policy bf16: param,
 // m, v, grad bf16 (master undefined). CUDA, policy mixed: master, m, v f32, grad f32 or bf16,

@@ -100,7 +100,7 @@ void AdamW::for_owned(F&& f) const {
 
 size_t AdamW::state_bytes() const { return m_.nbytes() + v_.nbytes() + master_.nbytes(); }
 
-void AdamW::step(double lr) {
+void AdamW::step(double lr, double grad_scale) {
     ++step_;
     const auto& specs = model_.params().specs();
     const Tensor params = model_.params_tensor(), grads = model_.grads_tensor();
@@ -116,7 +116,8 @@ void AdamW::step(double lr) {
             const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
             const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
                                     static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
-                                    decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_};
+                                    decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_,
+                                    static_cast<float>(grad_scale)};
             ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
         }
     });
@@ -163,7 +164,7 @@ void AdamW::set_state(const std::vector<float>& master, const std::vector<float>
     });
 }
 
-double clip_grad_norm(model::Qwen3Moe& model, double max_norm, DistContext* dist) {
+double grad_norm(model::Qwen3Moe& model, DistContext* dist) {
     const Tensor g = model.grads_tensor();
     double ss = 0;
     if (dist != nullptr && dist->ep_size() > 1) {
@@ -175,12 +176,12 @@ double clip_grad_norm(model::Qwen3Moe& model, double max_norm, DistContext* dist
     } else {
         ss = ops::sum_squares(g);
     }
-    const double norm = std::sqrt(ss);
-    if (max_norm > 0 && std::isfinite(norm)) {
-        const double coef = max_norm / (norm + 1e-6);
-        if (coef < 1.0) ops::scale(g, static_cast<float>(coef));
-    }
-    return norm;
+    return std::sqrt(ss);
+}
+
+double clip_coefficient(double norm, double max_norm) {
+    if (max_norm <= 0 || !std::isfinite(norm)) return 1.0;
+    return std::min(1.0, max_norm / (norm + 1e-6));
 }
 
 }  // namespace mf::train

@@ -1,6 +1,8 @@
 // AdamW over the model's flat parameter buffer (torch.optim.AdamW semantics), with parameters
 // whose HF name matches an `optim.no_decay` pattern excluded from weight decay, and gradient
-// clipping by the global norm (torch.nn.utils.clip_grad_norm_: grads *= min(1, clip/(norm+1e-6))).
+// clipping by the global norm (torch.nn.utils.clip_grad_norm_: grads *= min(1, clip/(norm+1e-6))),
+// the clipping factor applied inside the update (step's grad_scale) rather than by a pass over the
+// gradients: the gradient buffer itself is left unscaled.
 //
 // State follows the precision policy (DESIGN.md): on the CPU everything is f32 and the model's
 // parameters are the master copy; on the GPU `bf16` keeps m and v in bf16 next to the bf16
@@ -39,9 +41,10 @@ class AdamW {
     // keeps that region's state whole.
     AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed,
           parallel::Communicator* replicated_group = nullptr, parallel::Communicator* expert_group = nullptr);
-    // One update with learning rate `lr`; increments the step count first (bias correction t ≥ 1).
-    // Collective over the ZeRO groups.
-    void step(double lr);
+    // One update with learning rate `lr`, every gradient multiplied by `grad_scale` first (fp32; the
+    // clipping coefficient, see clip_coefficient); increments the step count first (bias correction
+    // t ≥ 1). Collective over the ZeRO groups.
+    void step(double lr, double grad_scale = 1.0);
     int64_t step_count() const { return step_; }
     void set_step_count(int64_t s) { step_ = s; }
 
@@ -88,10 +91,13 @@ class AdamW {
     int64_t step_ = 0;
 };
 
-// Global L2 norm of the model's gradients, then torch's clipping in place when max_norm > 0;
-// returns the norm before clipping. Under expert parallelism (`dist` with EP > 1) the norm covers
-// every expert: the replicated region counted once, the expert regions summed over the EP group,
-// so every rank gets the same norm.
-double clip_grad_norm(model::Qwen3Moe& model, double max_norm, DistContext* dist = nullptr);
+// Global L2 norm of the model's gradients. Under expert parallelism (`dist` with EP > 1) the norm
+// covers every expert: the replicated region counted once, the expert regions summed over the EP
+// group, so every rank gets the same norm.
+double grad_norm(model::Qwen3Moe& model, DistContext* dist = nullptr);
+
+// torch's clipping factor for a global norm: min(1, max_norm / (norm + 1e-6)) when max_norm > 0 and
+// the norm is finite, else 1. Passed to AdamW::step as its grad_scale.
+double clip_coefficient(double norm, double max_norm);
 
 }  // namespace mf::train

@@ -222,7 +222,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
         m.aux_loss = aux_sum / num_micro;
         m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
         // The gradients are identical on every rank, so this global norm is too.
-        m.grad_norm = clip_grad_norm(*model, recipe.train.grad_clip, dist.get());
+        m.grad_norm = grad_norm(*model, dist.get());
         m.lr = lr_at(recipe.optim, step, recipe.train.steps);
         bool skipped = false;
         if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
@@ -239,7 +239,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
                             static_cast<long long>(m.step), where.c_str());
             skipped = true;
         } else {
-            optimizer.step(m.lr);
+            optimizer.step(m.lr, clip_coefficient(m.grad_norm, recipe.train.grad_clip));
         }
         model->zero_grads();
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

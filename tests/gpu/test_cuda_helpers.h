@@ -9,7 +9,8 @@
 //                    outputs are poisoned with NaN first) or a size mismatch fails;
 //   fp32_add, naive_bf16_add   the reference and the naive value of a bf16 "+=" output;
 //   fill_random_bf16 large random bf16 device inputs for the benchmarks;
-//   median_us        the benchmarks' timer (CUDA events, median of reps runs after 3 warm-ups).
+//   median_us        the benchmarks' timer (CUDA events, median of reps runs after 3 warm-ups);
+//   ScopedEnv        sets an environment variable ("" unsets it) and restores it on scope exit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -28,6 +31,27 @@
 #include "test_cuda_common.h"
 
 namespace mf::test {
+
+class ScopedEnv {
+ public:
+    ScopedEnv(const char* name, const char* value) : name_(name) {
+        if (const char* old = std::getenv(name)) old_ = old;
+        set(value);
+    }
+    ~ScopedEnv() { set(old_ ? old_->c_str() : ""); }
+    ScopedEnv(const ScopedEnv&) = delete;
+    ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+    void set(const char* value) {
+        if (*value == '\0')
+            unsetenv(name_.c_str());
+        else
+            setenv(name_.c_str(), value, 1);
+    }
+    std::string name_;
+    std::optional<std::string> old_;
+};
 
 // ref = before + product in fp32; the naive bf16 accumulation stores the product in bf16 first and
 // then the sum: bf16(before + bf16(product)), which is what a bf16 "+=" does without a fused epilogue.

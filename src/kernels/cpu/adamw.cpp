@@ -7,7 +7,7 @@
 //   p ← p + (−step_size) · (m / (sqrt(v) / bc2_sqrt + eps))
 // with bc1 = 1 − β1^t, bc2_sqrt = sqrt(1 − β2^t), step_size = lr / bc1 computed in double (as
 // Python floats) and cast to fp32 once; everything per element is fp32. Step t starts at 1.
-// Each element is independent, so the update is deterministic.
+// Each gradient is first multiplied by p.grad_scale in fp32 (exact when it is 1). Each element is independent, so the update is deterministic.
 #include "kernels/cpu/adamw.h"
 
 #include <cmath>
@@ -33,7 +33,7 @@ void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
     const float eps = p.eps;
     const bool lerp_from_start = lerp_weight < 0.5f;
     for (int64_t i = 0; i < n; ++i) {
-        const float g = grad[i];
+        const float g = grad[i] * p.grad_scale;
         const float p_i = param[i] * decay;
         const float m_i = lerp_from_start ? m[i] + lerp_weight * (g - m[i]) : g - (g - m[i]) * (1.0f - lerp_weight);
         const float v_i = v[i] * beta2_f + one_minus_beta2 * g * g;

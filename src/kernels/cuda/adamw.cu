@@ -20,7 +20,7 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;
 
 struct AdamWConstants {
-    float decay, lerp_weight, one_minus_lerp_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps;
+    float grad_mul, decay, lerp_weight, one_minus_lerp_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps;
     bool lerp_from_start;
 };
 
@@ -30,6 +30,7 @@ AdamWConstants make_constants(const AdamWParams& p) {
     const double beta1 = p.beta1;
     const double beta2 = p.beta2;
     AdamWConstants c{};
+    c.grad_mul = p.grad_scale;
     c.decay = static_cast<float>(1.0 - lr * static_cast<double>(p.weight_decay));
     c.lerp_weight = static_cast<float>(1.0 - beta1);
     c.one_minus_lerp_weight = 1.0f - c.lerp_weight;
@@ -86,7 +87,8 @@ __global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* para
             if (i + u * stride < num_vec) {
 #pragma unroll
                 for (int e = 0; e < kVec; ++e) {
-                    adamw_element(pf[u][e], mf[u][e], vf[u][e], scaled ? __fmul_rn(gf[u][e], gs) : gf[u][e], c);
+                    const float g = __fmul_rn(gf[u][e], c.grad_mul);
+                    adamw_element(pf[u][e], mf[u][e], vf[u][e], scaled ? __fmul_rn(g, gs) : g, c);
                 }
                 detail::store_f32<kVec>(param + at, pf[u]);
                 detail::store_f32<kVec>(m + at, mf[u]);
@@ -98,7 +100,7 @@ __global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* para
     const int64_t tail = num_vec * kVec + threadIdx.x;
     if (blockIdx.x == 0 && tail < n) {
         float pf = detail::to_f32(param[tail]), mf = detail::to_f32(m[tail]), vf = detail::to_f32(v[tail]);
-        const float gf = detail::to_f32(grad[tail]);
+        const float gf = __fmul_rn(detail::to_f32(grad[tail]), c.grad_mul);
         adamw_element(pf, mf, vf, scaled ? __fmul_rn(gf, gs) : gf, c);
         param[tail] = detail::from_f32<TP>(pf);
         m[tail] = detail::from_f32<TS>(mf);

@@ -6,7 +6,8 @@
 //   adamw_update_mixed   fp32 master params, fp32 m and v, bf16 or fp32 grads; also writes the bf16
 //                        copy of the updated params that the forward pass reads
 // Flat buffers of n elements; the caller calls once per parameter group (its weight decay).
-// grad_scale (may be null): a device float multiplying every gradient first, e.g. the clipping
+// p.grad_scale (a host value) multiplies every gradient first, as on the CPU; then
+// grad_scale (may be null): a device float multiplying every gradient, e.g. the clipping
 // scale from reduce.cuh's clip_scale, so clipping needs neither a host sync nor a pass over grads.
 #pragma once
 

@@ -8,8 +8,11 @@
 // Backward, three kernels, none with atomics:
 //   delta   D_t = Σ_d dout_t · out_t per (row, head), into the workspace;
 //   dK/dV   a block owns 64 keys of one KV head (16 per warp, dK/dV accumulators in registers) and
-//           loops over the query heads of its group and the 32-query tiles that can see its keys:
+//           loops over the query heads of its group (or of its share of them, dkv_head_splits) and
+//           the 32-query tiles that can see its keys:
 //           Sᵀ = K·Qᵀ, Pᵀ = exp2(x − lse), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dV += Pᵀ·dO, dK += dSᵀ·Q;
+//           with the heads split, each share's fp32 sums go to the workspace and a last kernel adds
+//           them in share order;
 //   dQ      a block owns 64 queries of one head and loops over its key tiles: S, P, dP = dO·Vᵀ,
 //           dS = P∘(dP − D), dQ += dS·K.
 // Every sum runs in a fixed order, so results are bitwise reproducible. Tiles are chosen from the
@@ -20,6 +23,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/check.h"
@@ -465,7 +469,10 @@ struct BwdParams {
     const float* lse;
     const float* delta;
     const int32_t* doc_ids;
+    float* dk_part;  // head_splits > 1: [head_splits][B, T, Hkv, D] fp32 partial sums (unscaled), else null
+    float* dv_part;
     int B, T, Hq, Hkv;
+    int head_splits;  // the query heads of a KV group are split over this many blocks per key tile
     float scale;
     float scale_log2;
 };
@@ -495,13 +502,15 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdPar
     const int tid = static_cast<int>(threadIdx.x);
     const int lane = tid % 32;
     const int warp = tid / 32;
-    const int bh_count = p.B * p.Hkv;
+    const int bh_count = p.B * p.Hkv * p.head_splits;
     // Early key tiles are seen by more queries: hand them out first.
     const int k_tile_idx = static_cast<int>(blockIdx.x) / bh_count;
-    const int bh = static_cast<int>(blockIdx.x) % bh_count;
+    const int split = static_cast<int>(blockIdx.x) % bh_count % p.head_splits;
+    const int bh = static_cast<int>(blockIdx.x) % bh_count / p.head_splits;
     const int b = bh / p.Hkv;
     const int hk = bh % p.Hkv;
-    const int group = p.Hq / p.Hkv;
+    const int group = p.Hq / p.Hkv / p.head_splits;  // query heads this block visits
+    const int h_first = hk * (p.Hq / p.Hkv) + split * group;
     const int k0 = k_tile_idx * kTileKV;
     const int k_last = min(k0 + kTileKV, p.T) - 1;
 
@@ -517,7 +526,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdPar
     const int num_iters = group * qt_count;
 
     auto load_q = [&](int iter, int buf) {
-        const int h = hk * group + iter / qt_count;
+        const int h = h_first + iter / qt_count;
         const int qs = (qt_begin + iter % qt_count) * kTileQB;
         const int64_t off = static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
         load_rows<kD>(q_tiles + buf * kTileQB * kLd, p.q + off + qs * q_stride, q_stride, p.T - qs, kTileQB);
@@ -590,6 +599,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdPar
     }
     cp_async_wait<0>();
 
+    const int64_t part_off = static_cast<int64_t>(split) * p.B * p.T * kv_stride;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = row_k[r];
@@ -598,11 +608,39 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdPar
 #pragma unroll
         for (int dn = 0; dn < kD / 8; ++dn) {
             const int col = dn * 8 + (lane % 4) * 2;
-            *reinterpret_cast<__nv_bfloat162*>(p.dk + off + col) =
-                __floats2bfloat162_rn(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
-            *reinterpret_cast<__nv_bfloat162*>(p.dv + off + col) =
-                __floats2bfloat162_rn(dv[dn][2 * r], dv[dn][2 * r + 1]);
+            if (p.head_splits > 1) {
+                *reinterpret_cast<float2*>(p.dk_part + part_off + off + col) = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
+                *reinterpret_cast<float2*>(p.dv_part + part_off + off + col) = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
+            } else {
+                *reinterpret_cast<__nv_bfloat162*>(p.dk + off + col) =
+                    __floats2bfloat162_rn(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
+                *reinterpret_cast<__nv_bfloat162*>(p.dv + off + col) =
+                    __floats2bfloat162_rn(dv[dn][2 * r], dv[dn][2 * r + 1]);
+            }
         }
+    }
+}
+
+// head_splits > 1: dk = bf16(scale · Σ_s dk_part[s]), dv = bf16(Σ_s dv_part[s]), summed in split order.
+__global__ void attention_dkv_reduce_kernel(bf16* dk, bf16* dv, const float* dk_part, const float* dv_part, int64_t n,
+                                            int splits, float scale) {
+    const int64_t num_vec = n / 4;  // n = B·T·Hkv·D, a multiple of 16
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        float4 a = reinterpret_cast<const float4*>(dk_part)[i];
+        float4 c = reinterpret_cast<const float4*>(dv_part)[i];
+        for (int s = 1; s < splits; ++s) {
+            const float4 x = reinterpret_cast<const float4*>(dk_part + s * n)[i];
+            const float4 y = reinterpret_cast<const float4*>(dv_part + s * n)[i];
+            a.x += x.x, a.y += x.y, a.z += x.z, a.w += x.w;
+            c.x += y.x, c.y += y.y, c.z += y.z, c.w += y.w;
+        }
+        __nv_bfloat162* k2 = reinterpret_cast<__nv_bfloat162*>(dk + 4 * i);
+        __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(dv + 4 * i);
+        k2[0] = __floats2bfloat162_rn(a.x * scale, a.y * scale);
+        k2[1] = __floats2bfloat162_rn(a.z * scale, a.w * scale);
+        v2[0] = __floats2bfloat162_rn(c.x, c.y);
+        v2[1] = __floats2bfloat162_rn(c.z, c.w);
     }
 }
 
@@ -764,6 +802,39 @@ void launch_forward(const FwdParams& p, cudaStream_t stream) {
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
+// The query heads of a KV group are split over `head_splits` blocks per key tile when the (key tile,
+// batch row, KV head) blocks alone would not fill the GPU several times over: under the causal mask
+// the first key tile has twice the mean work, so with few blocks the longest one sets the time (B=2,
+// T=4096, Hkv=4: 512 blocks for ~400 resident slots on an H200). The split blocks write fp32 partial
+// dK, dV that a second kernel sums in split order, so the result is still deterministic. A function
+// of the shape and the SM count only, unless MOEFORGE_ATTENTION_HEAD_SPLITS=N (a divisor of Hq / Hkv;
+// the parity test uses it to cover both paths) chooses.
+int dkv_head_splits(const AttentionShape& s) {
+    const int64_t group = s.Hq / s.Hkv;
+    if (const char* forced = std::getenv("MOEFORGE_ATTENTION_HEAD_SPLITS"); forced != nullptr && *forced != '\0') {
+        char* end = nullptr;
+        const long n = std::strtol(forced, &end, 10);
+        MF_CHECK(*end == '\0' && n >= 1 && group % n == 0, "MOEFORGE_ATTENTION_HEAD_SPLITS=", forced,
+                 " must be a divisor of Hq / Hkv = ", group);
+        return static_cast<int>(n);
+    }
+    int device = 0, sms = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    MF_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int64_t blocks = (s.T + kTileKV - 1) / kTileKV * s.B * s.Hkv;
+    const int64_t target = int64_t{12} * sms;  // about four waves of three resident blocks per SM
+    int splits = 1;
+    while (group % (2 * splits) == 0 && blocks * splits < target) splits *= 2;
+    return splits;
+}
+
+size_t delta_bytes(const AttentionShape& s) {
+    return (static_cast<size_t>(s.B * s.Hq * s.T) * sizeof(float) + 255) / 256 * 256;
+}
+size_t dkv_part_bytes(const AttentionShape& s, int splits) {
+    return splits > 1 ? static_cast<size_t>(splits * s.B * s.T * s.Hkv * s.D) * sizeof(float) : 0;
+}
+
 template <int kD>
 void launch_backward(const BwdParams& p, cudaStream_t stream) {
     constexpr int kSmemDkv = dkv_smem_bytes<kD>();
@@ -772,9 +843,16 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
         cudaFuncSetAttribute(attention_backward_dkv_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDkv));
     MF_CHECK_CUDA(
         cudaFuncSetAttribute(attention_backward_dq_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDq));
-    const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv;
+    const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv * p.head_splits;
     attention_backward_dkv_kernel<kD><<<static_cast<unsigned>(dkv_blocks), kThreads, kSmemDkv, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
+    if (p.head_splits > 1) {
+        const int64_t n = static_cast<int64_t>(p.B) * p.T * p.Hkv * kD;
+        const int64_t blocks = std::min<int64_t>((n / 4 + 255) / 256, int64_t{1} << 16);
+        attention_dkv_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p.dk, p.dv, p.dk_part, p.dv_part,
+                                                                                       n, p.head_splits, p.scale);
+        MF_CHECK_CUDA(cudaGetLastError());
+    }
     const int64_t dq_blocks = static_cast<int64_t>((p.T + kTileQ - 1) / kTileQ) * p.B * p.Hq;
     attention_backward_dq_kernel<kD><<<static_cast<unsigned>(dq_blocks), kThreads, kSmemDq, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
@@ -830,7 +908,7 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
 
 size_t attention_backward_workspace_bytes(const AttentionShape& shape) {
     check_shape("attention_backward_workspace_bytes", shape);
-    return static_cast<size_t>(shape.B * shape.Hq * shape.T) * sizeof(float);
+    return delta_bytes(shape) + 2 * dkv_part_bytes(shape, dkv_head_splits(shape));
 }
 
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
@@ -868,6 +946,12 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
     p.Hkv = static_cast<int>(shape.Hkv);
     p.scale = softmax_scale(shape.D);
     p.scale_log2 = p.scale * kLog2e;
+    p.head_splits = dkv_head_splits(shape);
+    if (p.head_splits > 1) {
+        const size_t part = dkv_part_bytes(shape, p.head_splits);
+        p.dk_part = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(shape));
+        p.dv_part = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(shape) + part);
+    }
     dispatch_head_dim(shape.D, [&](auto d) { launch_backward<decltype(d)::value>(p, stream); });
 }
 

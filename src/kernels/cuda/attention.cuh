@@ -13,7 +13,9 @@
 // Forward writes out and lse. Backward WRITES dq, dk, dv (=, unlike the CPU reference, which adds):
 // each of them is the gradient of one projection output. It needs the forward's out and lse and a
 // workspace of attention_backward_workspace_bytes(shape) bytes of device memory (the per-row
-// D_t = dout_t · out_t). Both are deterministic (no atomics) and asynchronous on the stream.
+// D_t = dout_t · out_t, and fp32 partial dK/dV when the query heads of a KV group are split over
+// blocks: at most ~210 MB, see the .cu file; the size depends on the current device's SM count).
+// Both are deterministic (no atomics) and asynchronous on the stream.
 //
 // Requirements (checked, mf::Error otherwise): D in {16, 32, 64, 128}, Hq a multiple of Hkv,
 // every pointer 16-byte aligned, B · T · Hq · D < 2^40.
