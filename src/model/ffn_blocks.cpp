@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <span>
 
 #include "core/check.h"
 #include "ops/ops.h"
@@ -345,6 +346,12 @@ void check_ep(const MoeDims& d, const MoeWeights& w) {
              " experts, this EP rank owns ", d.num_experts / d.ep_size());
 }
 
+// A chunk's experts' offsets from the plan's host copy (the same values as its group_offsets slice).
+std::span<const int32_t> chunk_host_offsets(const EpRouting& r, const EpChunk& ch) {
+    return std::span<const int32_t>(r.local_offsets)
+        .subspan(static_cast<size_t>(ch.first_expert), static_cast<size_t>(ch.num_experts + 1));
+}
+
 // The EP pipeline shared by forward and backward: every chunk's dispatch of `sorted_in` is started,
 // then chunk by chunk: join its dispatch, gather its rows into `local_in`, run `compute` (which
 // leaves the chunk's results in `local_out`), scatter them and start their combine into
@@ -395,19 +402,25 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         // numbers), so they touch only the chunk's rows.
         ep_pipeline(d, r, a.x_perm, a.exchange, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
+            const auto host = chunk_host_offsets(r, ch);
             ops::grouped_matmul_forward(h_local, x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
-                                        offsets);
+                                        offsets, host);
             ops::swiglu_forward(row_view(a_local, ch.first_row, ch.num_rows),
                                 row_view(h_local, ch.first_row, ch.num_rows));
             ops::grouped_matmul_forward(y_local, a_local, expert_view(w.down, ch.first_expert, ch.num_experts),
-                                        offsets);
+                                        offsets, host);
         });
         ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
         return;
     }
-    ops::grouped_matmul_forward(a.h_perm, a.x_perm, w.gate_up, a.expert_offsets);
+    a.host_offsets.clear();
+    if (ops::grouped_matmul_uses_host_offsets(x.device())) {
+        a.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
+        ops::copy_to_host(a.host_offsets.data(), a.expert_offsets);
+    }
+    ops::grouped_matmul_forward(a.h_perm, a.x_perm, w.gate_up, a.expert_offsets, a.host_offsets);
     ops::swiglu_forward(a.a_perm, a.h_perm);
-    ops::grouped_matmul_forward(a.y_perm, a.a_perm, w.down, a.expert_offsets);
+    ops::grouped_matmul_forward(a.y_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets);
     ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
 }
 
@@ -432,22 +445,25 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         // row of dx_perm is written).
         ep_pipeline(d, r, s.dy_perm, s.exchange, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
+            const auto host = chunk_host_offsets(r, ch);
             const Tensor rows_da = row_view(da_local, ch.first_row, ch.num_rows);
             ops::zero(rows_da);
             ops::grouped_matmul_backward(da_local, expert_view(g.down, ch.first_expert, ch.num_experts), dy_local,
-                                         a_local, expert_view(w.down, ch.first_expert, ch.num_experts), offsets);
+                                         a_local, expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host);
             ops::swiglu_backward(row_view(dh_local, ch.first_row, ch.num_rows), rows_da,
                                  row_view(h_local, ch.first_row, ch.num_rows));
             ops::zero(row_view(dx_local, ch.first_row, ch.num_rows));
             ops::grouped_matmul_backward(dx_local, expert_view(g.gate_up, ch.first_expert, ch.num_experts), dh_local,
-                                         x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets);
+                                         x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets,
+                                         host);
         });
     } else {
         ops::zero(s.da_perm);
-        ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets);
+        ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets);
         ops::swiglu_backward(s.dh_perm, s.da_perm, a.h_perm);
         ops::zero(s.dx_perm);
-        ops::grouped_matmul_backward(s.dx_perm, g.gate_up, s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets);
+        ops::grouped_matmul_backward(s.dx_perm, g.gate_up, s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
+                                     a.host_offsets);
     }
     ops::moe_gather_backward(dx, s.dx_perm, a.pair_row, d.top_k);
     ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);

@@ -141,6 +141,10 @@ struct MoeActs {
     Tensor logits, probs;          // [N, E]
     Tensor topk_idx, topk_weight;  // [N, K]
     Tensor expert_offsets;         // [E + 1]
+    // expert_offsets read back once per forward when ops::grouped_matmul_uses_host_offsets (else
+    // empty), for every grouped matmul of the block, forward and backward (not under EP: the plan's
+    // local_offsets serve there).
+    std::vector<int32_t> host_offsets;
     Tensor sorted_pair, pair_row;  // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
     // EP only: the local experts' input and activations (expert-major) and the forward's exchange

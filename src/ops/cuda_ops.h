@@ -3,6 +3,8 @@
 // built without CUDA. Only ops.cpp calls these.
 #pragma once
 
+#include <span>
+
 #include "core/tensor.h"
 
 namespace mf::ops::cuda_impl {
@@ -54,9 +56,11 @@ void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& 
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
-void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets);
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
+                            std::span<const int32_t> host_offsets);
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                             const Tensor& weight, const Tensor& offsets);
+                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets);
+bool grouped_matmul_uses_host_offsets();
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale);
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

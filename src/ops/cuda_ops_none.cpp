@@ -39,8 +39,9 @@ void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sor
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) { no_cuda(); }
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
-void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
-void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets) { no_cuda(); }
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
+void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
+bool grouped_matmul_uses_host_offsets() { return false; }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale) { no_cuda(); }
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) { no_cuda(); }
 void scale(const Tensor& x, float s) { no_cuda(); }

@@ -397,22 +397,39 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
                                 rows(dout), topk_weight.dim(-1), dout.dim(-1));
 }
 
-void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets) {
+namespace {
+// On the CPU the offsets tensor is host memory: a caller's host copy must equal it.
+void check_host_offsets(const Tensor& offsets, std::span<const int32_t> host_offsets) {
+    if (host_offsets.empty()) return;
+    MF_CHECK(static_cast<int64_t>(host_offsets.size()) == offsets.numel() &&
+                 std::equal(host_offsets.begin(), host_offsets.end(), i32(offsets)),
+             "grouped matmul: the host offsets differ from the offsets tensor");
+}
+}  // namespace
+
+bool grouped_matmul_uses_host_offsets(Device device) {
+    return device == Device::cpu || cuda_impl::grouped_matmul_uses_host_offsets();
+}
+
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
+                            std::span<const int32_t> host_offsets) {
     OpScope scope_("grouped_matmul_forward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     MF_CHECK(inp.dim(-1) == C && out.dim(-1) == OC && rows(out) == rows(inp) && offsets.numel() == E + 1,
              "grouped matmul shapes");
     if (device_of({&out, &inp, &weight, &offsets}) == Device::cuda)
-        return cuda_impl::grouped_matmul_forward(out, inp, weight, offsets);
+        return cuda_impl::grouped_matmul_forward(out, inp, weight, offsets, host_offsets);
+    check_host_offsets(offsets, host_offsets);
     cpu::grouped_matmul_forward(f(out), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                             const Tensor& weight, const Tensor& offsets) {
+                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) {
     OpScope scope_("grouped_matmul_backward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
-        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets);
+        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets, host_offsets);
+    check_host_offsets(offsets, host_offsets);
     cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 

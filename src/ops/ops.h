@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -94,9 +95,18 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
 
 // out[M, OC] = inp[M, C]·W[e]ᵀ per expert row group; weight[E, OC, C]; offsets[E+1] on the device.
-void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets);
+// host_offsets (optional): the same E + 1 values already on the host. The GPU's cuBLAS path needs
+// them on the host and otherwise reads them back (one stream sync per call); on the CPU they are
+// checked against `offsets`.
+void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
+                            std::span<const int32_t> host_offsets = {});
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                             const Tensor& weight, const Tensor& offsets);  // both +=, either may be undefined
+                             const Tensor& weight, const Tensor& offsets,
+                             std::span<const int32_t> host_offsets = {});  // both +=, either may be undefined
+// Whether callers on `device` should pass host offsets: the GPU's cuBLAS path needs them (reading
+// the offsets once and passing them to every call saves a sync per call); on the CPU they cost
+// nothing and are checked.
+bool grouped_matmul_uses_host_offsets(Device device);
 
 // --- loss ------------------------------------------------------------------------------------------
 // losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).

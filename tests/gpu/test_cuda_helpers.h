@@ -9,7 +9,10 @@
 //                    outputs are poisoned with NaN first) or a size mismatch fails;
 //   fp32_add, naive_bf16_add   the reference and the naive value of a bf16 "+=" output;
 //   fill_random_bf16 large random bf16 device inputs for the benchmarks;
-//   median_us        the benchmarks' timer (CUDA events, median of reps runs after 3 warm-ups);
+//   median_us        the benchmarks' timer (CUDA events, median of reps runs after 3 warm-ups;
+//                    host_lead_us > 0 first holds the stream in a sleeping host function that long,
+//                    so the work of fn() is queued before the GPU starts it: the GPU's time, not
+//                    the host's issue rate);
 //   ScopedEnv        sets an environment variable ("" unsets it) and restores it on scope exit.
 #pragma once
 
@@ -17,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,6 +28,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/bf16.h"
@@ -105,13 +110,17 @@ inline void expect_parity(const std::string& what, const std::vector<float>& gpu
 
 // Median time in microseconds of `reps` runs of fn (after 3 warm-ups), timed with CUDA events.
 template <typename Fn>
-double median_us(Fn&& fn, int reps = 20) {
+double median_us(Fn&& fn, int reps = 20, int host_lead_us = 0) {
     cudaEvent_t start, stop;
     MF_CHECK_CUDA(cudaEventCreate(&start));
     MF_CHECK_CUDA(cudaEventCreate(&stop));
     for (int i = 0; i < 3; ++i) fn();
     std::vector<float> times;
     for (int i = 0; i < reps; ++i) {
+        if (host_lead_us > 0)
+            MF_CHECK_CUDA(cudaLaunchHostFunc(
+                nullptr, [](void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int*>(us))); },
+                &host_lead_us));
         MF_CHECK_CUDA(cudaEventRecord(start));
         fn();
         MF_CHECK_CUDA(cudaEventRecord(stop));

@@ -378,7 +378,9 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
     std::mt19937 rng(37);
     CublasHandle handle;
     {
-        const int64_t N = 16384, C = 2048, V = 151936, chunk = 4096;
+        // N = 8192 tokens (micro-batch 2 x 4096): chunks of 441 rows (a 256 MiB fp32 logits buffer),
+        // 1664 (1 GiB) and 4096.
+        const int64_t N = 8192, C = 2048, V = 151936;
         DeviceBuffer h(static_cast<size_t>(N * C) * 2), w(static_cast<size_t>(V * C) * 2), dh(N * C * 2),
             dw(static_cast<size_t>(V * C) * 4), loss(N * 4);
         upload_bf16(h.as<void>(), random_bf16(rng, static_cast<size_t>(N * C)));
@@ -388,27 +390,23 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
         DeviceBuffer d_t = device_copy(targets);
         dh.zero();
         dw.zero();
-        const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V);
-        DeviceBuffer scratch(sb);
         const double flops = 2.0 * N * C * V;
-        double us = time_us(
-            [&] {
-                mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), dh.as<bf16>(), dw.as<void>(),
-                                                DType::f32, h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C, V,
-                                                1.0f / N, scratch.as<void>(), sb, chunk, nullptr);
-            },
-            5);
-        std::printf("BENCH %-44s %10.1f us  %8.1f TFLOP/s (3 GEMMs + loss kernel)\n",
-                    "lm_head_cross_entropy fwd+bwd N=16384 V=151936", us, 3 * flops / (us * 1e-6) / 1e12);
-        us = time_us(
-            [&] {
-                mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), nullptr, nullptr, DType::f32,
-                                                h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C, V, 1.0f / N,
-                                                scratch.as<void>(), sb, chunk, nullptr);
-            },
-            5);
-        std::printf("BENCH %-44s %10.1f us  %8.1f TFLOP/s (1 GEMM + loss kernel)\n", "lm_head_cross_entropy loss only",
-                    us, flops / (us * 1e-6) / 1e12);
+        for (const int64_t chunk : {int64_t{441}, int64_t{1664}, int64_t{4096}}) {
+            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V);
+            DeviceBuffer scratch(sb);
+            for (const DType dw_type : {DType::f32, DType::bf16}) {
+                const double us = time_us(
+                    [&] {
+                        mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), dh.as<bf16>(), dw.as<void>(),
+                                                        dw_type, h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C,
+                                                        V, 1.0f / N, scratch.as<void>(), sb, chunk, nullptr);
+                    },
+                    5);
+                std::printf("BENCH lm_head_cross_entropy fwd+bwd N=8192 V=151936 chunk %5lld dw %-4s %10.1f us  %8.1f "
+                            "TFLOP/s (3 GEMMs + loss kernel)\n",
+                            static_cast<long long>(chunk), mf::dtype_name(dw_type), us, 3 * flops / (us * 1e-6) / 1e12);
+            }
+        }
     }
     {
         const int64_t n = int64_t{1} << 28;

@@ -183,16 +183,25 @@ namespace {
 // argument checks and offsets
 
 
-// Brings the offsets to the host and clamps them like the own kernel: each to [0, M], then to the
-// running maximum, so they are non-decreasing and in range (valid offsets are unchanged).
-void read_offsets(GroupedGemmCublas::State& s, const int32_t* offsets, int64_t M, int64_t E, cudaStream_t stream) {
-    MF_CHECK_CUDA(cudaMemcpyAsync(s.host_offsets, offsets, static_cast<size_t>(E + 1) * sizeof(int32_t),
-                                  cudaMemcpyDeviceToHost, stream));
-    wait_for_stream(stream);  // bounded by dist.timeout_s in a multi-process run (core/tensor.h)
+// The offsets on the host (the caller's copy, or read from the device: one stream sync), clamped
+// like the own kernel clamps them: each to [0, M], then to the running maximum, so they are
+// non-decreasing and in range (valid offsets are unchanged).
+void read_offsets(GroupedGemmCublas::State& s, const int32_t* offsets, std::span<const int32_t> host_offsets, int64_t M,
+                  int64_t E, cudaStream_t stream) {
+    const int32_t* src = host_offsets.data();
+    if (host_offsets.empty()) {
+        MF_CHECK_CUDA(cudaMemcpyAsync(s.host_offsets, offsets, static_cast<size_t>(E + 1) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, stream));
+        wait_for_stream(stream);  // bounded by dist.timeout_s in a multi-process run (core/tensor.h)
+        src = s.host_offsets;
+    } else {
+        MF_CHECK(static_cast<int64_t>(host_offsets.size()) == E + 1, "grouped_matmul (cuBLAS): ",
+                 host_offsets.size(), " host offsets for ", E, " groups (need E + 1)");
+    }
     s.begin.resize(static_cast<size_t>(E + 1));
     int64_t running = 0;
     for (int64_t e = 0; e <= E; ++e) {
-        running = std::max(running, std::clamp<int64_t>(s.host_offsets[e], 0, M));
+        running = std::max(running, std::clamp<int64_t>(src[e], 0, M));
         s.begin[e] = running;
     }
 }
@@ -331,11 +340,11 @@ void issue(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, 
 
 void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16* inp, const bf16* weight,
                                    const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, std::span<const int32_t> host_offsets) {
     check_grouped_args("grouped_matmul_forward_cublas", out, inp, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || OC == 0) return;
     GroupedGemmCublas::State& s = ctx.state();
-    read_offsets(s, offsets, M, E, stream);
+    read_offsets(s, offsets, host_offsets, M, E, stream);
     const int64_t first = s.begin[0], last = s.begin[E];
     if (last == first) return;
     if (C == 0) {  // an empty reduction writes zeros
@@ -354,11 +363,12 @@ void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16
 
 void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, const bf16* dout, const bf16* weight,
                                           const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                          bool accumulate, cudaStream_t stream) {
+                                          bool accumulate, cudaStream_t stream,
+                                          std::span<const int32_t> host_offsets) {
     check_grouped_args("grouped_matmul_backward_input_cublas", dinp, dout, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || C == 0) return;
     GroupedGemmCublas::State& s = ctx.state();
-    read_offsets(s, offsets, M, E, stream);
+    read_offsets(s, offsets, host_offsets, M, E, stream);
     const int64_t first = s.begin[0], last = s.begin[E];
     if (last == first) return;
     if (OC == 0) {  // an empty reduction: "=" writes zeros, "+=" adds nothing
@@ -378,13 +388,14 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
 
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
-                                           int64_t OC, cudaStream_t stream) {
+                                           int64_t OC, cudaStream_t stream,
+                                           std::span<const int32_t> host_offsets) {
     check_grouped_args("grouped_matmul_backward_weight_cublas", dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
              "grouped_matmul_backward_weight_cublas: dweight must be f32 or bf16, got ", dtype_name(dweight_dtype));
     if (M == 0 || E == 0 || C == 0 || OC == 0) return;  // adds empty sums
     GroupedGemmCublas::State& s = ctx.state();
-    read_offsets(s, offsets, M, E, stream);
+    read_offsets(s, offsets, host_offsets, M, E, stream);
     const size_t elem = dweight_dtype == DType::f32 ? sizeof(float) : sizeof(bf16);
     s.groups.clear();
     for (int64_t e = 0; e < E; ++e) {

@@ -8,9 +8,11 @@
 // read nor written and an empty group leaves dweight[e] unchanged. Bad offsets are clamped exactly
 // like the own kernel does (to [0, M] and to the running maximum), so no access leaves the buffers.
 //
-// NOTE: unlike grouped_gemm.cuh, each call copies the E + 1 device offsets into a pinned host
-// buffer and SYNCHRONISES the stream once (the host needs the group sizes to issue one cuBLASLt
-// product per non-empty group). Calls with M == 0, E == 0 or an empty product return at once.
+// NOTE: unlike grouped_gemm.cuh, the host needs the group sizes (it issues one cuBLASLt product per
+// non-empty group): a call given `host_offsets` (the same E + 1 values the device holds, e.g. kept
+// from an earlier read) uses them; without them it copies the device offsets into a pinned host
+// buffer and SYNCHRONISES the stream once. Calls with M == 0, E == 0 or an empty product return at
+// once.
 // Results are deterministic (no atomics; see the .cu file for why).
 //
 // A GroupedGemmCublas holds the state the calls reuse (pinned offsets, side streams, cuBLASLt
@@ -24,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "core/tensor.h"
 #include "kernels/cuda/grouped_gemm.cuh"
@@ -50,17 +53,19 @@ class GroupedGemmCublas {
 // out[M, OC]: out[r] = inp[r] · weight[e]ᵀ for the rows r of every group e (written).
 void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16* inp, const bf16* weight,
                                    const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, std::span<const int32_t> host_offsets = {});
 
 // dinp[M, C]: dinp[r] = dout[r] · weight[e] (or += when accumulate) for the rows r of every group e.
 void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, const bf16* dout, const bf16* weight,
                                           const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                          bool accumulate, cudaStream_t stream);
+                                          bool accumulate, cudaStream_t stream,
+                                          std::span<const int32_t> host_offsets = {});
 
 // dweight[E, OC, C] (fp32 or bf16): dweight[e] += Σ_{r in group e} dout[r]ᵀ · inp[r], summed in fp32 and
 // added once to the stored value (the product's epilogue reads the old value: beta = 1).
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
-                                           int64_t OC, cudaStream_t stream);
+                                           int64_t OC, cudaStream_t stream,
+                                           std::span<const int32_t> host_offsets = {});
 
 }  // namespace mf::cuda
