@@ -117,9 +117,11 @@ void launch_adamw(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int
                   const float* grad_scale, cudaStream_t stream) {
     if (n == 0) return;
     const bool vec = aligned_to(16, param, m, v, grad, param_copy);
-    // Four vectors per thread when the parameters are 16-bit (8 elements are then only 64 bytes of
-    // loads; with two the bf16 policy moved 2.9 TB/s on an H200, 68% of a device copy).
-    constexpr int kUnroll = sizeof(TP) == 2 ? 4 : 1;
+    // Two vectors per thread when the parameters are 16-bit (8 elements are then only 64 bytes of
+    // loads). On an H200 (MF_BENCH=1 test_cuda_loss_optim, 2^28 parameters) the bf16 policy took
+    // 1.28 ms with two and 2.04 ms with four; at 2.9 TB/s it is bound by the IEEE divisions and the
+    // square root of torch's formula rather than by memory.
+    constexpr int kUnroll = sizeof(TP) == 2 ? 2 : 1;
     const int64_t work = (vec ? n / 8 : n) / kUnroll;
     const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
     if (vec) {
