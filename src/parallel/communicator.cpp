@@ -58,6 +58,14 @@ void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std
     }
 }
 
+void check_broadcast_each_args(std::span<const int64_t> offsets, int size) {
+    MF_CHECK(offsets.size() == static_cast<size_t>(size) + 1, "broadcast_each: ", offsets.size(),
+             " offsets for a group of ", size, " (need size + 1)");
+    MF_CHECK(offsets[0] >= 0, "broadcast_each: negative first offset ", offsets[0]);
+    for (int r = 0; r < size; ++r)
+        MF_CHECK(offsets[r + 1] >= offsets[r], "broadcast_each: offsets decrease at rank ", r);
+}
+
 size_t checked_nbytes(int64_t count, DType dtype, const char* op) {
     MF_CHECK(count >= 0, op, ": negative element count ", count);
     const size_t elem = dtype_size(dtype);

@@ -36,6 +36,9 @@
 
 namespace mf::parallel {
 
+// broadcast_each's argument rule (size + 1 non-decreasing offsets from 0); throws mf::Error.
+void check_broadcast_each_args(std::span<const int64_t> offsets, int size);
+
 class Communicator {
  public:
     virtual ~Communicator() = default;
@@ -54,6 +57,17 @@ class Communicator {
     virtual void all_reduce_sum(void* data, int64_t count, DType dtype) = 0;
     // data[0, count) of rank `root` copied to every rank's data.
     virtual void broadcast(void* data, int64_t count, DType dtype, int root) = 0;
+    // Every rank r's piece data[offsets[r], offsets[r + 1]) copied to every rank: an in-place
+    // all-gather of uneven pieces (offsets: size() + 1 non-decreasing entries, the same on every
+    // rank). This default broadcasts the pieces one after the other; NCCL issues them as one group,
+    // so they run at the same time.
+    virtual void broadcast_each(void* data, std::span<const int64_t> offsets, DType dtype) {
+        check_broadcast_each_args(offsets, size());
+        for (int r = 0; r < size(); ++r)
+            if (offsets[r + 1] > offsets[r])
+                broadcast(static_cast<char*>(data) + offsets[r] * static_cast<int64_t>(dtype_size(dtype)),
+                          offsets[r + 1] - offsets[r], dtype, r);
+    }
     // recv[r * count + i] = send[i] of rank r; recv holds size() * count elements. send may not
     // alias recv.
     virtual void all_gather(const void* send, void* recv, int64_t count, DType dtype) = 0;

@@ -288,6 +288,23 @@ void NcclCommunicator::broadcast(void* data, int64_t count, DType dtype, int roo
     wait_nccl(op);
 }
 
+void NcclCommunicator::broadcast_each(void* data, std::span<const int64_t> offsets, DType dtype) {
+    const char* op = "broadcast_each";
+    check_broadcast_each_args(offsets, size_);
+    const size_t elem = dtype_size(dtype);
+    begin(op);
+    MF_CHECK_NCCL(ncclGroupStart());
+    for (int r = 0; r < size_; ++r) {
+        const int64_t count = offsets[r + 1] - offsets[r];
+        if (count == 0) continue;
+        checked_nbytes(count, dtype, op);
+        char* piece = static_cast<char*>(data) + static_cast<size_t>(offsets[r]) * elem;
+        MF_CHECK_NCCL(ncclBroadcast(piece, piece, static_cast<size_t>(count), nccl_type(dtype), r, comm_, stream_));
+    }
+    MF_CHECK_NCCL(ncclGroupEnd());
+    wait_nccl(op);
+}
+
 void NcclCommunicator::all_gather(const void* send, void* recv, int64_t count, DType dtype) {
     const char* op = "all_gather";
     checked_nbytes(count, dtype, op);

@@ -48,6 +48,7 @@ class NcclCommunicator final : public Communicator {
 
     void all_reduce_sum(void* data, int64_t count, DType dtype) override;
     void broadcast(void* data, int64_t count, DType dtype, int root) override;
+    void broadcast_each(void* data, std::span<const int64_t> offsets, DType dtype) override;
     void all_gather(const void* send, void* recv, int64_t count, DType dtype) override;
     void all_to_all_v(const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_offsets,
                       void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,

@@ -125,10 +125,9 @@ void AdamW::step(double lr, double grad_scale) {
     // same parameters.
     for (const Region& g : regions_) {
         if (g.group == nullptr) continue;
-        for (int r = 0; r < g.size; ++r)
-            if (g.lo(r) < g.hi(r))
-                g.group->broadcast(flat_range(params, g.lo(r), g.hi(r) - g.lo(r)).data(), g.hi(r) - g.lo(r),
-                                   model_.param_dtype(), r);
+        std::vector<int64_t> pieces(static_cast<size_t>(g.size) + 1);
+        for (int r = 0; r <= g.size; ++r) pieces[static_cast<size_t>(r)] = (r < g.size ? g.lo(r) : g.end) - g.begin;
+        g.group->broadcast_each(flat_range(params, g.begin, g.end - g.begin).data(), pieces, model_.param_dtype());
         g.group->synchronize();
     }
 }

@@ -1,7 +1,7 @@
 // NcclCommunicator on 2 GPUs (forked ranks, rendezvous on loopback): all_reduce identical on both
 // ranks and equal to the fp32 serial sum up to NCCL's order (checked bit for bit between ranks, and
 // exactly for integer-valued data), rank-coded all_to_all_v dispatch and combine with zero counts,
-// broadcast, all_gather, split, and all_reduce_sum_async on the side stream (exact on integer
+// broadcast, broadcast_each, all_gather, split, and all_reduce_sum_async on the side stream (exact on integer
 // data, one rounding for bf16 over 2 ranks). Skips (exit 77) without NCCL in the build or with fewer than 2 GPUs.
 // NOTE: the parent never touches CUDA, so that the forked ranks can initialise it.
 #include <gtest/gtest.h>
@@ -120,6 +120,17 @@ TEST(Nccl, TwoGpuCollectives) {
                                 bf16_to_f32(f32_to_bf16(0.1f * static_cast<float>(i) + 0.37f));
             rank_check(rh[i] == f32_to_bf16(exact), "async bf16 all_reduce of 2 ranks: one rounding");
         }
+        // broadcast_each (one NCCL group of broadcasts): uneven pieces, the second rank's the larger.
+        const std::vector<int64_t> pieces = {0, 1000, 300000};
+        std::vector<float> e(300000, -1.f);
+        for (int64_t i = pieces[rank]; i < pieces[rank + 1]; ++i) e[i] = static_cast<float>(7 * rank + i % 1024);
+        DeviceVector<float> de(e);
+        comm.broadcast_each(de.ptr, pieces, DType::f32);
+        comm.synchronize();
+        const auto re = de.host();
+        for (int r = 0; r < 2; ++r)
+            for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
+                rank_check(re[i] == static_cast<float>(7 * r + i % 1024), "broadcast_each element");
         auto solo = comm.split(rank, 0);
         rank_check(solo != nullptr && solo->size() == 1 && solo->rank() == 0, "split");
         comm.barrier();

@@ -161,6 +161,21 @@ TEST(Collectives, BroadcastAllGatherBarrier) {
         comm.broadcast(b.data(), 1000, DType::f32, 2);
         for (size_t i = 0; i < b.size(); ++i) rank_check(b[i] == 0.5f * i - 3.f, "broadcast element");
         comm.broadcast(b.data(), 0, DType::f32, 1);  // empty is fine
+        // broadcast_each: uneven pieces (rank 1's empty), each rank's own piece reaches every rank.
+        const std::vector<int64_t> pieces = {0, 5, 5, 12, 20};
+        std::vector<int32_t> each(20, -1);
+        for (int64_t i = pieces[me]; i < pieces[me + 1]; ++i) each[i] = 1000 * me + static_cast<int32_t>(i);
+        comm.broadcast_each(each.data(), pieces, DType::i32);
+        for (int r = 0; r < n; ++r)
+            for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
+                rank_check(each[i] == 1000 * r + static_cast<int32_t>(i), "broadcast_each element");
+        bool threw = false;
+        try {
+            comm.broadcast_each(each.data(), std::vector<int64_t>{0, 5, 4, 12, 20}, DType::i32);
+        } catch (const mf::Error&) {
+            threw = true;  // decreasing offsets are refused before any communication, on every rank
+        }
+        rank_check(threw, "broadcast_each with decreasing offsets must throw");
         std::vector<int32_t> mine(3), all(3 * n, -1);
         for (int i = 0; i < 3; ++i) mine[i] = 100 * me + i;
         comm.all_gather(mine.data(), all.data(), 3, DType::i32);
