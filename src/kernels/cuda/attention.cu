@@ -38,7 +38,6 @@ namespace {
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kTileQ = 64;     // the finest query tiling of any kernel (bounds the grids in check_shape)
 constexpr int kTileKV = 64;    // keys per tile (forward, dQ) and per block (dK/dV, 16 per warp)
-constexpr int kTileQB = 32;    // dK/dV: queries per inner tile
 constexpr int kScanPerThread = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -169,12 +168,13 @@ __device__ __forceinline__ void gemm_pv_m(float (&acc)[kMTiles][kD / 8][4], cons
 }
 
 // rows [0, num_rows) x kD of a [T, stride] matrix starting at row t0 -> tile; rows >= T zero-filled.
-template <int kD>
+// kNumThreads: the block's thread count (all of them share the copy).
+template <int kD, int kNumThreads = kThreads>
 __device__ __forceinline__ void load_rows(bf16* tile, const bf16* row0_ptr, int64_t row_stride, int rows_valid,
                                           int num_rows) {
     constexpr int kChunks = kD / 8;
     constexpr int kLd = tile_ld<kD>();
-    for (int c = static_cast<int>(threadIdx.x); c < num_rows * kChunks; c += kThreads) {
+    for (int c = static_cast<int>(threadIdx.x); c < num_rows * kChunks; c += kNumThreads) {
         const int r = c / kChunks;
         const int dc = (c % kChunks) * 8;
         const bool valid = r < rows_valid;
@@ -201,13 +201,13 @@ __device__ int block_run_start(const int32_t* doc, int t, int* scratch) {
     const int tid = static_cast<int>(threadIdx.x);
     int hi = t;
     while (true) {
-        const int lo = max(0, hi - kThreads * kScanPerThread + 1);
+        const int lo = max(0, hi - static_cast<int>(blockDim.x) * kScanPerThread + 1);
         if (tid == 0) *scratch = -1;
         __syncthreads();
         int found = -1;
 #pragma unroll
         for (int i = 0; i < kScanPerThread; ++i) {
-            const int p = lo + i * kThreads + tid;
+            const int p = lo + i * static_cast<int>(blockDim.x) + tid;
             if (p <= hi && doc[p] != id) found = max(found, p);
         }
         if (found >= 0) atomicMax(scratch, found);
@@ -228,13 +228,13 @@ __device__ int block_run_end(const int32_t* doc, int t, int T, int* scratch) {
     const int tid = static_cast<int>(threadIdx.x);
     int lo = t;
     while (true) {
-        const int hi = min(T - 1, lo + kThreads * kScanPerThread - 1);
+        const int hi = min(T - 1, lo + static_cast<int>(blockDim.x) * kScanPerThread - 1);
         if (tid == 0) *scratch = INT_MAX;
         __syncthreads();
         int found = INT_MAX;
 #pragma unroll
         for (int i = 0; i < kScanPerThread; ++i) {
-            const int p = lo + i * kThreads + tid;
+            const int p = lo + i * static_cast<int>(blockDim.x) + tid;
             if (p <= hi && doc[p] != id) found = min(found, p);
         }
         if (found != INT_MAX) atomicMin(scratch, found);
@@ -478,30 +478,50 @@ struct BwdParams {
 };
 
 // ---------------------------------------------------------------------------------------------
-// backward: dK, dV (block = 64 keys of one KV head)
+// backward: dK, dV (block = 64 keys of one KV head, 8 warps, 64-query tiles)
+//
+// Two phases per query tile, the intermediate in shared memory so that each phase gets its own warp
+// layout and no warp holds more than a quarter of the block's accumulators (two blocks of 8 warps
+// fit an SM; the earlier one-phase kernel held dK and dV for 16 keys x D per warp, 255 registers,
+// one block of 4 warps per scheduler pair, and was latency-bound):
+//   1. warp (kw, qh) = (w % 4, w / 4): Sᵀ and dPᵀ for keys 16·kw.. and queries 32·qh.. of the tile,
+//      then Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D), stored bf16 as [key][query] tiles;
+//   2. warp (kw, dh) = (w % 4, w / 4): dV += Pᵀ·dO and dK += dSᵀ·Q for keys 16·kw.. and the head-dim
+//      columns dh·D/2.., over the tile's 64 queries.
+
+constexpr int kDkvThreads = 256;
+constexpr int kDkvTileQ = 64;
+constexpr int kPLd = kDkvTileQ + 8;  // [key][query] bf16 tiles: rows 16 bytes apart mod 128
 
 template <int kD>
 constexpr int dkv_smem_bytes() {
-    return (2 * kTileKV + 4 * kTileQB) * tile_ld<kD>() * 2;
+    return (2 * kTileKV + 2 * kDkvTileQ) * tile_ld<kD>() * 2 + 2 * kTileKV * kPLd * 2;
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdParams p) {
+__global__ void __launch_bounds__(kDkvThreads, 2) attention_backward_dkv_kernel(BwdParams p) {
     constexpr int kLd = tile_ld<kD>();
+    // Phase 2 columns per warp: half the head dim (all 16 of D = 16, where the second half of the
+    // warps has no phase-2 work: the mma tiles are 16 columns wide).
+    constexpr int kCols = kD >= 32 ? kD / 2 : kD;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* k_tile = reinterpret_cast<bf16*>(smem_raw);
     bf16* v_tile = k_tile + kTileKV * kLd;
-    bf16* q_tiles = v_tile + kTileKV * kLd;        // [2][kTileQB][kLd]
-    bf16* do_tiles = q_tiles + 2 * kTileQB * kLd;  // [2][kTileQB][kLd]
-    __shared__ float lse_s[2][kTileQB];            // log2 units
-    __shared__ float delta_s[2][kTileQB];
-    __shared__ int q_doc[2][kTileQB];
+    bf16* q_tile = v_tile + kTileKV * kLd;      // [kDkvTileQ][kLd]
+    bf16* do_tile = q_tile + kDkvTileQ * kLd;   // [kDkvTileQ][kLd]
+    bf16* pt_tile = do_tile + kDkvTileQ * kLd;  // Pᵀ  [kTileKV][kPLd]
+    bf16* dst_tile = pt_tile + kTileKV * kPLd;  // dSᵀ [kTileKV][kPLd]
+    __shared__ float lse_s[kDkvTileQ];          // log2 units
+    __shared__ float delta_s[kDkvTileQ];
+    __shared__ int q_doc[kDkvTileQ];
     __shared__ int k_doc[kTileKV];
     __shared__ int scan_scratch;
 
     const int tid = static_cast<int>(threadIdx.x);
     const int lane = tid % 32;
     const int warp = tid / 32;
+    const int kw = warp % 4;  // the warp's 16 keys in both phases
+    const int qh = warp / 4;  // phase 1: its 32 queries of the tile; phase 2: its half of the head dim
     const int bh_count = p.B * p.Hkv * p.head_splits;
     // Early key tiles are seen by more queries: hand them out first.
     const int k_tile_idx = static_cast<int>(blockIdx.x) / bh_count;
@@ -521,92 +541,118 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkv_kernel(BwdPar
 
     if (tid < kTileKV) k_doc[tid] = (doc != nullptr && k0 + tid < p.T) ? doc[k0 + tid] : 0;
     const int q_last = block_run_end(doc, k_last, p.T, &scan_scratch);
-    const int qt_begin = k0 / kTileQB;
-    const int qt_count = q_last / kTileQB + 1 - qt_begin;
+    const int qt_begin = k0 / kDkvTileQ;
+    const int qt_count = q_last / kDkvTileQ + 1 - qt_begin;
     const int num_iters = group * qt_count;
 
-    auto load_q = [&](int iter, int buf) {
-        const int h = h_first + iter / qt_count;
-        const int qs = (qt_begin + iter % qt_count) * kTileQB;
-        const int64_t off = static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
-        load_rows<kD>(q_tiles + buf * kTileQB * kLd, p.q + off + qs * q_stride, q_stride, p.T - qs, kTileQB);
-        load_rows<kD>(do_tiles + buf * kTileQB * kLd, p.dout + off + qs * q_stride, q_stride, p.T - qs, kTileQB);
-        if (tid < kTileQB) {
-            const int t = qs + tid;
-            const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + t;
-            const bool in = t < p.T;
-            lse_s[buf][tid] = in ? p.lse[row] * kLog2e : 0.0f;
-            delta_s[buf][tid] = in ? p.delta[row] : 0.0f;
-            q_doc[buf][tid] = (doc != nullptr && in) ? doc[t] : 0;
-        }
-    };
-    load_rows<kD>(k_tile, p.k + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
-    load_rows<kD>(v_tile, p.v + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
-    load_q(0, 0);
-    cp_async_commit();
+    load_rows<kD, kDkvThreads>(k_tile, p.k + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
+    load_rows<kD, kDkvThreads>(v_tile, p.v + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
 
-    float dk[kD / 8][4];
-    float dv[kD / 8][4];
+    float dk[kCols / 8][4];
+    float dv[kCols / 8][4];
+    const int d0 = qh * kCols;
+    const bool has_cols = d0 < kD;
     zero(dk);
     zero(dv);
-    const int warp_k0 = k0 + warp * 16;
+    const int warp_k0 = k0 + kw * 16;
     const int row_k[2] = {warp_k0 + lane / 4, warp_k0 + lane / 4 + 8};
 
     for (int iter = 0; iter < num_iters; ++iter) {
-        const int buf = iter % 2;
-        __syncthreads();
-        if (iter + 1 < num_iters) load_q(iter + 1, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-
-        const int qs = (qt_begin + iter % qt_count) * kTileQB;
-        const bf16* q_tile = q_tiles + buf * kTileQB * kLd;
-        const bf16* do_tile = do_tiles + buf * kTileQB * kLd;
-
-        float st[kTileQB / 8][4];  // Sᵀ: 16 keys x 32 queries, then Pᵀ
-        zero(st);
-        gemm_abt<kD, kTileQB / 8>(st, k_tile, warp * 16, q_tile, lane);
-        float dpt[kTileQB / 8][4];  // dPᵀ, then dSᵀ
-        zero(dpt);
-        gemm_abt<kD, kTileQB / 8>(dpt, v_tile, warp * 16, do_tile, lane);
-
-        bool full = warp_k0 + 15 <= qs && qs + kTileQB - 1 < p.T;
-        if (doc != nullptr) {
-            const int id = k_doc[warp * 16];
-            const bool same = q_doc[buf][lane] == id && (lane >= 16 || k_doc[warp * 16 + lane] == id);
-            full = __all_sync(0xffffffffu, same) && full;
+        const int h = h_first + iter / qt_count;
+        const int qs = (qt_begin + iter % qt_count) * kDkvTileQ;
+        __syncthreads();  // every warp is done with the previous tile (phase 2 read q, dO, Pᵀ, dSᵀ)
+        {
+            const int64_t off = static_cast<int64_t>(b) * p.T * q_stride + static_cast<int64_t>(h) * kD;
+            load_rows<kD, kDkvThreads>(q_tile, p.q + off + qs * q_stride, q_stride, p.T - qs, kDkvTileQ);
+            load_rows<kD, kDkvThreads>(do_tile, p.dout + off + qs * q_stride, q_stride, p.T - qs, kDkvTileQ);
+            cp_async_commit();
+            if (tid < kDkvTileQ) {
+                const int t = qs + tid;
+                const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + t;
+                const bool in = t < p.T;
+                lse_s[tid] = in ? p.lse[row] * kLog2e : 0.0f;
+                delta_s[tid] = in ? p.delta[row] : 0.0f;
+                q_doc[tid] = (doc != nullptr && in) ? doc[t] : 0;
+            }
+            cp_async_wait<0>();
         }
+        __syncthreads();
+
+        // phase 1: this warp's 16 keys x 32 queries
+        {
+            const int q_base = qh * 32;
+            float st[4][4];  // Sᵀ, then Pᵀ
+            zero(st);
+            gemm_abt<kD, 4>(st, k_tile, kw * 16, q_tile + q_base * kLd, lane);
+            float dpt[4][4];  // dPᵀ, then dSᵀ
+            zero(dpt);
+            gemm_abt<kD, 4>(dpt, v_tile, kw * 16, do_tile + q_base * kLd, lane);
+
+            bool full = warp_k0 + 15 <= qs + q_base && qs + q_base + 31 < p.T;
+            if (doc != nullptr) {
+                const int id = k_doc[kw * 16];
+                const bool same = q_doc[q_base + lane] == id && (lane >= 16 || k_doc[kw * 16 + lane] == id);
+                full = __all_sync(0xffffffffu, same) && full;
+            }
 #pragma unroll
-        for (int nt = 0; nt < kTileQB / 8; ++nt) {
+            for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int q_local = nt * 8 + (lane % 4) * 2 + (c & 1);
-                bool allowed = true;
-                if (!full) {
-                    const int qpos = qs + q_local;
-                    const int key = row_k[c / 2];
-                    allowed = key <= qpos && qpos < p.T;
-                    if (doc != nullptr) allowed = allowed && q_doc[buf][q_local] == k_doc[key - k0];
+                for (int c = 0; c < 4; ++c) {
+                    const int q_local = q_base + nt * 8 + (lane % 4) * 2 + (c & 1);
+                    bool allowed = true;
+                    if (!full) {
+                        const int qpos = qs + q_local;
+                        const int key = row_k[c / 2];
+                        allowed = key <= qpos && qpos < p.T;
+                        if (doc != nullptr) allowed = allowed && q_doc[q_local] == k_doc[key - k0];
+                    }
+                    const float prob = allowed ? exp2f(st[nt][c] * p.scale_log2 - lse_s[q_local]) : 0.0f;
+                    st[nt][c] = prob;
+                    dpt[nt][c] = prob * (dpt[nt][c] - delta_s[q_local]);
                 }
-                const float prob = allowed ? exp2f(st[nt][c] * p.scale_log2 - lse_s[buf][q_local]) : 0.0f;
-                st[nt][c] = prob;
-                dpt[nt][c] = prob * (dpt[nt][c] - delta_s[buf][q_local]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int at = (kw * 16 + lane / 4 + 8 * r) * kPLd + q_base + nt * 8 + (lane % 4) * 2;
+                    *reinterpret_cast<__nv_bfloat162*>(pt_tile + at) =
+                        __floats2bfloat162_rn(st[nt][2 * r], st[nt][2 * r + 1]);
+                    *reinterpret_cast<__nv_bfloat162*>(dst_tile + at) =
+                        __floats2bfloat162_rn(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+                }
             }
         }
-        gemm_pv<kD, kTileQB / 16>(dv, st, do_tile, lane);
-        gemm_pv<kD, kTileQB / 16>(dk, dpt, q_tile, lane);
+        __syncthreads();
+
+        // phase 2: dV += Pᵀ·dO, dK += dSᵀ·Q for this warp's 16 keys x kCols columns, over 64 queries
+        if (!has_cols) continue;
+#pragma unroll
+        for (int kk = 0; kk < kDkvTileQ / 16; ++kk) {
+            uint32_t a_p[4], a_ds[4];
+            load_a(a_p, pt_tile, kPLd, kw * 16, kk * 16, lane);
+            load_a(a_ds, dst_tile, kPLd, kw * 16, kk * 16, lane);
+#pragma unroll
+            for (int dp = 0; dp < kCols / 16; ++dp) {
+                uint32_t r[4];
+                load_b_kn(r, do_tile, kLd, d0 + dp * 16, kk * 16, lane);
+                mma_bf16(dv[2 * dp], a_p, r[0], r[1]);
+                mma_bf16(dv[2 * dp + 1], a_p, r[2], r[3]);
+                load_b_kn(r, q_tile, kLd, d0 + dp * 16, kk * 16, lane);
+                mma_bf16(dk[2 * dp], a_ds, r[0], r[1]);
+                mma_bf16(dk[2 * dp + 1], a_ds, r[2], r[3]);
+            }
+        }
     }
-    cp_async_wait<0>();
 
     const int64_t part_off = static_cast<int64_t>(split) * p.B * p.T * kv_stride;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = row_k[r];
-        if (key >= p.T) continue;
-        const int64_t off = kv_off + static_cast<int64_t>(key) * kv_stride;
+        if (key >= p.T || !has_cols) continue;
+        const int64_t off = kv_off + static_cast<int64_t>(key) * kv_stride + d0;
 #pragma unroll
-        for (int dn = 0; dn < kD / 8; ++dn) {
+        for (int dn = 0; dn < kCols / 8; ++dn) {
             const int col = dn * 8 + (lane % 4) * 2;
             if (p.head_splits > 1) {
                 *reinterpret_cast<float2*>(p.dk_part + part_off + off + col) = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
@@ -866,7 +912,7 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
     MF_CHECK_CUDA(
         cudaFuncSetAttribute(attention_backward_dq_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDq));
     const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv * p.head_splits;
-    attention_backward_dkv_kernel<kD><<<static_cast<unsigned>(dkv_blocks), kThreads, kSmemDkv, stream>>>(p);
+    attention_backward_dkv_kernel<kD><<<static_cast<unsigned>(dkv_blocks), kDkvThreads, kSmemDkv, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
     if (p.head_splits > 1) {
         const int64_t n = static_cast<int64_t>(p.B) * p.T * p.Hkv * kD;
