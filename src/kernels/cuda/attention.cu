@@ -13,7 +13,7 @@
 //           Sᵀ = K·Qᵀ, Pᵀ = exp2(x − lse), dPᵀ = V·dOᵀ, dSᵀ = Pᵀ∘(dPᵀ − D), dV += Pᵀ·dO, dK += dSᵀ·Q;
 //           with the heads split, each share's fp32 sums go to the workspace and a last kernel adds
 //           them in share order;
-//   dQ      a block owns 128 queries of one head (32 per warp) and loops over its 32-key tiles:
+//   dQ      a block owns 64 queries of one head (16 per warp) and loops over its 64-key tiles:
 //           S, P, dP = dO·Vᵀ, dS = P∘(dP − D), dQ += dS·K.
 // Every sum runs in a fixed order, so results are bitwise reproducible. Tiles are chosen from the
 // allowed key range [run_start(t), t] (documents are contiguous runs); inside a tile that is not
@@ -691,29 +691,29 @@ __global__ void attention_dkv_reduce_kernel(bf16* dk, bf16* dv, const float* dk_
 }
 
 // ---------------------------------------------------------------------------------------------
-// backward: dQ (block = 128 queries of one head, 32 per warp as two 16-row mma tiles, like the
-// forward: every K/V fragment read from shared memory feeds two mma instructions)
+// backward: dQ (block = 64 queries of one head, 16 per warp; 64-key tiles, single-buffered, so that
+// three blocks share an SM: the kernel is latency-bound, and more warps per scheduler beat the
+// prefetch of a second buffer)
 
-constexpr int kDqTileQ = 128;
-constexpr int kDqTileKV = 32;
-constexpr int kDqMTiles = 2;
+constexpr int kDqTileQ = 64;
+constexpr int kDqTileKV = 64;
 
 template <int kD>
 constexpr int dq_smem_bytes() {
-    return (2 * kDqTileQ + 4 * kDqTileKV) * tile_ld<kD>() * 2;
+    return (2 * kDqTileQ + 2 * kDqTileKV) * tile_ld<kD>() * 2;
 }
 
 template <int kD>
-__global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(BwdParams p) {
+__global__ void __launch_bounds__(kThreads, 3) attention_backward_dq_kernel(BwdParams p) {
     constexpr int kLd = tile_ld<kD>();
     constexpr int kNTiles = kDqTileKV / 8;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* q_tile = reinterpret_cast<bf16*>(smem_raw);
     bf16* do_tile = q_tile + kDqTileQ * kLd;
-    bf16* k_tiles = do_tile + kDqTileQ * kLd;       // [2][kDqTileKV][kLd]
-    bf16* v_tiles = k_tiles + 2 * kDqTileKV * kLd;  // [2][kDqTileKV][kLd]
+    bf16* k_tile = do_tile + kDqTileQ * kLd;
+    bf16* v_tile = k_tile + kDqTileKV * kLd;
     __shared__ int q_doc[kDqTileQ];
-    __shared__ int kv_doc[2][kDqTileKV];
+    __shared__ int kv_doc[kDqTileKV];
     __shared__ int scan_scratch;
 
     const int tid = static_cast<int>(threadIdx.x);
@@ -737,105 +737,81 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(BwdPara
     const bf16* v_base = p.v + static_cast<int64_t>(b) * p.T * kv_stride + static_cast<int64_t>(hk) * kD;
     const int32_t* doc = p.doc_ids != nullptr ? p.doc_ids + static_cast<int64_t>(b) * p.T : nullptr;
 
-    for (int i = tid; i < kDqTileQ; i += kThreads) q_doc[i] = (doc != nullptr && q0 + i < p.T) ? doc[q0 + i] : 0;
+    if (tid < kDqTileQ) q_doc[tid] = (doc != nullptr && q0 + tid < p.T) ? doc[q0 + tid] : 0;
     const int kv_first = block_run_start(doc, q0, &scan_scratch);
     const int tile_begin = kv_first / kDqTileKV;
     const int tile_end = (q_end + kDqTileKV - 1) / kDqTileKV;
 
-    auto load_kv = [&](int tile, int buf) {
-        const int kv0 = tile * kDqTileKV;
-        load_rows<kD>(k_tiles + buf * kDqTileKV * kLd, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kDqTileKV);
-        load_rows<kD>(v_tiles + buf * kDqTileKV * kLd, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kDqTileKV);
-        if (tid < kDqTileKV) kv_doc[buf][tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
-    };
     load_rows<kD>(q_tile, p.q + q_off + q0 * q_stride, q_stride, p.T - q0, kDqTileQ);
     load_rows<kD>(do_tile, p.dout + q_off + q0 * q_stride, q_stride, p.T - q0, kDqTileQ);
-    load_kv(tile_begin, 0);
-    cp_async_commit();
 
-    const int warp_q0 = q0 + warp * 16 * kDqMTiles;
-    const int lane_q0 = warp_q0 + lane / 4;  // query of this lane's row r of m tile mt: lane_q0 + 16·mt + 8·r
-    float lse2[kDqMTiles][2], delta[kDqMTiles][2];
+    const int warp_q0 = q0 + warp * 16;
+    const int row_q[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+    float lse2[2], delta[2];
 #pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int qpos = lane_q0 + mt * 16 + r * 8;
-            const bool in = qpos < p.T;
-            const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + qpos;
-            lse2[mt][r] = in ? p.lse[row] * kLog2e : 0.0f;
-            delta[mt][r] = in ? p.delta[row] : 0.0f;
-        }
+    for (int r = 0; r < 2; ++r) {
+        const bool in = row_q[r] < p.T;
+        const int64_t row = (static_cast<int64_t>(b) * p.Hq + h) * p.T + row_q[r];
+        lse2[r] = in ? p.lse[row] * kLog2e : 0.0f;
+        delta[r] = in ? p.delta[row] : 0.0f;
     }
-    float dq[kDqMTiles][kD / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) zero(dq[mt]);
+    float dq[kD / 8][4];
+    zero(dq);
 
     for (int tile = tile_begin; tile < tile_end; ++tile) {
-        const int buf = (tile - tile_begin) % 2;
-        __syncthreads();  // every warp is done with the buffer the prefetch overwrites
-        if (tile + 1 < tile_end) load_kv(tile + 1, buf ^ 1);
+        const int kv0 = tile * kDqTileKV;
+        __syncthreads();  // every warp is done with the previous K/V tile
+        load_rows<kD>(k_tile, k_base + kv0 * kv_stride, kv_stride, p.T - kv0, kDqTileKV);
+        load_rows<kD>(v_tile, v_base + kv0 * kv_stride, kv_stride, p.T - kv0, kDqTileKV);
         cp_async_commit();
-        cp_async_wait<1>();
+        if (tid < kDqTileKV) kv_doc[tid] = (doc != nullptr && kv0 + tid < p.T) ? doc[kv0 + tid] : 0;
+        cp_async_wait<0>();
         __syncthreads();
 
-        const int kv0 = tile * kDqTileKV;
-        const bf16* k_tile = k_tiles + buf * kDqTileKV * kLd;
-        const bf16* v_tile = v_tiles + buf * kDqTileKV * kLd;
-        float s[kDqMTiles][kNTiles][4];  // S, then P
-        float dp[kDqMTiles][kNTiles][4];  // dP, then dS
-#pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt) {
-            zero(s[mt]);
-            zero(dp[mt]);
-        }
-        gemm_abt_m<kD, kDqMTiles, kNTiles>(s, q_tile, warp * 16 * kDqMTiles, k_tile, lane);
-        gemm_abt_m<kD, kDqMTiles, kNTiles>(dp, do_tile, warp * 16 * kDqMTiles, v_tile, lane);
+        float s[kNTiles][4];  // S, then P
+        zero(s);
+        gemm_abt<kD, kNTiles>(s, q_tile, warp * 16, k_tile, lane);
+        float dp[kNTiles][4];  // dP, then dS
+        zero(dp);
+        gemm_abt<kD, kNTiles>(dp, do_tile, warp * 16, v_tile, lane);
 
-        // No mask when all keys of the tile precede all 32 queries of the warp, the queries exist
-        // and every doc id involved is the same.
-        bool full = kv0 + kDqTileKV - 1 <= warp_q0 && warp_q0 + 16 * kDqMTiles - 1 < p.T;
+        bool full = kv0 + kDqTileKV - 1 <= warp_q0 && warp_q0 + 15 < p.T;
         if (doc != nullptr) {
-            const int id = q_doc[warp * 16 * kDqMTiles];
-            const bool same = kv_doc[buf][lane] == id && q_doc[warp * 16 * kDqMTiles + lane] == id;
+            const int id = q_doc[warp * 16];
+            const bool same = kv_doc[lane] == id && kv_doc[lane + 32] == id &&
+                              (lane >= 16 || q_doc[warp * 16 + lane] == id);
             full = __all_sync(0xffffffffu, same) && full;
         }
 #pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt) {
+        for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    bool allowed = true;
-                    if (!full) {
-                        const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
-                        const int key = kv0 + key_local;
-                        const int qpos = lane_q0 + mt * 16 + (c / 2) * 8;
-                        allowed = key <= qpos && qpos < p.T;
-                        if (doc != nullptr) allowed = allowed && kv_doc[buf][key_local] == q_doc[qpos - q0];
-                    }
-                    const float prob = allowed ? exp2f(s[mt][nt][c] * p.scale_log2 - lse2[mt][c / 2]) : 0.0f;
-                    dp[mt][nt][c] = prob * (dp[mt][nt][c] - delta[mt][c / 2]);
+            for (int c = 0; c < 4; ++c) {
+                bool allowed = true;
+                if (!full) {
+                    const int key_local = nt * 8 + (lane % 4) * 2 + (c & 1);
+                    const int key = kv0 + key_local;
+                    const int qpos = row_q[c / 2];
+                    allowed = key <= qpos && qpos < p.T;
+                    if (doc != nullptr) allowed = allowed && kv_doc[key_local] == q_doc[qpos - q0];
                 }
+                const float prob = allowed ? exp2f(s[nt][c] * p.scale_log2 - lse2[c / 2]) : 0.0f;
+                dp[nt][c] = prob * (dp[nt][c] - delta[c / 2]);
             }
         }
-        gemm_pv_m<kD, kDqMTiles, kDqTileKV / 16>(dq, dp, k_tile, lane);
+        gemm_pv<kD, kDqTileKV / 16>(dq, dp, k_tile, lane);
     }
     cp_async_wait<0>();
 
 #pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) {
+    for (int r = 0; r < 2; ++r) {
+        const int qpos = row_q[r];
+        if (qpos >= p.T) continue;
+        bf16* dq_row = p.dq + q_off + static_cast<int64_t>(qpos) * q_stride;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int qpos = lane_q0 + mt * 16 + r * 8;
-            if (qpos >= p.T) continue;
-            bf16* dq_row = p.dq + q_off + static_cast<int64_t>(qpos) * q_stride;
-#pragma unroll
-            for (int dn = 0; dn < kD / 8; ++dn) {
-                const int col = dn * 8 + (lane % 4) * 2;
-                *reinterpret_cast<__nv_bfloat162*>(dq_row + col) =
-                    __floats2bfloat162_rn(dq[mt][dn][2 * r] * p.scale, dq[mt][dn][2 * r + 1] * p.scale);
-            }
+        for (int dn = 0; dn < kD / 8; ++dn) {
+            const int col = dn * 8 + (lane % 4) * 2;
+            *reinterpret_cast<__nv_bfloat162*>(dq_row + col) =
+                __floats2bfloat162_rn(dq[dn][2 * r] * p.scale, dq[dn][2 * r + 1] * p.scale);
         }
     }
 }
@@ -911,6 +887,11 @@ void launch_backward(const BwdParams& p, cudaStream_t stream) {
         cudaFuncSetAttribute(attention_backward_dkv_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDkv));
     MF_CHECK_CUDA(
         cudaFuncSetAttribute(attention_backward_dq_kernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemDq));
+    // The whole unified memory as shared memory, so that the blocks the registers allow all fit.
+    for (const void* kernel : {reinterpret_cast<const void*>(attention_backward_dkv_kernel<kD>),
+                               reinterpret_cast<const void*>(attention_backward_dq_kernel<kD>)})
+        MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
     const int64_t dkv_blocks = static_cast<int64_t>((p.T + kTileKV - 1) / kTileKV) * p.B * p.Hkv * p.head_splits;
     attention_backward_dkv_kernel<kD><<<static_cast<unsigned>(dkv_blocks), kDkvThreads, kSmemDkv, stream>>>(p);
     MF_CHECK_CUDA(cudaGetLastError());
