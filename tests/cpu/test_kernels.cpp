@@ -950,6 +950,28 @@ TEST(AdamW, ThreeStepsMatchTorchFormula) {
         mf::Error);
 }
 
+// grad_scale s (the fused clipping factor): the same update as on gradients multiplied by s in fp32
+// first, bit for bit (what clipping in place before the step gave).
+TEST(AdamW, GradScaleEqualsScaledGradients) {
+    std::mt19937 rng(24);
+    const int64_t n = 257;
+    FloatVec p = random_vec(rng, n), m(n, 0.0f), v(n, 0.0f);
+    FloatVec q = p, mq = m, vq = v;
+    for (int64_t step = 1; step <= 3; ++step) {
+        const FloatVec g = random_vec(rng, n, -2.0f, 2.0f);
+        const float s = 0.37f + 0.2f * static_cast<float>(step);
+        FloatVec g_scaled = g;
+        for (float& x : g_scaled) x *= s;
+        AdamWParams fused{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step, s};
+        adamw_update(p.data(), m.data(), v.data(), g.data(), n, fused);
+        AdamWParams plain{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, step};
+        adamw_update(q.data(), mq.data(), vq.data(), g_scaled.data(), n, plain);
+    }
+    EXPECT_EQ(std::memcmp(p.data(), q.data(), n * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(m.data(), mq.data(), n * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(v.data(), vq.data(), n * sizeof(float)), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // reduce
 

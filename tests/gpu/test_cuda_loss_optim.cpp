@@ -167,8 +167,10 @@ TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
 // ---------------------------------------------------------------------------------------------
 // AdamW
 
+// The third multiplies the gradients by a host grad_scale (the fused clipping factor) first.
 const mf::cpu::AdamWParams kAdamWConfigs[] = {{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1},
-                                              {3e-2f, 0.3f, 0.95f, 1e-6f, 0.0f, 1}};
+                                              {3e-2f, 0.3f, 0.95f, 1e-6f, 0.0f, 1},
+                                              {2e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 0.61f}};
 
 TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
     std::mt19937 rng(32);
@@ -180,7 +182,8 @@ TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
                         const std::string name = std::string("adamw mixed grads ") + mf::dtype_name(grad_dtype) +
                                                  (scaled ? " scaled" : "") + " n=" + std::to_string(n) +
                                                  " offset=" + std::to_string(offset) +
-                                                 " beta1=" + std::to_string(config.beta1);
+                                                 " beta1=" + std::to_string(config.beta1) +
+                                                 " grad_scale=" + std::to_string(config.grad_scale);
                         const size_t sz = static_cast<size_t>(n);
                         std::vector<float> p = random_f32(rng, sz), m(sz, 0.0f), v(sz, 0.0f);
                         DeviceBuffer d_p((sz + 1) * 4), d_m((sz + 1) * 4), d_v((sz + 1) * 4), d_g((sz + 1) * 4),
@@ -230,7 +233,8 @@ TEST(CudaAdamW, Bf16PolicyMatchesCpuBitForBit) {
         for (const int64_t offset : {int64_t{0}, int64_t{1}}) {
             for (const auto& config : kAdamWConfigs) {
                 const std::string name = "adamw bf16 n=" + std::to_string(n) + " offset=" + std::to_string(offset) +
-                                         " beta1=" + std::to_string(config.beta1);
+                                         " beta1=" + std::to_string(config.beta1) +
+                                         " grad_scale=" + std::to_string(config.grad_scale);
                 const size_t sz = static_cast<size_t>(n);
                 std::vector<float> p = random_bf16(rng, sz), m(sz, 0.0f), v(sz, 0.0f);
                 DeviceBuffer d_p((sz + 1) * 2), d_m((sz + 1) * 2), d_v((sz + 1) * 2), d_g((sz + 1) * 2);

@@ -59,54 +59,137 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
     p = __fadd_rn(p_decayed, __fmul_rn(c.neg_step_size, __fdiv_rn(m, denom)));
 }
 
+// Elements n - n % kVec .. n - 1 (the part no vector covers), one per thread of block 0.
+template <int kVec, typename TP, typename TS, typename TG>
+__device__ __forceinline__ void adamw_tail(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n,
+                                           const AdamWConstants& c, const float* grad_scale) {
+    const int64_t tail = n / kVec * kVec + threadIdx.x;
+    if (blockIdx.x != 0 || tail >= n) return;
+    float pf = detail::to_f32(param[tail]), mf = detail::to_f32(m[tail]), vf = detail::to_f32(v[tail]);
+    float gf = __fmul_rn(detail::to_f32(grad[tail]), c.grad_mul);
+    if (grad_scale != nullptr) gf = __fmul_rn(gf, *grad_scale);
+    adamw_element(pf, mf, vf, gf, c);
+    param[tail] = detail::from_f32<TP>(pf);
+    m[tail] = detail::from_f32<TS>(mf);
+    v[tail] = detail::from_f32<TS>(vf);
+    if (param_copy != nullptr) param_copy[tail] = __float2bfloat16_rn(pf);
+}
+
+// One element at a time (buffers not all 16-byte aligned).
+template <typename TP, typename TS, typename TG>
+__global__ void adamw_scalar_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n,
+                                    AdamWConstants c, const float* grad_scale) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float pf = detail::to_f32(param[i]), mf = detail::to_f32(m[i]), vf = detail::to_f32(v[i]);
+        float gf = __fmul_rn(detail::to_f32(grad[i]), c.grad_mul);
+        if (grad_scale != nullptr) gf = __fmul_rn(gf, *grad_scale);
+        adamw_element(pf, mf, vf, gf, c);
+        param[i] = detail::from_f32<TP>(pf);
+        m[i] = detail::from_f32<TS>(mf);
+        v[i] = detail::from_f32<TS>(vf);
+        if (param_copy != nullptr) param_copy[i] = __float2bfloat16_rn(pf);
+    }
+}
+
+// Eight elements of T as the 16-byte words they were loaded in, converted one element at a time
+// where they are used: a bf16 vector occupies 4 registers instead of 8 floats, so the bf16 policy's
+// kernel holds 16 elements of 4 buffers in flight per thread in ~32 registers (with the vectors
+// converted at load it needed 96 registers: two blocks per SM).
+template <typename T>
+struct Words8;
+template <>
+struct Words8<bf16> {
+    uint4 w;
+    __device__ __forceinline__ void load(const bf16* p) { w = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void store(bf16* p) const { *reinterpret_cast<uint4*>(p) = w; }
+    __device__ __forceinline__ uint32_t& word(int e) { return e < 2 ? w.x : e < 4 ? w.y : e < 6 ? w.z : w.w; }
+    __device__ __forceinline__ float get(int e) {
+        const uint32_t x = word(e);
+        return __uint_as_float(e % 2 == 0 ? x << 16 : x & 0xffff0000u);
+    }
+    // Elements e, e + 1 (e even), rounded to nearest even as __float2bfloat16_rn rounds.
+    __device__ __forceinline__ void set2(int e, float lo, float hi) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        word(e) = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+};
+template <>
+struct Words8<float> {
+    float4 a, b;
+    __device__ __forceinline__ void load(const float* p) {
+        a = reinterpret_cast<const float4*>(p)[0];
+        b = reinterpret_cast<const float4*>(p)[1];
+    }
+    __device__ __forceinline__ void store(float* p) const {
+        reinterpret_cast<float4*>(p)[0] = a;
+        reinterpret_cast<float4*>(p)[1] = b;
+    }
+    __device__ __forceinline__ float& at(int e) {
+        float4& q = e < 4 ? a : b;
+        const int k = e % 4;
+        return k == 0 ? q.x : k == 1 ? q.y : k == 2 ? q.z : q.w;
+    }
+    __device__ __forceinline__ float get(int e) { return at(e); }
+    __device__ __forceinline__ void set2(int e, float lo, float hi) {
+        at(e) = lo;
+        at(e + 1) = hi;
+    }
+};
+
 // TP: param storage (master) type; TS: m, v storage type; TG: gradient type. param_copy: optional bf16.
-// kUnroll vectors (i, i + stride, ...) per thread and iteration: all loads are issued before any
+// kUnroll vectors of 8 (i, i + stride, ...) per thread and iteration: all loads are issued before any
 // store, so that enough bytes are in flight when each vector is small (the bf16 policy).
-template <int kVec, int kUnroll, typename TP, typename TS, typename TG>
-__global__ void adamw_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n, AdamWConstants c,
-                             const float* grad_scale) {
+template <int kUnroll, typename TP, typename TS, typename TG>
+__global__ void adamw_vec8_kernel(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int64_t n,
+                                  AdamWConstants c, const float* grad_scale) {
     const float gs = grad_scale != nullptr ? *grad_scale : 1.0f;
     const bool scaled = grad_scale != nullptr;
-    const int64_t num_vec = n / kVec;
+    const int64_t num_vec = n / 8;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec; i += kUnroll * stride) {
-        float pf[kUnroll][kVec], mf[kUnroll][kVec], vf[kUnroll][kVec], gf[kUnroll][kVec];
+        Words8<TP> pw[kUnroll];
+        Words8<TS> mw[kUnroll], vw[kUnroll];
+        Words8<TG> gw[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            const int64_t at = (i + u * stride) * kVec;
+            const int64_t at = (i + u * stride) * 8;
             if (i + u * stride < num_vec) {
-                detail::load_f32<kVec>(pf[u], param + at);
-                detail::load_f32<kVec>(mf[u], m + at);
-                detail::load_f32<kVec>(vf[u], v + at);
-                detail::load_f32<kVec>(gf[u], grad + at);
+                pw[u].load(param + at);
+                mw[u].load(m + at);
+                vw[u].load(v + at);
+                gw[u].load(grad + at);
             }
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-            const int64_t at = (i + u * stride) * kVec;
+            const int64_t at = (i + u * stride) * 8;
             if (i + u * stride < num_vec) {
+                Words8<bf16> copy;
 #pragma unroll
-                for (int e = 0; e < kVec; ++e) {
-                    const float g = __fmul_rn(gf[u][e], c.grad_mul);
-                    adamw_element(pf[u][e], mf[u][e], vf[u][e], scaled ? __fmul_rn(g, gs) : g, c);
+                for (int e = 0; e < 8; e += 2) {
+                    float pf[2], mf[2], vf[2];
+#pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        pf[k] = pw[u].get(e + k);
+                        mf[k] = mw[u].get(e + k);
+                        vf[k] = vw[u].get(e + k);
+                        const float g = __fmul_rn(gw[u].get(e + k), c.grad_mul);
+                        adamw_element(pf[k], mf[k], vf[k], scaled ? __fmul_rn(g, gs) : g, c);
+                    }
+                    pw[u].set2(e, pf[0], pf[1]);
+                    mw[u].set2(e, mf[0], mf[1]);
+                    vw[u].set2(e, vf[0], vf[1]);
+                    copy.set2(e, pf[0], pf[1]);
                 }
-                detail::store_f32<kVec>(param + at, pf[u]);
-                detail::store_f32<kVec>(m + at, mf[u]);
-                detail::store_f32<kVec>(v + at, vf[u]);
-                if (param_copy != nullptr) detail::store_f32<kVec>(param_copy + at, pf[u]);
+                pw[u].store(param + at);
+                mw[u].store(m + at);
+                vw[u].store(v + at);
+                if (param_copy != nullptr) copy.store(param_copy + at);
             }
         }
     }
-    const int64_t tail = num_vec * kVec + threadIdx.x;
-    if (blockIdx.x == 0 && tail < n) {
-        float pf = detail::to_f32(param[tail]), mf = detail::to_f32(m[tail]), vf = detail::to_f32(v[tail]);
-        const float gf = __fmul_rn(detail::to_f32(grad[tail]), c.grad_mul);
-        adamw_element(pf, mf, vf, scaled ? __fmul_rn(gf, gs) : gf, c);
-        param[tail] = detail::from_f32<TP>(pf);
-        m[tail] = detail::from_f32<TS>(mf);
-        v[tail] = detail::from_f32<TS>(vf);
-        if (param_copy != nullptr) param_copy[tail] = __float2bfloat16_rn(pf);
-    }
+    adamw_tail<8>(param, m, v, grad, param_copy, n, c, grad_scale);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -117,17 +200,15 @@ void launch_adamw(TP* param, TS* m, TS* v, const TG* grad, bf16* param_copy, int
                   const float* grad_scale, cudaStream_t stream) {
     if (n == 0) return;
     const bool vec = aligned_to(16, param, m, v, grad, param_copy);
-    // Two vectors per thread when the parameters are 16-bit (8 elements are then only 64 bytes of
-    // loads). On an H200 (MF_BENCH=1 test_cuda_loss_optim, 2^28 parameters) the bf16 policy took
-    // 1.28 ms with two and 2.04 ms with four; at 2.9 TB/s it is bound by the IEEE divisions and the
-    // square root of torch's formula rather than by memory.
+    // Two vectors of 8 per thread when the parameters are 16-bit (8 elements are then only 64 bytes of
+    // loads), one for fp32 masters.
     constexpr int kUnroll = sizeof(TP) == 2 ? 2 : 1;
-    const int64_t work = (vec ? n / 8 : n) / kUnroll;
+    const int64_t work = (vec ? n / 8 : n) / (vec ? kUnroll : 1);
     const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
     if (vec) {
-        adamw_kernel<8, kUnroll><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+        adamw_vec8_kernel<kUnroll><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
     } else {
-        adamw_kernel<1, 1><<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
+        adamw_scalar_kernel<<<blocks, kThreads, 0, stream>>>(param, m, v, grad, param_copy, n, c, grad_scale);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }
