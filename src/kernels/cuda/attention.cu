@@ -486,8 +486,9 @@ struct BwdParams {
 // one block of 4 warps per scheduler pair, and was latency-bound):
 //   1. warp (kw, qh) = (w % 4, w / 4): Sᵀ and dPᵀ for keys 16·kw.. and queries 32·qh.. of the tile,
 //      then Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − D), stored bf16 as [key][query] tiles;
-//   2. warp (kw, dh) = (w % 4, w / 4): dV += Pᵀ·dO and dK += dSᵀ·Q for keys 16·kw.. and the head-dim
-//      columns dh·D/2.., over the tile's 64 queries.
+//   2. warp (kp, dc) = (w % 2, w / 2): dV += Pᵀ·dO and dK += dSᵀ·Q for keys 32·kp.. (two mma row
+//      tiles, so every dO / Q fragment feeds two mma) and the head-dim columns dc·D/4.., over the
+//      tile's 64 queries.
 
 constexpr int kDkvThreads = 256;
 constexpr int kDkvTileQ = 64;
@@ -501,9 +502,9 @@ constexpr int dkv_smem_bytes() {
 template <int kD>
 __global__ void __launch_bounds__(kDkvThreads, 2) attention_backward_dkv_kernel(BwdParams p) {
     constexpr int kLd = tile_ld<kD>();
-    // Phase 2 columns per warp: half the head dim (all 16 of D = 16, where the second half of the
-    // warps has no phase-2 work: the mma tiles are 16 columns wide).
-    constexpr int kCols = kD >= 32 ? kD / 2 : kD;
+    // Phase 2 columns per warp: a quarter of the head dim, at least 16 (the mma tiles are 16 columns
+    // wide; for D = 16 and 32 the warps past the head dim have no phase-2 work).
+    constexpr int kCols = kD >= 64 ? kD / 4 : 16;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf16* k_tile = reinterpret_cast<bf16*>(smem_raw);
     bf16* v_tile = k_tile + kTileKV * kLd;
@@ -548,12 +549,16 @@ __global__ void __launch_bounds__(kDkvThreads, 2) attention_backward_dkv_kernel(
     load_rows<kD, kDkvThreads>(k_tile, p.k + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
     load_rows<kD, kDkvThreads>(v_tile, p.v + kv_off + k0 * kv_stride, kv_stride, p.T - k0, kTileKV);
 
-    float dk[kCols / 8][4];
-    float dv[kCols / 8][4];
-    const int d0 = qh * kCols;
+    const int kp = warp % 2;  // phase 2: keys 32·kp..
+    const int d0 = (warp / 2) * kCols;
     const bool has_cols = d0 < kD;
-    zero(dk);
-    zero(dv);
+    float dk[2][kCols / 8][4];
+    float dv[2][kCols / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        zero(dk[mt]);
+        zero(dv[mt]);
+    }
     const int warp_k0 = k0 + kw * 16;
     const int row_k[2] = {warp_k0 + lane / 4, warp_k0 + lane / 4 + 8};
 
@@ -625,43 +630,56 @@ __global__ void __launch_bounds__(kDkvThreads, 2) attention_backward_dkv_kernel(
         }
         __syncthreads();
 
-        // phase 2: dV += Pᵀ·dO, dK += dSᵀ·Q for this warp's 16 keys x kCols columns, over 64 queries
+        // phase 2: dV += Pᵀ·dO, dK += dSᵀ·Q for this warp's 32 keys x kCols columns, over 64 queries
         if (!has_cols) continue;
 #pragma unroll
         for (int kk = 0; kk < kDkvTileQ / 16; ++kk) {
-            uint32_t a_p[4], a_ds[4];
-            load_a(a_p, pt_tile, kPLd, kw * 16, kk * 16, lane);
-            load_a(a_ds, dst_tile, kPLd, kw * 16, kk * 16, lane);
+            uint32_t a_p[2][4], a_ds[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                load_a(a_p[mt], pt_tile, kPLd, kp * 32 + mt * 16, kk * 16, lane);
+                load_a(a_ds[mt], dst_tile, kPLd, kp * 32 + mt * 16, kk * 16, lane);
+            }
 #pragma unroll
             for (int dp = 0; dp < kCols / 16; ++dp) {
                 uint32_t r[4];
                 load_b_kn(r, do_tile, kLd, d0 + dp * 16, kk * 16, lane);
-                mma_bf16(dv[2 * dp], a_p, r[0], r[1]);
-                mma_bf16(dv[2 * dp + 1], a_p, r[2], r[3]);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_bf16(dv[mt][2 * dp], a_p[mt], r[0], r[1]);
+                    mma_bf16(dv[mt][2 * dp + 1], a_p[mt], r[2], r[3]);
+                }
                 load_b_kn(r, q_tile, kLd, d0 + dp * 16, kk * 16, lane);
-                mma_bf16(dk[2 * dp], a_ds, r[0], r[1]);
-                mma_bf16(dk[2 * dp + 1], a_ds, r[2], r[3]);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_bf16(dk[mt][2 * dp], a_ds[mt], r[0], r[1]);
+                    mma_bf16(dk[mt][2 * dp + 1], a_ds[mt], r[2], r[3]);
+                }
             }
         }
     }
 
     const int64_t part_off = static_cast<int64_t>(split) * p.B * p.T * kv_stride;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = row_k[r];
-        if (key >= p.T || !has_cols) continue;
-        const int64_t off = kv_off + static_cast<int64_t>(key) * kv_stride + d0;
+    for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-        for (int dn = 0; dn < kCols / 8; ++dn) {
-            const int col = dn * 8 + (lane % 4) * 2;
-            if (p.head_splits > 1) {
-                *reinterpret_cast<float2*>(p.dk_part + part_off + off + col) = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
-                *reinterpret_cast<float2*>(p.dv_part + part_off + off + col) = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
-            } else {
-                *reinterpret_cast<__nv_bfloat162*>(p.dk + off + col) =
-                    __floats2bfloat162_rn(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
-                *reinterpret_cast<__nv_bfloat162*>(p.dv + off + col) =
-                    __floats2bfloat162_rn(dv[dn][2 * r], dv[dn][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+            const int key = k0 + kp * 32 + mt * 16 + lane / 4 + 8 * r;
+            if (key >= p.T || !has_cols) continue;
+            const int64_t off = kv_off + static_cast<int64_t>(key) * kv_stride + d0;
+#pragma unroll
+            for (int dn = 0; dn < kCols / 8; ++dn) {
+                const int col = dn * 8 + (lane % 4) * 2;
+                const float* k2 = &dk[mt][dn][2 * r];
+                const float* v2 = &dv[mt][dn][2 * r];
+                if (p.head_splits > 1) {
+                    *reinterpret_cast<float2*>(p.dk_part + part_off + off + col) = make_float2(k2[0], k2[1]);
+                    *reinterpret_cast<float2*>(p.dv_part + part_off + off + col) = make_float2(v2[0], v2[1]);
+                } else {
+                    *reinterpret_cast<__nv_bfloat162*>(p.dk + off + col) =
+                        __floats2bfloat162_rn(k2[0] * p.scale, k2[1] * p.scale);
+                    *reinterpret_cast<__nv_bfloat162*>(p.dv + off + col) = __floats2bfloat162_rn(v2[0], v2[1]);
+                }
             }
         }
     }
