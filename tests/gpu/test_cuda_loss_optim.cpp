@@ -201,12 +201,16 @@ TEST(CudaAdamW, MixedPolicyMatchesCpuBitForBit) {
                             } else {
                                 upload(d_g.as<float>(offset), g);
                             }
+                            // The GPU multiplies by the host grad_scale first, then by the device
+                            // scale; the reference does the same two fp32 products in that order.
                             std::vector<float> g_cpu = g;
-                            if (scaled)
-                                for (float& x : g_cpu) x *= scale;
-                            mf::cpu::AdamWParams cfg = config;
-                            cfg.step = step;
-                            mf::cpu::adamw_update(p.data(), m.data(), v.data(), g_cpu.data(), n, cfg);
+                            mf::cpu::AdamWParams cfg = config, cpu_cfg = config;
+                            cfg.step = cpu_cfg.step = step;
+                            if (scaled) {
+                                for (float& x : g_cpu) x = (x * config.grad_scale) * scale;
+                                cpu_cfg.grad_scale = 1.0f;
+                            }
+                            mf::cpu::adamw_update(p.data(), m.data(), v.data(), g_cpu.data(), n, cpu_cfg);
                             const void* grad = grad_dtype == DType::bf16
                                                    ? static_cast<const void*>(d_g.as<bf16>(offset))
                                                    : d_g.as<float>(offset);
