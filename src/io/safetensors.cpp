@@ -281,7 +281,7 @@ std::vector<PlannedTensor> plan_tensors(const std::vector<StWriteTensor>& tensor
         MF_CHECK(numel <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / elem, where,
                  ": byte size overflows");
         const uint64_t nbytes = numel * elem;
-        MF_CHECK(nbytes == 0 || t.data != nullptr, where, ": null data for ", nbytes, " bytes");
+        MF_CHECK(nbytes == 0 || t.data != nullptr || t.fill, where, ": no data and no fill for ", nbytes, " bytes");
         plan.push_back({&t, nbytes});
     }
     return plan;
@@ -329,8 +329,20 @@ void write_planned(const fs::path& file, const std::vector<PlannedTensor>& plan,
     AtomicFileWriter writer(file);
     writer.write(length, sizeof length);
     writer.write(text);
-    for (size_t i = first; i < last; ++i)
-        if (plan[i].nbytes > 0) writer.write(plan[i].tensor->data, plan[i].nbytes);
+    std::vector<uint8_t> produced;  // a filled tensor's bytes (reused)
+    for (size_t i = first; i < last; ++i) {
+        const StWriteTensor& t = *plan[i].tensor;
+        if (plan[i].nbytes == 0) continue;
+        if (t.data != nullptr) {
+            writer.write(t.data, plan[i].nbytes);
+            continue;
+        }
+        MF_CHECK(plan[i].nbytes <= std::numeric_limits<size_t>::max(), file.string(), ": tensor '", printable(t.name),
+                 "' is too large for memory");
+        produced.resize(static_cast<size_t>(plan[i].nbytes));
+        t.fill(produced.data());
+        writer.write(produced.data(), plan[i].nbytes);
+    }
     writer.commit();
 }
 

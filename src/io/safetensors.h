@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -99,12 +100,16 @@ class ModelWeights {
     std::map<std::string, const StTensor*, std::less<>> by_name_;
 };
 
-// A tensor to write; `data` holds numel(shape) elements already in `dtype`, packed.
+// A tensor to write; `data` holds numel(shape) elements already in `dtype`, packed. With `data`
+// null, `fill` produces them instead, into a buffer of the tensor's byte size, when the writer gets
+// to the tensor (tensors are produced one at a time, in the order given, so a model far larger
+// than memory can be written from a source that yields one tensor at a time).
 struct StWriteTensor {
     std::string name;
     StDType dtype;
     Shape shape;
     const void* data;
+    std::function<void(void* out)> fill = {};
 };
 
 // Writes one safetensors file atomically (file.h), tensors in the given order. Names must be

@@ -183,50 +183,87 @@ model::ExpertShard DistContext::expert_shard() const {
     return {layout_.ep_rank(rank_), layout_.ep_size};
 }
 
-std::vector<float> DistContext::gather_params(const model::Qwen3Moe& model, const std::vector<float>& local) {
-    const model::ParamTable& mine = model.params();
-    MF_CHECK(static_cast<int64_t>(local.size()) == mine.total(), "gather_params: ", local.size(),
-             " values, the model holds ", mine.total());
-    if (!model.expert_shard().sharded()) return local;
-    // Only world rank 0's EP group takes part (the others hold copies of the same experts), and
-    // only its EP rank 0 = world rank 0 receives: one stacked tensor at a time, so no buffer larger
-    // than one tensor's E experts exists anywhere (device staging under NCCL included).
-    if (layout_.dp_rank(rank_) != 0) return {};
-    parallel::Communicator& ep = *ep_group();
+namespace {
+
+// One stacked expert tensor of the whole model (`full_spec`), gathered over the EP group onto its
+// rank 0 (`out`: S · n floats there, ignored elsewhere) from each rank's slice of n floats.
+void gather_expert_tensor(parallel::Communicator& ep, Device device, const float* mine, int64_t n, float* out) {
     const int64_t S = ep.size();
     const bool root = ep.rank() == 0;
-    const model::ParamTable full = model::qwen3_moe_param_table(model.config());
-    std::vector<float> out;
-    if (root) {
-        out.resize(static_cast<size_t>(full.total()));
-        std::copy(local.begin(), local.begin() + mine.expert_offset(), out.begin());  // the replicated region
+    std::vector<int64_t> send_counts(static_cast<size_t>(S), 0), send_offsets(static_cast<size_t>(S), 0);
+    std::vector<int64_t> recv_counts(static_cast<size_t>(S), 0), recv_offsets(static_cast<size_t>(S), 0);
+    send_counts[0] = n;
+    for (int64_t p = 0; p < S; ++p) {
+        recv_counts[static_cast<size_t>(p)] = root ? n : 0;
+        recv_offsets[static_cast<size_t>(p)] = root ? p * n : 0;  // rank p's experts at p·n
     }
-    for (const auto& spec : mine.specs()) {
-        if (!spec.is_expert) continue;
-        const int64_t n = spec.numel;
-        std::vector<int64_t> send_counts(static_cast<size_t>(S), 0), send_offsets(static_cast<size_t>(S), 0);
-        std::vector<int64_t> recv_counts(static_cast<size_t>(S), 0), recv_offsets(static_cast<size_t>(S), 0);
-        send_counts[0] = n;
-        for (int64_t p = 0; p < S; ++p) {
-            recv_counts[static_cast<size_t>(p)] = root ? n : 0;
-            recv_offsets[static_cast<size_t>(p)] = root ? p * n : 0;
-        }
-        const float* send = local.data() + spec.offset;
-        float* recv = root ? out.data() + full.get(spec.name).offset : nullptr;  // rank p's experts at p·n
-        if (device_ != Device::cuda) {
-            std::vector<float> dummy(1);
-            ep.all_to_all_v(send, send_counts, send_offsets, root ? recv : dummy.data(), recv_counts, recv_offsets,
-                            DType::f32);
-            continue;
-        }
-        const Buffer dsend(static_cast<size_t>(n) * sizeof(float), Device::cuda);
-        const Buffer drecv(static_cast<size_t>(root ? S * n : 1) * sizeof(float), Device::cuda);
-        ops::copy_from_host(dsend.as(DType::f32, {n}), send);
-        ep.all_to_all_v(dsend.data(), send_counts, send_offsets, drecv.data(), recv_counts, recv_offsets, DType::f32);
-        ep.synchronize();
-        if (root) ops::copy_to_host(recv, drecv.as(DType::f32, {S * n}));
+    if (device != Device::cuda) {
+        std::vector<float> dummy(1);
+        ep.all_to_all_v(mine, send_counts, send_offsets, root ? out : dummy.data(), recv_counts, recv_offsets,
+                        DType::f32);
+        return;
     }
-    return out;
+    const Buffer dsend(static_cast<size_t>(n) * sizeof(float), Device::cuda);
+    const Buffer drecv(static_cast<size_t>(root ? S * n : 1) * sizeof(float), Device::cuda);
+    ops::copy_from_host(dsend.as(DType::f32, {n}), mine);
+    ep.all_to_all_v(dsend.data(), send_counts, send_offsets, drecv.data(), recv_counts, recv_offsets, DType::f32);
+    ep.synchronize();
+    if (root) ops::copy_to_host(out, drecv.as(DType::f32, {S * n}));
+}
+
+}  // namespace
+
+bool DistContext::serves_export() const {
+    return layout_.ep_size > 1 && layout_.dp_rank(rank_) == 0 && rank_ != 0;
+}
+
+train::ParamSource DistContext::export_source(const model::Qwen3Moe& model, const std::vector<float>& local) {
+    const model::ParamTable& mine = model.params();
+    MF_CHECK(static_cast<int64_t>(local.size()) == mine.total(), "export_source: ", local.size(),
+             " values, the model holds ", mine.total());
+    MF_CHECK(rank_ == 0, "export_source: the export is written by world rank 0, not rank ", rank_);
+    if (!model.expert_shard().sharded())
+        return [&local](int64_t offset, int64_t n, float* out) {
+            std::copy(local.begin() + offset, local.begin() + offset + n, out);
+        };
+    // The stacked tensor last gathered, whole; the writer asks for its experts one after the other.
+    struct Cache {
+        std::string name;
+        std::vector<float> values;
+    };
+    auto cache = std::make_shared<Cache>();
+    auto full = std::make_shared<model::ParamTable>(model::qwen3_moe_param_table(model.config()));
+    parallel::Communicator* ep = ep_group();
+    const Device device = device_;
+    return [&model, &local, cache, full, ep, device](int64_t offset, int64_t n, float* out) {
+        const model::ParamSpec* spec = nullptr;
+        for (const auto& s : full->specs())
+            if (offset >= s.offset && offset < s.offset + s.numel) spec = &s;
+        MF_CHECK(spec != nullptr && offset + n <= spec->offset + spec->numel, "export_source: range [", offset, ", ",
+                 offset + n, ") is not inside one parameter");
+        const model::ParamSpec& local_spec = model.params().get(spec->name);
+        if (!spec->is_expert) {
+            const float* src = local.data() + local_spec.offset + (offset - spec->offset);
+            std::copy(src, src + n, out);
+            return;
+        }
+        if (cache->name != spec->name) {
+            cache->values.assign(static_cast<size_t>(spec->numel), 0.0f);
+            gather_expert_tensor(*ep, device, local.data() + local_spec.offset, local_spec.numel, cache->values.data());
+            cache->name = spec->name;
+        }
+        const float* src = cache->values.data() + (offset - spec->offset);
+        std::copy(src, src + n, out);
+    };
+}
+
+void DistContext::serve_export(const model::Qwen3Moe& model, const std::vector<float>& local) {
+    MF_CHECK(serves_export(), "serve_export: rank ", rank_, " takes no part in the export");
+    MF_CHECK(static_cast<int64_t>(local.size()) == model.params().total(), "serve_export: ", local.size(),
+             " values, the model holds ", model.params().total());
+    // The writer reaches the stacked tensors in table order (save_hf_model), so the gathers pair up.
+    for (const auto& spec : model.params().specs())
+        if (spec.is_expert) gather_expert_tensor(*ep_group(), device_, local.data() + spec.offset, spec.numel, nullptr);
 }
 
 parallel::Communicator* DistContext::ep_group() const { return impl_ ? impl_->groups.ep.get() : nullptr; }

@@ -34,6 +34,7 @@
 
 #include "core/tensor.h"
 #include "model/qwen3_moe.h"
+#include "train/hf_checkpoint.h"
 #include "parallel/communicator.h"
 #include "train/recipe.h"
 
@@ -82,12 +83,17 @@ class DistContext {
     void finish_grad_sync(model::Qwen3Moe& model);
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
-    // The whole model's values from this rank's (`local`: host f32 in the model's table layout):
-    // the replicated region as is, every stacked expert tensor gathered over the EP group, one
-    // tensor at a time. Returns host f32 in the layout of qwen3_moe_param_table(config) on world
-    // rank 0, and an empty vector on every other rank (all ranks call it; without EP it returns
-    // `local` everywhere).
-    std::vector<float> gather_params(const model::Qwen3Moe& model, const std::vector<float>& local);
+    // The HF export of a run (save_hf_model from a ParamSource, on world rank 0), from every rank's
+    // own parameters (`local`: host f32 in the model's table layout, kept alive until the export is
+    // done). Without EP, export_source simply reads `local`. Under EP the stacked expert tensors are
+    // gathered over world rank 0's EP group one at a time, as the writer reaches them (no rank ever
+    // holds the whole model): world rank 0 exports through export_source, the other ranks of its EP
+    // group call serve_export, which takes part in each of those gathers in the same (table) order
+    // and returns after the last; ranks of other DP groups call neither. A failure on rank 0 leaves
+    // its peers waiting in a gather until dist.timeout_s ends them.
+    train::ParamSource export_source(const model::Qwen3Moe& model, const std::vector<float>& local);
+    void serve_export(const model::Qwen3Moe& model, const std::vector<float>& local);
+    bool serves_export() const;  // this rank must call serve_export (EP > 1, DP rank 0, not world rank 0)
     // The EP group for Qwen3Moe::set_expert_parallel, and the DP group (ranks holding the same
     // experts; ZeRO-1 shards optimizer state over it). Null for a single process.
     parallel::Communicator* ep_group() const;

@@ -151,7 +151,7 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
 void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
                    size_t max_shard_bytes) {
     MF_CHECK(!m.expert_shard().sharded(), "save_hf_model: this model holds one expert shard; gather the full "
-                                          "parameters first (DistContext::gather_params) and pass them");
+                                          "model through a ParamSource (DistContext::export_source)");
     std::vector<float> host(static_cast<size_t>(m.num_params()));
     m.get_params_to_host(host.data());
     save_hf_model(dir, m.config(), host, raw_config, tokenizer_dir, max_shard_bytes);
@@ -159,37 +159,41 @@ void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* r
 
 void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const std::vector<float>& host,
                    const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
+    const int64_t total = model::qwen3_moe_param_table(cfg).total();
+    MF_CHECK(static_cast<int64_t>(host.size()) == total, "save_hf_model: ", host.size(), " parameters given, the model has ",
+             total);
+    const ParamSource source = [&host](int64_t offset, int64_t n, float* out) {
+        std::memcpy(out, host.data() + offset, static_cast<size_t>(n) * sizeof(float));
+    };
+    save_hf_model(dir, cfg, source, raw_config, tokenizer_dir, max_shard_bytes);
+}
+
+void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const ParamSource& source,
+                   const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
     json::Value config = raw_config != nullptr ? *raw_config : cfg.to_json();
     io::StDType dtype = io::StDType::F32;
     if (cfg.dtype == "bfloat16") dtype = io::StDType::BF16;
     else if (cfg.dtype == "float16") fail("writing float16 checkpoints is not supported; set dtype to bfloat16 or float32");
     const model::ParamTable table = model::qwen3_moe_param_table(cfg);
-    MF_CHECK(static_cast<int64_t>(host.size()) == table.total(), "save_hf_model: ", host.size(),
-             " parameters given, the model has ", table.total());
 
-    // Convert into one staging buffer in the output dtype, laid out tensor after tensor in HF order.
-    struct Piece {
-        std::string name;
-        Shape shape;
-        const float* src;
-    };
-    std::vector<Piece> pieces;
-    for (const auto& t : hf_layout(cfg, table)) pieces.push_back({t.name, t.shape, host.data() + t.offset});
-    const size_t elem = io::st_dtype_size(dtype);
-    std::vector<uint8_t> staging(static_cast<size_t>(table.total()) * elem);
+    // Each tensor is produced when the writer reaches it (in this order): fetched as f32 from the
+    // source, converted into the writer's buffer.
+    std::vector<float> f32;  // staging for bf16 output (reused)
     std::vector<io::StWriteTensor> tensors;
-    size_t off = 0;
-    for (const auto& p : pieces) {
-        const int64_t n = shape_numel(p.shape);
-        uint8_t* out = staging.data() + off;
-        if (dtype == io::StDType::F32) {
-            std::memcpy(out, p.src, static_cast<size_t>(n) * 4);
-        } else {
-            auto* o = reinterpret_cast<uint16_t*>(out);
-            for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(p.src[i]);
-        }
-        tensors.push_back({p.name, dtype, p.shape, out});
-        off += static_cast<size_t>(n) * elem;
+    for (const auto& t : hf_layout(cfg, table)) {
+        const int64_t n = shape_numel(t.shape), offset = t.offset;
+        io::StWriteTensor w{t.name, dtype, t.shape, nullptr};
+        w.fill = [&source, &f32, dtype, offset, n](void* out) {
+            if (dtype == io::StDType::F32) {
+                source(offset, n, static_cast<float*>(out));
+                return;
+            }
+            f32.resize(static_cast<size_t>(n));
+            source(offset, n, f32.data());
+            auto* o = static_cast<uint16_t*>(out);
+            for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(f32[static_cast<size_t>(i)]);
+        };
+        tensors.push_back(std::move(w));
     }
     io::write_model_weights(dir, tensors, max_shard_bytes);
     io::atomic_write_file(dir / "config.json", config.dump(2) + "\n");

@@ -10,7 +10,9 @@
 // parallelism (placement.shard) every tensor is still checked, but a rank reads only its experts.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,9 +36,17 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const std::filesystem::path& dir,
 // The model must hold every expert (not an EP shard).
 void save_hf_model(const std::filesystem::path& dir, model::Qwen3Moe& model, const json::Value* raw_config,
                    const std::filesystem::path& tokenizer_dir, size_t max_shard_bytes = size_t{5} << 30);
-// The same from the whole model's parameters as host f32 in the layout of qwen3_moe_param_table(cfg)
-// (e.g. gathered from the EP ranks by DistContext::gather_params).
+// The same from the whole model's parameters as host f32 in the layout of qwen3_moe_param_table(cfg).
 void save_hf_model(const std::filesystem::path& dir, const model::Qwen3MoeConfig& cfg, const std::vector<float>& params,
+                   const json::Value* raw_config, const std::filesystem::path& tokenizer_dir,
+                   size_t max_shard_bytes = size_t{5} << 30);
+
+// Values [offset, offset + n) of the whole model's table (qwen3_moe_param_table(cfg)) as host f32,
+// written to `out`. save_hf_model asks for each HF tensor once, in table order (ranges never cross
+// a parameter), and converts and writes it before asking for the next: only one tensor is staged
+// at a time (DistContext::export_source gathers the EP ranks' experts this way).
+using ParamSource = std::function<void(int64_t offset, int64_t n, float* out)>;
+void save_hf_model(const std::filesystem::path& dir, const model::Qwen3MoeConfig& cfg, const ParamSource& source,
                    const json::Value* raw_config, const std::filesystem::path& tokenizer_dir,
                    size_t max_shard_bytes = size_t{5} << 30);
 

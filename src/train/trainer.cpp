@@ -275,13 +275,17 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     }
     if (tty) std::printf("\r\033[K");
     summary.steps = recipe.train.steps;
-    // The whole model on rank 0 for the export (every EP rank contributes its experts).
-    std::vector<float> full_params(static_cast<size_t>(model->num_params()));
-    model->get_params_to_host(full_params.data());
-    full_params = dist->gather_params(*model, full_params);
+    // Rank 0 writes the export; under EP its EP group's ranks hand over their experts tensor by
+    // tensor as the writer reaches them (DistContext::export_source / serve_export).
+    std::vector<float> local_params;
+    if (is_main || dist->serves_export()) {
+        local_params.resize(static_cast<size_t>(model->num_params()));
+        model->get_params_to_host(local_params.data());
+    }
     if (!is_main) {
-        // Rank 0 writes the export; returning only after it has keeps every rank's exit status
-        // meaningful (a failed export on rank 0 makes this barrier fail here too).
+        if (dist->serves_export()) dist->serve_export(*model, local_params);
+        // Returning only after rank 0 has written keeps every rank's exit status meaningful (a
+        // failed export on rank 0 makes this barrier fail here too).
         dist->barrier();
         summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
         return summary;
@@ -294,7 +298,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     // Export: everything into a temporary sibling directory, then one rename into place.
     {
         io::AtomicDir dir(out);
-        save_hf_model(dir.tmp_path(), cfg, full_params, &raw_config, model_dir);
+        save_hf_model(dir.tmp_path(), cfg, dist->export_source(*model, local_params), &raw_config, model_dir);
         for (const char* name : {"metrics.jsonl", "recipe.json"})
             io::atomic_write_file(dir.tmp_path() / name, io::read_text_file(out / name, size_t{1} << 30));
         // Checkpoints move along as hard links: until the commit the old OUT still has them.

@@ -433,6 +433,43 @@ TEST(Safetensors, RoundTripSharded) {
     EXPECT_EQ(ModelWeights::open(dir).names(), std::vector<std::string>{"small"});
 }
 
+// Tensors produced by `fill` when the writer reaches them: called once each, in the given order,
+// across shards, and the files equal those written from data.
+TEST(Safetensors, FilledTensorsWriteLikeData) {
+    const fs::path from_data = mf::test::temp_dir("st_fill_data"), filled = mf::test::temp_dir("st_fill");
+    std::mt19937 rng(5);
+    std::vector<std::vector<float>> values;
+    for (int i = 0; i < 7; ++i) {
+        auto& v = values.emplace_back(static_cast<size_t>(3 + 2 * i));
+        for (auto& x : v) x = std::bit_cast<float>(static_cast<uint32_t>(rng()) & 0x7f7fffffu);
+    }
+    std::vector<StWriteTensor> plain, lazy;
+    std::vector<int> calls;
+    for (size_t i = 0; i < values.size(); ++i) {
+        const std::string name = "t." + std::to_string(i);
+        const mf::Shape shape{static_cast<int64_t>(values[i].size())};
+        plain.push_back({name, StDType::F32, shape, values[i].data()});
+        StWriteTensor t{name, StDType::F32, shape, nullptr};
+        t.fill = [&, i](void* out) {
+            calls.push_back(static_cast<int>(i));
+            std::memcpy(out, values[i].data(), values[i].size() * sizeof(float));
+        };
+        lazy.push_back(std::move(t));
+    }
+    constexpr size_t kMaxShard = 64;  // several shards
+    mf::io::write_model_weights(from_data, plain, kMaxShard);
+    mf::io::write_model_weights(filled, lazy, kMaxShard);
+    EXPECT_EQ(calls, (std::vector<int>{0, 1, 2, 3, 4, 5, 6}));
+    std::vector<std::string> files;
+    for (const auto& e : fs::directory_iterator(from_data)) files.push_back(e.path().filename().string());
+    ASSERT_GE(files.size(), 3u);
+    for (const auto& f : files) EXPECT_EQ(mf::test::read_file(from_data / f), mf::test::read_file(filled / f)) << f;
+    // Neither data nor fill: refused before anything is written.
+    const fs::path none = mf::test::temp_dir("st_fill_none");
+    EXPECT_THROW(mf::io::write_model_weights(none, {{"x", StDType::F32, {2}, nullptr}}, kMaxShard), mf::Error);
+    EXPECT_TRUE(fs::is_empty(none));
+}
+
 TEST(Safetensors, WriterRejectsBadInput) {
     const fs::path dir = mf::test::temp_dir("st_write_bad");
     float x[2] = {1, 2};
