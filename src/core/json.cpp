@@ -46,6 +46,9 @@ class Parser {
         for (size_t i = 0; i < pos_ && i < text_.size(); ++i) {
             if (text_[i] == '\n') { ++line; col = 1; } else { ++col; }
         }
+        // Without a source the text is a record its caller locates (a JSONL line): only the column.
+        if (source_.empty() && line == 1) fail("column ", col, ": invalid JSON: ", what);
+        if (source_.empty()) fail("line ", line, ", column ", col, ": invalid JSON: ", what);
         fail(source_, ":", line, ":", col, ": invalid JSON: ", what);
     }
 

@@ -78,8 +78,10 @@ class Value {
     std::shared_ptr<Object> obj_;
 };
 
-// Parses `text`; `source` names the file (or "<stdin>") in error messages. Duplicate object keys
-// are an error: a config that says two things about one field is ambiguous.
+// Parses `text`; `source` names the file (or "<stdin>") in error messages ("SOURCE:LINE:COL: ...");
+// an empty source is for a record whose caller names file and line itself (a JSONL line: the error
+// then says "column COL: ..."). Duplicate object keys are an error: a config that says two things
+// about one field is ambiguous.
 Value parse(std::string_view text, const std::string& source, int max_depth = 128);
 
 // Escapes a string as a JSON string literal (with quotes).

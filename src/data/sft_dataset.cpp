@@ -297,7 +297,7 @@ TokenDataset read_sft_jsonl(const std::filesystem::path& file, const text::Token
         SftFormat line_kind;
         try {
             if (line.size() > kMaxLineBytes) fail("line longer than ", kMaxLineBytes, " bytes");
-            v = json::parse(line, "line");
+            v = json::parse(line, "");  // errors get "FILE:LINE: " below
             line_kind = classify(v);
             if (kind != SftFormat::auto_detect && line_kind != kind) {
                 if (kind_line > 0)

@@ -30,7 +30,7 @@ std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t v
 }
 
 Document parse_line(const std::string& line, int64_t vocab_size) {
-    const json::Value v = json::parse(line, "line");
+    const json::Value v = json::parse(line, "");  // errors get "FILE:LINE: " from the caller
     if (!v.is_object()) fail("expected a JSON object");
     for (const auto& [key, _] : v.as_object())
         if (key != "input_ids" && key != "labels") fail("unknown field \"", key, "\" (expected input_ids, labels)");

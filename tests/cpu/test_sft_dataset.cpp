@@ -205,7 +205,7 @@ TEST_F(SftTest, EveryMalformedLineNamesFileLineAndProblem) {
         SftFormat format = SftFormat::auto_detect;
     };
     const std::vector<Case> cases = {
-        {R"({"messages": [{"role": "user", "content": "Hi"})", "line:1:"},  // invalid JSON
+        {R"({"messages": [{"role": "user", "content": "Hi"})", ": column 48: invalid JSON"},  // invalid JSON
         {R"([1, 2, 3])", "expected a JSON object"},
         {R"({"messages": "Hi"})", "must be an array of messages"},
         {R"({"messages": []})", "is empty"},
