@@ -26,7 +26,7 @@ namespace mf::cli {
 
 int cmd_bench(const Args& args) {
     const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute",
-                        "ep-size", "timeout"},
+                        "ep-size", "ep-chunks", "timeout"},
                        {"profile", "no-zero1"}, "bench");
     const std::filesystem::path cfg_file = a.require("config", "bench");
     auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
@@ -48,6 +48,8 @@ int cmd_bench(const Args& args) {
     train::Recipe run;  // the distributed part of a recipe, from the options
     run.source = "bench";
     run.dist.ep_size = parse_int_option(a.get("ep-size", "1"), "ep-size");
+    run.dist.ep_chunks = parse_int_option(a.get("ep-chunks", "2"), "ep-chunks");
+    if (run.dist.ep_chunks < 1 || run.dist.ep_chunks > 64) fail("bench: --ep-chunks must be in [1, 64]");
     run.dist.timeout_s = static_cast<double>(parse_int_option(a.get("timeout", "300"), "timeout"));
     const auto dist = train::DistContext::from_environment(run, device);  // before the model: picks the GPU
     if (cfg.num_experts % run.dist.ep_size != 0)
@@ -55,7 +57,7 @@ int cmd_bench(const Args& args) {
 
     const size_t mem0 = device_memory_used();
     model::Qwen3Moe m(cfg, {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32, dist->expert_shard()});
-    if (dist->ep_size() > 1) m.set_expert_parallel(dist->ep_group());
+    if (dist->ep_size() > 1) m.set_expert_parallel(dist->ep_group(), run.dist.ep_chunks);
     uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
     for (const auto& s : m.params().specs()) {
         // Replicated tensors: the same draws on every rank; expert shards: each rank its own.
@@ -121,6 +123,7 @@ int cmd_bench(const Args& args) {
     v.set("params", m.num_params_total());
     v.set("world_size", static_cast<int64_t>(dist->world_size()));
     v.set("ep_size", static_cast<int64_t>(dist->ep_size()));
+    if (dist->ep_size() > 1) v.set("ep_chunks", run.dist.ep_chunks);
     v.set("zero1", !a.has("no-zero1") && dist->world_size() > 1);
     v.set("flops_per_token", json::Value(flops));
     v.set("step_ms", json::Value(step_s * 1e3));

@@ -19,7 +19,7 @@ constexpr const char* kUsage =
     "  finetune  RECIPE.yaml [key.sub=value ...]                    train and write an HF directory\n"
     "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n"
     "  bench     --config CONFIG.json [--layers N --micro-batch B --seq-len T --steps S --profile]\n"
-    "            [--ep-size N --no-zero1]  (under moeforge launch: EP/DP over the ranks)\n"
+    "            [--ep-size N --ep-chunks C --no-zero1]  (under moeforge launch: EP/DP over the ranks)\n"
     "                                                               time the training step on synthetic data\n"
     "  launch    --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- COMMAND ...\n";
 

@@ -282,6 +282,7 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     const AttentionDims ad = attention_dims(c);
     MoeDims md = moe_dims(c);
     md.ep = ep_;
+    md.ep_chunks = ep_chunks_;
     Arena& A = ws.arena;
     ws.ids = A.alloc(DType::i32, {N});
     ws.targets = A.alloc(DType::i32, {N});
@@ -339,13 +340,15 @@ Recompute parse_recompute(std::string_view name) {
     fail("unknown recompute mode \"", name, "\" (none, moe, full)");
 }
 
-void Qwen3Moe::set_expert_parallel(parallel::Communicator* ep_group) {
+void Qwen3Moe::set_expert_parallel(parallel::Communicator* ep_group, int64_t chunks) {
+    MF_CHECK(chunks >= 1, "expert parallelism: ", chunks, " pipeline chunks (need at least 1)");
     const ExpertShard& sh = placement_.shard;
     const int64_t size = ep_group != nullptr ? ep_group->size() : 1, rank = ep_group != nullptr ? ep_group->rank() : 0;
     if (size != sh.size || rank != sh.rank)
         fail("expert parallelism: the model holds expert shard ", sh.rank, " of ", sh.size, ", the EP group is rank ",
              rank, " of ", size);
     ep_ = size > 1 ? ep_group : nullptr;
+    ep_chunks_ = chunks;
     ws_->B = -1;  // the activation plan changes
 }
 
@@ -368,6 +371,7 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     if (L.is_moe) {
         MoeDims md = moe_dims(c);
         md.ep = ep_;
+        md.ep_chunks = ep_chunks_;
         moe_block_forward(la.ffn_out, ws.moe_acts(l, recompute_), la.ln2, L.moe, md);
     }
     else mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
@@ -402,6 +406,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     const AttentionDims ad = attention_dims(c);
     MoeDims md = moe_dims(c);
     md.ep = ep_;
+    md.ep_chunks = ep_chunks_;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const Tensor wte = param("model.embed_tokens.weight");
     const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";

@@ -99,7 +99,8 @@ class Qwen3Moe {
     // (the DP group) and the replicated region over the world gives the full gradient
     // (train/distributed.h). Every rank of the group must call step() in lockstep. The group must
     // outlive the model's use. A sharded model must have its group set before step().
-    void set_expert_parallel(parallel::Communicator* ep_group);
+    // chunks: the EP pipeline's chunk count (MoeDims::ep_chunks, model/ffn_blocks.h).
+    void set_expert_parallel(parallel::Communicator* ep_group, int64_t chunks = 2);
 
     // Called during the backward of step() as gradients become final for this micro-batch: with
     // kGradsHead once the final norm's and the untied LM head's are (right after the loss), with l
@@ -155,6 +156,7 @@ class Qwen3Moe {
     std::unique_ptr<Workspace> ws_;
     Recompute recompute_ = Recompute::none;
     parallel::Communicator* ep_ = nullptr;
+    int64_t ep_chunks_ = 2;
     std::function<void(int64_t)> grad_hook_;
 };
 

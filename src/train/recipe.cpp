@@ -50,6 +50,7 @@ constexpr std::string_view kKnownKeys[] = {
     "checkpoint.every",
     "checkpoint.keep",
     "dist.ep_size",
+    "dist.ep_chunks",
     "dist.timeout_s",
     "dist.shard_optimizer",
     "dist.log_ranks",
@@ -418,6 +419,7 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
     conv.get_int("checkpoint.keep", 1, 1 << 20, r.checkpoint.keep);
 
     conv.get_int("dist.ep_size", 1, 1 << 20, r.dist.ep_size);
+    conv.get_int("dist.ep_chunks", 1, 64, r.dist.ep_chunks);
     conv.get_number("dist.timeout_s", 0, kInf, true, false, "a finite number of seconds > 0", r.dist.timeout_s);
     conv.get_bool("dist.shard_optimizer", r.dist.shard_optimizer);
     conv.get_choice("dist.log_ranks", {"main", "all"}, r.dist.log_ranks);
@@ -476,6 +478,7 @@ json::Value Recipe::to_json() const {
                                       {"min_lr_ratio", optim.min_lr_ratio}})},
         {"checkpoint", Value(Value::Object{{"every", checkpoint.every}, {"keep", checkpoint.keep}})},
         {"dist", Value(Value::Object{{"ep_size", dist.ep_size},
+                                     {"ep_chunks", dist.ep_chunks},
                                      {"timeout_s", dist.timeout_s},
                                      {"shard_optimizer", dist.shard_optimizer},
                                      {"log_ranks", dist.log_ranks}})},

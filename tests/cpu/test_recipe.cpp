@@ -541,7 +541,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
             ++num_leaves;
         }
     }
-    EXPECT_EQ(num_leaves, 34u);
+    EXPECT_EQ(num_leaves, 35u);
     const Recipe back = parse_recipe("", "back", overrides);
     EXPECT_EQ(back.to_json().dump(), j.dump());
     EXPECT_EQ(back.optim.no_decay, r.optim.no_decay);

@@ -250,6 +250,13 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
         finetune(name, 2, std::string("train.micro_batch=2 dist.ep_size=2 train.recompute=") + mode);
         expect_same_training(dir_ / name, dir_ / "one_ep_ref");
     }
+    // Any pipeline depth (dist.ep_chunks: 1 = no pipelining, 3 = uneven chunks of the 4 local
+    // experts) computes the same.
+    for (const char* chunks : {"1", "3"}) {
+        const std::string name = std::string("ep2_chunks_") + chunks;
+        finetune(name, 2, std::string("train.micro_batch=2 dist.ep_size=2 dist.ep_chunks=") + chunks);
+        expect_same_training(dir_ / name, dir_ / "one_ep_ref");
+    }
     const json::Value s = json::parse(test::read_file(dir_ / "ep2" / "recipe.json"), "recipe.json");
     EXPECT_EQ(s.find("dist")->find("ep_size")->as_int(), 2);
     // Each rank holds the replicated parameters and half of the experts (counted from the HF files).
