@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <sstream>
@@ -88,7 +89,10 @@ TEST(KillResume, SurvivesSigkillAnywhere) {
             const pid_t pid = spawn(finetune_args(dir / "base", run), log);
             ASSERT_GT(pid, 0);
             // Most lives are short (inside start-up, steps and checkpoint writes); some run longer.
-            const int delay_ms = std::uniform_int_distribution<int>(5, rng() % 4 == 0 ? 400 : 120)(rng);
+            // On a slow machine (a sanitizer build sharing two busy cores) start-up alone can outlast
+            // every delay, so each 100 lives of one run without finishing double them (up to 16x).
+            const int stretch = 1 << std::min(lives / 100, 4);
+            const int delay_ms = stretch * std::uniform_int_distribution<int>(5, rng() % 4 == 0 ? 400 : 120)(rng);
             std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
             if (waitpid(pid, &status, WNOHANG) == pid) {
                 ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << test::read_file(log);
