@@ -395,13 +395,6 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
         mf::cuda::adamw_update_bf16(B(param), B(m), B(v), B(grad), param.numel(), p, nullptr, ctx().stream);
 }
 
-void scale(const Tensor& x, float s) {
-    float* d = reinterpret_cast<float*>(static_cast<char*>(ctx().small.data()) + 128);
-    MF_CHECK_CUDA(cudaMemcpyAsync(d, &s, sizeof s, cudaMemcpyHostToDevice, ctx().stream));
-    mf::cuda::scale_inplace(x.data(), x.dtype(), d, x.numel(), ctx().stream);
-    wait_for_stream(ctx().stream);  // `s` lives on this stack frame
-}
-
 double sum(const Tensor& x) {
     mf::cuda::sum_f32(ctx().d_double(), F(x), x.numel(), ctx().stream);
     double v = 0;

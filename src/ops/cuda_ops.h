@@ -66,7 +66,6 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
                   float grad_scale);
-void scale(const Tensor& x, float s);
 double sum(const Tensor& x);
 double sum_squares(const Tensor& x);
 bool all_finite(const Tensor& x);

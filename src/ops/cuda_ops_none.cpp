@@ -44,7 +44,6 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 bool grouped_matmul_uses_host_offsets() { return false; }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale) { no_cuda(); }
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) { no_cuda(); }
-void scale(const Tensor& x, float s) { no_cuda(); }
 double sum(const Tensor& x) { no_cuda(); }
 double sum_squares(const Tensor& x) { no_cuda(); }
 bool all_finite(const Tensor& x) { no_cuda(); }

@@ -459,12 +459,6 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
                       cpu::AdamWParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.grad_scale});
 }
 
-void scale(const Tensor& x, float s) {
-    OpScope scope_("scale");
-    if (x.device() == Device::cuda) return cuda_impl::scale(x, s);
-    cpu::scale_inplace(f(x), s, x.numel());
-}
-
 // --- reductions ------------------------------------------------------------------------------------
 
 double sum(const Tensor& x) {

@@ -124,8 +124,6 @@ struct AdamWHyper {
 // and param (bf16) receives the rounded master.
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
                   const AdamWHyper& h);
-// Scales x in place by s (f32 or bf16).
-void scale(const Tensor& x, float s);
 
 // --- reductions ------------------------------------------------------------------------------------
 double sum(const Tensor& x);          // Σ x (f32 tensors), in a fixed order
