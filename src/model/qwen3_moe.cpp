@@ -27,6 +27,11 @@ struct Qwen3Moe::Workspace {
     };
     // Batch, on the model's device.
     Tensor ids, targets, positions, doc_ids, mask;
+    // Every row one document: attention takes the plain causal mask (doc_ids left out), which
+    // cuDNN's fused engines serve on the GPU; packed rows keep the document mask.
+    bool plain_causal = false;
+    const Tensor& attention_docs() const { return plain_causal ? kNoDocs : doc_ids; }
+    static inline const Tensor kNoDocs{};
     std::vector<Tensor> resid;  // L + 1: resid[l] is the input of layer l
     // Per-layer activations; with recompute = full only layers[0] exists and every layer uses it.
     std::vector<LayerActs> layers;
@@ -365,7 +370,8 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     const float eps = static_cast<float>(c.rms_norm_eps);
     const Tensor& x = ws.resid[static_cast<size_t>(l)];
     ops::rmsnorm_forward(la.ln1, la.ln1_rstd, x, L.ln1, eps);
-    attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, attention_dims(c), B, T, ws.positions, ws.doc_ids);
+    attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, attention_dims(c), B, T, ws.positions,
+                            ws.attention_docs());
     ops::add(la.x_mid, x, la.attn_out);
     ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
     if (L.is_moe) {
@@ -423,6 +429,9 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     ops::copy_from_host(ws.targets, batch.targets.data());
     ops::copy_from_host(ws.positions, batch.positions.data());
     ops::copy_from_host(ws.doc_ids, batch.doc_ids.data());
+    ws.plain_causal = true;
+    for (int64_t i = 0; i < N && ws.plain_causal; ++i)
+        ws.plain_causal = batch.doc_ids[static_cast<size_t>(i)] == batch.doc_ids[static_cast<size_t>(i - i % T)];
     ops::copy_from_host(ws.mask, mask.data());
 
     // --- forward -----------------------------------------------------------------------------------
@@ -495,7 +504,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         ops::copy(ws.d_resid, ws.d_mid);
         ops::zero(ws.d_ln);
         attention_block_backward(ws.d_ln, L.g_attn, ws.attn_scratch, ws.d_mid, la.ln1, la.attn, L.attn, ad, B, T,
-                                 ws.positions, ws.doc_ids);
+                                 ws.positions, ws.attention_docs());
         ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd);
         if (grad_hook_) grad_hook_(l);
     }

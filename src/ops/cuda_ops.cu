@@ -14,6 +14,7 @@
 #include "core/cuda_check.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_cudnn.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -193,11 +194,17 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                                    ctx().stream);
 }
 
+// The plain causal mask (doc_ids undefined) goes to cuDNN's fused engines where they serve the
+// shape; packed documents, and shapes cuDNN refuses, to the kernels of attention.cu.
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t Bn, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
     const int64_t D = q.numel() / (Bn * T * num_heads);
-    mf::cuda::attention_forward(B(out), F(lse), B(q), B(k), B(v), I(doc_ids), {Bn, T, num_heads, num_kv_heads, D},
-                                ctx().stream);
+    const mf::cuda::AttentionShape shape{Bn, T, num_heads, num_kv_heads, D};
+    if (!defined(doc_ids) && mf::cuda::cudnn_attention_serves(shape)) {
+        void* ws = ctx().get(mf::cuda::cudnn_attention_forward_workspace_bytes(shape));
+        return mf::cuda::cudnn_attention_forward(B(out), F(lse), B(q), B(k), B(v), shape, ws, ctx().stream);
+    }
+    mf::cuda::attention_forward(B(out), F(lse), B(q), B(k), B(v), I(doc_ids), shape, ctx().stream);
 }
 
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
@@ -205,6 +212,11 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         int64_t Bn, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
     const int64_t D = q.numel() / (Bn * T * num_heads);
     const mf::cuda::AttentionShape shape{Bn, T, num_heads, num_kv_heads, D};
+    if (!defined(doc_ids) && mf::cuda::cudnn_attention_serves(shape)) {
+        void* ws = ctx().get(mf::cuda::cudnn_attention_backward_workspace_bytes(shape));
+        return mf::cuda::cudnn_attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse),
+                                                  shape, ws, ctx().stream);
+    }
     void* ws = ctx().get(mf::cuda::attention_backward_workspace_bytes(shape));
     mf::cuda::attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse), I(doc_ids), shape, ws,
                                  ctx().stream);

@@ -6,7 +6,9 @@
 // intermediate rounded to bf16 (scores, probabilities, dP, dS, outputs: what an eager bf16
 // implementation stores); floor = 2^-16 · max(1, max|ref|). The backward of both sides starts from
 // the same bf16 out and fp32 lse. Outputs are poisoned with NaN first, so an element never written
-// fails; the backward runs twice and must repeat bit for bit. MF_BENCH=1 times the Qwen3-30B-A3B shape.
+// fails; the backward runs twice and must repeat bit for bit. The cuDNN path (attention_cudnn.cuh,
+// plain causal mask) is held to the same rule, in both of its backward algorithms (the deterministic
+// one must also repeat bit for bit). MF_BENCH=1 times the Qwen3-30B-A3B shape on both paths.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +24,7 @@
 #include "core/cuda_check.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_cudnn.cuh"
 #include "test_cuda_helpers.h"
 
 namespace {
@@ -235,6 +238,86 @@ TEST(CudaAttention, ForwardBackwardParity) {
     }
 }
 
+// cuDNN's fused engines on the plain causal mask: the shapes they serve (T a multiple of 128, D 64
+// or 128), MHA and GQA, against the same references; the backward in both algorithms.
+TEST(CudnnAttention, ForwardBackwardParity) {
+#if !MOEFORGE_WITH_CUDNN
+    GTEST_SKIP() << "SKIPPED: built without cuDNN; attention runs on moeforge's kernels only";
+#endif
+    std::mt19937 rng(77);
+    const std::vector<Shape> shapes = {{1, 128, 4, 4, 128}, {2, 256, 8, 2, 64}, {1, 384, 4, 1, 128}, {1, 512, 8, 2, 128}};
+    for (const Shape& s : shapes) {
+        const mf::cpu::AttentionShape cs{s.B, s.T, s.Hq, s.Hkv, s.D};
+        const mf::cuda::AttentionShape gs{s.B, s.T, s.Hq, s.Hkv, s.D};
+        const std::string label = AttnCase{s, Docs::none, 0}.label() + " (cuDNN)";
+        const int64_t nq = s.B * s.T * s.Hq * s.D, nkv = s.B * s.T * s.Hkv * s.D, nl = s.B * s.Hq * s.T;
+        const auto q = random_bf16(rng, nq, -1.5f, 1.5f);
+        const auto k = random_bf16(rng, nkv, -1.5f, 1.5f);
+        const auto v = random_bf16(rng, nkv);
+        const auto dout = random_bf16(rng, nq);
+        std::vector<float> ref_out(nq), ref_lse(nl), naive_out(nq), naive_lse(nl);
+        mf::cpu::attention_forward(ref_out.data(), ref_lse.data(), q.data(), k.data(), v.data(), nullptr, cs);
+        naive_forward(naive_out, naive_lse, q, k, v, nullptr, s);
+        const auto out_bf16 = round_bf16(ref_out);
+        std::vector<float> ref_dq(nq, 0.0f), ref_dk(nkv, 0.0f), ref_dv(nkv, 0.0f);
+        mf::cpu::attention_backward(ref_dq.data(), ref_dk.data(), ref_dv.data(), dout.data(), q.data(), k.data(),
+                                    v.data(), out_bf16.data(), ref_lse.data(), nullptr, cs);
+        std::vector<float> naive_dq(nq), naive_dk(nkv), naive_dv(nkv);
+        naive_backward(naive_dq, naive_dk, naive_dv, dout, q, k, v, out_bf16, ref_lse, nullptr, s);
+
+        DeviceBuffer d_q(nq * 2), d_k(nkv * 2), d_v(nkv * 2), d_out(nq * 2), d_lse(nl * 4), d_dout(nq * 2),
+            d_dq(nq * 2), d_dk(nkv * 2), d_dv(nkv * 2);
+        upload_bf16(d_q.as<void>(), q);
+        upload_bf16(d_k.as<void>(), k);
+        upload_bf16(d_v.as<void>(), v);
+        upload_bf16(d_dout.as<void>(), dout);
+        // The deterministic backward whole, and (B = 2) over one-row slices of the batch; then the
+        // dQ-accumulating one.
+        for (const int variant : {0, 1, 2}) {
+            const bool deterministic = variant < 2;
+            if (variant == 1 && s.B == 1) continue;
+            SCOPED_TRACE(variant == 0 ? "deterministic backward" : variant == 1 ? "deterministic, sliced" : "dQ-accumulating backward");
+            ScopedEnv budget("MOEFORGE_CUDNN_ATTENTION_BUDGET", variant == 1 ? "1" : "");
+            mf::cuda::set_cudnn_attention_deterministic(deterministic);
+            ASSERT_TRUE(mf::cuda::cudnn_attention_serves(gs)) << label << ": cuDNN refused the shape (see stderr)";
+            DeviceBuffer d_fws(mf::cuda::cudnn_attention_forward_workspace_bytes(gs));
+            d_out.poison();
+            d_lse.poison();
+            mf::cuda::cudnn_attention_forward(d_out.as<bf16>(), d_lse.as<float>(), d_q.as<bf16>(), d_k.as<bf16>(),
+                                              d_v.as<bf16>(), gs, d_fws.as<void>(), nullptr);
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            expect_parity("forward out " + label, download_bf16(d_out.as<void>(), nq), ref_out, naive_out);
+            expect_parity("forward lse " + label, download<float>(d_lse.as<void>(), nl), ref_lse, naive_lse);
+
+            upload_bf16(d_out.as<void>(), out_bf16);
+            upload(d_lse.as<void>(), ref_lse);
+            DeviceBuffer d_ws(mf::cuda::cudnn_attention_backward_workspace_bytes(gs));
+            std::vector<float> first_dq;
+            for (int run = 0; run < 2; ++run) {
+                d_dq.poison();
+                d_dk.poison();
+                d_dv.poison();
+                mf::cuda::cudnn_attention_backward(d_dq.as<bf16>(), d_dk.as<bf16>(), d_dv.as<bf16>(), d_dout.as<bf16>(),
+                                                   d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(), d_out.as<bf16>(),
+                                                   d_lse.as<float>(), gs, d_ws.as<void>(), nullptr);
+                MF_CHECK_CUDA(cudaDeviceSynchronize());
+                const auto dq = download_bf16(d_dq.as<void>(), nq);
+                expect_parity("backward dq " + label, dq, ref_dq, naive_dq);
+                expect_parity("backward dk " + label, download_bf16(d_dk.as<void>(), nkv), ref_dk, naive_dk);
+                expect_parity("backward dv " + label, download_bf16(d_dv.as<void>(), nkv), ref_dv, naive_dv);
+                if (run == 1 && deterministic) {
+                    EXPECT_EQ(std::memcmp(dq.data(), first_dq.data(), nq * 4), 0) << "dq differs between runs";
+                }
+                first_dq = dq;
+            }
+        }
+        mf::cuda::set_cudnn_attention_deterministic(true);
+    }
+    // Shapes outside what the fused engines take are declined, not run.
+    EXPECT_FALSE(mf::cuda::cudnn_attention_serves({1, 100, 4, 4, 128}));
+    EXPECT_FALSE(mf::cuda::cudnn_attention_serves({1, 128, 4, 4, 32}));
+}
+
 TEST(CudaAttention, ArgumentErrors) {
     DeviceBuffer buf(1 << 16);
     const mf::cuda::AttentionShape bad_dim{1, 4, 2, 1, 48};
@@ -272,6 +355,13 @@ TEST(CudaAttention, Benchmark) {
     std::vector<int32_t> doc_ids(s.B * s.T);
     for (int64_t i = 0; i < s.B * s.T; ++i) doc_ids[i] = static_cast<int32_t>((i % s.T) / 1024);
     MF_CHECK_CUDA(cudaMemcpy(docs.as<void>(), doc_ids.data(), doc_ids.size() * 4, cudaMemcpyHostToDevice));
+    auto report = [](const char* what, double fwd_flops, double fwd, double bwd) {
+        std::printf(
+            "BENCH attention B=2 T=4096 Hq=32 Hkv=4 D=128 %-20s fwd %8.1f us %6.1f TFLOP/s | bwd %8.1f us "
+            "%6.1f | fwd+bwd %8.1f us %6.1f TFLOP/s\n",
+            what, fwd, fwd_flops / fwd * 1e-6, bwd, 2.5 * fwd_flops / bwd * 1e-6, fwd + bwd,
+            3.5 * fwd_flops / (fwd + bwd) * 1e-6);
+    };
     for (int packed = 0; packed < 2; ++packed) {
         const int32_t* d = packed ? docs.as<int32_t>() : nullptr;
         const int64_t span = packed ? 1024 : s.T;
@@ -286,12 +376,48 @@ TEST(CudaAttention, Benchmark) {
                                          k.as<bf16>(), v.as<bf16>(), out.as<bf16>(), lse.as<float>(), d, s,
                                          ws.as<void>(), nullptr);
         });
-        std::printf(
-            "BENCH attention B=2 T=4096 Hq=32 Hkv=4 D=128 %-18s fwd %8.1f us %6.1f TFLOP/s | bwd %8.1f us "
-            "%6.1f | fwd+bwd %8.1f us %6.1f TFLOP/s\n",
-            packed ? "packed 1024 docs" : "causal", fwd, fwd_flops / fwd * 1e-6, bwd, 2.5 * fwd_flops / bwd * 1e-6,
-            fwd + bwd, 3.5 * fwd_flops / (fwd + bwd) * 1e-6);
+        report(packed ? "packed 1024 docs" : "causal", fwd_flops, fwd, bwd);
     }
+#if MOEFORGE_WITH_CUDNN
+    const double causal_flops = 4.0 * s.B * s.Hq * s.D * s.T * (s.T + 1) / 2.0;
+    for (const bool deterministic : {true, false}) {
+        mf::cuda::set_cudnn_attention_deterministic(deterministic);
+        if (!mf::cuda::cudnn_attention_serves(s)) {
+            std::printf("BENCH attention: cuDNN does not serve the shape\n");
+            break;
+        }
+        DeviceBuffer fws(mf::cuda::cudnn_attention_forward_workspace_bytes(s)),
+            bws(mf::cuda::cudnn_attention_backward_workspace_bytes(s));
+        const double fwd = median_us([&] {
+            mf::cuda::cudnn_attention_forward(out.as<bf16>(), lse.as<float>(), q.as<bf16>(), k.as<bf16>(),
+                                              v.as<bf16>(), s, fws.as<void>(), nullptr);
+        });
+        const double bwd = median_us([&] {
+            mf::cuda::cudnn_attention_backward(dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), dout.as<bf16>(),
+                                               q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), out.as<bf16>(),
+                                               lse.as<float>(), s, bws.as<void>(), nullptr);
+        });
+        report(deterministic ? "cuDNN causal, det." : "cuDNN causal, dQ+=", causal_flops, fwd, bwd);
+        // Does the backward repeat bit for bit (dQ over 10 runs)?
+        auto dq_bits = [&] {
+            std::vector<uint16_t> h(static_cast<size_t>(nq));
+            MF_CHECK_CUDA(cudaMemcpy(h.data(), dq.as<void>(), nq * 2, cudaMemcpyDeviceToHost));
+            return h;
+        };
+        const auto first = dq_bits();
+        int differing = 0;
+        for (int run = 0; run < 10; ++run) {
+            mf::cuda::cudnn_attention_backward(dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), dout.as<bf16>(),
+                                               q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), out.as<bf16>(),
+                                               lse.as<float>(), s, bws.as<void>(), nullptr);
+            differing += dq_bits() != first;
+        }
+        std::printf("BENCH attention: %s backward: dq differed from the first run in %d of 10 runs\n",
+                    deterministic ? "deterministic" : "dQ-accumulating", differing);
+        std::printf("BENCH attention: cuDNN backward workspace %.1f MiB\n", bws.bytes() / 1048576.0);
+    }
+    mf::cuda::set_cudnn_attention_deterministic(true);
+#endif
 }
 
 }  // namespace
