@@ -101,6 +101,12 @@ class Communicator {
     // concurrency (TCP) reduce at once, exactly as all_reduce_sum. `data` must stay valid and
     // untouched by other work until wait_async() returns.
     virtual void all_reduce_sum_async(void* data, int64_t count, DType dtype) { all_reduce_sum(data, count, dtype); }
+    // broadcast_each that overlaps what the default stream does next, in the same way (NCCL: on the
+    // side stream, after the work enqueued so far); completed by wait_async(). Backends without
+    // concurrency broadcast at once.
+    virtual void broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
+        broadcast_each(data, offsets, dtype);
+    }
     virtual void wait_async() {}
     // Returns once every rank has entered the barrier.
     virtual void barrier() = 0;

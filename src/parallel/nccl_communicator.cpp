@@ -356,10 +356,7 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     return std::unique_ptr<Communicator>(new NcclCommunicator(child, world_rank_, timeout_s_, stream_, op));
 }
 
-void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dtype) {
-    const char* op = "all_reduce_sum_async";
-    checked_nbytes(count, dtype, op);
-    begin(op);
+NcclCommunicator& NcclCommunicator::side(const char* op) {
     if (side_ == nullptr) {
         // First use (every rank reaches it at the same point of the program): a second NCCL
         // communicator over the same ranks, driven on a non-blocking stream so that it runs
@@ -372,14 +369,30 @@ void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dty
         wait_nccl(op);
         side_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, side_stream_, op));
     }
-    if (count == 0) return;
-    // After everything enqueued on the default stream so far (the gradients being produced).
+    // After everything enqueued on the default stream so far (the data being produced).
     MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
     MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
-    side_->begin(op);
-    MF_CHECK_NCCL(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, side_->comm_,
+    return *side_;
+}
+
+void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dtype) {
+    const char* op = "all_reduce_sum_async";
+    checked_nbytes(count, dtype, op);
+    begin(op);
+    NcclCommunicator& s = side(op);
+    if (count == 0) return;
+    s.begin(op);
+    MF_CHECK_NCCL(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, s.comm_,
                                 side_stream_));
-    side_->wait_nccl(op);
+    s.wait_nccl(op);
+    async_pending_ = true;
+}
+
+void NcclCommunicator::broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
+    const char* op = "broadcast_each_async";
+    check_broadcast_each_args(offsets, size_);
+    begin(op);
+    side(op).broadcast_each(data, offsets, dtype);  // the side communicator issues on the side stream
     async_pending_ = true;
 }
 

@@ -58,6 +58,7 @@ class NcclCommunicator final : public Communicator {
     // On a second NCCL communicator over the same ranks and a non-blocking side stream, ordered
     // after the default stream's work at the call (an event); bf16 summed in bf16 by NCCL.
     void all_reduce_sum_async(void* data, int64_t count, DType dtype) override;
+    void broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) override;
     void wait_async() override;
     std::unique_ptr<Communicator> split(int color, int key) override;
 
@@ -86,7 +87,10 @@ class NcclCommunicator final : public Communicator {
 
     static constexpr int64_t kWideChunk = int64_t{1} << 25;  // fp32 elements of the bf16 all-reduce workspace
     Buffer wide_;
-    std::unique_ptr<NcclCommunicator> side_;  // all_reduce_sum_async's communicator, made on first use
+    // The side stream's communicator (all_reduce_sum_async, broadcast_each_async), made on first use;
+    // side() makes it and orders the side stream after the default stream's work so far.
+    NcclCommunicator& side(const char* op);
+    std::unique_ptr<NcclCommunicator> side_;
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
     bool async_pending_ = false;

@@ -105,7 +105,7 @@ void AdamW::step(double lr, double grad_scale) {
     const auto& specs = model_.params().specs();
     const Tensor params = model_.params_tensor(), grads = model_.grads_tensor();
     const size_t es = dtype_size(state_dtype_);
-    for_owned([&](const Range& r, int64_t at) {
+    auto update = [&](const Range& r, int64_t at) {
         for (size_t i = 0; i < specs.size(); ++i) {
             // The part of this parameter inside this owned range.
             const int64_t a = std::max(r.begin, specs[i].offset), b = std::min(r.end, specs[i].offset + specs[i].numel);
@@ -120,16 +120,24 @@ void AdamW::step(double lr, double grad_scale) {
                                     static_cast<float>(grad_scale)};
             ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
         }
-    });
-    // Every chunk from its owner over its region's group, in place: afterwards all ranks hold the
-    // same parameters.
-    for (const Region& g : regions_) {
+    };
+    // Region by region: once this rank's chunk of a sharded region is updated, every chunk goes
+    // from its owner to the region's group (in place; afterwards all ranks hold the same
+    // parameters), started asynchronously so that it overlaps the update of the next region (under
+    // EP the replicated parameters' broadcast runs while the expert parameters are updated).
+    for (int k = 0; k < 2; ++k) {
+        for_owned([&](const Range& r, int64_t at) {
+            if (r.region == k) update(r, at);
+        });
+        const Region& g = regions_[static_cast<size_t>(k)];
         if (g.group == nullptr) continue;
         std::vector<int64_t> pieces(static_cast<size_t>(g.size) + 1);
         for (int r = 0; r <= g.size; ++r) pieces[static_cast<size_t>(r)] = (r < g.size ? g.lo(r) : g.end) - g.begin;
-        g.group->broadcast_each(flat_range(params, g.begin, g.end - g.begin).data(), pieces, model_.param_dtype());
-        g.group->synchronize();
+        g.group->broadcast_each_async(flat_range(params, g.begin, g.end - g.begin).data(), pieces,
+                                      model_.param_dtype());
     }
+    for (const Region& g : regions_)
+        if (g.group != nullptr) g.group->wait_async();
 }
 
 void AdamW::get_owned(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
