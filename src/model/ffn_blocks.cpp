@@ -57,17 +57,15 @@ std::vector<Tensor> EpRowStore::carve(int64_t rows, const std::vector<int64_t>& 
 }
 
 void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
-                    std::shared_ptr<EpRowStore> exchange_rows, const Tensor* shared_x_perm) {
+                    std::shared_ptr<EpRowStore> output, const Tensor* shared_x_perm) {
     const int64_t P = N * d.top_k;
     if (d.ep != nullptr) {
-        // The row buffers are carved per step from the stores (sized by the real routing); the
-        // bookkeeping below is sized for the worst case: every rank routes all its pairs here.
-        const int64_t cap = P * d.ep_size();
+        // The row buffers are carved per step from the stores (sized by the real routing).
         local_store = local ? std::move(local) : std::make_shared<EpRowStore>();
-        exchange_store = exchange_rows ? std::move(exchange_rows) : std::make_shared<EpRowStore>();
+        output_store = output ? std::move(output) : std::make_shared<EpRowStore>();
         const int64_t El = d.num_experts / d.ep_size();
         plan_buffers.peer_offsets = arena.alloc(DType::i32, {d.ep_size() * (El + 1)});
-        plan_buffers.index = arena.alloc(DType::i32, {El + 1 + cap});
+        plan_buffers.index = arena.alloc(DType::i32, {El + 1});
     }
     logits = arena.alloc(DType::f32, {N, d.num_experts});
     probs = arena.alloc(DType::f32, {N, d.num_experts});
@@ -183,91 +181,74 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
         MF_CHECK(off[static_cast<size_t>(e)] >= 0 && off[static_cast<size_t>(e + 1)] >= off[static_cast<size_t>(e)],
                  "ep_plan: expert_offsets are not ascending from 0");
 
-    // Chunk c holds local experts [c·El/C, (c+1)·El/C): its rows are a contiguous block of the local
-    // buffers (expert-major) and of `exchange` (source-major within the chunk), in chunk order.
+    // Local rows are expert-major, then source rank: expert j's rows from source s start at
+    // local_offsets[j] + Σ_{s' < s} cnt[s'·El + j]. Chunk c holds local experts [c·El/C, (c+1)·El/C),
+    // a contiguous block of rows; its pieces go per (peer, expert), peer-major on both sides.
     EpRouting r;
-    const int64_t C = num_chunks(d);
     r.local_offsets.assign(static_cast<size_t>(El + 1), 0);
-    int64_t row = 0;
+    for (int64_t j = 0; j < El; ++j) {
+        int64_t rows = 0;
+        for (int64_t s = 0; s < S; ++s) rows += cnt[static_cast<size_t>(s * El + j)];
+        const int64_t next = r.local_offsets[static_cast<size_t>(j)] + rows;
+        MF_CHECK(next <= std::numeric_limits<int32_t>::max(), "expert parallelism: ", next,
+                 " rows received do not fit int32 row offsets");
+        r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(next);
+    }
+    r.num_local = r.local_offsets[static_cast<size_t>(El)];
+    const int64_t C = num_chunks(d);
     for (int64_t c = 0; c < C; ++c) {
         EpChunk ch;
         ch.first_expert = c * El / C;
         ch.num_experts = (c + 1) * El / C - ch.first_expert;
-        ch.first_row = row;
         const int64_t j0 = ch.first_expert, j1 = j0 + ch.num_experts;
-        ch.send_counts.resize(static_cast<size_t>(S));
-        ch.send_offsets.resize(static_cast<size_t>(S));
-        ch.recv_counts.assign(static_cast<size_t>(S), 0);
-        ch.recv_offsets.assign(static_cast<size_t>(S), 0);
-        for (int64_t p = 0; p < S; ++p) {
-            const int32_t first = off[static_cast<size_t>(p * El + j0)], last = off[static_cast<size_t>(p * El + j1)];
-            ch.send_offsets[static_cast<size_t>(p)] = first;
-            ch.send_counts[static_cast<size_t>(p)] = last - first;
-            for (int64_t j = j0; j < j1; ++j)
-                ch.recv_counts[static_cast<size_t>(p)] += cnt[static_cast<size_t>(p * El + j)];
-            ch.recv_offsets[static_cast<size_t>(p)] = row;
-            row += ch.recv_counts[static_cast<size_t>(p)];
-        }
-        ch.num_rows = row - ch.first_row;
-        // Expert-major order inside the chunk: expert, then source rank, then source order.
-        for (int64_t j = j0; j < j1; ++j) {
-            for (int64_t s = 0; s < S; ++s) {
-                int64_t src_row = ch.recv_offsets[static_cast<size_t>(s)];
-                for (int64_t jj = j0; jj < j; ++jj) src_row += cnt[static_cast<size_t>(s * El + jj)];
-                const int64_t c_rows = cnt[static_cast<size_t>(s * El + j)];
-                for (int64_t k = 0; k < c_rows; ++k) r.local_order.push_back(src_row + k);
+        ch.first_row = r.local_offsets[static_cast<size_t>(j0)];
+        ch.num_rows = r.local_offsets[static_cast<size_t>(j1)] - ch.first_row;
+        for (int64_t p = 0; p < S; ++p)
+            for (int64_t j = j0; j < j1; ++j) {
+                const int32_t first = off[static_cast<size_t>(p * El + j)];
+                ch.send_pieces.push_back({static_cast<int>(p), first, off[static_cast<size_t>(p * El + j + 1)] - first});
+                int64_t at = r.local_offsets[static_cast<size_t>(j)];
+                for (int64_t s = 0; s < p; ++s) at += cnt[static_cast<size_t>(s * El + j)];
+                ch.recv_pieces.push_back({static_cast<int>(p), at, cnt[static_cast<size_t>(p * El + j)]});
             }
-            MF_CHECK(static_cast<int64_t>(r.local_order.size()) <= std::numeric_limits<int32_t>::max() - El - 1,
-                     "expert parallelism: ", r.local_order.size(), " rows received do not fit int32 row indices");
-            r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(r.local_order.size());
-        }
         r.chunks.push_back(std::move(ch));
     }
-    r.num_local = row;
 
     const Tensor& index = buffers.index;
     if (!has_data(index)) {
         MF_CHECK(device == Device::cpu, "ep_plan: device expert_offsets need a device i32 index buffer");
         return r;
     }
-    MF_CHECK(index.device() == device && index.dtype() == DType::i32 && index.numel() >= El + 1 + r.num_local,
-             "ep_plan: the index buffer needs ", El + 1 + r.num_local, " i32 entries on the ", device_name(device),
-             ", has ", index.numel());
-    // One upload: [local_offsets | local_order].
-    std::vector<int32_t> packed(r.local_offsets);
-    packed.reserve(static_cast<size_t>(El + 1 + r.num_local));
-    for (const int64_t i : r.local_order) packed.push_back(static_cast<int32_t>(i));
+    MF_CHECK(index.device() == device && index.dtype() == DType::i32 && index.numel() >= El + 1,
+             "ep_plan: the index buffer needs ", El + 1, " i32 entries on the ", device_name(device), ", has ",
+             index.numel());
     r.group_offsets = flat_view(index, 0, El + 1);
-    r.local_index = flat_view(index, El + 1, r.num_local);
-    ops::copy_from_host(flat_view(index, 0, El + 1 + r.num_local), packed.data());
+    ops::copy_from_host(r.group_offsets, r.local_offsets.data());
     return r;
 }
 
 namespace {
 
-// One chunk's rows, H elements each, over the EP group: toward the owners (sorted -> exchange) or
-// back (exchange -> sorted). With `overlap` it is only started (Communicator::all_to_all_v_start);
+// One chunk's rows, H elements each, over the EP group: toward the owners (sorted -> local) or back
+// (local -> sorted). With `overlap` it is only started (Communicator::all_to_all_pieces_start);
 // returns the ticket to join (0: done).
 uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners,
-                        const Tensor& sorted, const Tensor& exchange) {
+                        const Tensor& sorted, const Tensor& local) {
     const int64_t H = sorted.dim(-1);
-    auto times_h = [H](const std::vector<int64_t>& v) {
-        std::vector<int64_t> out(v.size());
-        for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * H;
+    auto times_h = [H](const std::vector<parallel::Communicator::Piece>& pieces) {
+        std::vector<parallel::Communicator::Piece> out(pieces);
+        for (auto& p : out) {
+            p.offset *= H;
+            p.count *= H;
+        }
         return out;
     };
-    const auto sc = times_h(ch.send_counts), so = times_h(ch.send_offsets), rc = times_h(ch.recv_counts),
-               ro = times_h(ch.recv_offsets);
-    const Tensor& from = to_owners ? sorted : exchange;
-    const Tensor& to = to_owners ? exchange : sorted;
-    const auto& from_counts = to_owners ? sc : rc;
-    const auto& from_offsets = to_owners ? so : ro;
-    const auto& to_counts = to_owners ? rc : sc;
-    const auto& to_offsets = to_owners ? ro : so;
-    if (overlap)
-        return ep.all_to_all_v_start(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets,
-                                     from.dtype());
-    ep.all_to_all_v(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets, from.dtype());
+    const auto sp = times_h(to_owners ? ch.send_pieces : ch.recv_pieces);
+    const auto rp = times_h(to_owners ? ch.recv_pieces : ch.send_pieces);
+    const Tensor& from = to_owners ? sorted : local;
+    const Tensor& to = to_owners ? local : sorted;
+    if (overlap) return ep.all_to_all_pieces_start(from.data(), sp, to.data(), rp, from.dtype());
+    ep.all_to_all_pieces(from.data(), sp, to.data(), rp, from.dtype());
     return 0;
 }
 
@@ -275,67 +256,26 @@ void join(parallel::Communicator& ep, uint64_t ticket) {
     if (ticket != 0) ep.all_to_all_v_join(ticket);
 }
 
-void copy_row(const Tensor& dst, int64_t dst_row, const Tensor& src, int64_t src_row) {
-    const size_t row_bytes = static_cast<size_t>(src.dim(-1)) * dtype_size(src.dtype());
-    std::memcpy(static_cast<char*>(dst.data()) + static_cast<size_t>(dst_row) * row_bytes,
-                static_cast<const char*>(src.data()) + static_cast<size_t>(src_row) * row_bytes, row_bytes);
-}
-
-// The chunk's rows exchange (source-major) -> local (expert-major): local[i] = exchange[local_order[i]].
-void gather_chunk(const EpRouting& r, const EpChunk& ch, const Tensor& exchange, const Tensor& local) {
-    if (has_data(r.local_index)) {
-        ops::gather_rows(row_view(local, ch.first_row, ch.num_rows), row_view(exchange, 0, r.num_local),
-                         flat_view(r.local_index, ch.first_row, ch.num_rows));
-        return;
-    }
-    for (int64_t i = ch.first_row; i < ch.first_row + ch.num_rows; ++i)
-        copy_row(local, i, exchange, r.local_order[static_cast<size_t>(i)]);
-}
-
-// The inverse: exchange[local_order[i]] = local[i] over the chunk's rows.
-void scatter_chunk(const EpRouting& r, const EpChunk& ch, const Tensor& local, const Tensor& exchange) {
-    if (has_data(r.local_index)) {
-        ops::scatter_rows(row_view(exchange, 0, r.num_local), row_view(local, ch.first_row, ch.num_rows),
-                          flat_view(r.local_index, ch.first_row, ch.num_rows));
-        return;
-    }
-    for (int64_t i = ch.first_row; i < ch.first_row + ch.num_rows; ++i)
-        copy_row(exchange, r.local_order[static_cast<size_t>(i)], local, i);
-}
-
-void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted,
-                    const Tensor& exchange, const Tensor& local) {
-    MF_CHECK(exchange.dim(0) >= r.num_local && local.dim(0) >= r.num_local && sorted.dim(-1) == exchange.dim(-1) &&
-                 local.dim(-1) == exchange.dim(-1) && sorted.dtype() == exchange.dtype() &&
-                 local.dtype() == exchange.dtype(),
-             op, ": buffer shapes");
-    MF_CHECK(sorted.device() == exchange.device() && local.device() == exchange.device(), op, ": mixed devices");
-    check_backend(*d.ep, exchange.device(), op);
-    MF_CHECK(has_data(r.local_index) || exchange.device() == Device::cpu, op,
-             ": device tensors need a routing planned with an index buffer");
+void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local) {
+    MF_CHECK(local.dim(0) >= r.num_local && sorted.dim(-1) == local.dim(-1) && sorted.dtype() == local.dtype(), op,
+             ": buffer shapes");
+    MF_CHECK(sorted.device() == local.device(), op, ": mixed devices");
+    check_backend(*d.ep, local.device(), op);
 }
 
 }  // namespace
 
 // sorted [P, H] (expert-sorted rows of this rank) -> local [num_local, H] (expert-major rows of the
-// local experts, from every source), through `exchange` (source-major per chunk).
-void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& exchange,
-                 const Tensor& local) {
-    check_exchange("ep_dispatch", d, r, sorted, exchange, local);
-    for (const EpChunk& ch : r.chunks) {
-        exchange_chunk(*d.ep, false, ch, true, sorted, exchange);
-        gather_chunk(r, ch, exchange, local);
-    }
+// local experts, from every source).
+void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local) {
+    check_exchange("ep_dispatch", d, r, sorted, local);
+    for (const EpChunk& ch : r.chunks) exchange_chunk(*d.ep, false, ch, true, sorted, local);
 }
 
 // The reverse: local [num_local, H] -> sorted [P, H], every row back where dispatch took it from.
-void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& exchange,
-                const Tensor& sorted) {
-    check_exchange("ep_combine", d, r, sorted, exchange, local);
-    for (const EpChunk& ch : r.chunks) {
-        scatter_chunk(r, ch, local, exchange);
-        exchange_chunk(*d.ep, false, ch, false, sorted, exchange);
-    }
+void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& sorted) {
+    check_exchange("ep_combine", d, r, sorted, local);
+    for (const EpChunk& ch : r.chunks) exchange_chunk(*d.ep, false, ch, false, sorted, local);
 }
 
 namespace {
@@ -352,26 +292,25 @@ std::span<const int32_t> chunk_host_offsets(const EpRouting& r, const EpChunk& c
         .subspan(static_cast<size_t>(ch.first_expert), static_cast<size_t>(ch.num_experts + 1));
 }
 
-// The EP pipeline shared by forward and backward: every chunk's dispatch of `sorted_in` is started,
-// then chunk by chunk: join its dispatch, gather its rows into `local_in`, run `compute` (which
-// leaves the chunk's results in `local_out`), scatter them and start their combine into
-// `sorted_out`; finally join every combine. With one chunk, or without an NCCL side stream, each
-// exchange completes before the next step, which is the plain dispatch -> compute -> combine.
+// The EP pipeline shared by forward and backward: every chunk's dispatch of `sorted_in` into
+// `local_in` is started, then chunk by chunk: join its dispatch, run `compute` (which leaves the
+// chunk's results in `local_out`) and start their combine into `sorted_out`; finally join every
+// combine. With one chunk, or without an NCCL side stream, each exchange completes before the next
+// step, which is the plain dispatch -> compute -> combine.
 template <typename Compute>
-void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& exchange,
-                 const Tensor& local_in, const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
-    check_exchange("expert parallelism", d, r, sorted_in, exchange, local_in);
+void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& local_in,
+                 const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
+    check_exchange("expert parallelism", d, r, sorted_in, local_in);
+    check_exchange("expert parallelism", d, r, sorted_out, local_out);
     const bool overlap = r.chunks.size() > 1;
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c)
-        tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, exchange);
+        tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, local_in);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
         join(*d.ep, tickets[c]);
-        gather_chunk(r, ch, exchange, local_in);
         compute(ch);
-        scatter_chunk(r, ch, local_out, exchange);
-        tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, exchange);
+        tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, local_out);
     }
     for (const uint64_t t : tickets) join(*d.ep, t);
 }
@@ -393,14 +332,12 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         a.x_local = rows[0];
         a.h_local = rows[1];
         a.a_local = rows[2];
-        const auto temp = a.exchange_store->carve(R, {H, H}, x.dtype(), x.device());
-        a.exchange = temp[0];
-        a.y_local = temp[1];
+        a.y_local = a.output_store->carve(R, {H}, x.dtype(), x.device())[0];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         // Each chunk's grouped GEMMs see all R rows but only its experts' offsets (absolute row
         // numbers), so they touch only the chunk's rows.
-        ep_pipeline(d, r, a.x_perm, a.exchange, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
+        ep_pipeline(d, r, a.x_perm, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
             const auto host = chunk_host_offsets(r, ch);
             ops::grouped_matmul_forward(h_local, x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
@@ -431,19 +368,18 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         check_ep(d, w);
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local, H = d.hidden, I = d.intermediate;
-        const auto rows = s.store->carve(R, {H, I, 2 * I, H, H}, dy.dtype(), dy.device());
+        const auto rows = s.store->carve(R, {H, I, 2 * I, H}, dy.dtype(), dy.device());
         s.dy_local = rows[0];
         s.da_local = rows[1];
         s.dh_local = rows[2];
         s.dx_local = rows[3];
-        s.exchange = rows[4];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R);
         const Tensor dy_local = row_view(s.dy_local, 0, R), da_local = row_view(s.da_local, 0, R);
         const Tensor dh_local = row_view(s.dh_local, 0, R), dx_local = row_view(s.dx_local, 0, R);
         // Output gradients travel the dispatch way, input gradients come back the combine way (every
         // row of dx_perm is written).
-        ep_pipeline(d, r, s.dy_perm, s.exchange, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
+        ep_pipeline(d, r, s.dy_perm, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
             const auto host = chunk_host_offsets(r, ch);
             const Tensor rows_da = row_view(da_local, ch.first_row, ch.num_rows);

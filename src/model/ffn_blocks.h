@@ -13,10 +13,10 @@
 //
 // Expert parallelism (MoeDims::ep set): the S ranks of an EP group split the experts, rank p owning
 // [p·E/S, (p+1)·E/S). After the router and the sort by expert, dispatch sends each owner its rows
-// (all_to_all_v over the EP group: the per-expert row offsets first, then the rows), the owner
-// reorders what it received from source-major to expert-major (gather_rows by the planned index) and
-// runs its experts on it, and combine sends the outputs back the reverse way (scatter_rows, then
-// all_to_all_v) into the sorted order, where the top-k weighted sum proceeds as without EP.
+// over the EP group (the per-expert row offsets first, then the rows, one piece per (peer, expert)
+// with all_to_all_pieces, so they land expert-major, by source within an expert, with no reordering
+// copy), the owner runs its experts on them, and combine sends the outputs back the same pieces the
+// reverse way into the sorted order, where the top-k weighted sum proceeds as without EP.
 // Backward: output gradients travel the dispatch way, input gradients the combine way. Under EP the
 // stacked weights (and their gradients) hold only this rank's E/S experts ([E/S, ...]); the router
 // holds all E. Both backends: CPU tensors over the TCP communicator, CUDA tensors over NCCL, whose
@@ -26,7 +26,7 @@
 // Pipelining (MoeDims::ep_chunks = C > 1): the local experts are split into C chunks, each with its
 // own exchange; on NCCL every chunk's dispatch is started on a side stream at once (it waits for the
 // default stream's work so far, then runs while the default stream goes on), chunk c's expert GEMMs
-// wait only for chunk c's rows, and chunk c's combine starts as soon as its outputs are scattered,
+// wait only for chunk c's rows, and chunk c's combine starts as soon as its outputs are computed,
 // overlapping chunk c+1's GEMMs. Every row is computed by the same kernels from the same inputs in
 // the same within-expert order as with C = 1 (tests/dist/test_nccl_ep compares the two).
 #pragma once
@@ -72,34 +72,32 @@ struct MoeDims {
 };
 
 // One chunk of the local experts and the rows that travel for it. Its rows are one contiguous block
-// of the local buffers (expert-major) and of the exchange buffer (source-major), chunks in order.
+// of the local buffers (expert-major), chunks in order.
 struct EpChunk {
-    int64_t first_expert = 0, num_experts = 0;       // local experts [first, first + num)
-    int64_t first_row = 0, num_rows = 0;             // their rows in the local and exchange buffers
-    std::vector<int64_t> send_counts, send_offsets;  // [S] rows to each peer (for its experts of this chunk),
-                                                     // in this rank's expert-sorted order
-    std::vector<int64_t> recv_counts, recv_offsets;  // [S] rows from each peer, at these exchange rows
+    int64_t first_expert = 0, num_experts = 0;  // local experts [first, first + num)
+    int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers
+    // Rows (offset, count) per (peer, expert of the chunk), peer-major then expert order on both
+    // sides: send_pieces in this rank's expert-sorted rows, recv_pieces in the local rows (expert-
+    // major, then source rank), so the exchange lands the rows straight where the GEMMs read them.
+    std::vector<parallel::Communicator::Piece> send_pieces, recv_pieces;
 };
 
 // Who sends which rows where in one MoE block's dispatch (host bookkeeping; see the header comment),
-// plus two device-side views of it that dispatch, combine and the local grouped GEMMs read.
+// plus the device copy of the local expert offsets that the local grouped GEMMs read.
 struct EpRouting {
     int64_t num_local = 0;               // rows received = rows of the local expert computation
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
-    std::vector<int64_t> local_order;    // [num_local] exchange row of expert-major row i
     std::vector<int32_t> local_offsets;  // [E/S + 1] expert-major row offsets
-    // local_offsets and local_order as i32 on the tensors' device (views of EpPlanBuffers::index);
-    // undefined (null) when planned without an index buffer on the CPU.
-    Tensor group_offsets, local_index;
+    // local_offsets as i32 on the tensors' device (a view of EpPlanBuffers::index); undefined (null)
+    // when planned without an index buffer on the CPU.
+    Tensor group_offsets;
 };
 
 // Buffers ep_plan writes, on expert_offsets' device, both i32 (MoeActs holds them):
 //   peer_offsets [S·(E/S + 1)]: every peer's expert offsets of this rank's experts, as received
 //                (needed on the GPU, where NCCL moves device memory; on the CPU a host vector stands
 //                in when it is undefined);
-//   index        [E/S + 1 + capacity]: local_offsets then local_order, which the routing's
-//                group_offsets and local_index view (needed on the GPU; on the CPU, without it,
-//                dispatch and combine reorder with a host loop).
+//   index        [E/S + 1]: local_offsets, which the routing's group_offsets views (needed on the GPU).
 // Rows for the EP-local buffers, sized by the routing actually met rather than by the N·K·S-row
 // worst case a dropless all-to-all allows (every rank sending everything to one rank): the store
 // grows to the largest request seen, with 1/8 headroom, and never shrinks. A growth frees the old
@@ -129,13 +127,10 @@ struct MoeWeights {
 // per-expert row offsets of this rank's expert-sorted rows (expert_offsets [E+1] i32) and plans both
 // directions. ep_dispatch: sorted [P, H] -> local [num_local, H], expert-major over the local experts
 // and, within an expert, by source rank and then source order; ep_combine is its exact inverse
-// (local -> sorted). `exchange` is a source-major staging buffer of at least num_local rows; rows are
-// copied, never summed, so a round trip returns every row bit for bit.
+// (local -> sorted). Rows are copied, never summed, so a round trip returns every row bit for bit.
 EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBuffers& buffers = {});
-void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& exchange,
-                 const Tensor& local);
-void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& exchange,
-                const Tensor& sorted);
+void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local);
+void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& sorted);
 
 struct MoeActs {
     Tensor logits, probs;          // [N, E]
@@ -147,24 +142,24 @@ struct MoeActs {
     std::vector<int32_t> host_offsets;
     Tensor sorted_pair, pair_row;  // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
-    // EP only: the local experts' input and activations (expert-major) and the forward's exchange
-    // buffer (source-major) and expert outputs, routing.num_local rows each, carved by
-    // moe_block_forward: x, h, a from `local_store` (kept for the backward), exchange and y_local
-    // from `exchange_store` (free again once the forward returns: the combine has copied y_local
-    // into y_perm; the model shares it with the MoeScratch), and ep_plan's buffers (arena).
-    Tensor x_local, h_local, a_local, y_local, exchange;
-    std::shared_ptr<EpRowStore> local_store, exchange_store;
+    // EP only: the local experts' input and activations (expert-major) and expert outputs,
+    // routing.num_local rows each, carved by moe_block_forward: x, h, a from `local_store` (kept for
+    // the backward), y_local from `output_store` (free again once the forward returns: the combine
+    // has moved y_local into y_perm; the model shares it with the MoeScratch), and ep_plan's
+    // buffers (arena).
+    Tensor x_local, h_local, a_local, y_local;
+    std::shared_ptr<EpRowStore> local_store, output_store;
     EpPlanBuffers plan_buffers;
     EpRouting routing;
     // Stores not given are made fresh (EP only). Under EP x_perm is only the dispatch's source (the
     // backward reads x_local), so layers may share one: `shared_x_perm` ([N·K, H]) when given.
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local = {},
-               std::shared_ptr<EpRowStore> exchange = {}, const Tensor* shared_x_perm = nullptr);
+               std::shared_ptr<EpRowStore> output = {}, const Tensor* shared_x_perm = nullptr);
 };
 
 struct MoeScratch {
     Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;  // da, dh: not under EP
-    Tensor dy_local, da_local, dh_local, dx_local, exchange;  // EP only, carved from `store` by the backward
+    Tensor dy_local, da_local, dh_local, dx_local;  // EP only, carved from `store` by the backward
     std::shared_ptr<EpRowStore> store;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };

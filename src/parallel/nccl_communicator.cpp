@@ -402,12 +402,7 @@ void NcclCommunicator::wait_async() {
     async_pending_ = false;
 }
 
-uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
-                                              std::span<const int64_t> send_offsets, void* recv,
-                                              std::span<const int64_t> recv_counts,
-                                              std::span<const int64_t> recv_offsets, DType dtype) {
-    const char* op = "all_to_all_v_start";
-    begin(op);
+NcclCommunicator& NcclCommunicator::exchange(const char* op) {
     if (exchange_ == nullptr) {
         MF_CHECK_CUDA(cudaStreamCreateWithFlags(&exchange_stream_, cudaStreamNonBlocking));
         MF_CHECK_CUDA(cudaEventCreateWithFlags(&exchange_ready_, cudaEventDisableTiming));
@@ -420,10 +415,53 @@ uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const 
     }
     MF_CHECK_CUDA(cudaEventRecord(exchange_ready_, stream_));
     MF_CHECK_CUDA(cudaStreamWaitEvent(exchange_stream_, exchange_ready_, 0));
-    exchange_->all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype);
+    return *exchange_;
+}
+
+uint64_t NcclCommunicator::record_exchange() {
     const uint64_t ticket = ++exchange_tickets_;
     MF_CHECK_CUDA(cudaEventRecord(exchange_done_[ticket % kExchangeTickets], exchange_stream_));
     return ticket;
+}
+
+uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
+                                              std::span<const int64_t> send_offsets, void* recv,
+                                              std::span<const int64_t> recv_counts,
+                                              std::span<const int64_t> recv_offsets, DType dtype) {
+    const char* op = "all_to_all_v_start";
+    begin(op);
+    exchange(op).all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype);
+    return record_exchange();
+}
+
+void NcclCommunicator::all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
+                                         std::span<const Piece> recv_pieces, DType dtype) {
+    const char* op = "all_to_all_pieces";
+    check_pieces(size_, send_pieces, dtype, op);
+    check_pieces(size_, recv_pieces, dtype, op);
+    begin(op);
+    const size_t elem = dtype_size(dtype);
+    const ncclDataType_t type = nccl_type(dtype);
+    // NCCL pairs the sends and receives between two ranks in the order they are issued.
+    MF_CHECK_NCCL(ncclGroupStart());
+    for (const Piece& p : send_pieces)
+        if (p.count > 0)
+            MF_CHECK_NCCL(ncclSend(static_cast<const char*>(send) + static_cast<size_t>(p.offset) * elem,
+                                   static_cast<size_t>(p.count), type, p.peer, comm_, stream_));
+    for (const Piece& p : recv_pieces)
+        if (p.count > 0)
+            MF_CHECK_NCCL(ncclRecv(static_cast<char*>(recv) + static_cast<size_t>(p.offset) * elem,
+                                   static_cast<size_t>(p.count), type, p.peer, comm_, stream_));
+    MF_CHECK_NCCL(ncclGroupEnd());
+    wait_nccl(op);
+}
+
+uint64_t NcclCommunicator::all_to_all_pieces_start(const void* send, std::span<const Piece> send_pieces, void* recv,
+                                                   std::span<const Piece> recv_pieces, DType dtype) {
+    const char* op = "all_to_all_pieces_start";
+    begin(op);
+    exchange(op).all_to_all_pieces(send, send_pieces, recv, recv_pieces, dtype);
+    return record_exchange();
 }
 
 void NcclCommunicator::all_to_all_v_join(uint64_t ticket) {

@@ -76,6 +76,10 @@ class NcclCommunicator final : public Communicator {
                                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                                 DType dtype) override;
     void all_to_all_v_join(uint64_t ticket) override;
+    void all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
+                           std::span<const Piece> recv_pieces, DType dtype) override;
+    uint64_t all_to_all_pieces_start(const void* send, std::span<const Piece> send_pieces, void* recv,
+                                     std::span<const Piece> recv_pieces, DType dtype) override;
 
  private:
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
@@ -94,7 +98,11 @@ class NcclCommunicator final : public Communicator {
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
     bool async_pending_ = false;
-    std::unique_ptr<NcclCommunicator> exchange_;  // all_to_all_v_start's communicator, made on first use
+    // The exchange stream's communicator, made on first use; exchange() makes it and orders the
+    // exchange stream after the default stream's work so far, record_exchange() returns the ticket.
+    NcclCommunicator& exchange(const char* op);
+    uint64_t record_exchange();
+    std::unique_ptr<NcclCommunicator> exchange_;
     cudaStream_t exchange_stream_ = nullptr;
     cudaEvent_t exchange_ready_ = nullptr;
     cudaEvent_t exchange_done_[kExchangeTickets] = {};
