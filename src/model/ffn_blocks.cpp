@@ -183,7 +183,9 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
 
     // Local rows are expert-major, then source rank: expert j's rows from source s start at
     // local_offsets[j] + Σ_{s' < s} cnt[s'·El + j]. Chunk c holds local experts [c·El/C, (c+1)·El/C),
-    // a contiguous block of rows; its pieces go per (peer, expert), peer-major on both sides.
+    // a contiguous block of local rows. Its remote rows travel as one block per peer (contiguous in
+    // the sender's expert-sorted rows) into the staging buffer, chunk after chunk and source-major
+    // within a chunk; row-range copies then put them, and this rank's own rows, in place.
     EpRouting r;
     r.local_offsets.assign(static_cast<size_t>(El + 1), 0);
     for (int64_t j = 0; j < El; ++j) {
@@ -195,7 +197,8 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
         r.local_offsets[static_cast<size_t>(j + 1)] = static_cast<int32_t>(next);
     }
     r.num_local = r.local_offsets[static_cast<size_t>(El)];
-    const int64_t C = num_chunks(d);
+    const int64_t me = ep.rank(), C = num_chunks(d);
+    int64_t staged = 0;
     for (int64_t c = 0; c < C; ++c) {
         EpChunk ch;
         ch.first_expert = c * El / C;
@@ -203,16 +206,38 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
         const int64_t j0 = ch.first_expert, j1 = j0 + ch.num_experts;
         ch.first_row = r.local_offsets[static_cast<size_t>(j0)];
         ch.num_rows = r.local_offsets[static_cast<size_t>(j1)] - ch.first_row;
-        for (int64_t p = 0; p < S; ++p)
-            for (int64_t j = j0; j < j1; ++j) {
-                const int32_t first = off[static_cast<size_t>(p * El + j)];
-                ch.send_pieces.push_back({static_cast<int>(p), first, off[static_cast<size_t>(p * El + j + 1)] - first});
+        ch.send_counts.assign(static_cast<size_t>(S), 0);
+        ch.send_offsets.assign(static_cast<size_t>(S), 0);
+        ch.recv_counts.assign(static_cast<size_t>(S), 0);
+        ch.recv_offsets.assign(static_cast<size_t>(S), 0);
+        for (int64_t p = 0; p < S; ++p) {
+            // Where source p's rows of expert j sit among the local rows.
+            auto local_row = [&](int64_t j) {
                 int64_t at = r.local_offsets[static_cast<size_t>(j)];
                 for (int64_t s = 0; s < p; ++s) at += cnt[static_cast<size_t>(s * El + j)];
-                ch.recv_pieces.push_back({static_cast<int>(p), at, cnt[static_cast<size_t>(p * El + j)]});
+                return at;
+            };
+            if (p == me) {
+                for (int64_t j = j0; j < j1; ++j)
+                    for (const int64_t v : {int64_t{off[static_cast<size_t>(me * El + j)]}, local_row(j),
+                                            cnt[static_cast<size_t>(me * El + j)]})
+                        ch.self_pieces.push_back(v);
+                continue;
             }
+            const int32_t first = off[static_cast<size_t>(p * El + j0)];
+            ch.send_offsets[static_cast<size_t>(p)] = first;
+            ch.send_counts[static_cast<size_t>(p)] = off[static_cast<size_t>(p * El + j1)] - first;
+            ch.recv_offsets[static_cast<size_t>(p)] = staged;
+            for (int64_t j = j0; j < j1; ++j) {
+                const int64_t n = cnt[static_cast<size_t>(p * El + j)];
+                for (const int64_t v : {staged, local_row(j), n}) ch.staging_pieces.push_back(v);
+                staged += n;
+                ch.recv_counts[static_cast<size_t>(p)] += n;
+            }
+        }
         r.chunks.push_back(std::move(ch));
     }
+    r.num_staged = staged;
 
     const Tensor& index = buffers.index;
     if (!has_data(index)) {
@@ -229,26 +254,36 @@ EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBu
 
 namespace {
 
-// One chunk's rows, H elements each, over the EP group: toward the owners (sorted -> local) or back
-// (local -> sorted). With `overlap` it is only started (Communicator::all_to_all_pieces_start);
-// returns the ticket to join (0: done).
+// (src, dst, rows) triples with src and dst swapped: the combine's copies are the dispatch's reversed.
+std::vector<int64_t> reversed(const std::vector<int64_t>& pieces) {
+    std::vector<int64_t> out(pieces);
+    for (size_t i = 0; i + 2 < out.size(); i += 3) std::swap(out[i], out[i + 1]);
+    return out;
+}
+
+// The NCCL part of one chunk's exchange, H elements per row: the remote rows toward the owners
+// (sorted -> staging) or back (staging -> sorted). With `overlap` it is only started
+// (Communicator::all_to_all_v_start); returns the ticket to join (0: done).
 uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners,
-                        const Tensor& sorted, const Tensor& local) {
+                        const Tensor& sorted, const Tensor& staging) {
     const int64_t H = sorted.dim(-1);
-    auto times_h = [H](const std::vector<parallel::Communicator::Piece>& pieces) {
-        std::vector<parallel::Communicator::Piece> out(pieces);
-        for (auto& p : out) {
-            p.offset *= H;
-            p.count *= H;
-        }
+    auto times_h = [H](const std::vector<int64_t>& v) {
+        std::vector<int64_t> out(v.size());
+        for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * H;
         return out;
     };
-    const auto sp = times_h(to_owners ? ch.send_pieces : ch.recv_pieces);
-    const auto rp = times_h(to_owners ? ch.recv_pieces : ch.send_pieces);
-    const Tensor& from = to_owners ? sorted : local;
-    const Tensor& to = to_owners ? local : sorted;
-    if (overlap) return ep.all_to_all_pieces_start(from.data(), sp, to.data(), rp, from.dtype());
-    ep.all_to_all_pieces(from.data(), sp, to.data(), rp, from.dtype());
+    const auto sc = times_h(ch.send_counts), so = times_h(ch.send_offsets), rc = times_h(ch.recv_counts),
+               ro = times_h(ch.recv_offsets);
+    const Tensor& from = to_owners ? sorted : staging;
+    const Tensor& to = to_owners ? staging : sorted;
+    const auto& from_counts = to_owners ? sc : rc;
+    const auto& from_offsets = to_owners ? so : ro;
+    const auto& to_counts = to_owners ? rc : sc;
+    const auto& to_offsets = to_owners ? ro : so;
+    if (overlap)
+        return ep.all_to_all_v_start(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets,
+                                     from.dtype());
+    ep.all_to_all_v(from.data(), from_counts, from_offsets, to.data(), to_counts, to_offsets, from.dtype());
     return 0;
 }
 
@@ -256,26 +291,53 @@ void join(parallel::Communicator& ep, uint64_t ticket) {
     if (ticket != 0) ep.all_to_all_v_join(ticket);
 }
 
-void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local) {
-    MF_CHECK(local.dim(0) >= r.num_local && sorted.dim(-1) == local.dim(-1) && sorted.dtype() == local.dtype(), op,
-             ": buffer shapes");
-    MF_CHECK(sorted.device() == local.device(), op, ": mixed devices");
-    check_backend(*d.ep, local.device(), op);
+void check_exchange(const char* op, const MoeDims& d, const EpRouting& r, const Tensor& sorted,
+                    const Tensor& staging, const Tensor& local) {
+    MF_CHECK(staging.dim(0) >= r.num_staged && local.dim(0) >= r.num_local && sorted.dim(-1) == staging.dim(-1) &&
+                 local.dim(-1) == staging.dim(-1) && sorted.dtype() == staging.dtype() &&
+                 local.dtype() == staging.dtype(),
+             op, ": buffer shapes");
+    MF_CHECK(sorted.device() == staging.device() && local.device() == staging.device(), op, ": mixed devices");
+    check_backend(*d.ep, staging.device(), op);
+}
+
+// A chunk's dispatch, split around the wait for its exchange: this rank's own rows go sorted ->
+// local at once (no exchange), the received ones staging -> local after it.
+void place_own_rows(const EpChunk& ch, const Tensor& sorted, const Tensor& local) {
+    ops::copy_row_pieces(local, sorted, ch.self_pieces);
+}
+void place_received_rows(const EpChunk& ch, const Tensor& staging, const Tensor& local) {
+    ops::copy_row_pieces(local, staging, ch.staging_pieces);
+}
+// A chunk's combine: outputs for the peers local -> staging (then the exchange), this rank's own
+// local -> sorted.
+void stage_outgoing_rows(const EpChunk& ch, const Tensor& local, const Tensor& staging, const Tensor& sorted) {
+    ops::copy_row_pieces(staging, local, reversed(ch.staging_pieces));
+    ops::copy_row_pieces(sorted, local, reversed(ch.self_pieces));
 }
 
 }  // namespace
 
 // sorted [P, H] (expert-sorted rows of this rank) -> local [num_local, H] (expert-major rows of the
-// local experts, from every source).
-void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local) {
-    check_exchange("ep_dispatch", d, r, sorted, local);
-    for (const EpChunk& ch : r.chunks) exchange_chunk(*d.ep, false, ch, true, sorted, local);
+// local experts, from every source), through `staging` (the rows from the peers).
+void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& staging,
+                 const Tensor& local) {
+    check_exchange("ep_dispatch", d, r, sorted, staging, local);
+    for (const EpChunk& ch : r.chunks) {
+        exchange_chunk(*d.ep, false, ch, true, sorted, staging);
+        place_own_rows(ch, sorted, local);
+        place_received_rows(ch, staging, local);
+    }
 }
 
 // The reverse: local [num_local, H] -> sorted [P, H], every row back where dispatch took it from.
-void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& sorted) {
-    check_exchange("ep_combine", d, r, sorted, local);
-    for (const EpChunk& ch : r.chunks) exchange_chunk(*d.ep, false, ch, false, sorted, local);
+void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& staging,
+                const Tensor& sorted) {
+    check_exchange("ep_combine", d, r, sorted, staging, local);
+    for (const EpChunk& ch : r.chunks) {
+        stage_outgoing_rows(ch, local, staging, sorted);
+        exchange_chunk(*d.ep, false, ch, false, sorted, staging);
+    }
 }
 
 namespace {
@@ -292,25 +354,29 @@ std::span<const int32_t> chunk_host_offsets(const EpRouting& r, const EpChunk& c
         .subspan(static_cast<size_t>(ch.first_expert), static_cast<size_t>(ch.num_experts + 1));
 }
 
-// The EP pipeline shared by forward and backward: every chunk's dispatch of `sorted_in` into
-// `local_in` is started, then chunk by chunk: join its dispatch, run `compute` (which leaves the
-// chunk's results in `local_out`) and start their combine into `sorted_out`; finally join every
-// combine. With one chunk, or without an NCCL side stream, each exchange completes before the next
-// step, which is the plain dispatch -> compute -> combine.
+// The EP pipeline shared by forward and backward: every chunk's exchange of `sorted_in` is started,
+// then chunk by chunk: place its own rows, join its exchange and place the received rows in
+// `local_in`, run `compute` (which leaves the chunk's results in `local_out`), stage them and start
+// their exchange back into `sorted_out`; finally join every exchange. With one chunk, or without an
+// NCCL side stream, each exchange completes before the next step, which is the plain dispatch ->
+// compute -> combine.
 template <typename Compute>
-void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& local_in,
-                 const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
-    check_exchange("expert parallelism", d, r, sorted_in, local_in);
-    check_exchange("expert parallelism", d, r, sorted_out, local_out);
+void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& sorted_in, const Tensor& staging,
+                 const Tensor& local_in, const Tensor& local_out, const Tensor& sorted_out, Compute&& compute) {
+    check_exchange("expert parallelism", d, r, sorted_in, staging, local_in);
+    check_exchange("expert parallelism", d, r, sorted_out, staging, local_out);
     const bool overlap = r.chunks.size() > 1;
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c)
-        tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, local_in);
+        tickets[c] = exchange_chunk(*d.ep, overlap, r.chunks[c], true, sorted_in, staging);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
+        place_own_rows(ch, sorted_in, local_in);
         join(*d.ep, tickets[c]);
+        place_received_rows(ch, staging, local_in);
         compute(ch);
-        tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, local_out);
+        stage_outgoing_rows(ch, local_out, staging, sorted_out);
+        tickets[c] = exchange_chunk(*d.ep, overlap, ch, false, sorted_out, staging);
     }
     for (const uint64_t t : tickets) join(*d.ep, t);
 }
@@ -332,12 +398,14 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         a.x_local = rows[0];
         a.h_local = rows[1];
         a.a_local = rows[2];
-        a.y_local = a.output_store->carve(R, {H}, x.dtype(), x.device())[0];
+        const auto temp = a.output_store->carve(R, {H, H}, x.dtype(), x.device());
+        a.y_local = temp[0];
+        a.staging = temp[1];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R), y_local = row_view(a.y_local, 0, R);
         // Each chunk's grouped GEMMs see all R rows but only its experts' offsets (absolute row
         // numbers), so they touch only the chunk's rows.
-        ep_pipeline(d, r, a.x_perm, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
+        ep_pipeline(d, r, a.x_perm, a.staging, x_local, y_local, a.y_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
             const auto host = chunk_host_offsets(r, ch);
             ops::grouped_matmul_forward(h_local, x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
@@ -368,18 +436,19 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         check_ep(d, w);
         const EpRouting& r = a.routing;
         const int64_t R = r.num_local, H = d.hidden, I = d.intermediate;
-        const auto rows = s.store->carve(R, {H, I, 2 * I, H}, dy.dtype(), dy.device());
+        const auto rows = s.store->carve(R, {H, I, 2 * I, H, H}, dy.dtype(), dy.device());
         s.dy_local = rows[0];
         s.da_local = rows[1];
         s.dh_local = rows[2];
         s.dx_local = rows[3];
+        s.staging = rows[4];
         const Tensor x_local = row_view(a.x_local, 0, R), h_local = row_view(a.h_local, 0, R);
         const Tensor a_local = row_view(a.a_local, 0, R);
         const Tensor dy_local = row_view(s.dy_local, 0, R), da_local = row_view(s.da_local, 0, R);
         const Tensor dh_local = row_view(s.dh_local, 0, R), dx_local = row_view(s.dx_local, 0, R);
         // Output gradients travel the dispatch way, input gradients come back the combine way (every
         // row of dx_perm is written).
-        ep_pipeline(d, r, s.dy_perm, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
+        ep_pipeline(d, r, s.dy_perm, s.staging, dy_local, dx_local, s.dx_perm, [&](const EpChunk& ch) {
             const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
             const auto host = chunk_host_offsets(r, ch);
             const Tensor rows_da = row_view(da_local, ch.first_row, ch.num_rows);

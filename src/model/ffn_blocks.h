@@ -13,10 +13,11 @@
 //
 // Expert parallelism (MoeDims::ep set): the S ranks of an EP group split the experts, rank p owning
 // [p·E/S, (p+1)·E/S). After the router and the sort by expert, dispatch sends each owner its rows
-// over the EP group (the per-expert row offsets first, then the rows, one piece per (peer, expert)
-// with all_to_all_pieces, so they land expert-major, by source within an expert, with no reordering
-// copy), the owner runs its experts on them, and combine sends the outputs back the same pieces the
-// reverse way into the sorted order, where the top-k weighted sum proceeds as without EP.
+// over the EP group (the per-expert row offsets first, then the rows: one block per peer with
+// all_to_all_v into a staging buffer, while the rows for the rank's own experts never leave it), the
+// owner puts them expert-major (by source within an expert) with row-range copies and runs its
+// experts on them, and combine sends the outputs back the reverse way into the sorted order, where
+// the top-k weighted sum proceeds as without EP.
 // Backward: output gradients travel the dispatch way, input gradients the combine way. Under EP the
 // stacked weights (and their gradients) hold only this rank's E/S experts ([E/S, ...]); the router
 // holds all E. Both backends: CPU tensors over the TCP communicator, CUDA tensors over NCCL, whose
@@ -76,16 +77,21 @@ struct MoeDims {
 struct EpChunk {
     int64_t first_expert = 0, num_experts = 0;  // local experts [first, first + num)
     int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers
-    // Rows (offset, count) per (peer, expert of the chunk), peer-major then expert order on both
-    // sides: send_pieces in this rank's expert-sorted rows, recv_pieces in the local rows (expert-
-    // major, then source rank), so the exchange lands the rows straight where the GEMMs read them.
-    std::vector<parallel::Communicator::Piece> send_pieces, recv_pieces;
+    // The exchange of the remote rows, [S] each (this rank's own entry 0): rows to each peer (for its
+    // experts of this chunk, contiguous in this rank's expert-sorted rows) and from each peer, at
+    // these staging rows (chunk after chunk, source-major within a chunk).
+    std::vector<int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
+    // Row-range copies, (src, dst, rows) triples (ops::copy_row_pieces), per (source, expert): the
+    // received rows staging -> local, and this rank's own rows expert-sorted -> local. The combine
+    // runs them reversed.
+    std::vector<int64_t> staging_pieces, self_pieces;
 };
 
 // Who sends which rows where in one MoE block's dispatch (host bookkeeping; see the header comment),
 // plus the device copy of the local expert offsets that the local grouped GEMMs read.
 struct EpRouting {
     int64_t num_local = 0;               // rows received = rows of the local expert computation
+    int64_t num_staged = 0;              // of them from the peers (the staging buffer's rows)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
     std::vector<int32_t> local_offsets;  // [E/S + 1] expert-major row offsets
     // local_offsets as i32 on the tensors' device (a view of EpPlanBuffers::index); undefined (null)
@@ -128,9 +134,12 @@ struct MoeWeights {
 // directions. ep_dispatch: sorted [P, H] -> local [num_local, H], expert-major over the local experts
 // and, within an expert, by source rank and then source order; ep_combine is its exact inverse
 // (local -> sorted). Rows are copied, never summed, so a round trip returns every row bit for bit.
+// `staging` holds the rows to and from the peers (at least num_staged rows).
 EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBuffers& buffers = {});
-void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& local);
-void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& sorted);
+void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& staging,
+                 const Tensor& local);
+void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& staging,
+                const Tensor& sorted);
 
 struct MoeActs {
     Tensor logits, probs;          // [N, E]
@@ -144,10 +153,10 @@ struct MoeActs {
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
     // EP only: the local experts' input and activations (expert-major) and expert outputs,
     // routing.num_local rows each, carved by moe_block_forward: x, h, a from `local_store` (kept for
-    // the backward), y_local from `output_store` (free again once the forward returns: the combine
-    // has moved y_local into y_perm; the model shares it with the MoeScratch), and ep_plan's
-    // buffers (arena).
-    Tensor x_local, h_local, a_local, y_local;
+    // the backward), y_local and the exchange's staging rows from `output_store` (free again once
+    // the forward returns: the combine has moved y_local into y_perm; the model shares it with the
+    // MoeScratch), and ep_plan's buffers (arena).
+    Tensor x_local, h_local, a_local, y_local, staging;
     std::shared_ptr<EpRowStore> local_store, output_store;
     EpPlanBuffers plan_buffers;
     EpRouting routing;
@@ -159,7 +168,7 @@ struct MoeActs {
 
 struct MoeScratch {
     Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;  // da, dh: not under EP
-    Tensor dy_local, da_local, dh_local, dx_local;  // EP only, carved from `store` by the backward
+    Tensor dy_local, da_local, dh_local, dx_local, staging;  // EP only, carved from `store` by the backward
     std::shared_ptr<EpRowStore> store;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };

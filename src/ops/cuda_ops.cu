@@ -124,6 +124,11 @@ void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
                            src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
 }
 
+void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces) {
+    mf::cuda::copy_row_pieces(dst.data(), src.data(), pieces.data(), static_cast<int64_t>(pieces.size() / 3), rows(dst),
+                              rows(src), src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
+}
+
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     if (out.dtype() == DType::f32)

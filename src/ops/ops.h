@@ -36,6 +36,10 @@ void synchronize(Device device);
 //                 writes nothing; rows of dst that no index names keep their content.
 void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
 void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
+// Row ranges: pieces holds (src_row, dst_row, rows) triples (host memory); each copies src rows
+// [src_row, src_row + rows) to dst rows [dst_row, dst_row + rows). Pieces outside either tensor's
+// rows are an error (nothing copied); dst and src must not overlap.
+void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces);
 
 // --- dense -----------------------------------------------------------------------------------------
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);  // out[N,OC] = inp[N,C]·wᵀ

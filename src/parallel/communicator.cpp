@@ -1,10 +1,7 @@
-// Backend-neutral parts of the communicator: the EP/DP layout arithmetic, the group split and the
-// host-staged all_to_all_pieces.
+// Backend-neutral parts of the communicator: the EP/DP layout arithmetic and the group split.
 #include "parallel/communicator.h"
 
-#include <cstring>
 #include <limits>
-#include <vector>
 
 namespace mf::parallel {
 
@@ -58,52 +55,6 @@ void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std
         MF_CHECK(send_offsets[p] >= 0 && recv_offsets[p] >= 0, op, ": negative offset for peer ", p);
         checked_nbytes(send_counts[p], dtype, op);
         checked_nbytes(recv_counts[p], dtype, op);
-    }
-}
-
-void check_pieces(int size, std::span<const Communicator::Piece> pieces, DType dtype, const char* op) {
-    for (const Communicator::Piece& piece : pieces) {
-        MF_CHECK(piece.peer >= 0 && piece.peer < size, op, ": peer ", piece.peer, " outside a group of ", size);
-        MF_CHECK(piece.offset >= 0, op, ": negative offset ", piece.offset);
-        checked_nbytes(piece.count, dtype, op);
-        checked_nbytes(piece.offset + piece.count, dtype, op);
-    }
-}
-
-void Communicator::all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                     std::span<const Piece> recv_pieces, DType dtype) {
-    const char* op = "all_to_all_pieces";
-    const int n = size();
-    check_pieces(n, send_pieces, dtype, op);
-    check_pieces(n, recv_pieces, dtype, op);
-    const size_t elem = dtype_size(dtype);
-    // Per peer: its pieces one after the other in the staging buffers, in the listed order.
-    auto layout = [n](std::span<const Piece> pieces, std::vector<int64_t>& counts, std::vector<int64_t>& offsets) {
-        counts.assign(static_cast<size_t>(n), 0);
-        offsets.assign(static_cast<size_t>(n), 0);
-        for (const Piece& p : pieces) counts[static_cast<size_t>(p.peer)] += p.count;
-        for (int p = 1; p < n; ++p)
-            offsets[static_cast<size_t>(p)] = offsets[static_cast<size_t>(p - 1)] + counts[static_cast<size_t>(p - 1)];
-        return n > 0 ? offsets.back() + counts.back() : 0;
-    };
-    std::vector<int64_t> sc, so, rc, ro;
-    std::vector<char> out(static_cast<size_t>(layout(send_pieces, sc, so)) * elem),
-        in(static_cast<size_t>(layout(recv_pieces, rc, ro)) * elem);
-    std::vector<int64_t> cursor = so;
-    for (const Piece& p : send_pieces) {
-        int64_t& at = cursor[static_cast<size_t>(p.peer)];
-        std::memcpy(out.data() + static_cast<size_t>(at) * elem,
-                    static_cast<const char*>(send) + static_cast<size_t>(p.offset) * elem,
-                    static_cast<size_t>(p.count) * elem);
-        at += p.count;
-    }
-    all_to_all_v(out.data(), sc, so, in.data(), rc, ro, dtype);
-    cursor = ro;
-    for (const Piece& p : recv_pieces) {
-        int64_t& at = cursor[static_cast<size_t>(p.peer)];
-        std::memcpy(static_cast<char*>(recv) + static_cast<size_t>(p.offset) * elem,
-                    in.data() + static_cast<size_t>(at) * elem, static_cast<size_t>(p.count) * elem);
-        at += p.count;
     }
 }
 

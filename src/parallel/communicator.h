@@ -93,23 +93,6 @@ class Communicator {
         return 0;
     }
     virtual void all_to_all_v_join(uint64_t ticket) { (void)ticket; }
-    // all_to_all_v with each peer's share in pieces anywhere in the buffers (EP dispatch straight
-    // into expert-major rows): the k-th non-empty piece this rank sends to p lands in the k-th
-    // non-empty piece p receives from this rank, whose count must be the same. Offsets and counts
-    // are in elements. This default packs the pieces into host staging around one all_to_all_v (host
-    // memory only: the TCP backend); NCCL moves the pieces as they are. The _start form overlaps what
-    // follows like all_to_all_v_start and is joined with all_to_all_v_join.
-    struct Piece {
-        int peer;
-        int64_t offset, count;
-    };
-    virtual void all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                   std::span<const Piece> recv_pieces, DType dtype);
-    virtual uint64_t all_to_all_pieces_start(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                             std::span<const Piece> recv_pieces, DType dtype) {
-        all_to_all_pieces(send, send_pieces, recv, recv_pieces, dtype);
-        return 0;
-    }
     // Starts data[i] = sum over ranks of data[i] and returns without waiting for it. NCCL runs it on a
     // side stream with its own NCCL communicator, after the work already enqueued on the default
     // stream, so it overlaps whatever the default stream does next; bf16 is summed by NCCL in bf16
@@ -169,7 +152,5 @@ void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std
 
 // Number of bytes of `count` elements of `dtype`; throws on a negative count or overflow.
 size_t checked_nbytes(int64_t count, DType dtype, const char* op);
-// Peers inside the group, offsets and counts not negative, byte sizes representable.
-void check_pieces(int size, std::span<const Communicator::Piece> pieces, DType dtype, const char* op);
 
 }  // namespace mf::parallel

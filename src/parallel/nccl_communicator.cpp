@@ -434,36 +434,6 @@ uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const 
     return record_exchange();
 }
 
-void NcclCommunicator::all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                         std::span<const Piece> recv_pieces, DType dtype) {
-    const char* op = "all_to_all_pieces";
-    check_pieces(size_, send_pieces, dtype, op);
-    check_pieces(size_, recv_pieces, dtype, op);
-    begin(op);
-    const size_t elem = dtype_size(dtype);
-    const ncclDataType_t type = nccl_type(dtype);
-    // NCCL pairs the sends and receives between two ranks in the order they are issued.
-    MF_CHECK_NCCL(ncclGroupStart());
-    for (const Piece& p : send_pieces)
-        if (p.count > 0)
-            MF_CHECK_NCCL(ncclSend(static_cast<const char*>(send) + static_cast<size_t>(p.offset) * elem,
-                                   static_cast<size_t>(p.count), type, p.peer, comm_, stream_));
-    for (const Piece& p : recv_pieces)
-        if (p.count > 0)
-            MF_CHECK_NCCL(ncclRecv(static_cast<char*>(recv) + static_cast<size_t>(p.offset) * elem,
-                                   static_cast<size_t>(p.count), type, p.peer, comm_, stream_));
-    MF_CHECK_NCCL(ncclGroupEnd());
-    wait_nccl(op);
-}
-
-uint64_t NcclCommunicator::all_to_all_pieces_start(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                                   std::span<const Piece> recv_pieces, DType dtype) {
-    const char* op = "all_to_all_pieces_start";
-    begin(op);
-    exchange(op).all_to_all_pieces(send, send_pieces, recv, recv_pieces, dtype);
-    return record_exchange();
-}
-
 void NcclCommunicator::all_to_all_v_join(uint64_t ticket) {
     MF_CHECK(ticket >= 1 && ticket <= exchange_tickets_ && exchange_tickets_ - ticket < kExchangeTickets, "rank ",
              world_rank_, ": all_to_all_v_join: ticket ", ticket, " is not one of the last ", kExchangeTickets,

@@ -76,10 +76,6 @@ class NcclCommunicator final : public Communicator {
                                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                                 DType dtype) override;
     void all_to_all_v_join(uint64_t ticket) override;
-    void all_to_all_pieces(const void* send, std::span<const Piece> send_pieces, void* recv,
-                           std::span<const Piece> recv_pieces, DType dtype) override;
-    uint64_t all_to_all_pieces_start(const void* send, std::span<const Piece> send_pieces, void* recv,
-                                     std::span<const Piece> recv_pieces, DType dtype) override;
 
  private:
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);

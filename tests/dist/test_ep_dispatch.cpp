@@ -41,10 +41,11 @@ std::string dispatch_round_trip(parallel::Communicator& comm) {
         for (int64_t j = 0; j < El; ++j) expected_local += rows_for(s, me * El + j);
     rank_check(r.num_local == expected_local, "received row count");
     const int64_t cap = std::max<int64_t>(expected_local, 1);
-    std::vector<float> local(static_cast<size_t>(cap * kCols));
+    std::vector<float> exchange(static_cast<size_t>(cap * kCols)), local(static_cast<size_t>(cap * kCols));
     const Tensor sorted_t(sorted.data(), DType::f32, {P, kCols});
+    const Tensor exchange_t(exchange.data(), DType::f32, {cap, kCols});
     const Tensor local_t(local.data(), DType::f32, {r.num_local, kCols});
-    model::ep_dispatch(d, r, sorted_t, local_t);
+    model::ep_dispatch(d, r, sorted_t, exchange_t, local_t);
 
     // Expert-major, then source rank, then the source's order; codes exact.
     int64_t row = 0;
@@ -69,7 +70,7 @@ std::string dispatch_round_trip(parallel::Communicator& comm) {
     for (int64_t i = 0; i < r.num_local; ++i) local[i * kCols + 0] += 1000.0f * static_cast<float>(me + 1);
     std::vector<float> back(sorted.size(), -1.0f);
     const Tensor back_t(back.data(), DType::f32, {P, kCols});
-    model::ep_combine(d, r, local_t, back_t);
+    model::ep_combine(d, r, local_t, exchange_t, back_t);
     for (int64_t e = 0; e < kExperts; ++e) {
         const int owner = static_cast<int>(e / El);
         for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) {

@@ -369,12 +369,13 @@ std::string device_round_trip(parallel::Communicator& comm, int routing, DType d
     rank_check(download_raw<int32_t>(r.group_offsets) == r.local_offsets, name + ": device group offsets");
 
     const Tensor sorted_d = pool.make(dtype, {std::max<int64_t>(P, 1), cols});
-    const Tensor local = pool.make(dtype, {cap, cols});
+    const Tensor exchange = pool.make(dtype, {cap, cols}), local = pool.make(dtype, {cap, cols});
     const Tensor back = pool.make(dtype, {std::max<int64_t>(P, 1), cols});
     const std::vector<uint8_t> poison(static_cast<size_t>(cap * cols) * dtype_size(dtype), 0xFF);
     ops::copy_from_host(local, poison.data());
+    ops::copy_from_host(exchange, poison.data());
     upload(rows_of(sorted_d, P), sorted);
-    model::ep_dispatch(d, r, rows_of(sorted_d, P), rows_of(local, r.num_local));
+    model::ep_dispatch(d, r, rows_of(sorted_d, P), exchange, rows_of(local, r.num_local));
 
     // Expert-major, then source rank, then the source's order; bytes exact.
     std::vector<float> want(static_cast<size_t>(r.num_local * cols));
@@ -404,7 +405,7 @@ std::string device_round_trip(parallel::Communicator& comm, int routing, DType d
     upload(local_rows, want);
     const std::vector<uint8_t> back_poison(back.nbytes(), 0xFF);
     ops::copy_from_host(back, back_poison.data());
-    model::ep_combine(d, r, local_rows, rows_of(back, P));
+    model::ep_combine(d, r, local_rows, exchange, rows_of(back, P));
     std::vector<float> home(static_cast<size_t>(P * cols));
     for (int64_t e = 0; e < kExperts; ++e)
         for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) code(home, i, me, i, e, static_cast<int>(e / El) + 1);
@@ -528,8 +529,8 @@ std::string bench(parallel::Communicator& comm) {
         const int64_t rows = m.a.routing.num_local;
         const Tensor x_local = rows_of(m.a.x_local, rows), y_local = rows_of(m.a.y_local, rows);
         const double exch = median_ms([&] {
-            model::ep_dispatch(d, m.a.routing, m.a.x_perm, x_local);
-            model::ep_combine(d, m.a.routing, y_local, m.a.y_perm);
+            model::ep_dispatch(d, m.a.routing, m.a.x_perm, m.a.staging, x_local);
+            model::ep_combine(d, m.a.routing, y_local, m.a.staging, m.a.y_perm);
         });
         // Bytes of the local rows, moved once by dispatch and once by combine (self rows included).
         const double bytes = 2.0 * static_cast<double>(rows * s.H * 2);

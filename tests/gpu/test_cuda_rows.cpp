@@ -3,7 +3,8 @@
 // f32 of lengths that take every access width (16, 4, 2 and 1 bytes: odd lengths, a buffer offset
 // by 2 bytes), random permutations, gathers with repeats, out-of-range indices (zero rows /
 // skipped), scatters that leave rows untouched, zero rows, and the ops:: entries on device tensors.
-// Outputs start poisoned (gather) or random (scatter, whose untouched rows must survive).
+// Outputs start poisoned (gather) or random (scatter, whose untouched rows must survive). The
+// row-range copies (copy_row_pieces) are held to the same exactness.
 // MF_BENCH=1 adds GB/s at the EP reorder shape: 131072 rows (16384 tokens · top-8) of 2048 bf16.
 #include <gtest/gtest.h>
 
@@ -56,6 +57,45 @@ std::vector<int32_t> make_index(std::mt19937& rng, int64_t n, int64_t bound, boo
 std::string case_name(const char* op, const RowsCase& c, const char* kind) {
     return std::string(op) + " " + kind + " rows=" + std::to_string(c.rows) + "/" + std::to_string(c.other_rows) +
            " bytes=" + std::to_string(c.row_bytes) + (c.byte_offset != 0 ? " +2B" : "");
+}
+
+// Row-range copies (the EP exchange's placement): random disjoint destination ranges from random
+// source ranges, more pieces than one launch takes, empty pieces, every access width; the rows no
+// piece names keep their content. Out-of-range pieces are refused before anything is copied.
+TEST(CudaRows, PiecesMatchCpuExactly) {
+    std::mt19937 rng(11);
+    for (const RowsCase& c : kCases) {
+        if (c.rows == 0 || c.other_rows == 0) continue;
+        for (const int64_t num_pieces : {int64_t{1}, int64_t{7}, mf::cuda::kMaxRowPieces + 5}) {
+            // Destination: consecutive ranges over a shuffled order of row blocks; sources anywhere.
+            std::vector<int64_t> pieces;
+            int64_t at = 0;
+            for (int64_t p = 0; p < num_pieces && at < c.rows; ++p) {
+                const int64_t n = std::min<int64_t>(c.rows - at, static_cast<int64_t>(rng() % 5));  // 0..4 rows
+                const int64_t n_src = std::min<int64_t>(n, c.other_rows);
+                const int64_t src = static_cast<int64_t>(rng() % static_cast<uint32_t>(c.other_rows - n_src + 1));
+                for (const int64_t v : {src, at, n_src}) pieces.push_back(v);
+                at += n;
+            }
+            const auto src = random_bytes(rng, static_cast<size_t>(c.other_rows * c.row_bytes));
+            auto ref = random_bytes(rng, static_cast<size_t>(c.rows * c.row_bytes));
+            DeviceBuffer d_src(src.size() + 16), d_dst(ref.size() + 16);
+            upload(d_src.as<uint8_t>(c.byte_offset), src);
+            upload(d_dst.as<uint8_t>(c.byte_offset), ref);
+            const int64_t np = static_cast<int64_t>(pieces.size() / 3);
+            mf::cpu::copy_row_pieces(ref.data(), src.data(), pieces.data(), np, c.rows, c.other_rows, c.row_bytes);
+            mf::cuda::copy_row_pieces(d_dst.as<uint8_t>(c.byte_offset), d_src.as<uint8_t>(c.byte_offset),
+                                      pieces.data(), np, c.rows, c.other_rows, c.row_bytes, nullptr);
+            device_sync();
+            expect_exact(download<uint8_t>(d_dst.as<uint8_t>(c.byte_offset), ref.size()), ref,
+                         case_name("pieces", c, std::to_string(np).c_str()));
+        }
+    }
+    DeviceBuffer a(4096), b(4096);
+    const int64_t outside[] = {0, 30, 4};  // rows 30..33 of a 32-row destination
+    EXPECT_THROW(mf::cuda::copy_row_pieces(a.as<void>(), b.as<void>(), outside, 1, 32, 32, 16, nullptr), mf::Error);
+    const int64_t negative[] = {-1, 0, 1};
+    EXPECT_THROW(mf::cuda::copy_row_pieces(a.as<void>(), b.as<void>(), negative, 1, 32, 32, 16, nullptr), mf::Error);
 }
 
 TEST(CudaRows, GatherMatchesCpuExactly) {

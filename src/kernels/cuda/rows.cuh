@@ -21,4 +21,10 @@ void gather_rows(void* dst, const void* src, const int32_t* index, int64_t num_r
 void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t num_dst_rows,
                   int64_t row_bytes, cudaStream_t stream);
 
+// kernels/cpu/rows.h's copy_row_pieces on the GPU (same checks, on the host pieces), one launch per
+// kMaxRowPieces pieces; the pieces travel as kernel arguments, so nothing is uploaded.
+constexpr int64_t kMaxRowPieces = 96;
+void copy_row_pieces(void* dst, const void* src, const int64_t* pieces, int64_t num_pieces, int64_t num_dst_rows,
+                     int64_t num_src_rows, int64_t row_bytes, cudaStream_t stream);
+
 }  // namespace mf::cuda
