@@ -8,10 +8,7 @@
 //   backward weight  dW_eᵀ[C, OC] += (inp rows as [C, n], op N)        · (dout rows as [OC, n], op T)
 // The matmuls are spread over num_lanes streams (the caller's stream plus side streams forked from it
 // and joined back with events; the least loaded lane takes the next group), so the small products of
-// many experts run side by side; every lane owns its workspace, cuBLASLt handle and plan cache, and
-// each side lane is issued by its own host thread (a cublasLtMatmul costs the host several µs, and
-// at 512 rows per expert the host issuing one after another was slower than the GPU running them:
-// under EP=2 on the H200 ~46 ms of host time per P2 step). The rows of a group (n for the row
+// many experts run side by side; every lane owns its workspace. The rows of a group (n for the row
 // products, k for the weight gradient) change from call to call, so the algorithm is chosen per
 // row BUCKET (the next power of two, at least 16): per (product, m, n, k with the row dimension
 // bucketed, output type) one heuristic query on the bucket's shape, cached with its layouts; each
@@ -35,12 +32,8 @@
 // sum meets the stored value once, through beta (a bf16 output is rounded once). Lanes change only
 // which stream a product runs on, not how it is computed.
 #include <algorithm>
-#include <condition_variable>
 #include <cstddef>
-#include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -107,108 +100,11 @@ struct GroupProduct {
     int64_t ldd;
 };
 
-// What one lane owns: its cuBLASLt handle (the caller's for lane 0), its plan cache (layouts are
-// rewritten per group, so they cannot be shared between threads) and the current call's groups.
-struct Lane {
-    cublasLtHandle_t lt = nullptr;
-    bool owns_handle = false;
-    std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
-    std::vector<const GroupProduct*> work;
-    void clear_plans() {
-        for (auto& [key, plan] : plans) destroy_layouts(plan);
-        plans.clear();
-    }
-};
-
-// Host threads for lanes 1 .. n: run(fn) calls fn(lane) on every worker and fn(0) on the caller, and
-// returns once all are done (rethrowing the first exception).
-class LaneThreads {
- public:
-    LaneThreads(int n, int device) {
-        for (int lane = 1; lane <= n; ++lane)
-            threads_.emplace_back([this, lane, device] {
-                cudaSetDevice(device);  // the current device is per thread
-                loop(lane);
-            });
-    }
-    ~LaneThreads() {
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            stop_ = true;
-        }
-        start_.notify_all();
-        for (std::thread& t : threads_) t.join();
-    }
-    LaneThreads(const LaneThreads&) = delete;
-    LaneThreads& operator=(const LaneThreads&) = delete;
-
-    void run(int lanes, const std::function<void(int)>& fn) {
-        const int workers = std::min<int>(lanes - 1, static_cast<int>(threads_.size()));
-        if (workers > 0) {
-            std::lock_guard<std::mutex> lock(mu_);
-            fn_ = &fn;
-            active_ = workers;
-            pending_ = workers;
-            error_ = nullptr;
-            ++generation_;
-        }
-        if (workers > 0) start_.notify_all();
-        std::exception_ptr mine;
-        try {
-            fn(0);
-        } catch (...) {
-            mine = std::current_exception();
-        }
-        if (workers > 0) {
-            std::unique_lock<std::mutex> lock(mu_);
-            done_.wait(lock, [this] { return pending_ == 0; });
-            fn_ = nullptr;
-            if (mine == nullptr) mine = error_;
-        }
-        if (mine != nullptr) std::rethrow_exception(mine);
-    }
-
- private:
-    void loop(int lane) {
-        uint64_t seen = 0;
-        for (;;) {
-            const std::function<void(int)>* fn = nullptr;
-            {
-                std::unique_lock<std::mutex> lock(mu_);
-                start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-                if (stop_) return;
-                seen = generation_;
-                if (lane > active_) continue;
-                fn = fn_;
-            }
-            std::exception_ptr err;
-            try {
-                (*fn)(lane);
-            } catch (...) {
-                err = std::current_exception();
-            }
-            std::lock_guard<std::mutex> lock(mu_);
-            if (err != nullptr && error_ == nullptr) error_ = err;
-            if (--pending_ == 0) done_.notify_one();
-        }
-    }
-
-    std::vector<std::thread> threads_;
-    std::mutex mu_;
-    std::condition_variable start_, done_;
-    const std::function<void(int)>* fn_ = nullptr;
-    uint64_t generation_ = 0;
-    int active_ = 0, pending_ = 0;
-    bool stop_ = false;
-    std::exception_ptr error_;
-};
-
 }  // namespace
 
 struct GroupedGemmCublas::State {
+    cublasLtHandle_t lt = nullptr;
     int num_lanes = 1;
-    std::vector<Lane> lanes;
-    std::unique_ptr<LaneThreads> threads;
     int32_t* host_offsets = nullptr;         // pinned, kMaxGroupedExperts + 1
     std::vector<int64_t> begin;              // the clamped offsets of the current call
     std::vector<GroupProduct> groups;        // the current call's non-empty groups
@@ -218,14 +114,15 @@ struct GroupedGemmCublas::State {
     void* workspace = nullptr;  // num_lanes · kLaneWorkspaceBytes
     cublasLtMatmulPreference_t pref = nullptr;
     cublasLtMatmulDesc_t ops[kNumProducts] = {};
+    std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
 
+    void clear_plans() {
+        for (auto& [key, plan] : plans) destroy_layouts(plan);
+        plans.clear();
+    }
     ~State() {
         // Destructors must not throw: release what exists and ignore late errors.
-        threads.reset();
-        for (Lane& lane : lanes) {
-            lane.clear_plans();
-            if (lane.owns_handle) cublasLtDestroy(lane.lt);
-        }
+        clear_plans();
         for (cublasLtMatmulDesc_t op : ops)
             if (op != nullptr) cublasLtMatmulDescDestroy(op);
         if (pref != nullptr) cublasLtMatmulPreferenceDestroy(pref);
@@ -241,13 +138,8 @@ GroupedGemmCublas::GroupedGemmCublas(cublasLtHandle_t lt, int num_lanes) : state
     MF_CHECK(lt != nullptr, "GroupedGemmCublas: the cuBLASLt handle is null");
     MF_CHECK(num_lanes >= 1 && num_lanes <= 16, "GroupedGemmCublas: num_lanes=", num_lanes, " must be in [1, 16]");
     State& s = *state_;
+    s.lt = lt;
     s.num_lanes = num_lanes;
-    s.lanes.resize(static_cast<size_t>(num_lanes));
-    s.lanes[0].lt = lt;
-    for (int lane = 1; lane < num_lanes; ++lane) {
-        MF_CHECK_CUBLAS(cublasLtCreate(&s.lanes[static_cast<size_t>(lane)].lt));
-        s.lanes[static_cast<size_t>(lane)].owns_handle = true;
-    }
     MF_CHECK_CUDA(cudaMallocHost(&s.host_offsets, (kMaxGroupedExperts + 1) * sizeof(int32_t)));
     MF_CHECK_CUDA(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
     for (int lane = 1; lane < num_lanes; ++lane) {
@@ -281,9 +173,6 @@ GroupedGemmCublas::GroupedGemmCublas(cublasLtHandle_t lt, int num_lanes) : state
         MF_CHECK_CUBLAS(
             cublasLtMatmulDescSetAttribute(s.ops[p], CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
     }
-    int device = 0;
-    MF_CHECK_CUDA(cudaGetDevice(&device));
-    s.threads = std::make_unique<LaneThreads>(num_lanes - 1, device);
 }
 
 GroupedGemmCublas::~GroupedGemmCublas() = default;
@@ -380,14 +269,14 @@ void shape_layouts(const Plan& plan, Product product, const GroupProduct& g) {
 }
 
 // The layouts of a product shape and the heuristic's first algorithm for it (created on first use).
-const Plan& find_plan(const GroupedGemmCublas::State& s, Lane& lane, Product product, cudaDataType_t d_type,
-                      const GroupProduct& g, bool exact) {
+const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, const GroupProduct& g,
+                      bool exact) {
     GroupProduct shape = g;
     if (!exact) (product == Product::backward_weight ? shape.k : shape.n) =
         row_bucket(product == Product::backward_weight ? g.k : g.n);
     const PlanKey key{static_cast<int>(product) + (exact ? kNumProducts : 0), shape.m, shape.n, shape.k,
                       static_cast<int>(d_type)};
-    if (auto it = lane.plans.find(key); it != lane.plans.end()) return it->second;
+    if (auto it = s.plans.find(key); it != s.plans.end()) return it->second;
     const int p = static_cast<int>(product);
     const bool ta = kTransA[p] == CUBLAS_OP_T, tb = kTransB[p] == CUBLAS_OP_T;
     Plan plan;
@@ -405,12 +294,12 @@ const Plan& find_plan(const GroupedGemmCublas::State& s, Lane& lane, Product pro
     cublasLtMatmulHeuristicResult_t heuristic{};
     int found = 0;
     MF_CHECK_CUBLAS(
-        cublasLtMatmulAlgoGetHeuristic(lane.lt, s.ops[p], plan.a, plan.b, plan.d, plan.d, s.pref, 1, &heuristic, &found));
+        cublasLtMatmulAlgoGetHeuristic(s.lt, s.ops[p], plan.a, plan.b, plan.d, plan.d, s.pref, 1, &heuristic, &found));
     MF_CHECK(found > 0, "grouped_matmul (cuBLAS): cuBLASLt has no algorithm for m=", shape.m, " n=", shape.n,
              " k=", shape.k);
     plan.algo = heuristic.algo;
-    if (lane.plans.size() >= kMaxCachedPlans) lane.clear_plans();
-    const Plan& cached = lane.plans.emplace(key, plan).first->second;
+    if (s.plans.size() >= kMaxCachedPlans) s.clear_plans();
+    const Plan& cached = s.plans.emplace(key, plan).first->second;
     guard.plan = nullptr;
     return cached;
 }
@@ -419,40 +308,28 @@ void issue(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, 
     if (s.groups.empty()) return;
     const int lanes = static_cast<int>(std::min<size_t>(static_cast<size_t>(s.num_lanes), s.groups.size()));
     LaneFork fork(s, lanes, stream);
-    // The least loaded lane takes the next group (ties go to the lowest lane), decided here so that
-    // the assignment does not depend on thread timing.
     std::vector<double> load(static_cast<size_t>(lanes), 0.0);
-    for (Lane& lane : s.lanes) lane.work.clear();
+    const float alpha = 1.0f;
     for (const GroupProduct& g : s.groups) {
+        // The least loaded lane takes the next group (ties go to the lowest lane).
         const int lane = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
         load[lane] += static_cast<double>(g.m) * static_cast<double>(g.n) * static_cast<double>(g.k);
-        s.lanes[static_cast<size_t>(lane)].work.push_back(&g);
-    }
-    const int p = static_cast<int>(product);
-    const float alpha = 1.0f;
-    const std::function<void(int)> body = [&](int index) {
-        if (index >= lanes) return;
-        Lane& lane = s.lanes[static_cast<size_t>(index)];
-        void* workspace = static_cast<char*>(s.workspace) + static_cast<size_t>(index) * kLaneWorkspaceBytes;
-        const cudaStream_t st = fork.stream_of(index);
-        for (const GroupProduct* gp : lane.work) {
-            const GroupProduct& g = *gp;
-            // The bucket's algorithm on the exact shape; if cuBLASLt refuses it, the exact shape's own.
-            const PlanKey exact_key{p + kNumProducts, g.m, g.n, g.k, static_cast<int>(d_type)};
-            const bool known_exact = lane.plans.count(exact_key) != 0;
-            const Plan& plan = find_plan(s, lane, product, d_type, g, known_exact);
-            shape_layouts(plan, product, g);
-            cublasStatus_t status = cublasLtMatmul(lane.lt, s.ops[p], &alpha, g.a, plan.a, g.b, plan.b, &beta, g.d,
-                                                   plan.d, g.d, plan.d, &plan.algo, workspace, kLaneWorkspaceBytes, st);
-            if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
-                const Plan& own = find_plan(s, lane, product, d_type, g, true);
-                status = cublasLtMatmul(lane.lt, s.ops[p], &alpha, g.a, own.a, g.b, own.b, &beta, g.d, own.d, g.d,
-                                        own.d, &own.algo, workspace, kLaneWorkspaceBytes, st);
-            }
-            MF_CHECK_CUBLAS(status);
+        void* workspace = static_cast<char*>(s.workspace) + static_cast<size_t>(lane) * kLaneWorkspaceBytes;
+        const int p = static_cast<int>(product);
+        // The bucket's algorithm on the exact shape; if cuBLASLt refuses it, the exact shape's own.
+        const PlanKey exact_key{p + kNumProducts, g.m, g.n, g.k, static_cast<int>(d_type)};
+        const bool known_exact = s.plans.count(exact_key) != 0;
+        const Plan& plan = find_plan(s, product, d_type, g, known_exact);
+        shape_layouts(plan, product, g);
+        cublasStatus_t st = cublasLtMatmul(s.lt, s.ops[p], &alpha, g.a, plan.a, g.b, plan.b, &beta, g.d, plan.d, g.d,
+                                           plan.d, &plan.algo, workspace, kLaneWorkspaceBytes, fork.stream_of(lane));
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+            const Plan& own = find_plan(s, product, d_type, g, true);
+            st = cublasLtMatmul(s.lt, s.ops[p], &alpha, g.a, own.a, g.b, own.b, &beta, g.d, own.d, g.d, own.d,
+                                &own.algo, workspace, kLaneWorkspaceBytes, fork.stream_of(lane));
         }
-    };
-    s.threads->run(lanes, body);
+        MF_CHECK_CUBLAS(st);
+    }
     fork.join();
 }
 
