@@ -3,7 +3,9 @@
 // CUPTI's activity records (kernels, memcpys, memsets with device timestamps and streams) go to
 // dir/trace_<pid>.tsv, one line each: kind, start ns, end ns, device, stream, then the kernel name
 // or the byte count. bench/trace/summary.py turns the files into per-step tables. The machines have
-// no Nsight Systems; this is the part of it the benchmarks need.
+// no Nsight Systems; this is the part of it the benchmarks need. NOTE: the recording costs host time;
+// a one-GPU P1 step ran ~4% slower under it, but a 2-process EP=2 P2 step about twice as slow, so
+// read kernel durations from it there, not the EP step's idle time.
 #include <cupti.h>
 
 #include <cstdio>
