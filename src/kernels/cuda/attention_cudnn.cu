@@ -280,6 +280,19 @@ struct Layout {
     size_t dq_accum_bytes() const { return align256(static_cast<size_t>(b * hq * s * d) * sizeof(float)); }
 };
 
+// A bf16 tensor in [B, T, H, D] memory (the graph's inputs and outputs), or its transpose.
+cudnnBackendDescriptor_t bshd(GraphBuilder& g, const Layout& l, int64_t uid, int64_t heads, bool transposed = false) {
+    return transposed ? g.tensor(uid, CUDNN_DATA_BFLOAT16, l.bshd_t_dims(heads), l.bshd_t_strides(heads))
+                      : g.tensor(uid, CUDNN_DATA_BFLOAT16, l.bshd_dims(heads), l.bshd_strides(heads));
+}
+// Virtual fp32 scores [b, hq, s, s] and per-row values [b, hq, s, 1].
+cudnnBackendDescriptor_t scores(GraphBuilder& g, const Layout& l) {
+    return g.virt(CUDNN_DATA_FLOAT, l.score_dims(), l.score_strides());
+}
+cudnnBackendDescriptor_t per_row(GraphBuilder& g, const Layout& l) {
+    return g.virt(CUDNN_DATA_FLOAT, l.row_dims(), l.row_strides());
+}
+
 // The causal mask on scores `x`: select(x, lowest, row >= col).
 cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Layout& l, cudnnBackendDescriptor_t x,
                                      cudnnBackendDescriptor_t lowest) {
@@ -289,40 +302,42 @@ cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Layout& l, cudnnBack
     g.pointwise(CUDNN_POINTWISE_GEN_INDEX, x, nullptr, nullptr, col, CUDNN_DATA_FLOAT, 3);
     const cudnnBackendDescriptor_t keep = g.virt(CUDNN_DATA_BOOLEAN, l.score_dims(), l.score_strides());
     g.pointwise(CUDNN_POINTWISE_CMP_GE, row, col, nullptr, keep, CUDNN_DATA_BOOLEAN);
-    const cudnnBackendDescriptor_t y = g.virt(CUDNN_DATA_FLOAT, l.score_dims(), l.score_strides());
+    const cudnnBackendDescriptor_t y = scores(g, l);
     g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, x, lowest, keep, y);
     return y;
+}
+
+// (Q·Kᵀ) · scale.
+cudnnBackendDescriptor_t scaled_scores(GraphBuilder& g, const Layout& l, cudnnBackendDescriptor_t q,
+                                       cudnnBackendDescriptor_t kt, cudnnBackendDescriptor_t scale) {
+    const auto s = scores(g, l);
+    g.matmul(q, kt, s);
+    const auto scaled = scores(g, l);
+    g.pointwise(CUDNN_POINTWISE_MUL, s, scale, nullptr, scaled);
+    return scaled;
 }
 
 GraphBuilder::Result build_forward(cudnnHandle_t handle, const AttentionShape& shape) {
     GraphBuilder g(handle);
     const Layout l(shape);
-    const auto f32 = CUDNN_DATA_FLOAT, bf = CUDNN_DATA_BFLOAT16;
-    const auto q = g.tensor(kQ, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
-    const auto kt = g.tensor(kK, bf, l.bshd_t_dims(l.hk), l.bshd_t_strides(l.hk));
-    const auto v = g.tensor(kV, bf, l.bshd_dims(l.hk), l.bshd_strides(l.hk));
-    const auto o = g.tensor(kO, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
-    const auto stats = g.tensor(kStats, f32, l.row_dims(), l.row_strides());
-    const auto scale = g.scalar(kScale);
-    const auto lowest = g.scalar(kLowest);
+    const auto q = bshd(g, l, kQ, l.hq), kt = bshd(g, l, kK, l.hk, true), v = bshd(g, l, kV, l.hk);
+    const auto o = bshd(g, l, kO, l.hq);
+    const auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, l.row_dims(), l.row_strides());
+    const auto scale = g.scalar(kScale), lowest = g.scalar(kLowest);
 
-    const auto s = g.virt(f32, l.score_dims(), l.score_strides());
-    g.matmul(q, kt, s);
-    const auto s_scaled = g.virt(f32, l.score_dims(), l.score_strides());
-    g.pointwise(CUDNN_POINTWISE_MUL, s, scale, nullptr, s_scaled);
-    const auto s_masked = causal_mask(g, l, s_scaled, lowest);
-    const auto row_max = g.virt(f32, l.row_dims(), l.row_strides());
-    g.reduction(CUDNN_REDUCE_TENSOR_MAX, s_masked, row_max);
-    const auto centred = g.virt(f32, l.score_dims(), l.score_strides());
-    g.pointwise(CUDNN_POINTWISE_SUB, s_masked, row_max, nullptr, centred);
-    const auto e = g.virt(f32, l.score_dims(), l.score_strides());
+    const auto s = causal_mask(g, l, scaled_scores(g, l, q, kt, scale), lowest);
+    const auto row_max = per_row(g, l);
+    g.reduction(CUDNN_REDUCE_TENSOR_MAX, s, row_max);
+    const auto centred = scores(g, l);
+    g.pointwise(CUDNN_POINTWISE_SUB, s, row_max, nullptr, centred);
+    const auto e = scores(g, l);
     g.pointwise(CUDNN_POINTWISE_EXP, centred, nullptr, nullptr, e);
-    const auto row_sum = g.virt(f32, l.row_dims(), l.row_strides());
+    const auto row_sum = per_row(g, l);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, row_sum);
-    const auto log_sum = g.virt(f32, l.row_dims(), l.row_strides());
+    const auto log_sum = per_row(g, l);
     g.pointwise(CUDNN_POINTWISE_LOG, row_sum, nullptr, nullptr, log_sum);
     g.pointwise(CUDNN_POINTWISE_ADD, row_max, log_sum, nullptr, stats);
-    const auto p = g.virt(bf, l.score_dims(), l.score_strides());
+    const auto p = g.virt(CUDNN_DATA_BFLOAT16, l.score_dims(), l.score_strides());
     g.pointwise(CUDNN_POINTWISE_DIV, e, row_sum, nullptr, p);
     g.matmul(p, v, o);
     return g.build("the attention forward", false);
@@ -332,37 +347,25 @@ GraphBuilder::Result build_backward(cudnnHandle_t handle, const AttentionShape& 
     GraphBuilder g(handle);
     const Layout l(shape);
     const auto f32 = CUDNN_DATA_FLOAT, bf = CUDNN_DATA_BFLOAT16;
-    const auto q = g.tensor(kQ, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
-    const auto kt = g.tensor(kK, bf, l.bshd_t_dims(l.hk), l.bshd_t_strides(l.hk));
-    const auto vt = g.tensor(kV, bf, l.bshd_t_dims(l.hk), l.bshd_t_strides(l.hk));
-    const auto o = g.tensor(kO, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
-    const auto dout = g.tensor(kDO, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
+    const auto q = bshd(g, l, kQ, l.hq), kt = bshd(g, l, kK, l.hk, true), vt = bshd(g, l, kV, l.hk, true);
+    const auto o = bshd(g, l, kO, l.hq), dout = bshd(g, l, kDO, l.hq);
     const auto stats = g.tensor(kStats, f32, l.row_dims(), l.row_strides());
-    const auto dq = g.tensor(kDQ, bf, l.bshd_dims(l.hq), l.bshd_strides(l.hq));
-    const auto dk = g.tensor(kDK, bf, l.bshd_dims(l.hk), l.bshd_strides(l.hk));
-    const auto dv = g.tensor(kDV, bf, l.bshd_dims(l.hk), l.bshd_strides(l.hk));
-    const auto scale = g.scalar(kScale);
-    const auto lowest = g.scalar(kLowest);
-    const auto one = g.scalar(kOne);
+    const auto dq = bshd(g, l, kDQ, l.hq), dk = bshd(g, l, kDK, l.hk), dv = bshd(g, l, kDV, l.hk);
+    const auto scale = g.scalar(kScale), lowest = g.scalar(kLowest), one = g.scalar(kOne);
 
     // Δ = rowsum(dO ∘ O), kept in a workspace tensor.
     const auto d_o = g.virt(f32, l.bshd_dims(l.hq), {l.hq * l.s * l.d, l.s * l.d, l.hq * l.d, 1});
     g.pointwise(CUDNN_POINTWISE_MUL, dout, o, nullptr, d_o);
-    const auto d_o_sum = g.virt(f32, l.row_dims(), l.row_strides());
+    const auto d_o_sum = per_row(g, l);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o, d_o_sum);
     const auto delta = g.tensor(kDelta, f32, l.row_dims(), l.row_strides());
     g.pointwise(CUDNN_POINTWISE_MUL, d_o_sum, one, nullptr, delta);
 
     // P = exp(mask(S·scale - lse)).
-    const auto s = g.virt(f32, l.score_dims(), l.score_strides());
-    g.matmul(q, kt, s);
-    const auto s_scaled = g.virt(f32, l.score_dims(), l.score_strides());
-    g.pointwise(CUDNN_POINTWISE_MUL, s, scale, nullptr, s_scaled);
-    const auto centred = g.virt(f32, l.score_dims(), l.score_strides());
-    g.pointwise(CUDNN_POINTWISE_SUB, s_scaled, stats, nullptr, centred);
-    const auto masked = causal_mask(g, l, centred, lowest);
-    const auto p = g.virt(f32, l.score_dims(), l.score_strides());
-    g.pointwise(CUDNN_POINTWISE_EXP, masked, nullptr, nullptr, p);
+    const auto centred = scores(g, l);
+    g.pointwise(CUDNN_POINTWISE_SUB, scaled_scores(g, l, q, kt, scale), stats, nullptr, centred);
+    const auto p = scores(g, l);
+    g.pointwise(CUDNN_POINTWISE_EXP, causal_mask(g, l, centred, lowest), nullptr, nullptr, p);
 
     // dV = Pᵀ·dO (summed over the query heads of each KV group).
     const auto pt = g.virt(bf, l.score_dims(), l.score_t_strides());
@@ -377,13 +380,13 @@ GraphBuilder::Result build_backward(cudnnHandle_t handle, const AttentionShape& 
     sum_heads(pt, dout, dv);
 
     // dS = (dO·Vᵀ - Δ) ∘ P · scale.
-    const auto dp = g.virt(f32, l.score_dims(), l.score_strides());
+    const auto dp = scores(g, l);
     g.matmul(dout, vt, dp);
-    const auto dp_centred = g.virt(f32, l.score_dims(), l.score_strides());
+    const auto dp_centred = scores(g, l);
     g.pointwise(CUDNN_POINTWISE_SUB, dp, delta, nullptr, dp_centred);
-    const auto ds_unscaled = g.virt(f32, l.score_dims(), l.score_strides());
+    const auto ds_unscaled = scores(g, l);
     g.pointwise(CUDNN_POINTWISE_MUL, dp_centred, p, nullptr, ds_unscaled);
-    const auto ds = g.virt(f32, l.score_dims(), l.score_strides());
+    const auto ds = scores(g, l);
     g.pointwise(CUDNN_POINTWISE_MUL, ds_unscaled, scale, nullptr, ds);
 
     // dK = dSᵀ·Q (summed over each KV group).

@@ -23,6 +23,25 @@ constexpr int kUnroll = 4;
 // ----------------------------------------------------------------------------------------------
 // kernels
 
+// One row copied by a warp: kUnroll loads in flight per lane before the stores.
+template <typename Unit>
+__device__ __forceinline__ void copy_row(Unit* __restrict__ out, const Unit* __restrict__ in, int64_t units_per_row,
+                                         int lane) {
+    for (int64_t u0 = lane; u0 < units_per_row; u0 += 32 * kUnroll) {
+        Unit v[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const int64_t u = u0 + k * 32;
+            if (u < units_per_row) v[k] = in[u];
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            const int64_t u = u0 + k * 32;
+            if (u < units_per_row) out[u] = v[k];
+        }
+    }
+}
+
 // kGather: dst[i] = src[index[i]]; else dst[index[i]] = src[i]. bound: rows of the indexed buffer.
 template <typename Unit, bool kGather>
 __global__ void __launch_bounds__(kThreads)
@@ -40,19 +59,7 @@ __global__ void __launch_bounds__(kThreads)
         return;
     }
     const Unit* in = src + (kGather ? r : i) * units_per_row;
-    for (int64_t u0 = lane; u0 < units_per_row; u0 += 32 * kUnroll) {
-        Unit v[kUnroll];
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            const int64_t u = u0 + k * 32;
-            if (u < units_per_row) v[k] = in[u];
-        }
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-            const int64_t u = u0 + k * 32;
-            if (u < units_per_row) out[u] = v[k];
-        }
-    }
+    copy_row(out, in, units_per_row, lane);
 }
 
 // Pieces of rows, by value: piece p copies rows[p] rows from src_row[p] to dst_row[p].
@@ -72,19 +79,7 @@ __global__ void __launch_bounds__(kThreads)
          i += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
         const Unit* in = src + (t.src_row[p] + i) * units_per_row;
         Unit* out = dst + (t.dst_row[p] + i) * units_per_row;
-        for (int64_t u0 = lane; u0 < units_per_row; u0 += 32 * kUnroll) {
-            Unit v[kUnroll];
-#pragma unroll
-            for (int k = 0; k < kUnroll; ++k) {
-                const int64_t u = u0 + k * 32;
-                if (u < units_per_row) v[k] = in[u];
-            }
-#pragma unroll
-            for (int k = 0; k < kUnroll; ++k) {
-                const int64_t u = u0 + k * 32;
-                if (u < units_per_row) out[u] = v[k];
-            }
-        }
+        copy_row(out, in, units_per_row, lane);
     }
 }
 
