@@ -114,16 +114,6 @@ void cast(const Tensor& dst, const Tensor& src) {
 
 void synchronize() { wait_for_stream(ctx().stream); }
 
-void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
-    mf::cuda::gather_rows(dst.data(), src.data(), I(index), rows(dst), rows(src),
-                          src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
-}
-
-void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
-    mf::cuda::scatter_rows(dst.data(), src.data(), I(index), rows(src), rows(dst),
-                           src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
-}
-
 void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces) {
     mf::cuda::copy_row_pieces(dst.data(), src.data(), pieces.data(), static_cast<int64_t>(pieces.size() / 3), rows(dst),
                               rows(src), src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);

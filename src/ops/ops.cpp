@@ -150,38 +150,6 @@ void synchronize(Device device) {
     if (device == Device::cuda) cuda_impl::synchronize();
 }
 
-namespace {
-
-// Shared checks of gather_rows / scatter_rows; `direct` is the tensor with one row per index.
-void check_rows(const char* op, const Tensor& dst, const Tensor& src, const Tensor& index, const Tensor& direct) {
-    MF_CHECK(dst.dtype() == src.dtype(), op, ": dst is ", dtype_name(dst.dtype()), ", src ", dtype_name(src.dtype()));
-    MF_CHECK(index.dtype() == DType::i32, op, ": index must be i32, got ", dtype_name(index.dtype()));
-    MF_CHECK(dst.ndim() >= 1 && src.ndim() >= 1 && dst.dim(-1) == src.dim(-1) && src.dim(-1) > 0, op,
-             ": rows must have one positive length: dst ", shape_str(dst.shape()), " src ", shape_str(src.shape()));
-    MF_CHECK(rows(direct) == index.numel(), op, ": ", index.numel(), " indices for ", rows(direct), " rows");
-    const uintptr_t d = reinterpret_cast<uintptr_t>(dst.data()), s = reinterpret_cast<uintptr_t>(src.data());
-    MF_CHECK(dst.nbytes() == 0 || src.nbytes() == 0 || d + dst.nbytes() <= s || s + src.nbytes() <= d, op,
-             ": dst and src overlap");
-}
-
-}  // namespace
-
-void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
-    OpScope scope_("gather_rows");
-    check_rows("gather_rows", dst, src, index, dst);
-    if (device_of({&dst, &src, &index}) == Device::cuda) return cuda_impl::gather_rows(dst, src, index);
-    cpu::gather_rows(dst.data(), src.data(), i32(index), rows(dst), rows(src),
-                     src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())));
-}
-
-void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index) {
-    OpScope scope_("scatter_rows");
-    check_rows("scatter_rows", dst, src, index, src);
-    if (device_of({&dst, &src, &index}) == Device::cuda) return cuda_impl::scatter_rows(dst, src, index);
-    cpu::scatter_rows(dst.data(), src.data(), i32(index), rows(src), rows(dst),
-                      src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())));
-}
-
 void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces) {
     OpScope scope_("copy_row_pieces");
     const char* op = "copy_row_pieces";

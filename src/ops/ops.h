@@ -28,14 +28,6 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
 void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
 void synchronize(Device device);
-// Row permutations (rows = the last dimension; any dtype, pure copies, bitwise exact; index i32 on the
-// tensors' device; dst and src must not overlap):
-//   gather_rows   dst[i] = src[index[i]], dst has index.numel() rows (written); an index outside src's
-//                 rows gives a zero row.
-//   scatter_rows  dst[index[i]] = src[i], src has index.numel() rows; an index outside dst's rows
-//                 writes nothing; rows of dst that no index names keep their content.
-void gather_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
-void scatter_rows(const Tensor& dst, const Tensor& src, const Tensor& index);
 // Row ranges: pieces holds (src_row, dst_row, rows) triples (host memory); each copies src rows
 // [src_row, src_row + rows) to dst rows [dst_row, dst_row + rows). Pieces outside either tensor's
 // rows are an error (nothing copied); dst and src must not overlap.

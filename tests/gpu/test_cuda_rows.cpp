@@ -1,11 +1,9 @@
-// GPU parity of the row gather / scatter (kernels/cuda/rows.cuh) against the CPU reference
-// (kernels/cpu/rows.h): exact, byte for byte, since both are permutations. Sweeps rows of bf16 and
-// f32 of lengths that take every access width (16, 4, 2 and 1 bytes: odd lengths, a buffer offset
-// by 2 bytes), random permutations, gathers with repeats, out-of-range indices (zero rows /
-// skipped), scatters that leave rows untouched, zero rows, and the ops:: entries on device tensors.
-// Outputs start poisoned (gather) or random (scatter, whose untouched rows must survive). The
-// row-range copies (copy_row_pieces) are held to the same exactness.
-// MF_BENCH=1 adds GB/s at the EP reorder shape: 131072 rows (16384 tokens · top-8) of 2048 bf16.
+// GPU parity of the row-range copies (kernels/cuda/rows.cuh) against the CPU reference
+// (kernels/cpu/rows.h): exact, byte for byte, since both are copies. Sweeps rows of bf16 and f32 of
+// lengths that take every access width (16, 4, 2 and 1 bytes: odd lengths, a buffer offset by 2
+// bytes), random pieces (empty ones, more than one launch takes), destination rows no piece names
+// (which must keep their content), refused out-of-range pieces, and the ops:: entry on device
+// tensors. MF_BENCH=1 adds GB/s at the EP placement shape: 131072 rows of 2048 bf16 in 64 pieces.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -35,23 +33,6 @@ std::vector<uint8_t> random_bytes(std::mt19937& rng, size_t n) {
     std::vector<uint8_t> v(n);
     for (auto& b : v) b = static_cast<uint8_t>(rng());
     return v;
-}
-
-// `n` indices into [0, bound): a prefix of a random permutation (distinct) when `distinct`, else
-// uniform draws (repeats); every 7th replaced by an out-of-range value (-1 or bound) when `bad`.
-std::vector<int32_t> make_index(std::mt19937& rng, int64_t n, int64_t bound, bool distinct, bool bad) {
-    std::vector<int32_t> idx(static_cast<size_t>(n));
-    if (distinct) {
-        std::vector<int32_t> perm(static_cast<size_t>(bound));
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        for (int64_t i = 0; i < n; ++i) idx[static_cast<size_t>(i)] = perm[static_cast<size_t>(i)];
-    } else {
-        for (auto& v : idx) v = bound > 0 ? static_cast<int32_t>(rng() % static_cast<uint32_t>(bound)) : -1;
-    }
-    if (bad)
-        for (size_t i = 0; i < idx.size(); i += 7) idx[i] = (i / 7) % 2 == 0 ? -1 : static_cast<int32_t>(bound);
-    return idx;
 }
 
 std::string case_name(const char* op, const RowsCase& c, const char* kind) {
@@ -98,102 +79,52 @@ TEST(CudaRows, PiecesMatchCpuExactly) {
     EXPECT_THROW(mf::cuda::copy_row_pieces(a.as<void>(), b.as<void>(), negative, 1, 32, 32, 16, nullptr), mf::Error);
 }
 
-TEST(CudaRows, GatherMatchesCpuExactly) {
-    std::mt19937 rng(7);
-    for (const RowsCase& c : kCases) {
-        for (const bool distinct : {true, false}) {
-            for (const bool bad : {false, true}) {
-                if (distinct && c.rows > c.other_rows) continue;  // a permutation prefix needs rows <= bound
-                const auto src = random_bytes(rng, static_cast<size_t>(c.other_rows * c.row_bytes));
-                const auto idx = make_index(rng, c.rows, c.other_rows, distinct, bad);
-                std::vector<uint8_t> ref(static_cast<size_t>(c.rows * c.row_bytes), 0xAB);
-                mf::cpu::gather_rows(ref.data(), src.data(), idx.data(), c.rows, c.other_rows, c.row_bytes);
-                DeviceBuffer d_src(src.size() + 16), d_dst(ref.size() + 16), d_idx(idx.size() * 4);
-                d_dst.poison();
-                upload(d_src.as<uint8_t>(c.byte_offset), src);
-                upload(d_idx.as<void>(), idx);
-                mf::cuda::gather_rows(d_dst.as<uint8_t>(c.byte_offset), d_src.as<uint8_t>(c.byte_offset),
-                                      d_idx.as<int32_t>(), c.rows, c.other_rows, c.row_bytes, nullptr);
-                device_sync();
-                const char* kind = distinct ? (bad ? "perm+bad" : "perm") : (bad ? "rep+bad" : "rep");
-                expect_exact(download<uint8_t>(d_dst.as<uint8_t>(c.byte_offset), ref.size()), ref,
-                             case_name("gather", c, kind));
-            }
-        }
-    }
-}
-
-TEST(CudaRows, ScatterMatchesCpuExactly) {
-    std::mt19937 rng(8);
-    for (const RowsCase& c : kCases) {
-        for (const bool bad : {false, true}) {
-            // Scatter: c.rows source rows into c.other_rows destination rows, distinct targets.
-            if (c.rows > c.other_rows) continue;
-            const auto src = random_bytes(rng, static_cast<size_t>(c.rows * c.row_bytes));
-            const auto idx = make_index(rng, c.rows, c.other_rows, true, bad);
-            auto ref = random_bytes(rng, static_cast<size_t>(c.other_rows * c.row_bytes));  // untouched rows stay
-            DeviceBuffer d_src(src.size() + 16), d_dst(ref.size() + 16), d_idx(idx.size() * 4);
-            upload(d_dst.as<uint8_t>(c.byte_offset), ref);
-            upload(d_src.as<uint8_t>(c.byte_offset), src);
-            upload(d_idx.as<void>(), idx);
-            mf::cpu::scatter_rows(ref.data(), src.data(), idx.data(), c.rows, c.other_rows, c.row_bytes);
-            mf::cuda::scatter_rows(d_dst.as<uint8_t>(c.byte_offset), d_src.as<uint8_t>(c.byte_offset),
-                                   d_idx.as<int32_t>(), c.rows, c.other_rows, c.row_bytes, nullptr);
-            device_sync();
-            expect_exact(download<uint8_t>(d_dst.as<uint8_t>(c.byte_offset), ref.size()), ref,
-                         case_name("scatter", c, bad ? "perm+bad" : "perm"));
-        }
-    }
-}
-
-// The ops:: entries on device tensors (bf16 [R, H] rows): gather then scatter by the same
-// permutation is the identity, and the gather equals the CPU op on the same bytes.
-TEST(CudaRows, OpsRoundTripOnDevice) {
+// The ops:: entry on device tensors (bf16 [R, H]): pieces that reverse the row order in blocks,
+// against the same op on the CPU over the same bytes (viewed as f32 rows of the same length).
+TEST(CudaRows, OpsPiecesOnDevice) {
     std::mt19937 rng(9);
-    const int64_t R = 301, H = 72;
+    const int64_t R = 301, H = 72, block = 7;
     const auto bytes = random_bytes(rng, static_cast<size_t>(R * H * 2));
-    const auto idx = make_index(rng, R, R, true, false);
-    DeviceBuffer d_src(bytes.size()), d_mid(bytes.size()), d_back(bytes.size()), d_idx(idx.size() * 4);
+    std::vector<int64_t> pieces;
+    for (int64_t at = 0; at < R; at += block) {
+        const int64_t n = std::min(block, R - at);
+        for (const int64_t v : {at, R - at - n, n}) pieces.push_back(v);
+    }
+    DeviceBuffer d_src(bytes.size()), d_dst(bytes.size());
     upload(d_src.as<void>(), bytes);
-    upload(d_idx.as<void>(), idx);
-    d_mid.poison();
-    d_back.poison();
-    const mf::Tensor src(d_src.as<void>(), mf::DType::bf16, {R, H}, mf::Device::cuda);
-    const mf::Tensor mid(d_mid.as<void>(), mf::DType::bf16, {R, H}, mf::Device::cuda);
-    const mf::Tensor back(d_back.as<void>(), mf::DType::bf16, {R, H}, mf::Device::cuda);
-    const mf::Tensor index(d_idx.as<void>(), mf::DType::i32, {R}, mf::Device::cuda);
-    mf::ops::gather_rows(mid, src, index);
-    mf::ops::scatter_rows(back, mid, index);
+    d_dst.poison();
+    mf::ops::copy_row_pieces(mf::Tensor(d_dst.as<void>(), mf::DType::bf16, {R, H}, mf::Device::cuda),
+                             mf::Tensor(d_src.as<void>(), mf::DType::bf16, {R, H}, mf::Device::cuda), pieces);
     device_sync();
-    // The CPU op on f32 rows of the same byte length (H / 2 floats) as the reference.
     std::vector<uint8_t> ref(bytes.size());
-    std::vector<int32_t> idx_copy = idx;
-    mf::ops::gather_rows(mf::Tensor(ref.data(), mf::DType::f32, {R, H / 2}),
-                         mf::Tensor(const_cast<uint8_t*>(bytes.data()), mf::DType::f32, {R, H / 2}),
-                         mf::Tensor(idx_copy.data(), mf::DType::i32, {R}));
-    expect_exact(download<uint8_t>(d_mid.as<void>(), bytes.size()), ref, "ops::gather_rows bf16 vs cpu");
-    expect_exact(download<uint8_t>(d_back.as<void>(), bytes.size()), bytes, "ops::scatter_rows ∘ gather_rows = id");
+    mf::ops::copy_row_pieces(mf::Tensor(ref.data(), mf::DType::f32, {R, H / 2}),
+                             mf::Tensor(const_cast<uint8_t*>(bytes.data()), mf::DType::f32, {R, H / 2}), pieces);
+    expect_exact(download<uint8_t>(d_dst.as<void>(), bytes.size()), ref, "ops::copy_row_pieces bf16 vs cpu");
+    // Mismatched row lengths and triples that do not divide are refused.
+    EXPECT_THROW(mf::ops::copy_row_pieces(mf::Tensor(ref.data(), mf::DType::f32, {R, H / 2}),
+                                          mf::Tensor(const_cast<uint8_t*>(bytes.data()), mf::DType::f32, {R / 2, H}),
+                                          pieces),
+                 mf::Error);
+    EXPECT_THROW(mf::ops::copy_row_pieces(mf::Tensor(ref.data(), mf::DType::f32, {R, H / 2}),
+                                          mf::Tensor(const_cast<uint8_t*>(bytes.data()), mf::DType::f32, {R, H / 2}),
+                                          std::span<const int64_t>(pieces).first(4)),
+                 mf::Error);
 }
 
 TEST(CudaRows, Benchmark) {
     if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1";
-    std::mt19937 rng(10);
-    const int64_t R = 16384 * 8, H = 2048, row_bytes = H * 2;
+    const int64_t R = 16384 * 8, H = 2048, row_bytes = H * 2, P = 64;
     DeviceBuffer src(static_cast<size_t>(R * row_bytes)), dst(static_cast<size_t>(R * row_bytes));
     src.zero();
-    std::vector<int32_t> perm(static_cast<size_t>(R));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    const DeviceBuffer idx = device_copy(perm);
+    // 64 equal pieces, placed in reverse order.
+    std::vector<int64_t> pieces;
+    for (int64_t p = 0; p < P; ++p)
+        for (const int64_t v : {p * (R / P), (P - 1 - p) * (R / P), R / P}) pieces.push_back(v);
     const double bytes = 2.0 * static_cast<double>(R * row_bytes);
-    const double g = time_us([&] {
-        mf::cuda::gather_rows(dst.as<void>(), src.as<void>(), idx.as<int32_t>(), R, R, row_bytes, nullptr);
+    const double t = time_us([&] {
+        mf::cuda::copy_row_pieces(dst.as<void>(), src.as<void>(), pieces.data(), P, R, R, row_bytes, nullptr);
     });
-    report_bandwidth("gather_rows 131072 x 2048 bf16 (random perm)", g, bytes);
-    const double s = time_us([&] {
-        mf::cuda::scatter_rows(dst.as<void>(), src.as<void>(), idx.as<int32_t>(), R, R, row_bytes, nullptr);
-    });
-    report_bandwidth("scatter_rows 131072 x 2048 bf16 (random perm)", s, bytes);
+    report_bandwidth("copy_row_pieces 131072 x 2048 bf16 in 64 pieces", t, bytes);
     const double c = time_us([&] {
         MF_CHECK_CUDA(cudaMemcpyAsync(dst.as<void>(), src.as<void>(), static_cast<size_t>(R * row_bytes),
                                       cudaMemcpyDeviceToDevice, nullptr));

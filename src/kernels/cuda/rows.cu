@@ -1,9 +1,8 @@
-// Row gather / scatter by an index, CUDA. One warp per row, kRowsPerBlock rows per block: the warp
-// reads its row's index once (every lane the same address, one broadcast load), then its lanes
-// copy the row in units of the widest access the row length and the pointers allow (16 bytes:
-// 8 bf16; else 4, 2 or 1 byte), kUnroll loads in flight per lane before the stores. A gather's
-// out-of-range index writes a zero row; a scatter's writes nothing. Pure copies: every output byte
-// has one writer (for an index without repeats), the result is bitwise the CPU reference's.
+// Row-range copies, CUDA. One launch per kMaxRowPieces pieces, which travel as a kernel argument:
+// blockIdx.y picks the piece, one warp copies one row in units of the widest access the row length
+// and the pointers allow (16 bytes: 8 bf16; else 4, 2 or 1 byte), kUnroll loads in flight per lane
+// before the stores. Pure copies: every output byte has one writer (pieces do not overlap in dst),
+// the result is bitwise the CPU reference's.
 #include <algorithm>
 #include <limits>
 
@@ -42,26 +41,6 @@ __device__ __forceinline__ void copy_row(Unit* __restrict__ out, const Unit* __r
     }
 }
 
-// kGather: dst[i] = src[index[i]]; else dst[index[i]] = src[i]. bound: rows of the indexed buffer.
-template <typename Unit, bool kGather>
-__global__ void __launch_bounds__(kThreads)
-    copy_rows_kernel(Unit* __restrict__ dst, const Unit* __restrict__ src, const int32_t* __restrict__ index,
-                     int64_t num_rows, int64_t bound, int64_t units_per_row) {
-    const int lane = threadIdx.x % 32;
-    const int64_t i = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-    if (i >= num_rows) return;  // whole warp
-    const int64_t r = index[i];
-    const bool valid = r >= 0 && r < bound;
-    if (!kGather && !valid) return;
-    Unit* out = dst + (kGather ? i : r) * units_per_row;
-    if (kGather && !valid) {
-        for (int64_t u = lane; u < units_per_row; u += 32) out[u] = Unit{};
-        return;
-    }
-    const Unit* in = src + (kGather ? r : i) * units_per_row;
-    copy_row(out, in, units_per_row, lane);
-}
-
 // Pieces of rows, by value: piece p copies rows[p] rows from src_row[p] to dst_row[p].
 struct PieceTable {
     int64_t src_row[kMaxRowPieces], dst_row[kMaxRowPieces], rows[kMaxRowPieces];
@@ -86,48 +65,12 @@ __global__ void __launch_bounds__(kThreads)
 // ----------------------------------------------------------------------------------------------
 // launchers
 
-template <typename Unit, bool kGather>
-void launch_unit(void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t bound, int64_t row_bytes,
-                 cudaStream_t stream) {
-    const unsigned blocks = static_cast<unsigned>((num_rows + kRowsPerBlock - 1) / kRowsPerBlock);
-    copy_rows_kernel<Unit, kGather><<<blocks, kThreads, 0, stream>>>(
-        static_cast<Unit*>(dst), static_cast<const Unit*>(src), index, num_rows, bound,
-        row_bytes / static_cast<int64_t>(sizeof(Unit)));
-    MF_CHECK_CUDA(cudaGetLastError());
-}
-
 // The widest unit that divides the row and the alignment of both buffers.
 bool fits(int64_t bytes, int64_t row_bytes, const void* a, const void* b) {
     const auto aligned = [bytes](const void* p) {
         return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
     };
     return row_bytes % bytes == 0 && aligned(a) && aligned(b);
-}
-
-// The indexed buffer (src of a gather, dst of a scatter) may be null when bound is 0.
-template <bool kGather>
-void launch(const char* op, void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t bound,
-            int64_t row_bytes, cudaStream_t stream) {
-    MF_CHECK(num_rows >= 0 && bound >= 0 && row_bytes >= 0, op, ": bad shape rows=", num_rows, " indexed rows=", bound,
-             " row bytes=", row_bytes);
-    if (num_rows == 0 || row_bytes == 0) return;
-    const void* indexed = kGather ? src : dst;
-    const void* direct = kGather ? dst : src;
-    MF_CHECK(direct != nullptr && index != nullptr && (indexed != nullptr || bound == 0), op, ": null buffer");
-    MF_CHECK(num_rows <= std::numeric_limits<int64_t>::max() / row_bytes &&
-                 bound <= std::numeric_limits<int64_t>::max() / row_bytes,
-             op, ": ", num_rows, " rows of ", row_bytes, " bytes overflow");
-    MF_CHECK((num_rows + kRowsPerBlock - 1) / kRowsPerBlock <= std::numeric_limits<int32_t>::max(), op, ": ", num_rows,
-             " rows exceed the grid");
-    if (fits(16, row_bytes, dst, src)) {
-        launch_unit<uint4, kGather>(dst, src, index, num_rows, bound, row_bytes, stream);
-    } else if (fits(4, row_bytes, dst, src)) {
-        launch_unit<uint32_t, kGather>(dst, src, index, num_rows, bound, row_bytes, stream);
-    } else if (fits(2, row_bytes, dst, src)) {
-        launch_unit<uint16_t, kGather>(dst, src, index, num_rows, bound, row_bytes, stream);
-    } else {
-        launch_unit<uint8_t, kGather>(dst, src, index, num_rows, bound, row_bytes, stream);
-    }
 }
 
 template <typename Unit>
@@ -172,16 +115,6 @@ void copy_row_pieces(void* dst, const void* src, const int64_t* pieces, int64_t 
         else if (fits(2, row_bytes, dst, src)) launch_pieces<uint16_t>(dst, src, t, n, max_rows, row_bytes, stream);
         else launch_pieces<uint8_t>(dst, src, t, n, max_rows, row_bytes, stream);
     }
-}
-
-void gather_rows(void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t num_src_rows,
-                 int64_t row_bytes, cudaStream_t stream) {
-    launch<true>("gather_rows", dst, src, index, num_rows, num_src_rows, row_bytes, stream);
-}
-
-void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t num_rows, int64_t num_dst_rows,
-                  int64_t row_bytes, cudaStream_t stream) {
-    launch<false>("scatter_rows", dst, src, index, num_rows, num_dst_rows, row_bytes, stream);
 }
 
 }  // namespace mf::cuda
