@@ -461,13 +461,15 @@ const Plans* plans_for(const AttentionShape& shape, cudnnHandle_t* handle) {
     MF_CHECK_CUDA(cudaGetDevice(&device));
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
-    *handle = handle_for(c, device);
     const int64_t rows = backward_rows(shape, g_deterministic);
     const auto key = std::make_tuple(device, shape.B, shape.T, shape.Hq, shape.Hkv, shape.D, rows, g_deterministic);
-    auto it = c.plans.find(key);
-    if (it != c.plans.end()) return it->second.get();
+    if (auto it = c.plans.find(key); it != c.plans.end()) {
+        if (it->second != nullptr) *handle = c.handles.at(device);  // made when these plans were built
+        return it->second.get();
+    }
     std::unique_ptr<Plans> p;
-    try {
+    try {  // a cuDNN that cannot even make a handle here declines too
+        *handle = handle_for(c, device);
         p = std::make_unique<Plans>();
         p->fwd = build_forward(*handle, shape);
         p->bwd_shape = shape;
