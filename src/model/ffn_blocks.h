@@ -12,24 +12,28 @@
 // are in the activation dtype; router logits, probabilities and weights are always f32.
 //
 // Expert parallelism (MoeDims::ep set): the S ranks of an EP group split the experts, rank p owning
-// [p·E/S, (p+1)·E/S). After the router and the sort by expert, dispatch sends each owner its rows
-// over the EP group (the per-expert row offsets first, then the rows: one block per peer with
-// all_to_all_v into a staging buffer, while the rows for the rank's own experts never leave it), the
-// owner puts them expert-major (by source within an expert) with row-range copies and runs its
-// experts on them, and combine sends the outputs back the reverse way into the sorted order, where
-// the top-k weighted sum proceeds as without EP.
-// Backward: output gradients travel the dispatch way, input gradients the combine way. Under EP the
-// stacked weights (and their gradients) hold only this rank's E/S experts ([E/S, ...]); the router
-// holds all E. Both backends: CPU tensors over the TCP communicator, CUDA tensors over NCCL, whose
-// collectives are ordered with the ops:: kernels on the legacy default stream. Planning needs the
-// row counts on the host, so each forward's plan costs one wait for the device and the peers (with
-// the communicator's timeout); dispatch, expert compute and combine then run without host waits.
-// Pipelining (MoeDims::ep_chunks = C > 1): the local experts are split into C chunks, each with its
-// own exchange; on NCCL every chunk's dispatch is started on a side stream at once (it waits for the
-// default stream's work so far, then runs while the default stream goes on), chunk c's expert GEMMs
-// wait only for chunk c's rows, and chunk c's combine starts as soon as its outputs are computed,
+// [p·E/S, (p+1)·E/S). The exchange moves tokens, not (token, expert) pairs: dispatch sends each
+// token once to every destination that owns at least one of its top-k experts (with, per slot, the
+// row it takes there and its routing weight), the owner expands it into the expert-major rows of
+// its experts (by source rank, then source order, within an expert: the rows and the order of the
+// one-rank computation), runs its experts, and on the way back sums its slots' weighted outputs per
+// token, so each source adds one row per destination (fp32 sums in rank order; each destination's
+// partial sum is rounded to the activation dtype once, the only numerical difference from the
+// one-rank block). At top-8 over 128 experts and EP=2 this sends ~4× fewer rows than one per pair.
+// Backward: output gradients travel the dispatch way (the owner scales them by the weights and
+// takes the weight gradients against its kept outputs), input gradients and weight gradients come
+// back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
+// E/S experts ([E/S, ...]); the router holds all E. Both backends: CPU tensors over the TCP
+// communicator, CUDA tensors over NCCL, whose collectives are ordered with the ops:: kernels on the
+// legacy default stream. Planning needs the token and row counts on the host, so each forward's plan
+// costs one wait for the device and the peers (with the communicator's timeout); dispatch, expert
+// compute and combine then run without host waits.
+// Pipelining (MoeDims::ep_chunks = C > 1): the local experts are split into C chunks, and a
+// destination is one chunk of one rank (V = S·C of them; a token is sent once per destination it
+// needs); on NCCL every chunk's dispatch is started on a side stream at once, chunk c's expert GEMMs
+// wait only for chunk c's tokens, and chunk c's combine starts as soon as its outputs are reduced,
 // overlapping chunk c+1's GEMMs. Every row is computed by the same kernels from the same inputs in
-// the same within-expert order as with C = 1 (tests/dist/test_nccl_ep compares the two).
+// the same order as with C = 1 (tests/dist/test_nccl_ep compares the two).
 #pragma once
 
 #include <cstdint>
@@ -72,106 +76,115 @@ struct MoeDims {
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
 
-// One chunk of the local experts and the rows that travel for it. Its rows are one contiguous block
-// of the local buffers (expert-major), chunks in order.
+// One chunk of the local experts and the tokens that travel for it.
 struct EpChunk {
     int64_t first_expert = 0, num_experts = 0;  // local experts [first, first + num)
     int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers
-    // The exchange of the remote rows, [S] each (this rank's own entry 0): rows to each peer (for its
-    // experts of this chunk, contiguous in this rank's expert-sorted rows) and from each peer, at
-    // these staging rows (chunk after chunk, source-major within a chunk).
+    // Tokens to each rank's chunk (rows of this rank's send buffer) and from each rank for this
+    // chunk (rows of the receive buffer), [S] each, this rank included. A chunk's received tokens
+    // are rows [first_recv, first_recv + num_recv) of the receive buffer, source-major.
     std::vector<int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
-    // Row-range copies, (src, dst, rows) triples (ops::copy_row_pieces), per (source, expert): the
-    // received rows staging -> local, and this rank's own rows expert-sorted -> local. The combine
-    // runs them reversed.
-    std::vector<int64_t> staging_pieces, self_pieces;
+    int64_t first_recv = 0, num_recv = 0;
 };
 
-// Who sends which rows where in one MoE block's dispatch (host bookkeeping; see the header comment),
-// plus the device copy of the local expert offsets that the local grouped GEMMs read.
+// Who sends which tokens where in one MoE block (host bookkeeping; see the header comment), plus
+// views of the device index ep_plan uploads.
 struct EpRouting {
-    int64_t num_local = 0;               // rows received = rows of the local expert computation
-    int64_t num_staged = 0;              // of them from the peers (the staging buffer's rows)
+    int64_t num_local = 0;     // expert rows computed here (the local buffers' rows)
+    int64_t num_sent = 0;      // token rows this rank sends, to every destination (itself included)
+    int64_t num_received = 0;  // token rows it receives, from every source (itself included)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
     std::vector<int32_t> local_offsets;  // [E/S + 1] expert-major row offsets
-    // local_offsets as i32 on the tensors' device (a view of EpPlanBuffers::index); undefined (null)
-    // when planned without an index buffer on the CPU.
-    Tensor group_offsets;
+    Tensor group_offsets;                // local_offsets on the tokens' device (view of EpPlanBuffers::index)
+    Tensor row_base;                     // [E]: where each expert's owner puts this rank's rows of it
 };
 
-// Buffers ep_plan writes, on expert_offsets' device, both i32 (MoeActs holds them):
-//   peer_offsets [S·(E/S + 1)]: every peer's expert offsets of this rank's experts, as received
-//                (needed on the GPU, where NCCL moves device memory; on the CPU a host vector stands
-//                in when it is undefined);
-//   index        [E/S + 1]: local_offsets, which the routing's group_offsets views (needed on the GPU).
+// The plan's buffers, on the tokens' device, all i32 (MoeActs holds them; V = S·C destinations):
+struct EpPlanBuffers {
+    Tensor expert_dest;  // [E]: each expert's destination (chunk·S + owner rank); constant
+    Tensor plan;         // [E + 1 + V]: this rank's expert offsets, then its tokens per destination
+    Tensor plan_all;     // [S·(E + 1 + V)]: every rank's plan (all_gather)
+    Tensor send_pos;     // [V, N]: each token's row in a destination's block, or -1 (ops::ep_token_positions)
+    Tensor index;        // [E + E/S + 1]: row_base, then local_offsets
+    Tensor expert_offsets() const;  // plan's first E + 1 entries (moe_permute_indices writes them)
+    Tensor counts() const;          // plan's last V entries
+    void alloc(Arena& arena, const MoeDims& d, int64_t N);
+};
+
 // Rows for the EP-local buffers, sized by the routing actually met rather than by the N·K·S-row
-// worst case a dropless all-to-all allows (every rank sending everything to one rank): the store
+// worst case a dropless exchange allows (every rank sending everything to one rank): the store
 // grows to the largest request seen, with 1/8 headroom, and never shrinks. A growth frees the old
 // memory (which synchronises the device), so views from an earlier carve() are valid only until a
 // carve() that grows; each store serves one user at a time (a layer's kept activations, or the
 // shared scratch).
 class EpRowStore {
  public:
-    // Consecutive [rows, cols[i]] views of `dt` on `dev`.
-    std::vector<Tensor> carve(int64_t rows, const std::vector<int64_t>& cols, DType dt, Device dev);
+    struct Part {
+        int64_t rows, cols;
+        DType dtype;
+    };
+    // Consecutive [rows, cols] views, one per part (each 256-byte aligned) on `dev`.
+    std::vector<Tensor> carve(const std::vector<Part>& parts, Device dev);
     size_t bytes() const { return buf_.nbytes(); }
 
  private:
     Buffer buf_;
 };
 
-struct EpPlanBuffers {
-    Tensor peer_offsets, index;
-};
-
 struct MoeWeights {
     Tensor router, gate_up, down;  // [E, H], [E', 2I, H], [E', H, I]; E' = E / EP size (E without EP)
 };
 
-// The dispatch/combine steps on their own (collective over d.ep, every rank calls them in the same
-// order; CPU tensors with a TCP group, CUDA tensors with an NCCL group). ep_plan exchanges the
-// per-expert row offsets of this rank's expert-sorted rows (expert_offsets [E+1] i32) and plans both
-// directions. ep_dispatch: sorted [P, H] -> local [num_local, H], expert-major over the local experts
-// and, within an expert, by source rank and then source order; ep_combine is its exact inverse
-// (local -> sorted). Rows are copied, never summed, so a round trip returns every row bit for bit.
-// `staging` holds the rows to and from the peers (at least num_staged rows).
-EpRouting ep_plan(const MoeDims& d, const Tensor& expert_offsets, const EpPlanBuffers& buffers = {});
-void ep_dispatch(const MoeDims& d, const EpRouting& r, const Tensor& sorted, const Tensor& staging,
-                 const Tensor& local);
-void ep_combine(const MoeDims& d, const EpRouting& r, const Tensor& local, const Tensor& staging,
-                const Tensor& sorted);
-
 struct MoeActs {
     Tensor logits, probs;          // [N, E]
     Tensor topk_idx, topk_weight;  // [N, K]
-    Tensor expert_offsets;         // [E + 1]
+    Tensor expert_offsets;         // [E + 1] (under EP a view of plan_buffers.plan)
     // expert_offsets read back once per forward when ops::grouped_matmul_uses_host_offsets (else
     // empty), for every grouped matmul of the block, forward and backward (not under EP: the plan's
     // local_offsets serve there).
     std::vector<int32_t> host_offsets;
     Tensor sorted_pair, pair_row;  // [N·K]
-    Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; h, a: not under EP
-    // EP only: the local experts' input and activations (expert-major) and expert outputs,
-    // routing.num_local rows each, carved by moe_block_forward: x, h, a from `local_store` (kept for
-    // the backward), y_local and the exchange's staging rows from `output_store` (free again once
-    // the forward returns: the combine has moved y_local into y_perm; the model shares it with the
-    // MoeScratch), and ep_plan's buffers (arena).
-    Tensor x_local, h_local, a_local, y_local, staging;
+    Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; not under EP
+    // EP only: the local experts' rows (expert-major), routing.num_local each, and the received
+    // tokens' meta rows (ops::ep_pack_meta, [num_received, 2K] i32), carved by the forward from
+    // `local_store` and kept for the backward; the send and receive buffers of the exchange
+    // (num_sent / num_received token rows) from `output_store`, free again once the forward returns
+    // (the model shares it with the MoeScratch); the plan's buffers (arena).
+    Tensor x_local, h_local, a_local, y_local, recv_meta;
+    Tensor send_rows, send_meta, recv_rows;
     std::shared_ptr<EpRowStore> local_store, output_store;
     EpPlanBuffers plan_buffers;
+    bool expert_dest_ready = false;  // plan_buffers.expert_dest uploaded
     EpRouting routing;
-    // Stores not given are made fresh (EP only). Under EP x_perm is only the dispatch's source (the
-    // backward reads x_local), so layers may share one: `shared_x_perm` ([N·K, H]) when given.
+    // Stores not given are made fresh (EP only).
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local = {},
-               std::shared_ptr<EpRowStore> output = {}, const Tensor* shared_x_perm = nullptr);
+               std::shared_ptr<EpRowStore> output = {});
 };
 
 struct MoeScratch {
-    Tensor dy_perm, da_perm, dh_perm, dx_perm, dtopk_weight, dlogits;  // da, dh: not under EP
-    Tensor dy_local, da_local, dh_local, dx_local, staging;  // EP only, carved from `store` by the backward
+    Tensor dy_perm, da_perm, dh_perm, dx_perm;  // not under EP
+    Tensor dtopk_weight, dlogits;
+    // EP only, carved from `store` by the backward: the local rows' gradients, the weight gradients
+    // of the received slots ([num_received, K] f32) and the exchange's buffers.
+    Tensor dy_local, da_local, dh_local, dx_local, dw_recv, dw_sent, send_rows, recv_rows;
     std::shared_ptr<EpRowStore> store;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };
+
+// The EP steps on their own (collective over d.ep, every rank calls them in the same order; CPU
+// tensors with a TCP group, CUDA tensors with an NCCL group), as moe_block_forward runs them with one
+// chunk. They read a.topk_idx, a.topk_weight, a.pair_row and a.expert_offsets (the router and
+// ops::moe_permute_indices have run).
+//   ep_plan:     counts the tokens per destination, exchanges every rank's counts and plans
+//                (a.routing, the device index);
+//   ep_dispatch: x [N, H] -> a.x_local [num_local, H] (carves the local rows and the exchange's
+//                buffers), expert-major over the local experts, within an expert by source rank and
+//                then source order;
+//   ep_combine:  a.y_local [num_local, H] -> y [N, H], y[t] = Σ_k topk_weight[t, k] · (the local
+//                row of slot k at its owner) (written).
+void ep_plan(const MoeDims& d, MoeActs& a);
+void ep_dispatch(const MoeDims& d, MoeActs& a, const Tensor& x);
+void ep_combine(const MoeDims& d, MoeActs& a, const Tensor& y);
 
 void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const MoeWeights& w, const MoeDims& d);
 // dprobs[N, E] f32 (may be undefined): gradient of the loss with respect to the router probabilities.

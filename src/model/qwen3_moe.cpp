@@ -50,7 +50,6 @@ struct Qwen3Moe::Workspace {
     // kept set of MoE activations, and one scratch shared by the backward and the forward's exchange.
     std::vector<std::shared_ptr<EpRowStore>> ep_local;
     std::shared_ptr<EpRowStore> ep_scratch;
-    Tensor ep_x_perm;  // under EP: the dispatch source, one for all layers
     std::shared_ptr<EpRowStore> ep_local_store(size_t i) {
         if (ep_local.size() <= i) ep_local.resize(i + 1);
         if (!ep_local[i]) ep_local[i] = std::make_shared<EpRowStore>();
@@ -300,8 +299,6 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
     for (int64_t l = 0; l <= c.num_hidden_layers; ++l) ws.resid[static_cast<size_t>(l)] = A.alloc(act, {N, H});
     // Outputs consumed right away by the residual adds: one pair for all layers.
     const Tensor attn_out = A.alloc(act, {N, H}), ffn_out = A.alloc(act, {N, H});
-    ws.ep_x_perm = ep_ != nullptr ? A.alloc(act, {N * c.num_experts_per_tok, H}) : Tensor();
-    const Tensor* x_perm = ep_ != nullptr ? &ws.ep_x_perm : nullptr;
     for (int64_t l = 0; l < kept_layers; ++l) {
         auto& la = ws.layers[static_cast<size_t>(l)];
         la.ln1 = A.alloc(act, {N, H});
@@ -316,12 +313,12 @@ void Qwen3Moe::allocate_step(int64_t B, int64_t T) {
         for (int64_t j = 0; j < c.num_hidden_layers; ++j) has_dense = has_dense || !c.is_moe_layer(j);
         const bool any_mlp = recompute_ == Recompute::full ? has_dense : !c.is_moe_layer(l);
         if (any_moe && recompute_ == Recompute::none)
-            la.moe.alloc(A, md, N, act, ws.ep_local_store(static_cast<size_t>(l)), ws.ep_scratch, x_perm);
+            la.moe.alloc(A, md, N, act, ws.ep_local_store(static_cast<size_t>(l)), ws.ep_scratch);
         if (any_mlp) la.mlp.alloc(A, N, c.intermediate_size, act);
         la.ffn_out = ffn_out;
     }
     if (recompute_ != Recompute::none && c.num_experts > 0)
-        ws.shared_moe.alloc(A, md, N, act, ws.ep_local_store(0), ws.ep_scratch, x_perm);
+        ws.shared_moe.alloc(A, md, N, act, ws.ep_local_store(0), ws.ep_scratch);
     ws.lnf = A.alloc(act, {N, H});
     ws.lnf_rstd = A.alloc(DType::f32, {N});
     ws.losses = A.alloc(DType::f32, {N});

@@ -19,6 +19,7 @@
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/ep_tokens.cuh"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
@@ -274,6 +275,56 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
     mf::cuda::moe_unpermute_backward(B(dy_perm), F(dtopk_weight), B(dout), B(y_perm), F(topk_weight), I(pair_row),
                                      rows(dout), topk_weight.dim(-1), dout.dim(-1), ctx().stream);
+}
+
+// Expert-parallel token exchange (kernels/cuda/ep_tokens.cuh). ops.cpp checked the shapes; the
+// kernels compute the block offsets from counts on the device and skip out-of-range indices.
+void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                        const Tensor& expert_dest) {
+    mf::cuda::ep_token_positions(I(send_pos), I(counts), I(topk_idx), I(expert_dest), send_pos.dim(1), topk_idx.dim(-1),
+                                 expert_dest.numel(), counts.numel(), ctx().stream);
+}
+
+void ep_pack_rows(const Tensor& rows_buf, const Tensor& src, const Tensor& send_pos, const Tensor& counts) {
+    mf::cuda::ep_pack_rows(B(rows_buf), rows(rows_buf), B(src), I(send_pos), I(counts), send_pos.dim(1), counts.numel(),
+                           src.dim(-1), ctx().stream);
+}
+
+void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                  const Tensor& topk_weight, const Tensor& pair_row, const Tensor& expert_offsets,
+                  const Tensor& row_base, const Tensor& expert_dest) {
+    mf::cuda::ep_pack_meta(I(meta), meta.dim(0), I(send_pos), I(counts), I(topk_idx), F(topk_weight), I(pair_row),
+                           I(expert_offsets), I(row_base), I(expert_dest), send_pos.dim(1), topk_idx.dim(-1),
+                           expert_dest.numel(), counts.numel(), ctx().stream);
+}
+
+void ep_scatter_rows(const Tensor& local, const Tensor& rows_buf, const Tensor& meta) {
+    mf::cuda::ep_scatter_rows(B(local), rows(local), B(rows_buf), I(meta), rows(rows_buf), meta.dim(1) / 2,
+                              rows_buf.dim(-1), ctx().stream);
+}
+
+void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta,
+                     const Tensor& y_local) {
+    mf::cuda::ep_scatter_grad(B(dlocal), F(dweight), B(drows), I(meta), B(y_local), rows(dlocal), rows(drows),
+                              meta.dim(1) / 2, drows.dim(-1), ctx().stream);
+}
+
+void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) {
+    mf::cuda::ep_reduce_rows(B(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2, out.dim(-1), weighted,
+                             ctx().stream);
+}
+
+void ep_sum_blocks(const Tensor& out, const Tensor& rows_buf, const Tensor& send_pos, const Tensor& counts,
+                   bool accumulate) {
+    mf::cuda::ep_sum_blocks(B(out), accumulate, B(rows_buf), rows(rows_buf), I(send_pos), I(counts), send_pos.dim(1),
+                            counts.numel(), out.dim(-1), ctx().stream);
+}
+
+void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos,
+                     const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) {
+    mf::cuda::ep_gather_slots(F(dtopk_weight), F(dweight_rows), dweight_rows.dim(0), I(send_pos), I(counts),
+                              I(topk_idx), I(expert_dest), send_pos.dim(1), topk_idx.dim(-1), expert_dest.numel(),
+                              counts.numel(), ctx().stream);
 }
 
 // Grouped expert GEMMs: the own mma.sync kernel (grouped_gemm.cuh: device offsets, never syncs) or

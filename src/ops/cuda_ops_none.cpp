@@ -38,6 +38,14 @@ void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sor
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) { no_cuda(); }
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
+void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) { no_cuda(); }
+void ep_pack_rows(const Tensor& rows, const Tensor& src, const Tensor& send_pos, const Tensor& counts) { no_cuda(); }
+void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& pair_row, const Tensor& expert_offsets, const Tensor& row_base, const Tensor& expert_dest) { no_cuda(); }
+void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta) { no_cuda(); }
+void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta, const Tensor& y_local) { no_cuda(); }
+void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) { no_cuda(); }
+void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos, const Tensor& counts, bool accumulate) { no_cuda(); }
+void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) { no_cuda(); }
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
 bool grouped_matmul_uses_host_offsets() { return false; }

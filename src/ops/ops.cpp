@@ -8,12 +8,14 @@
 #include <map>
 #include <cstring>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/ep_tokens.h"
 #include "kernels/cpu/grouped_matmul.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/moe_permute.h"
@@ -379,6 +381,205 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
         return cuda_impl::moe_unpermute_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
     cpu::moe_unpermute_backward(f(dy_perm), f(dtopk_weight), f(dout), f(y_perm), f(topk_weight), i32(pair_row),
                                 rows(dout), topk_weight.dim(-1), dout.dim(-1));
+}
+
+// --- expert-parallel token exchange --------------------------------------------------------------
+// The host checks what it can see without reading device memory: dtypes, ranks and the dimensions
+// the tensors share. Values (expert ids, send positions, meta rows, Σ counts against the rows of a
+// buffer) are range-checked by the kernels, which skip what is out of range.
+
+namespace {
+
+constexpr int64_t kEpMaxTopK = 32;  // the GPU kernels hold one slot per lane
+
+DType ep_row_dtype(Device device) { return device == Device::cuda ? DType::bf16 : DType::f32; }
+
+void ep_check_dtype(const char* op, const Tensor& t, const char* name, DType want) {
+    MF_CHECK(t.dtype() == want, op, ": ", name, " is ", dtype_name(t.dtype()), ", expected ", dtype_name(want));
+    MF_CHECK(t.numel() == 0 || defined(t), op, ": ", name, " ", shape_str(t.shape()), " has no data");
+}
+
+// A row tensor [rows, H] (leading dimensions flattened) of the device's row dtype.
+void ep_check_rows(const char* op, const Tensor& t, const char* name, Device device, int64_t H) {
+    ep_check_dtype(op, t, name, ep_row_dtype(device));
+    MF_CHECK(t.ndim() >= 1 && H >= 1 && t.dim(-1) == H, op, ": ", name, " ", shape_str(t.shape()),
+             " does not have rows of ", H, " >= 1 elements");
+}
+
+// send_pos [V, N] and counts [V] (i32); returns {V, N}.
+std::pair<int64_t, int64_t> ep_check_positions(const char* op, const Tensor& send_pos, const Tensor& counts) {
+    ep_check_dtype(op, send_pos, "send_pos", DType::i32);
+    ep_check_dtype(op, counts, "counts", DType::i32);
+    const int64_t V = counts.numel();
+    MF_CHECK(V >= 1 && counts.ndim() == 1, op, ": counts ", shape_str(counts.shape()), " must be [V] with V >= 1");
+    MF_CHECK(send_pos.ndim() == 2 && send_pos.dim(0) == V, op, ": send_pos ", shape_str(send_pos.shape()),
+             " must be [V, N] with V = ", V, " (counts)");
+    return {V, send_pos.dim(1)};
+}
+
+// topk_idx [N, K] (i32, 1 <= K <= 32); returns K.
+int64_t ep_check_topk(const char* op, const Tensor& topk_idx, int64_t N) {
+    ep_check_dtype(op, topk_idx, "topk_idx", DType::i32);
+    MF_CHECK(topk_idx.ndim() == 2 && topk_idx.dim(0) == N, op, ": topk_idx ", shape_str(topk_idx.shape()),
+             " must be [N, K] with N = ", N, " (send_pos)");
+    const int64_t K = topk_idx.dim(1);
+    MF_CHECK(K >= 1 && K <= kEpMaxTopK, op, ": K = ", K, " outside [1, ", kEpMaxTopK, "]");
+    return K;
+}
+
+// expert_dest [E] (i32, E >= 1); returns E.
+int64_t ep_check_expert_dest(const char* op, const Tensor& expert_dest) {
+    ep_check_dtype(op, expert_dest, "expert_dest", DType::i32);
+    MF_CHECK(expert_dest.ndim() == 1 && expert_dest.numel() >= 1, op, ": expert_dest ", shape_str(expert_dest.shape()),
+             " must be [E] with E >= 1");
+    return expert_dest.numel();
+}
+
+// meta [M, 2K] (i32, 1 <= K <= 32); returns K.
+int64_t ep_check_meta(const char* op, const Tensor& meta, int64_t M) {
+    ep_check_dtype(op, meta, "meta", DType::i32);
+    MF_CHECK(meta.ndim() == 2 && meta.dim(0) == M && meta.dim(1) % 2 == 0 && meta.dim(1) >= 2 &&
+                 meta.dim(1) <= 2 * kEpMaxTopK,
+             op, ": meta ", shape_str(meta.shape()), " must be [M, 2K] with M = ", M, " and 1 <= K <= ", kEpMaxTopK);
+    return meta.dim(1) / 2;
+}
+
+}  // namespace
+
+void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                        const Tensor& expert_dest) {
+    OpScope scope_("ep_token_positions");
+    const char* op = "ep_token_positions";
+    const auto [V, N] = ep_check_positions(op, send_pos, counts);
+    const int64_t K = ep_check_topk(op, topk_idx, N);
+    const int64_t E = ep_check_expert_dest(op, expert_dest);
+    if (device_of({&send_pos, &counts, &topk_idx, &expert_dest}) == Device::cuda)
+        return cuda_impl::ep_token_positions(send_pos, counts, topk_idx, expert_dest);
+    cpu::ep_token_positions(send_pos.ptr<int32_t>(), counts.ptr<int32_t>(), i32(topk_idx), i32(expert_dest), N, K, E,
+                            V);
+}
+
+void ep_pack_rows(const Tensor& rows, const Tensor& src, const Tensor& send_pos, const Tensor& counts) {
+    OpScope scope_("ep_pack_rows");
+    const char* op = "ep_pack_rows";
+    const auto [V, N] = ep_check_positions(op, send_pos, counts);
+    const Device device = device_of({&rows, &src, &send_pos, &counts});
+    const int64_t H = src.ndim() >= 1 ? src.dim(-1) : 0;
+    ep_check_rows(op, src, "src", device, H);
+    ep_check_rows(op, rows, "rows", device, H);
+    MF_CHECK(mf::ops::rows(src) == N, op, ": src ", shape_str(src.shape()), " must have N = ", N, " rows (send_pos)");
+    if (device == Device::cuda) return cuda_impl::ep_pack_rows(rows, src, send_pos, counts);
+    cpu::ep_pack_rows(f(rows), mf::ops::rows(rows), f(src), i32(send_pos), i32(counts), N, V, H);
+}
+
+void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                  const Tensor& topk_weight, const Tensor& pair_row, const Tensor& expert_offsets,
+                  const Tensor& row_base, const Tensor& expert_dest) {
+    OpScope scope_("ep_pack_meta");
+    const char* op = "ep_pack_meta";
+    const auto [V, N] = ep_check_positions(op, send_pos, counts);
+    const int64_t K = ep_check_topk(op, topk_idx, N);
+    const int64_t E = ep_check_expert_dest(op, expert_dest);
+    ep_check_dtype(op, meta, "meta", DType::i32);
+    MF_CHECK(meta.ndim() == 2 && meta.dim(1) == 2 * K, op, ": meta ", shape_str(meta.shape()),
+             " must be [M, 2K] with K = ", K, " (topk_idx)");
+    ep_check_dtype(op, topk_weight, "topk_weight", DType::f32);
+    MF_CHECK(topk_weight.numel() == N * K, op, ": topk_weight ", shape_str(topk_weight.shape()), " must be [N, K] = [",
+             N, ", ", K, "]");
+    ep_check_dtype(op, pair_row, "pair_row", DType::i32);
+    MF_CHECK(pair_row.numel() == N * K, op, ": pair_row ", shape_str(pair_row.shape()), " must hold N·K = ", N * K,
+             " entries");
+    ep_check_dtype(op, expert_offsets, "expert_offsets", DType::i32);
+    MF_CHECK(expert_offsets.numel() == E + 1, op, ": expert_offsets ", shape_str(expert_offsets.shape()),
+             " must be [E + 1] with E = ", E, " (expert_dest)");
+    ep_check_dtype(op, row_base, "row_base", DType::i32);
+    MF_CHECK(row_base.numel() == E, op, ": row_base ", shape_str(row_base.shape()), " must be [E] with E = ", E,
+             " (expert_dest)");
+    if (device_of({&meta, &send_pos, &counts, &topk_idx, &topk_weight, &pair_row, &expert_offsets, &row_base,
+                   &expert_dest}) == Device::cuda)
+        return cuda_impl::ep_pack_meta(meta, send_pos, counts, topk_idx, topk_weight, pair_row, expert_offsets,
+                                       row_base, expert_dest);
+    cpu::ep_pack_meta(meta.ptr<int32_t>(), meta.dim(0), i32(send_pos), i32(counts), i32(topk_idx), f(topk_weight),
+                      i32(pair_row), i32(expert_offsets), i32(row_base), i32(expert_dest), N, K, E, V);
+}
+
+void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta) {
+    OpScope scope_("ep_scatter_rows");
+    const char* op = "ep_scatter_rows";
+    const Device device = device_of({&local, &rows, &meta});
+    const int64_t H = rows.ndim() >= 1 ? rows.dim(-1) : 0;
+    ep_check_rows(op, rows, "rows", device, H);
+    const int64_t M = mf::ops::rows(rows);
+    ep_check_rows(op, local, "local", device, H);
+    const int64_t K = ep_check_meta(op, meta, M);
+    if (device == Device::cuda) return cuda_impl::ep_scatter_rows(local, rows, meta);
+    cpu::ep_scatter_rows(f(local), mf::ops::rows(local), f(rows), i32(meta), M, K, H);
+}
+
+void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta,
+                     const Tensor& y_local) {
+    OpScope scope_("ep_scatter_grad");
+    const char* op = "ep_scatter_grad";
+    const Device device = device_of({&dlocal, &dweight, &drows, &meta, &y_local});
+    const int64_t H = drows.ndim() >= 1 ? drows.dim(-1) : 0;
+    ep_check_rows(op, drows, "drows", device, H);
+    const int64_t M = mf::ops::rows(drows);
+    ep_check_rows(op, dlocal, "dlocal", device, H);
+    ep_check_rows(op, y_local, "y_local", device, H);
+    MF_CHECK(mf::ops::rows(y_local) == mf::ops::rows(dlocal), op, ": y_local ", shape_str(y_local.shape()),
+             " and dlocal ", shape_str(dlocal.shape()), " differ in rows");
+    const int64_t K = ep_check_meta(op, meta, M);
+    ep_check_dtype(op, dweight, "dweight", DType::f32);
+    MF_CHECK(dweight.numel() == M * K && dweight.dim(-1) == K, op, ": dweight ", shape_str(dweight.shape()),
+             " must be [M, K] = [", M, ", ", K, "]");
+    if (device == Device::cuda) return cuda_impl::ep_scatter_grad(dlocal, dweight, drows, meta, y_local);
+    cpu::ep_scatter_grad(f(dlocal), f(dweight), f(drows), i32(meta), f(y_local), mf::ops::rows(dlocal), M, K, H);
+}
+
+void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) {
+    OpScope scope_("ep_reduce_rows");
+    const char* op = "ep_reduce_rows";
+    const Device device = device_of({&out, &local, &meta});
+    const int64_t H = out.ndim() >= 1 ? out.dim(-1) : 0;
+    ep_check_rows(op, out, "out", device, H);
+    const int64_t M = mf::ops::rows(out);
+    ep_check_rows(op, local, "local", device, H);
+    const int64_t K = ep_check_meta(op, meta, M);
+    if (device == Device::cuda) return cuda_impl::ep_reduce_rows(out, local, meta, weighted);
+    cpu::ep_reduce_rows(f(out), f(local), mf::ops::rows(local), i32(meta), M, K, H, weighted);
+}
+
+void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos, const Tensor& counts,
+                   bool accumulate) {
+    OpScope scope_("ep_sum_blocks");
+    const char* op = "ep_sum_blocks";
+    const auto [V, N] = ep_check_positions(op, send_pos, counts);
+    const Device device = device_of({&out, &rows, &send_pos, &counts});
+    const int64_t H = out.ndim() >= 1 ? out.dim(-1) : 0;
+    ep_check_rows(op, out, "out", device, H);
+    ep_check_rows(op, rows, "rows", device, H);
+    MF_CHECK(mf::ops::rows(out) == N, op, ": out ", shape_str(out.shape()), " must have N = ", N, " rows (send_pos)");
+    if (device == Device::cuda) return cuda_impl::ep_sum_blocks(out, rows, send_pos, counts, accumulate);
+    cpu::ep_sum_blocks(f(out), accumulate, f(rows), mf::ops::rows(rows), i32(send_pos), i32(counts), N, V, H);
+}
+
+void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos,
+                     const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) {
+    OpScope scope_("ep_gather_slots");
+    const char* op = "ep_gather_slots";
+    const auto [V, N] = ep_check_positions(op, send_pos, counts);
+    const int64_t K = ep_check_topk(op, topk_idx, N);
+    const int64_t E = ep_check_expert_dest(op, expert_dest);
+    ep_check_dtype(op, dtopk_weight, "dtopk_weight", DType::f32);
+    MF_CHECK(dtopk_weight.numel() == N * K && dtopk_weight.ndim() >= 1 && dtopk_weight.dim(-1) == K, op,
+             ": dtopk_weight ", shape_str(dtopk_weight.shape()), " must be [N, K] = [", N, ", ", K, "]");
+    ep_check_dtype(op, dweight_rows, "dweight_rows", DType::f32);
+    MF_CHECK(dweight_rows.ndim() == 2 && dweight_rows.dim(1) == K, op, ": dweight_rows ",
+             shape_str(dweight_rows.shape()), " must be [rows, K] with K = ", K, " (topk_idx)");
+    if (device_of({&dtopk_weight, &dweight_rows, &send_pos, &counts, &topk_idx, &expert_dest}) == Device::cuda)
+        return cuda_impl::ep_gather_slots(dtopk_weight, dweight_rows, send_pos, counts, topk_idx, expert_dest);
+    cpu::ep_gather_slots(f(dtopk_weight), f(dweight_rows), dweight_rows.dim(0), i32(send_pos), i32(counts),
+                         i32(topk_idx), i32(expert_dest), N, K, E, V);
 }
 
 namespace {

@@ -90,6 +90,56 @@ void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
 
+// --- expert-parallel token exchange (model/ffn_blocks.h) ------------------------------------------
+// Under EP a token travels once to every *destination* that owns at least one of its top-k experts
+// (a destination is one chunk of one EP rank's experts; V of them; expert_dest[E] i32 maps each
+// expert to its destination). The owner expands the token into the expert-major rows of its
+// experts and, on the way back, sums its slots' outputs per token, so the source adds one row per
+// destination instead of one per (token, expert) pair.
+//   send_pos[V, N] i32: the token's position among the tokens bound for v (token order), or -1 when
+//                       none of its slots goes to v;  counts[V] i32: tokens bound for each v.
+//   A *block buffer* holds destination v's tokens at rows [Σ_{v' < v} counts[v'], + counts[v]), in
+//   send-position order (the layout of the send buffer, and of what comes back to the source).
+//   meta[M, 2K] i32, one row per sent token: columns [0, K) the destination's local row of slot k
+//   (-1 when expert topk_idx[t, k] is not the destination's), columns [K, 2K) the slot's routing
+//   weight (f32 bits; 0 for slots that are not the destination's).
+// Local rows outside [0, rows of the local tensor) are skipped, never accessed; so are expert ids
+// outside [0, E), destinations outside [0, V), send positions outside [0, counts[v]) and block rows
+// past the end of a buffer (values the host cannot check without a sync: the kernels range-check
+// them; a skipped term adds nothing). All sums are fp32 in a fixed order (k ascending, v ascending);
+// no atomics. Row tensors: f32 on the CPU, bf16 on the GPU; meta, send_pos, counts, topk_idx,
+// expert_dest, pair_row, expert_offsets, row_base i32. 1 <= K <= 32. Owner-side ops: meta and the
+// received rows have the same M rows (slice both to what arrived).
+void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                        const Tensor& expert_dest);
+// rows[Σ counts, H] (written): block v's row send_pos[v, t] = src[t] (src [N, H]).
+void ep_pack_rows(const Tensor& rows, const Tensor& src, const Tensor& send_pos, const Tensor& counts);
+// meta[Σ counts, 2K] (written), the same rows: slot k of token t with expert e = topk_idx[t, k] in
+// v's block row holds row_base[e] + pair_row[t·K + k] − expert_offsets[e] and topk_weight[t, k] when
+// expert_dest[e] == v, else -1 and 0. row_base[E]: where the destination puts this rank's rows of e.
+// expert_offsets[E + 1], pair_row[N·K]: moe_permute_indices' over the same topk_idx; a pair_row
+// outside [expert_offsets[e], expert_offsets[e + 1]) also gives -1 and 0.
+void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx,
+                  const Tensor& topk_weight, const Tensor& pair_row, const Tensor& expert_offsets,
+                  const Tensor& row_base, const Tensor& expert_dest);
+// Owner side, forward: local[d] = rows[i] for every slot k of received row i with d = meta[i, k].
+// Local rows no slot names are untouched; a local row named twice gets one of the rows.
+void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta);
+// Owner side, backward: dlocal[d] = w[i, k] · drows[i]  and  dweight[i, k] (f32 [M, K], written) =
+// <drows[i], y_local[d]> (0 for slots without a row). Local rows no slot names are untouched.
+void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta,
+                     const Tensor& y_local);
+// Owner side, the way back: out[i] (written, [M, H]) = Σ_k (weighted ? w[i, k] : 1) · local[meta[i, k]].
+void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted);
+// Source side: out[t] = Σ_v rows[block v, send_pos[v, t]] over v ascending with send_pos >= 0
+// (written, 0 for a token bound nowhere; with accumulate out[t] = old + Σ, the sum taken first).
+void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos, const Tensor& counts,
+                   bool accumulate);
+// dtopk_weight[N, K] (f32, written): slot k of token t = dweight_rows[block v, send_pos[v, t]][k] with
+// v = expert_dest[topk_idx[t, k]] (dweight_rows f32 [Σ counts, K]); 0 for a slot that was not sent.
+void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos,
+                     const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest);
+
 // out[M, OC] = inp[M, C]·W[e]ᵀ per expert row group; weight[E, OC, C]; offsets[E+1] on the device.
 // host_offsets (optional): the same E + 1 values already on the host. The GPU's cuBLAS path needs
 // them on the host and otherwise reads them back (one stream sync per call); on the CPU they are

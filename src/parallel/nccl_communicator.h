@@ -69,8 +69,9 @@ class NcclCommunicator final : public Communicator {
     // event); it returns a ticket. all_to_all_v_join(ticket) makes this communicator's stream wait on
     // the device (no host wait) until that exchange and every one started before it are done.
     // The buffers must stay untouched until joined. Only the last kExchangeTickets tickets can be
-    // joined; a hung peer surfaces at the next synchronize() of this communicator (its timeout).
-    static constexpr uint64_t kExchangeTickets = 16;
+    // joined (an EP block with C chunks starts up to 4·C before joining the oldest: C <= 64 fits);
+    // a hung peer surfaces at the next synchronize() of this communicator (its timeout).
+    static constexpr uint64_t kExchangeTickets = 256;
     uint64_t all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
                                 std::span<const int64_t> send_offsets, void* recv,
                                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,

@@ -1,10 +1,8 @@
 // Expert parallelism on the CUDA backend over NCCL, on 2 GPUs (forked ranks, rendezvous on loopback):
-//  1. Dispatch then combine (model/ffn_blocks.h) with rank-coded payloads compared bit for bit, in f32
-//     and bf16 rows: every row carries (source rank, row index, expert, owner mark), so each owner
-//     checks it got exactly the rows routed to its experts (expert-major, then source rank, then
-//     source order) and each source checks that every row came back to its place with its owner's
-//     mark. Routings: one rank sends no rows to the other, a rank receives nothing, a rank sends
-//     nothing at all, and a heavier one; unpipelined and in 2 chunks.
+//  1. Dispatch then combine (model/ffn_blocks.h) with rank-coded bf16 payloads compared bit for bit
+//     (the harness of tests/dist/ep_round_trip.h: each owner checks its local rows token by token,
+//     each source checks the weighted sums that come back), every routing of the harness,
+//     unpipelined and in 2 chunks, at row widths 8, 5 and 2056.
 //  2. A whole EP=2 moe_block_forward + moe_block_backward (rank p: experts [p·E/2, (p+1)·E/2) of one
 //     shared random weight set, and its own N tokens), unpipelined and pipelined in 3 chunks, against
 //     the EP=1 block on one GPU computing both ranks' 2N tokens, and all against the fp32 CPU block
@@ -13,9 +11,10 @@
 //     computation of the same thing in bf16): for y, dx, rank p's expert weight gradients vs the
 //     matching slice, and the router gradient summed over both ranks,
 //        max |ep − cpu| <= 2 · max |one_gpu − cpu| + 2^-16 · max(1, max |cpu|).
-//     EP changes only where rows are computed and the order of the router-gradient sum (two partial
-//     GEMMs added in fp32 instead of one), so the two GPU runs should be close; max |ep − one_gpu| is
-//     printed too. The router inputs are multiples of 1/8 (x) and 1/64 (weights), so the fp32 logits
+//     EP changes where rows are computed, the order of the router-gradient sum (two partial GEMMs
+//     added in fp32 instead of one), and rounds each destination's partial sum of y and dx to bf16
+//     before the exchange (one rounding more per destination than the one-GPU block's single one),
+//     so the two GPU runs should be close; max |ep − one_gpu| is printed too. The router inputs are multiples of 1/8 (x) and 1/64 (weights), so the fp32 logits
 //     are exact whatever the GEMM's summation order and all three runs pick the same experts
 //     (checked first: a flipped choice would be a routing difference, not rounding). The same
 //     harness also runs on the CPU backend over TCP (every build), where "one GPU" is the CPU block.
@@ -40,6 +39,7 @@
 
 #include "core/bf16.h"
 #include "dist_test_util.h"
+#include "ep_round_trip.h"
 #include "model/ffn_blocks.h"
 #include "ops/ops.h"
 
@@ -282,8 +282,6 @@ TEST(NcclEp, MoeBlockEp2OnCpuOverTcpMatchesOneRank) {
 
 constexpr const char* kSkip = "skip";
 
-Tensor rows_of(const Tensor& t, int64_t n) { return Tensor(t.data(), t.dtype(), {n, t.dim(-1)}, t.device()); }
-
 // Runs fn on 2 forked ranks, each on its own GPU in an NCCL world of 2; the test is skipped when a
 // rank sees fewer than 2 GPUs. Prints what each rank returned.
 void run_on_two_gpus(const std::function<std::string(parallel::NcclCommunicator&)>& fn, double deadline_s) {
@@ -313,118 +311,16 @@ void run_on_two_gpus(const std::function<std::string(parallel::NcclCommunicator&
 }
 
 // ---------------------------------------------------------------------------------------------
-// 1. (GPU) dispatch / combine, rank-coded
-
-constexpr int64_t kExperts = 6;
-
-// Rows rank r routes to expert e (2 ranks, experts 0-2 on rank 0, 3-5 on rank 1).
-int64_t rows_for(int routing, int r, int64_t e) {
-    switch (routing) {
-        case 0:  // rank 1 sends nothing to rank 0; rank 0 sends to both; some experts empty
-            if (r == 1) return e < 3 || e == 4 ? 0 : 2 + e % 2;
-            return (e * 5 + 2) % 4;
-        case 1:  // nobody routes to rank 1's experts: rank 1 receives nothing
-            return e < 3 ? 1 + (r + e) % 3 : 0;
-        case 2:  // rank 1 routes nothing at all
-            return r == 1 ? 0 : (e * 3) % 4;
-        default:  // heavier: up to 39 rows per expert
-            return (r * 31 + e * 17) % 40;
-    }
-}
-
-std::string device_round_trip(parallel::Communicator& comm, int routing, DType dtype, int64_t chunks) {
-    const int S = comm.size(), me = comm.rank();
-    const int64_t El = kExperts / S, cols = dtype == DType::bf16 ? 8 : 4;  // bf16: 16-byte rows
-    const std::string name =
-        "routing " + std::to_string(routing) + " " + dtype_name(dtype) + " chunks " + std::to_string(chunks);
-    std::vector<int32_t> offsets(kExperts + 1, 0);
-    for (int64_t e = 0; e < kExperts; ++e) offsets[e + 1] = offsets[e] + static_cast<int32_t>(rows_for(routing, me, e));
-    const int64_t P = offsets[kExperts];
-    // Row code: (source rank, row in the source's sorted order, expert, owner mark, column numbers).
-    auto code = [cols](std::vector<float>& out, int64_t at, int src, int64_t row, int64_t e, int mark) {
-        float* x = &out[static_cast<size_t>(at * cols)];
-        x[0] = static_cast<float>(src);
-        x[1] = static_cast<float>(row);
-        x[2] = static_cast<float>(e);
-        x[3] = static_cast<float>(mark);
-        for (int64_t c = 4; c < cols; ++c) x[c] = static_cast<float>(c);
-    };
-    std::vector<float> sorted(static_cast<size_t>(P * cols));
-    for (int64_t e = 0; e < kExperts; ++e)
-        for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) code(sorted, i, me, i, e, 0);
-
-    int64_t expected_local = 0;
-    for (int s = 0; s < S; ++s)
-        for (int64_t j = 0; j < El; ++j) expected_local += rows_for(routing, s, me * El + j);
-    const int64_t cap = std::max<int64_t>(expected_local, 1);
-
-    Pool pool(Device::cuda);
-    model::MoeDims d{cols, 1, kExperts, 1, false, &comm, chunks};
-    const Tensor offsets_d = pool.make(DType::i32, {kExperts + 1});
-    ops::copy_from_host(offsets_d, offsets.data());
-    const model::EpPlanBuffers buffers{pool.make(DType::i32, {S * (El + 1)}), pool.make(DType::i32, {El + 1})};
-    const model::EpRouting r = model::ep_plan(d, offsets_d, buffers);
-    rank_check(r.num_local == expected_local, name + ": received " + std::to_string(r.num_local) + " rows, expected " +
-                                                  std::to_string(expected_local));
-    rank_check(download_raw<int32_t>(r.group_offsets) == r.local_offsets, name + ": device group offsets");
-
-    const Tensor sorted_d = pool.make(dtype, {std::max<int64_t>(P, 1), cols});
-    const Tensor exchange = pool.make(dtype, {cap, cols}), local = pool.make(dtype, {cap, cols});
-    const Tensor back = pool.make(dtype, {std::max<int64_t>(P, 1), cols});
-    const std::vector<uint8_t> poison(static_cast<size_t>(cap * cols) * dtype_size(dtype), 0xFF);
-    ops::copy_from_host(local, poison.data());
-    ops::copy_from_host(exchange, poison.data());
-    upload(rows_of(sorted_d, P), sorted);
-    model::ep_dispatch(d, r, rows_of(sorted_d, P), exchange, rows_of(local, r.num_local));
-
-    // Expert-major, then source rank, then the source's order; bytes exact.
-    std::vector<float> want(static_cast<size_t>(r.num_local * cols));
-    int64_t row = 0;
-    for (int64_t j = 0; j < El; ++j) {
-        rank_check(r.local_offsets[static_cast<size_t>(j)] == row,
-                   name + ": local offset of expert " + std::to_string(j));
-        const int64_t e = me * El + j;
-        for (int s = 0; s < S; ++s) {
-            int64_t src_offset = 0;
-            for (int64_t ee = 0; ee < e; ++ee) src_offset += rows_for(routing, s, ee);
-            for (int64_t k = 0; k < rows_for(routing, s, e); ++k, ++row) code(want, row, s, src_offset + k, e, 0);
-        }
-    }
-    rank_check(row == r.num_local, name + ": local row total");
-    const Tensor local_rows = rows_of(local, r.num_local);
-    std::vector<uint8_t> got(local_rows.nbytes());
-    ops::copy_to_host(got.data(), local_rows);
-    const auto want_bytes = to_bytes(want, dtype);
-    const size_t row_bytes = static_cast<size_t>(cols) * dtype_size(dtype);
-    for (int64_t i = 0; i < r.num_local; ++i)
-        rank_check(std::memcmp(&got[i * row_bytes], &want_bytes[i * row_bytes], row_bytes) == 0,
-                   name + ": dispatched row " + std::to_string(i) + " differs");
-
-    // The owner marks each row, combine brings it home.
-    for (int64_t i = 0; i < r.num_local; ++i) want[static_cast<size_t>(i * cols + 3)] = static_cast<float>(me + 1);
-    upload(local_rows, want);
-    const std::vector<uint8_t> back_poison(back.nbytes(), 0xFF);
-    ops::copy_from_host(back, back_poison.data());
-    model::ep_combine(d, r, local_rows, exchange, rows_of(back, P));
-    std::vector<float> home(static_cast<size_t>(P * cols));
-    for (int64_t e = 0; e < kExperts; ++e)
-        for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i) code(home, i, me, i, e, static_cast<int>(e / El) + 1);
-    const auto home_bytes = to_bytes(home, dtype);
-    std::vector<uint8_t> came(static_cast<size_t>(P) * row_bytes);
-    ops::copy_to_host(came.data(), rows_of(back, P));
-    for (int64_t i = 0; i < P; ++i)
-        rank_check(std::memcmp(&came[i * row_bytes], &home_bytes[i * row_bytes], row_bytes) == 0,
-                   name + ": combined row " + std::to_string(i) + " differs");
-    return name + ": sent " + std::to_string(P) + ", received " + std::to_string(r.num_local) + ", bit for bit\n";
-}
+// 1. (GPU) dispatch / combine, rank-coded (tests/dist/ep_round_trip.h)
 
 TEST(NcclEp, DispatchCombineRankCodedBitForBit) {
     run_on_two_gpus(
         [](parallel::NcclCommunicator& comm) {
             std::string out;
             for (int routing = 0; routing < 4; ++routing)
-                for (const DType dtype : {DType::f32, DType::bf16})
-                    for (const int64_t chunks : {1, 2}) out += device_round_trip(comm, routing, dtype, chunks);
+                for (const int64_t chunks : {1, 2})
+                    for (const int64_t cols : {8, 5, 2056})  // 16-byte rows, odd rows, a model-like width
+                        out += ep_round_trip(comm, Device::cuda, routing, chunks, cols);
             return out;
         },
         120);
@@ -526,16 +422,18 @@ std::string bench(parallel::Communicator& comm) {
         }
         d.ep_chunks = 1;
         m.forward(d);
-        const int64_t rows = m.a.routing.num_local;
-        const Tensor x_local = rows_of(m.a.x_local, rows), y_local = rows_of(m.a.y_local, rows);
+        const int64_t sent = m.a.routing.num_sent;
         const double exch = median_ms([&] {
-            model::ep_dispatch(d, m.a.routing, m.a.x_perm, m.a.staging, x_local);
-            model::ep_combine(d, m.a.routing, y_local, m.a.staging, m.a.y_perm);
+            model::ep_dispatch(d, m.a, m.x);
+            model::ep_combine(d, m.a, m.y);
         });
-        // Bytes of the local rows, moved once by dispatch and once by combine (self rows included).
-        const double bytes = 2.0 * static_cast<double>(rows * s.H * 2);
-        std::snprintf(line, sizeof line, "BENCH EP=2 rank %d: dispatch+combine alone %.2f ms (%.0f GB/s of rows)\n",
-                      comm.rank(), exch, bytes / (exch * 1e-3) / 1e9);
+        // Token rows moved by dispatch and by combine (this rank's own destination included).
+        const double bytes = 2.0 * static_cast<double>(sent * s.H * 2);
+        std::snprintf(line, sizeof line,
+                      "BENCH EP=2 rank %d: dispatch+combine alone %.2f ms (%lld token rows each way for %lld "
+                      "expert rows, %.0f GB/s)\n",
+                      comm.rank(), exch, static_cast<long long>(sent),
+                      static_cast<long long>(m.a.routing.num_local), bytes / (exch * 1e-3) / 1e9);
         out += line;
     }
     comm.barrier();
