@@ -329,31 +329,43 @@ void carve_forward(const MoeDims& d, MoeActs& a, DType act, Device dev) {
     a.a_local = kept[2];
     a.y_local = kept[3];
     a.recv_meta = kept[4];
-    const auto temp = a.output_store->carve(
-        {{r.num_sent, H, act}, {r.num_sent, 2 * K, DType::i32}, {r.num_received, H, act}}, dev);
+    const auto temp = a.output_store->carve({{r.num_sent, H, act},
+                                             {r.num_sent, 2 * K, DType::i32},
+                                             {r.num_received, H, act},
+                                             {r.num_received, H, DType::f32},
+                                             {r.num_sent, H, DType::f32}},
+                                            dev);
     a.send_rows = temp[0];
     a.send_meta = temp[1];
     a.recv_rows = temp[2];
+    a.recv_back = temp[3];
+    a.send_back = temp[4];
 }
 
-// The EP pipeline shared by forward and backward, on the exchange's buffers: `send_rows` (packed)
-// travel to the owners into `recv_rows` (with `send_meta` into `recv_meta` when given), every
-// chunk's exchange started first; then chunk by chunk: join it, `arrive` (place the chunk's tokens
-// in the local rows), `compute`, `depart` (reduce the chunk's results into its rows of `recv_rows`,
-// and of `back_extra` when given), and start their exchange back (into `send_rows`, `back_extra`
-// into `sent_extra`); finally join every exchange. With one chunk, or without an NCCL side stream,
-// each exchange completes before the next step.
+// One exchanged quantity: its rows on the sending side (the send buffer's layout) and on the
+// receiving side (the receive buffer's).
+struct Exchanged {
+    Tensor sent, received;
+    bool defined() const { return has_data(sent) || has_data(received); }
+};
+
+// The EP pipeline shared by forward and backward: `out` (and `meta` when defined) travel to the
+// owners, every chunk's exchange started first; then chunk by chunk: join it, `arrive` (place the
+// chunk's tokens in the local rows), `compute`, `depart` (reduce the chunk's results into its rows
+// of back.received, and of extra.received when defined), and start their exchange back into
+// back.sent (extra.sent); finally join every exchange. With one chunk, or without an NCCL side
+// stream, each exchange completes before the next step.
 template <typename Arrive, typename Compute, typename Depart>
-void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& send_rows, const Tensor& recv_rows,
-                 const Tensor& send_meta, const Tensor& recv_meta, const Tensor& back_extra,
-                 const Tensor& sent_extra, Arrive&& arrive, Compute&& compute, Depart&& depart) {
-    check_backend(*d.ep, send_rows.device(), "expert parallelism");
+void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
+                 const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
+                 Depart&& depart) {
+    check_backend(*d.ep, out.sent.device(), "expert parallelism");
     parallel::Communicator& ep = *d.ep;
     const bool overlap = r.chunks.size() > 1;
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
-        if (has_data(send_meta)) exchange_chunk(ep, overlap, r.chunks[c], true, send_meta, recv_meta);
-        tickets[c] = exchange_chunk(ep, overlap, r.chunks[c], true, send_rows, recv_rows);
+        if (meta.defined()) exchange_chunk(ep, overlap, r.chunks[c], true, meta.sent, meta.received);
+        tickets[c] = exchange_chunk(ep, overlap, r.chunks[c], true, out.sent, out.received);
     }
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
@@ -361,8 +373,8 @@ void ep_pipeline(const MoeDims& d, const EpRouting& r, const Tensor& send_rows, 
         arrive(ch);
         compute(ch);
         depart(ch);
-        if (has_data(back_extra)) exchange_chunk(ep, overlap, ch, false, sent_extra, back_extra);
-        tickets[c] = exchange_chunk(ep, overlap, ch, false, send_rows, recv_rows);
+        if (extra.defined()) exchange_chunk(ep, overlap, ch, false, extra.sent, extra.received);
+        tickets[c] = exchange_chunk(ep, overlap, ch, false, back.sent, back.received);
     }
     for (const uint64_t t : tickets) join(ep, t);
 }
@@ -395,11 +407,11 @@ void ep_dispatch(const MoeDims& d, MoeActs& a, const Tensor& x) {
 void ep_combine(const MoeDims& d, MoeActs& a, const Tensor& y) {
     check_ep_acts(d, a, "ep_combine");
     for (const EpChunk& ch : a.routing.chunks) {
-        ops::ep_reduce_rows(chunk_rows(a.recv_rows, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
-        exchange_chunk(*d.ep, false, ch, false, a.send_rows, a.recv_rows);
+        ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
+        exchange_chunk(*d.ep, false, ch, false, a.send_back, a.recv_back);
     }
     const EpPlanBuffers& b = a.plan_buffers;
-    ops::ep_sum_blocks(y, a.send_rows, b.send_pos, b.counts(), false);
+    ops::ep_sum_blocks(y, a.send_back, b.send_pos, b.counts(), false);
 }
 
 namespace {
@@ -425,7 +437,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         // Each chunk's grouped GEMMs see all local rows but only its experts' offsets (absolute row
         // numbers), so they touch only the chunk's rows.
         ep_pipeline(
-            d, r, a.send_rows, a.recv_rows, a.send_meta, a.recv_meta, Tensor(), Tensor(),
+            d, r, {a.send_rows, a.recv_rows}, {a.send_meta, a.recv_meta}, {a.send_back, a.recv_back}, {},
             [&](const EpChunk& ch) {
                 ops::ep_scatter_rows(a.x_local, chunk_rows(a.recv_rows, ch), chunk_rows(a.recv_meta, ch));
             },
@@ -440,10 +452,10 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
                                             offsets, host);
             },
             [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(chunk_rows(a.recv_rows, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
+                ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
             });
         const EpPlanBuffers& b = a.plan_buffers;
-        ops::ep_sum_blocks(y, a.send_rows, b.send_pos, b.counts(), false);
+        ops::ep_sum_blocks(y, a.send_back, b.send_pos, b.counts(), false);
         return;
     }
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);
@@ -473,7 +485,9 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                                           {r.num_received, K, DType::f32},
                                           {r.num_sent, K, DType::f32},
                                           {r.num_sent, H, act},
-                                          {r.num_received, H, act}},
+                                          {r.num_received, H, act},
+                                          {r.num_received, H, DType::f32},
+                                          {r.num_sent, H, DType::f32}},
                                          dy.device());
         s.dy_local = rows[0];
         s.da_local = rows[1];
@@ -483,11 +497,13 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         s.dw_sent = rows[5];
         s.send_rows = rows[6];
         s.recv_rows = rows[7];
+        s.recv_back = rows[8];
+        s.send_back = rows[9];
         ops::ep_pack_rows(s.send_rows, dy, b.send_pos, b.counts());
         // Output gradients travel the dispatch way (the owner weights them and takes the weight
         // gradients), input gradients and weight gradients come back the combine way.
         ep_pipeline(
-            d, r, s.send_rows, s.recv_rows, Tensor(), Tensor(), s.dw_recv, s.dw_sent,
+            d, r, {s.send_rows, s.recv_rows}, {}, {s.send_back, s.recv_back}, {s.dw_sent, s.dw_recv},
             [&](const EpChunk& ch) {
                 ops::ep_scatter_grad(s.dy_local, chunk_rows(s.dw_recv, ch), chunk_rows(s.recv_rows, ch),
                                      chunk_rows(a.recv_meta, ch), a.y_local);
@@ -508,9 +524,9 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                                              expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
             },
             [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(chunk_rows(s.recv_rows, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
+                ops::ep_reduce_rows(chunk_rows(s.recv_back, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
             });
-        ops::ep_sum_blocks(dx, s.send_rows, b.send_pos, b.counts(), true);
+        ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);
         ops::ep_gather_slots(s.dtopk_weight, s.dw_sent, b.send_pos, b.counts(), a.topk_idx, b.expert_dest);
     } else {
         ops::moe_unpermute_backward(s.dy_perm, s.dtopk_weight, dy, a.y_perm, a.topk_weight, a.pair_row);

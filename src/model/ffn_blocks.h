@@ -17,9 +17,10 @@
 // row it takes there and its routing weight), the owner expands it into the expert-major rows of
 // its experts (by source rank, then source order, within an expert: the rows and the order of the
 // one-rank computation), runs its experts, and on the way back sums its slots' weighted outputs per
-// token, so each source adds one row per destination (fp32 sums in rank order; each destination's
-// partial sum is rounded to the activation dtype once, the only numerical difference from the
-// one-rank block). At top-8 over 128 experts and EP=2 this sends ~4× fewer rows than one per pair.
+// token, so each source adds one row per destination (fp32 sums in rank order; the partial sums
+// travel in fp32, so the one rounding to the activation dtype happens at the source as in the
+// one-rank block, and EP changes only the order of fp32 additions). At top-8 over 128 experts and
+// EP=2 this sends ~2.7× fewer bytes than one bf16 row per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
 // back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
@@ -152,6 +153,7 @@ struct MoeActs {
     // (the model shares it with the MoeScratch); the plan's buffers (arena).
     Tensor x_local, h_local, a_local, y_local, recv_meta;
     Tensor send_rows, send_meta, recv_rows;
+    Tensor recv_back, send_back;  // f32: each destination's partial sums, reduced and sent back unrounded
     std::shared_ptr<EpRowStore> local_store, output_store;
     EpPlanBuffers plan_buffers;
     bool expert_dest_ready = false;  // plan_buffers.expert_dest uploaded
@@ -166,7 +168,7 @@ struct MoeScratch {
     Tensor dtopk_weight, dlogits;
     // EP only, carved from `store` by the backward: the local rows' gradients, the weight gradients
     // of the received slots ([num_received, K] f32) and the exchange's buffers.
-    Tensor dy_local, da_local, dh_local, dx_local, dw_recv, dw_sent, send_rows, recv_rows;
+    Tensor dy_local, da_local, dh_local, dx_local, dw_recv, dw_sent, send_rows, recv_rows, recv_back, send_back;
     std::shared_ptr<EpRowStore> store;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };

@@ -310,12 +310,18 @@ void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& 
 }
 
 void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) {
+    if (out.dtype() == DType::f32)
+        return mf::cuda::ep_reduce_rows(F(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2,
+                                        out.dim(-1), weighted, ctx().stream);
     mf::cuda::ep_reduce_rows(B(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2, out.dim(-1), weighted,
                              ctx().stream);
 }
 
 void ep_sum_blocks(const Tensor& out, const Tensor& rows_buf, const Tensor& send_pos, const Tensor& counts,
                    bool accumulate) {
+    if (rows_buf.dtype() == DType::f32)
+        return mf::cuda::ep_sum_blocks(B(out), accumulate, F(rows_buf), rows(rows_buf), I(send_pos), I(counts),
+                                       send_pos.dim(1), counts.numel(), out.dim(-1), ctx().stream);
     mf::cuda::ep_sum_blocks(B(out), accumulate, B(rows_buf), rows(rows_buf), I(send_pos), I(counts), send_pos.dim(1),
                             counts.numel(), out.dim(-1), ctx().stream);
 }

@@ -400,8 +400,9 @@ void ep_check_dtype(const char* op, const Tensor& t, const char* name, DType wan
 }
 
 // A row tensor [rows, H] (leading dimensions flattened) of the device's row dtype.
-void ep_check_rows(const char* op, const Tensor& t, const char* name, Device device, int64_t H) {
-    ep_check_dtype(op, t, name, ep_row_dtype(device));
+// Rows of the device's activation dtype; with `fp32_ok` also f32 (the combine's unrounded partials).
+void ep_check_rows(const char* op, const Tensor& t, const char* name, Device device, int64_t H, bool fp32_ok = false) {
+    if (!(fp32_ok && t.dtype() == DType::f32)) ep_check_dtype(op, t, name, ep_row_dtype(device));
     MF_CHECK(t.ndim() >= 1 && H >= 1 && t.dim(-1) == H, op, ": ", name, " ", shape_str(t.shape()),
              " does not have rows of ", H, " >= 1 elements");
 }
@@ -541,7 +542,7 @@ void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, 
     const char* op = "ep_reduce_rows";
     const Device device = device_of({&out, &local, &meta});
     const int64_t H = out.ndim() >= 1 ? out.dim(-1) : 0;
-    ep_check_rows(op, out, "out", device, H);
+    ep_check_rows(op, out, "out", device, H, true);
     const int64_t M = mf::ops::rows(out);
     ep_check_rows(op, local, "local", device, H);
     const int64_t K = ep_check_meta(op, meta, M);
@@ -557,7 +558,7 @@ void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos
     const Device device = device_of({&out, &rows, &send_pos, &counts});
     const int64_t H = out.ndim() >= 1 ? out.dim(-1) : 0;
     ep_check_rows(op, out, "out", device, H);
-    ep_check_rows(op, rows, "rows", device, H);
+    ep_check_rows(op, rows, "rows", device, H, true);
     MF_CHECK(mf::ops::rows(out) == N, op, ": out ", shape_str(out.shape()), " must have N = ", N, " rows (send_pos)");
     if (device == Device::cuda) return cuda_impl::ep_sum_blocks(out, rows, send_pos, counts, accumulate);
     cpu::ep_sum_blocks(f(out), accumulate, f(rows), mf::ops::rows(rows), i32(send_pos), i32(counts), N, V, H);

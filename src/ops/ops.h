@@ -129,9 +129,11 @@ void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta
 // <drows[i], y_local[d]> (0 for slots without a row). Local rows no slot names are untouched.
 void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta,
                      const Tensor& y_local);
-// Owner side, the way back: out[i] (written, [M, H]) = Σ_k (weighted ? w[i, k] : 1) · local[meta[i, k]].
+// Owner side, the way back: out[i] (written, [M, H]) = Σ_k (weighted ? w[i, k] : 1) · local[meta[i, k]];
+// out may also be f32 on the GPU (partial sums sent back unrounded).
 void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted);
-// Source side: out[t] = Σ_v rows[block v, send_pos[v, t]] over v ascending with send_pos >= 0
+// Source side: out[t] = Σ_v rows[block v, send_pos[v, t]] over v ascending with send_pos >= 0 (rows
+// may also be f32 on the GPU)
 // (written, 0 for a token bound nowhere; with accumulate out[t] = old + Σ, the sum taken first).
 void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos, const Tensor& counts,
                    bool accumulate);

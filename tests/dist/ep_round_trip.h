@@ -3,8 +3,8 @@
 // carries (source rank, token, column numbers), so each owner checks that its local rows are exactly
 // the tokens routed to its experts, expert-major, then source rank, then the source's token order;
 // the owner then writes, per local row, (expert + 1, token, owner + 1, column numbers), and combine
-// must return y[t] = Σ_k w[t, k] · that row of slot k. The weights (0.75, 0.25) and the values are
-// chosen so every partial and total sum is exact in bf16, so the comparison is bitwise there too (a
+// must return y[t] = Σ_k w[t, k] · that row of slot k. The weights (0.75, 0.25) and the values
+// (tokens < 64, column codes c mod 32) are chosen so every partial and total sum is exact in bf16, so the comparison is bitwise there too (a
 // swapped slot weight, a row from the wrong owner or a missing destination all change bits).
 // Routings (E = 6, K = 2): 0 spread; 1 the last rank routes only to its own experts (sends nothing
 // to the peers); 2 everything to rank 0's experts (the others receive nothing, several experts get
@@ -91,7 +91,7 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
         xs[static_cast<size_t>(t * cols)] = static_cast<float>(me);
         xs[static_cast<size_t>(t * cols + 1)] = static_cast<float>(t);
         xs[static_cast<size_t>(t * cols + 2)] = 0.5f;
-        for (int64_t c = 3; c < cols; ++c) xs[static_cast<size_t>(t * cols + c)] = static_cast<float>(c);
+        for (int64_t c = 3; c < cols; ++c) xs[static_cast<size_t>(t * cols + c)] = static_cast<float>(c % 32);
     }
     ops::copy_from_host(a.topk_idx, topk.data());
     ops::copy_from_host(a.topk_weight, weights.data());
@@ -113,7 +113,7 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
                 want.push_back(static_cast<float>(s));
                 want.push_back(static_cast<float>(t));
                 want.push_back(0.5f);
-                for (int64_t c = 3; c < cols; ++c) want.push_back(static_cast<float>(c));
+                for (int64_t c = 3; c < cols; ++c) want.push_back(static_cast<float>(c % 32));
                 row_token.push_back(t);
                 row_expert.push_back(e);
             }
@@ -136,7 +136,7 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
         o[0] = static_cast<float>(row_expert[static_cast<size_t>(i)] + 1);
         o[1] = static_cast<float>(row_token[static_cast<size_t>(i)]);
         o[2] = static_cast<float>(me + 1);
-        for (int64_t c = 3; c < cols; ++c) o[c] = static_cast<float>(c);
+        for (int64_t c = 3; c < cols; ++c) o[c] = static_cast<float>(c % 32);
     }
     if (R > 0) round_trip_upload(Tensor(a.y_local.data(), act, {R, cols}, device), outs);
     round_trip_upload(y, std::vector<float>(static_cast<size_t>(N * cols), -1.0f));
@@ -148,7 +148,7 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
         home[0] = 0.75f * static_cast<float>(e0 + 1) + 0.25f * static_cast<float>(e1 + 1);
         home[1] = static_cast<float>(t);
         home[2] = 0.75f * static_cast<float>(e0 / El + 1) + 0.25f * static_cast<float>(e1 / El + 1);
-        for (int64_t c = 3; c < cols; ++c) home[static_cast<size_t>(c)] = static_cast<float>(c);
+        for (int64_t c = 3; c < cols; ++c) home[static_cast<size_t>(c)] = static_cast<float>(c % 32);
         for (int64_t c = 0; c < cols; ++c)
             rank_check(std::memcmp(&came[static_cast<size_t>(t * cols + c)], &home[static_cast<size_t>(c)],
                                    sizeof(float)) == 0,

@@ -402,33 +402,34 @@ std::string bench(parallel::Communicator& comm) {
     auto expert_tflop = [&](int64_t rows) { return 2.0 * static_cast<double>(rows) * 3.0 * s.I * s.H / 1e12; };
     char line[256];
     std::string out;
-    {
-        model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm};
+    for (const int64_t chunks : {1, 2, 4, 8}) {  // 1: no pipeline (the plan's buffers depend on it)
+        model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, chunks};
         BenchModel m(s, d, El, 42);
-        for (const int64_t chunks : {1, 2, 4, 8}) {  // 1: no pipeline
-            d.ep_chunks = chunks;
-            const double fwd = median_ms([&] { m.forward(d); });
-            const double step = median_ms([&] {
-                m.forward(d);
-                m.backward(d);
-            });
-            const int64_t rows = m.a.routing.num_local;
-            std::snprintf(line, sizeof line,
-                          "BENCH EP=2 rank %d chunks %lld: local rows %lld; fwd %.2f ms, fwd+bwd %.2f ms "
-                          "(%.0f TFLOP/s expert GEMMs)\n",
-                          comm.rank(), static_cast<long long>(chunks), static_cast<long long>(rows), fwd, step,
-                          3 * expert_tflop(rows) / (step * 1e-3));
-            out += line;
-        }
-        d.ep_chunks = 1;
+        const double fwd = median_ms([&] { m.forward(d); });
+        const double step = median_ms([&] {
+            m.forward(d);
+            m.backward(d);
+        });
+        const int64_t rows = m.a.routing.num_local;
+        std::snprintf(line, sizeof line,
+                      "BENCH EP=2 rank %d chunks %lld: local rows %lld; fwd %.2f ms, fwd+bwd %.2f ms "
+                      "(%.0f TFLOP/s expert GEMMs)\n",
+                      comm.rank(), static_cast<long long>(chunks), static_cast<long long>(rows), fwd, step,
+                      3 * expert_tflop(rows) / (step * 1e-3));
+        out += line;
+    }
+    {
+        model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, 1};
+        BenchModel m(s, d, El, 42);
         m.forward(d);
         const int64_t sent = m.a.routing.num_sent;
         const double exch = median_ms([&] {
             model::ep_dispatch(d, m.a, m.x);
             model::ep_combine(d, m.a, m.y);
         });
-        // Token rows moved by dispatch and by combine (this rank's own destination included).
-        const double bytes = 2.0 * static_cast<double>(sent * s.H * 2);
+        // Token rows moved by dispatch (bf16) and by combine (fp32 partials), this rank's own
+        // destination included.
+        const double bytes = static_cast<double>(sent * s.H * (2 + 4));
         std::snprintf(line, sizeof line,
                       "BENCH EP=2 rank %d: dispatch+combine alone %.2f ms (%lld token rows each way for %lld "
                       "expert rows, %.0f GB/s)\n",

@@ -173,6 +173,20 @@ TEST(CudaEpTokens, SourceSideMatchesCpu) {
                 expect_reduction_bf16_out(download_bf16(d_out.as<void>(), out_ref.size()), out_ref,
                                           std::string("sum_blocks ") + (accumulate ? "+= " : "= ") + name);
             }
+            // sum_blocks of fp32 rows (the combine's unrounded partials), +=
+            {
+                const F32 blocks32 = random_f32(rng, static_cast<size_t>(num_rows * s.H));
+                DeviceBuffer d_blocks32 = device_copy(blocks32);
+                F32 out_ref = random_bf16(rng, src.size());
+                DeviceBuffer d_out = device_bf16(out_ref);
+                mf::cpu::ep_sum_blocks(out_ref.data(), true, blocks32.data(), num_rows, pos.data(), counts_ref.data(),
+                                       s.N, s.V, s.H);
+                mf::cuda::ep_sum_blocks(d_out.as<bf16>(), true, d_blocks32.as<float>(), num_rows, d_pos.as<int32_t>(),
+                                        d_counts.as<int32_t>(), s.N, s.V, s.H, nullptr);
+                device_sync();
+                expect_reduction_bf16_out(download_bf16(d_out.as<void>(), out_ref.size()), out_ref,
+                                          "sum_blocks fp32 rows += " + name);
+            }
 
             // gather_slots: a copy, exact
             const F32 dweight_rows = random_f32(rng, static_cast<size_t>(num_rows * s.K));
@@ -250,6 +264,14 @@ TEST(CudaEpTokens, OwnerSideMatchesCpu) {
             device_sync();
             expect_reduction_bf16_out(download_bf16(d_out.as<void>(), nm), out_ref,
                                       std::string("reduce_rows ") + (weighted ? "weighted " : "") + name);
+            // fp32 output (the combine's unrounded partials)
+            DeviceBuffer d_out32(nm * 4);
+            d_out32.poison();
+            mf::cuda::ep_reduce_rows(d_out32.as<float>(), d_y.as<bf16>(), L, d_meta.as<int32_t>(), s.M, s.K, s.H,
+                                     weighted, nullptr);
+            device_sync();
+            expect_reduction(download<float>(d_out32.as<void>(), nm), out_ref, out_ref,
+                             std::string("reduce_rows fp32 out ") + (weighted ? "weighted " : "") + name);
         }
 
         // scatter_grad

@@ -132,8 +132,8 @@ __device__ __forceinline__ void copy_row_to_targets(Unit<kVec>* out, const Unit<
 }
 
 // acc[j][·] += w · row[units u0 + j·32 + lane] (fp32), for the units inside the row.
-template <int kVec>
-__device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][kVec], const bf16* in, int64_t row, int64_t H,
+template <int kVec, typename T>
+__device__ __forceinline__ void add_units(float (&acc)[kSumUnroll][kVec], const T* in, int64_t row, int64_t H,
                                           int64_t units, int64_t u0, int lane, float w) {
 #pragma unroll
     for (int j = 0; j < kSumUnroll; ++j) {
@@ -395,9 +395,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One warp per output row; lane k holds slot k; sums k ascending in fp32.
-template <int kVec>
+template <int kVec, typename Out>
 __global__ void __launch_bounds__(kThreads)
-    reduce_rows_kernel(bf16* out, const bf16* __restrict__ local, int64_t num_local, const int32_t* __restrict__ meta,
+    reduce_rows_kernel(Out* out, const bf16* __restrict__ local, int64_t num_local, const int32_t* __restrict__ meta,
                        int64_t M, int K, int64_t H, bool weighted) {
     const int lane = static_cast<int>(threadIdx.x % 32);
     const int64_t units = H / kVec;
@@ -426,9 +426,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // One warp per token; lane l holds destination v0 + l; sums v ascending in fp32. Dynamic shared:
 // V + 1 int64.
-template <int kVec>
+template <int kVec, typename In>
 __global__ void __launch_bounds__(kThreads)
-    sum_blocks_kernel(bf16* out, bool accumulate, const bf16* __restrict__ rows, int64_t num_rows,
+    sum_blocks_kernel(bf16* out, bool accumulate, const In* __restrict__ rows, int64_t num_rows,
                       const int32_t* __restrict__ send_pos, const int32_t* __restrict__ counts, int64_t N, int V,
                       int64_t H) {
     extern __shared__ int64_t off[];
@@ -615,8 +615,11 @@ void ep_scatter_grad(bf16* dlocal, float* dweight, const bf16* drows, const int3
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
-void ep_reduce_rows(bf16* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
-                    int64_t H, bool weighted, cudaStream_t stream) {
+namespace {
+
+template <typename Out>
+void launch_reduce_rows(Out* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
+                        int64_t H, bool weighted, cudaStream_t stream) {
     check_shape("ep_reduce_rows", M, K, 1, H);
     check_slots("ep_reduce_rows", K);
     if (M == 0 || H == 0) return;
@@ -625,14 +628,15 @@ void ep_reduce_rows(bf16* out, const bf16* local, int64_t num_local, const int32
     const int k32 = static_cast<int>(K);
     const int64_t L = std::max<int64_t>(num_local, 0);
     if (use_vectors(H, out, local))
-        reduce_rows_kernel<8><<<grid, kThreads, 0, stream>>>(out, local, L, meta, M, k32, H, weighted);
+        reduce_rows_kernel<8, Out><<<grid, kThreads, 0, stream>>>(out, local, L, meta, M, k32, H, weighted);
     else
-        reduce_rows_kernel<1><<<grid, kThreads, 0, stream>>>(out, local, L, meta, M, k32, H, weighted);
+        reduce_rows_kernel<1, Out><<<grid, kThreads, 0, stream>>>(out, local, L, meta, M, k32, H, weighted);
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
-void ep_sum_blocks(bf16* out, bool accumulate, const bf16* rows, int64_t num_rows, const int32_t* send_pos,
-                   const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream) {
+template <typename In>
+void launch_sum_blocks(bf16* out, bool accumulate, const In* rows, int64_t num_rows, const int32_t* send_pos,
+                       const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream) {
     check_shape("ep_sum_blocks", N, 1, V, H);
     if (N == 0 || H == 0) return;
     MF_CHECK(out != nullptr && send_pos != nullptr && counts != nullptr && (num_rows <= 0 || rows != nullptr),
@@ -641,12 +645,34 @@ void ep_sum_blocks(bf16* out, bool accumulate, const bf16* rows, int64_t num_row
     const int v32 = static_cast<int>(V);
     const int64_t R = std::max<int64_t>(num_rows, 0);
     if (use_vectors(H, out, rows))
-        sum_blocks_kernel<8>
+        sum_blocks_kernel<8, In>
             <<<grid, kThreads, offsets_bytes(V), stream>>>(out, accumulate, rows, R, send_pos, counts, N, v32, H);
     else
-        sum_blocks_kernel<1>
+        sum_blocks_kernel<1, In>
             <<<grid, kThreads, offsets_bytes(V), stream>>>(out, accumulate, rows, R, send_pos, counts, N, v32, H);
     MF_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void ep_reduce_rows(bf16* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
+                    int64_t H, bool weighted, cudaStream_t stream) {
+    launch_reduce_rows(out, local, num_local, meta, M, K, H, weighted, stream);
+}
+
+void ep_reduce_rows(float* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
+                    int64_t H, bool weighted, cudaStream_t stream) {
+    launch_reduce_rows(out, local, num_local, meta, M, K, H, weighted, stream);
+}
+
+void ep_sum_blocks(bf16* out, bool accumulate, const bf16* rows, int64_t num_rows, const int32_t* send_pos,
+                   const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream) {
+    launch_sum_blocks(out, accumulate, rows, num_rows, send_pos, counts, N, V, H, stream);
+}
+
+void ep_sum_blocks(bf16* out, bool accumulate, const float* rows, int64_t num_rows, const int32_t* send_pos,
+                   const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream) {
+    launch_sum_blocks(out, accumulate, rows, num_rows, send_pos, counts, N, V, H, stream);
 }
 
 void ep_gather_slots(float* dtopk_weight, const float* dweight_rows, int64_t num_rows, const int32_t* send_pos,

@@ -41,12 +41,18 @@ void ep_scatter_rows(bf16* local, int64_t num_local, const bf16* rows, const int
 void ep_scatter_grad(bf16* dlocal, float* dweight, const bf16* drows, const int32_t* meta, const bf16* y_local,
                      int64_t num_local, int64_t M, int64_t K, int64_t H, cudaStream_t stream);
 
-// out [M, H] (written) = Σ_k (weighted ? w[i, k] : 1) · local[meta[i, k]], fp32, k ascending.
+// out [M, H] (written) = Σ_k (weighted ? w[i, k] : 1) · local[meta[i, k]], fp32, k ascending; out bf16
+// (rounded once) or fp32 (the partial sums the EP combine sends back unrounded).
 void ep_reduce_rows(bf16* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
+                    int64_t H, bool weighted, cudaStream_t stream);
+void ep_reduce_rows(float* out, const bf16* local, int64_t num_local, const int32_t* meta, int64_t M, int64_t K,
                     int64_t H, bool weighted, cudaStream_t stream);
 
 // out [N, H] = (accumulate ? old + : ) Σ_v rows[off(v) + send_pos[v, t]], fp32, v ascending.
+// rows bf16 or fp32.
 void ep_sum_blocks(bf16* out, bool accumulate, const bf16* rows, int64_t num_rows, const int32_t* send_pos,
+                   const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream);
+void ep_sum_blocks(bf16* out, bool accumulate, const float* rows, int64_t num_rows, const int32_t* send_pos,
                    const int32_t* counts, int64_t N, int64_t V, int64_t H, cudaStream_t stream);
 
 // dtopk_weight [N, K] fp32 (written) = dweight_rows[off(v) + send_pos[v, t], k], v = expert_dest[topk_idx[t, k]].
