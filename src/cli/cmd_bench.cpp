@@ -48,7 +48,7 @@ int cmd_bench(const Args& args) {
     train::Recipe run;  // the distributed part of a recipe, from the options
     run.source = "bench";
     run.dist.ep_size = parse_int_option(a.get("ep-size", "1"), "ep-size");
-    run.dist.ep_chunks = parse_int_option(a.get("ep-chunks", "2"), "ep-chunks");
+    run.dist.ep_chunks = parse_int_option(a.get("ep-chunks", "1"), "ep-chunks");
     if (run.dist.ep_chunks < 1 || run.dist.ep_chunks > 64) fail("bench: --ep-chunks must be in [1, 64]");
     run.dist.timeout_s = static_cast<double>(parse_int_option(a.get("timeout", "300"), "timeout"));
     const auto dist = train::DistContext::from_environment(run, device);  // before the model: picks the GPU

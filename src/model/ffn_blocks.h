@@ -71,9 +71,11 @@ struct MoeDims {
     // EP pipelining: the local experts are split into this many chunks (clamped to [1, E/S]); on the
     // NCCL backend with more than one, a chunk's dispatch and combine run on a side stream while
     // another chunk's expert GEMMs run (see the header comment). 1: dispatch, compute, combine.
-    // 2 measured best on 2 H200 at the Qwen3-30B-A3B shape (16384 tokens/rank, H 2048, 128 experts,
-    // top-8, I 768): MoE forward+backward 21.7 ms -> 19.9 ms; 4: 20.1 ms; 8: 21.7 ms.
-    int64_t ep_chunks = 2;
+    // Since the exchange moves tokens rather than pairs, 1 is the fastest on 2 H200s at the
+    // Qwen3-30B-A3B shape (16384 tokens/rank, H 2048, 128 experts, top-8, I 768; MF_BENCH=1
+    // test_nccl_ep): MoE forward+backward 10.15 ms; 2 chunks 10.95; 4: 12.78; 8: 15.32 (more
+    // destinations send a token more often, and each chunk's GEMMs get fewer rows).
+    int64_t ep_chunks = 1;
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
 

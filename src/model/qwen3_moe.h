@@ -156,7 +156,7 @@ class Qwen3Moe {
     std::unique_ptr<Workspace> ws_;
     Recompute recompute_ = Recompute::none;
     parallel::Communicator* ep_ = nullptr;
-    int64_t ep_chunks_ = 2;
+    int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
 };
 
