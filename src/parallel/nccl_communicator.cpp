@@ -47,7 +47,8 @@ std::string seconds_str(double s) {
 // destructor may block on the stuck kernel); the peers' own watchdogs or waits end theirs.
 // The watchdog's own event queries can block too, behind a main thread stuck inside such a CUDA
 // call (the runtime serialises them), so a second thread that makes no CUDA call at all ends the
-// process when a query has been in progress for longer than the smallest timeout watched.
+// process when one of the watchdog's CUDA calls (set device, query, destroy) has been in progress
+// for longer than the smallest timeout watched.
 class Watchdog {
  public:
     static Watchdog& get() {
@@ -124,7 +125,9 @@ class Watchdog {
                     ++it;
                     continue;
                 }
-                cudaEventDestroy(it->ev);  // done (or the context is gone: nothing left to watch)
+                query_since_.store(net::now_s());  // the destroy can block behind the main thread too
+                cudaEventDestroy(it->ev);          // done (or the context is gone: nothing left to watch)
+                query_since_.store(0.0);
                 it = mine.erase(it);
             }
             const std::lock_guard<std::mutex> lock(mu_);
@@ -133,7 +136,7 @@ class Watchdog {
     }
     std::mutex mu_;
     std::deque<Pending> pending_;
-    std::atomic<double> query_since_{0.0};  // when the event query in progress started; 0: none
+    std::atomic<double> query_since_{0.0};  // when the CUDA call in progress started; 0: none
     std::atomic<double> limit_s_{0.0};      // the smallest timeout watched so far
     std::atomic<int> rank_{-1};
 };
