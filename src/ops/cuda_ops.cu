@@ -396,7 +396,17 @@ bool grouped_uses_cublas(int64_t M, int64_t E, int64_t C, int64_t OC, bool weigh
 }
 
 mf::cuda::GroupedGemmCublas& grouped_cublas() {
-    static auto* g = new mf::cuda::GroupedGemmCublas(ctx().gemm.handle);  // never destroyed, like ctx()
+    // MOEFORGE_GROUPED_GEMM_LANES: the streams the per-expert products spread over (1 .. 16; the
+    // class's default, 4, when unset): a tuning knob for benchmarks.
+    static auto* g = [] {
+        const char* env = std::getenv("MOEFORGE_GROUPED_GEMM_LANES");
+        if (env == nullptr || *env == '\0') return new mf::cuda::GroupedGemmCublas(ctx().gemm.handle);
+        char* end = nullptr;
+        const long lanes = std::strtol(env, &end, 10);
+        if (*end != '\0' || lanes < 1 || lanes > 16)
+            mf::fail("environment variable MOEFORGE_GROUPED_GEMM_LANES='", env, "': expected an integer in [1, 16]");
+        return new mf::cuda::GroupedGemmCublas(ctx().gemm.handle, static_cast<int>(lanes));
+    }();  // never destroyed, like ctx()
     return *g;
 }
 
