@@ -251,9 +251,8 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
     r.local_offsets.assign(index.begin() + E, index.end());
 
     // Buffers: the send buffer holds the tokens per destination v = c·S + p in v order (the
-    // layout ops::ep_pack_rows writes; this rank's own blocks are read in place); the receive
-    // buffer those from every peer for chunk c, chunk-major then source-major, so a chunk's
-    // received tokens are contiguous.
+    // layout ops::ep_pack_rows writes); the receive buffer those from every source for chunk c,
+    // chunk-major then source-major, so a chunk's received tokens are contiguous.
     int64_t sent = 0, received = 0;
     for (int64_t c = 0; c < C; ++c) {
         EpChunk ch;
@@ -263,16 +262,11 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
         ch.num_rows = r.local_offsets[static_cast<size_t>(ch.first_expert + ch.num_experts)] - ch.first_row;
         ch.first_recv = received;
         for (int64_t p = 0; p < S; ++p) {
-            const int64_t out = tokens(me, c * S + p);
-            if (p == me) {
-                ch.first_own = sent;
-                ch.num_own = out;
-            }
             ch.send_offsets.push_back(sent);
-            ch.send_counts.push_back(p == me ? 0 : out);
-            sent += out;
+            ch.send_counts.push_back(tokens(me, c * S + p));
+            sent += ch.send_counts.back();
             ch.recv_offsets.push_back(received);
-            ch.recv_counts.push_back(p == me ? 0 : tokens(p, c * S + me));
+            ch.recv_counts.push_back(tokens(p, c * S + me));
             received += ch.recv_counts.back();
         }
         ch.num_recv = received - ch.first_recv;
@@ -321,35 +315,31 @@ void join(parallel::Communicator& ep, uint64_t ticket) {
     if (ticket != 0) ep.all_to_all_v_join(ticket);
 }
 
-// A chunk's received tokens (rows of a receive-side buffer), and this rank's own tokens for the
-// chunk (rows of a send-side buffer).
+// A chunk's received tokens (rows of a receive-side buffer).
 Tensor chunk_rows(const Tensor& t, const EpChunk& ch) { return row_view(t, ch.first_recv, ch.num_recv); }
-Tensor own_rows(const Tensor& t, const EpChunk& ch) { return row_view(t, ch.first_own, ch.num_own); }
 
 // Carves the forward's local rows and exchange buffers (see MoeActs).
 void carve_forward(const MoeDims& d, MoeActs& a, DType act, Device dev) {
     const EpRouting& r = a.routing;
     const int64_t R = r.num_local, H = d.hidden, I = d.intermediate, K = d.top_k;
-    const auto kept = a.local_store->carve({{R, H, act},
-                                            {R, 2 * I, act},
-                                            {R, I, act},
-                                            {R, H, act},
-                                            {r.num_received, 2 * K, DType::i32},
-                                            {r.num_sent, 2 * K, DType::i32}},
-                                           dev);
+    const auto kept = a.local_store->carve(
+        {{R, H, act}, {R, 2 * I, act}, {R, I, act}, {R, H, act}, {r.num_received, 2 * K, DType::i32}}, dev);
     a.x_local = kept[0];
     a.h_local = kept[1];
     a.a_local = kept[2];
     a.y_local = kept[3];
     a.recv_meta = kept[4];
-    a.send_meta = kept[5];
-    const auto temp = a.output_store->carve(
-        {{r.num_sent, H, act}, {r.num_received, H, act}, {r.num_received, H, DType::f32}, {r.num_sent, H, DType::f32}},
-        dev);
+    const auto temp = a.output_store->carve({{r.num_sent, H, act},
+                                             {r.num_sent, 2 * K, DType::i32},
+                                             {r.num_received, H, act},
+                                             {r.num_received, H, DType::f32},
+                                             {r.num_sent, H, DType::f32}},
+                                            dev);
     a.send_rows = temp[0];
-    a.recv_rows = temp[1];
-    a.recv_back = temp[2];
-    a.send_back = temp[3];
+    a.send_meta = temp[1];
+    a.recv_rows = temp[2];
+    a.recv_back = temp[3];
+    a.send_back = temp[4];
 }
 
 // One exchanged quantity: its rows on the sending side (the send buffer's layout) and on the
@@ -360,15 +350,14 @@ struct Exchanged {
 };
 
 // The EP pipeline shared by forward and backward: `out` (and `meta` when defined) travel to the
-// owners, every chunk's exchange started first; then chunk by chunk: `own` (place this rank's own
-// tokens of the chunk, while the exchange runs), join it, `arrive` (place the received ones),
-// `compute`, `depart` (reduce the chunk's results into its rows of back.received, and of
-// extra.received when defined, and the own tokens' into back.sent / extra.sent), and start the
-// exchange back into back.sent (extra.sent); finally join every exchange. With one chunk, or
-// without an NCCL side stream, each exchange completes before the next step.
-template <typename Own, typename Arrive, typename Compute, typename Depart>
+// owners, every chunk's exchange started first; then chunk by chunk: join it, `arrive` (place the
+// chunk's tokens in the local rows), `compute`, `depart` (reduce the chunk's results into its rows
+// of back.received, and of extra.received when defined), and start their exchange back into
+// back.sent (extra.sent); finally join every exchange. With one chunk, or without an NCCL side
+// stream, each exchange completes before the next step.
+template <typename Arrive, typename Compute, typename Depart>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
-                 const Exchanged& back, const Exchanged& extra, Own&& own, Arrive&& arrive, Compute&& compute,
+                 const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
                  Depart&& depart) {
     check_backend(*d.ep, out.sent.device(), "expert parallelism");
     parallel::Communicator& ep = *d.ep;
@@ -380,7 +369,6 @@ void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, con
     }
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
-        own(ch);
         join(ep, tickets[c]);
         arrive(ch);
         compute(ch);
@@ -412,7 +400,6 @@ void ep_dispatch(const MoeDims& d, MoeActs& a, const Tensor& x) {
     for (const EpChunk& ch : a.routing.chunks) {
         exchange_chunk(*d.ep, false, ch, true, a.send_meta, a.recv_meta);
         exchange_chunk(*d.ep, false, ch, true, a.send_rows, a.recv_rows);
-        ops::ep_scatter_rows(a.x_local, own_rows(a.send_rows, ch), own_rows(a.send_meta, ch));
         ops::ep_scatter_rows(a.x_local, chunk_rows(a.recv_rows, ch), chunk_rows(a.recv_meta, ch));
     }
 }
@@ -420,7 +407,6 @@ void ep_dispatch(const MoeDims& d, MoeActs& a, const Tensor& x) {
 void ep_combine(const MoeDims& d, MoeActs& a, const Tensor& y) {
     check_ep_acts(d, a, "ep_combine");
     for (const EpChunk& ch : a.routing.chunks) {
-        ops::ep_reduce_rows(own_rows(a.send_back, ch), a.y_local, own_rows(a.send_meta, ch), true);
         ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
         exchange_chunk(*d.ep, false, ch, false, a.send_back, a.recv_back);
     }
@@ -453,9 +439,6 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         ep_pipeline(
             d, r, {a.send_rows, a.recv_rows}, {a.send_meta, a.recv_meta}, {a.send_back, a.recv_back}, {},
             [&](const EpChunk& ch) {
-                ops::ep_scatter_rows(a.x_local, own_rows(a.send_rows, ch), own_rows(a.send_meta, ch));
-            },
-            [&](const EpChunk& ch) {
                 ops::ep_scatter_rows(a.x_local, chunk_rows(a.recv_rows, ch), chunk_rows(a.recv_meta, ch));
             },
             [&](const EpChunk& ch) {
@@ -469,7 +452,6 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
                                             offsets, host);
             },
             [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(own_rows(a.send_back, ch), a.y_local, own_rows(a.send_meta, ch), true);
                 ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
             });
         const EpPlanBuffers& b = a.plan_buffers;
@@ -523,10 +505,6 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         ep_pipeline(
             d, r, {s.send_rows, s.recv_rows}, {}, {s.send_back, s.recv_back}, {s.dw_sent, s.dw_recv},
             [&](const EpChunk& ch) {
-                ops::ep_scatter_grad(s.dy_local, own_rows(s.dw_sent, ch), own_rows(s.send_rows, ch),
-                                     own_rows(a.send_meta, ch), a.y_local);
-            },
-            [&](const EpChunk& ch) {
                 ops::ep_scatter_grad(s.dy_local, chunk_rows(s.dw_recv, ch), chunk_rows(s.recv_rows, ch),
                                      chunk_rows(a.recv_meta, ch), a.y_local);
             },
@@ -546,7 +524,6 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                                              expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
             },
             [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(own_rows(s.send_back, ch), s.dx_local, own_rows(a.send_meta, ch), false);
                 ops::ep_reduce_rows(chunk_rows(s.recv_back, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
             });
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);

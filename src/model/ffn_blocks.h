@@ -83,22 +83,19 @@ struct MoeDims {
 struct EpChunk {
     int64_t first_expert = 0, num_experts = 0;  // local experts [first, first + num)
     int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers
-    // Tokens to each peer's chunk (rows of this rank's send buffer) and from each peer for this
-    // chunk (rows of the receive buffer), [S] each; this rank's own entries are 0: its tokens for
-    // its own chunk stay in the send buffer at rows [first_own, first_own + num_own) and are read
-    // from there (they never enter the exchange). A chunk's received tokens are rows
-    // [first_recv, first_recv + num_recv) of the receive buffer, source-major.
+    // Tokens to each rank's chunk (rows of this rank's send buffer) and from each rank for this
+    // chunk (rows of the receive buffer), [S] each, this rank included. A chunk's received tokens
+    // are rows [first_recv, first_recv + num_recv) of the receive buffer, source-major.
     std::vector<int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
     int64_t first_recv = 0, num_recv = 0;
-    int64_t first_own = 0, num_own = 0;
 };
 
 // Who sends which tokens where in one MoE block (host bookkeeping; see the header comment), plus
 // views of the device index ep_plan uploads.
 struct EpRouting {
     int64_t num_local = 0;     // expert rows computed here (the local buffers' rows)
-    int64_t num_sent = 0;      // token rows of the send buffer, every destination (itself included)
-    int64_t num_received = 0;  // token rows of the receive buffer, from the peers
+    int64_t num_sent = 0;      // token rows this rank sends, to every destination (itself included)
+    int64_t num_received = 0;  // token rows it receives, from every source (itself included)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
     std::vector<int32_t> local_offsets;  // [E/S + 1] expert-major row offsets
     Tensor group_offsets;                // local_offsets on the tokens' device (view of EpPlanBuffers::index)
@@ -151,9 +148,8 @@ struct MoeActs {
     std::vector<int32_t> host_offsets;
     Tensor sorted_pair, pair_row;  // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; not under EP
-    // EP only: the local experts' rows (expert-major), routing.num_local each, and the meta rows
-    // (ops::ep_pack_meta, 2K i32) of the tokens sent and received ([num_sent], [num_received]; the
-    // own chunks' blocks of send_meta serve this rank's experts), carved by the forward from
+    // EP only: the local experts' rows (expert-major), routing.num_local each, and the received
+    // tokens' meta rows (ops::ep_pack_meta, [num_received, 2K] i32), carved by the forward from
     // `local_store` and kept for the backward; the send and receive buffers of the exchange
     // (num_sent / num_received token rows) from `output_store`, free again once the forward returns
     // (the model shares it with the MoeScratch); the plan's buffers (arena).

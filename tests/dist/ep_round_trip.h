@@ -156,9 +156,9 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
                            std::to_string(came[static_cast<size_t>(t * cols + c)]) + ", expected " +
                            std::to_string(home[static_cast<size_t>(c)]));
     }
-    return name + ": " + std::to_string(N) + " tokens, " + std::to_string(a.routing.num_sent) +
-           " token rows packed (own included), " + std::to_string(a.routing.num_received) +
-           " received from the peers, " + std::to_string(R) + " expert rows; bit for bit\n";
+    return name + ": " + std::to_string(N) + " tokens, sent " + std::to_string(a.routing.num_sent) +
+           " token rows, received " + std::to_string(a.routing.num_received) + ", computed " + std::to_string(R) +
+           " expert rows; bit for bit\n";
 }
 
 }  // namespace mf::test
