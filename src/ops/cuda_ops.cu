@@ -28,7 +28,6 @@
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
 #include "kernels/cuda/router.cuh"
-#include "kernels/cuda/rows.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "ops/cuda_ops.h"
 
@@ -114,11 +113,6 @@ void cast(const Tensor& dst, const Tensor& src) {
 }
 
 void synchronize() { wait_for_stream(ctx().stream); }
-
-void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces) {
-    mf::cuda::copy_row_pieces(dst.data(), src.data(), pieces.data(), static_cast<int64_t>(pieces.size() / 3), rows(dst),
-                              rows(src), src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype())), ctx().stream);
-}
 
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);

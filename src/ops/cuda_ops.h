@@ -17,7 +17,6 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();
-void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight);

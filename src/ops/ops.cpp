@@ -23,7 +23,6 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
-#include "kernels/cpu/rows.h"
 #include "kernels/cpu/swiglu.h"
 #include "ops/cuda_ops.h"
 
@@ -150,22 +149,6 @@ void cast(const Tensor& dst, const Tensor& src) {
 
 void synchronize(Device device) {
     if (device == Device::cuda) cuda_impl::synchronize();
-}
-
-void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces) {
-    OpScope scope_("copy_row_pieces");
-    const char* op = "copy_row_pieces";
-    MF_CHECK(dst.dtype() == src.dtype(), op, ": dst is ", dtype_name(dst.dtype()), ", src ", dtype_name(src.dtype()));
-    MF_CHECK(dst.ndim() >= 1 && src.ndim() >= 1 && dst.dim(-1) == src.dim(-1) && src.dim(-1) > 0, op, ": row lengths differ: dst ",
-             shape_str(dst.shape()), " src ", shape_str(src.shape()));
-    MF_CHECK(pieces.size() % 3 == 0, op, ": ", pieces.size(), " values are not (src, dst, rows) triples");
-    const uintptr_t d = reinterpret_cast<uintptr_t>(dst.data()), s = reinterpret_cast<uintptr_t>(src.data());
-    MF_CHECK(dst.nbytes() == 0 || src.nbytes() == 0 || d + dst.nbytes() <= s || s + src.nbytes() <= d, op,
-             ": dst and src overlap");
-    const int64_t n = static_cast<int64_t>(pieces.size() / 3);
-    const int64_t row_bytes = src.dim(-1) * static_cast<int64_t>(dtype_size(src.dtype()));
-    if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::copy_row_pieces(dst, src, pieces);
-    cpu::copy_row_pieces(dst.data(), src.data(), pieces.data(), n, rows(dst), rows(src), row_bytes);
 }
 
 // --- dense -----------------------------------------------------------------------------------------

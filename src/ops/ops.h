@@ -28,10 +28,6 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
 void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
 void synchronize(Device device);
-// Row ranges: pieces holds (src_row, dst_row, rows) triples (host memory); each copies src rows
-// [src_row, src_row + rows) to dst rows [dst_row, dst_row + rows). Pieces outside either tensor's
-// rows are an error (nothing copied); dst and src must not overlap.
-void copy_row_pieces(const Tensor& dst, const Tensor& src, std::span<const int64_t> pieces);
 
 // --- dense -----------------------------------------------------------------------------------------
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);  // out[N,OC] = inp[N,C]·wᵀ
