@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "core/cuda_check.h"
+#include "core/poll.h"
 #include "core/tensor.h"
 
 namespace mf {
@@ -65,7 +66,7 @@ void wait_for_stream(void* stream) {
             std::fflush(nullptr);
             ::_exit(1);
         }
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        poll_pause(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
 }
 

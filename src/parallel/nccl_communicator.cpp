@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/cuda_check.h"
+#include "core/poll.h"
 #include "ops/ops.h"
 #include "parallel/nccl_check.h"
 
@@ -214,7 +215,7 @@ void NcclCommunicator::abort_with(const char* op, const std::string& why) {
 }
 
 void NcclCommunicator::wait_nccl(const char* op) {
-    const double deadline = net::now_s() + timeout_s_;
+    const double start = net::now_s(), deadline = start + timeout_s_;
     for (;;) {
         ncclResult_t state = ncclSuccess;
         MF_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
@@ -227,7 +228,7 @@ void NcclCommunicator::wait_nccl(const char* op) {
         if (net::now_s() > deadline)
             abort_with(op, detail::concat("timed out after ", seconds_str(timeout_s_),
                                           " s waiting for the other ranks (NCCL does not name the late peer)"));
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        poll_pause(net::now_s() - start);
     }
 }
 
@@ -239,7 +240,7 @@ uint32_t NcclCommunicator::begin(const char* op) {
 
 void NcclCommunicator::synchronize() {
     if (comm_ == nullptr) return;
-    const double deadline = net::now_s() + timeout_s_;
+    const double start = net::now_s(), deadline = start + timeout_s_;
     for (;;) {
         const cudaError_t status = cudaStreamQuery(stream_);
         if (status == cudaSuccess) return;
@@ -251,7 +252,7 @@ void NcclCommunicator::synchronize() {
         if (net::now_s() > deadline)
             abort_with(last_op_, detail::concat("timed out after ", seconds_str(timeout_s_),
                                                 " s waiting for the other ranks (NCCL does not name the late peer)"));
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        poll_pause(net::now_s() - start);
     }
 }
 
