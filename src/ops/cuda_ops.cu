@@ -23,6 +23,7 @@
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/moe_permute.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
@@ -357,11 +358,14 @@ void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, con
 // buffer (the EP pipeline hands each chunk of experts all local rows).
 namespace {
 
-enum class GroupedGemmPath { own, cublas, automatic };
+enum class GroupedGemmPath { own, cublas, automatic, sm90 };
 
 constexpr double kCublasMinRowProductFlops = 2147483648.0;  // 2^31 per group
 constexpr double kCublasMinWeightGradFlops = 1073741824.0;  // 2^30 per group
 
+// MOEFORGE_GROUPED_GEMM: cublas (default), own (the sm80 kernels), auto (own for small groups), or
+// sm90 (the forward on the wgmma kernel where it serves the shape, the rest as cublas; opt-in, slower
+// so far: grouped_gemm_sm90.cuh).
 GroupedGemmPath grouped_gemm_setting() {
     static const GroupedGemmPath path = [] {
         const char* env = std::getenv("MOEFORGE_GROUPED_GEMM");
@@ -369,7 +373,8 @@ GroupedGemmPath grouped_gemm_setting() {
         if (v == "own") return GroupedGemmPath::own;
         if (v == "cublas" || v.empty()) return GroupedGemmPath::cublas;
         if (v == "auto") return GroupedGemmPath::automatic;
-        mf::fail("environment variable MOEFORGE_GROUPED_GEMM='", v, "': expected own, cublas or auto");
+        if (v == "sm90") return GroupedGemmPath::sm90;
+        mf::fail("environment variable MOEFORGE_GROUPED_GEMM='", v, "': expected own, cublas, auto or sm90");
     }();
     return path;
 }
@@ -380,6 +385,7 @@ bool grouped_uses_cublas(int64_t M, int64_t E, int64_t C, int64_t OC, bool weigh
         case GroupedGemmPath::own:
             return false;
         case GroupedGemmPath::cublas:
+        case GroupedGemmPath::sm90:  // for the products the sm90 kernel does not serve
             return true;
         case GroupedGemmPath::automatic:
             break;
@@ -411,7 +417,9 @@ bool grouped_matmul_uses_host_offsets() { return grouped_gemm_setting() != Group
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                             std::span<const int32_t> host_offsets) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
-    if (grouped_uses_cublas(M, E, C, OC, false))
+    if (grouped_gemm_setting() == GroupedGemmPath::sm90 && mf::cuda::grouped_matmul_forward_sm90_supported(C, OC))
+        mf::cuda::grouped_matmul_forward_sm90(B(out), B(inp), B(weight), I(offsets), M, E, C, OC, ctx().stream);
+    else if (grouped_uses_cublas(M, E, C, OC, false))
         mf::cuda::grouped_matmul_forward_cublas(grouped_cublas(), B(out), B(inp), B(weight), I(offsets), M, E, C, OC,
                                                 ctx().stream, host_offsets);
     else

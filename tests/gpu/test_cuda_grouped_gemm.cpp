@@ -28,6 +28,7 @@
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "test_cuda_helpers.h"
 
 namespace {
@@ -44,6 +45,7 @@ struct Path {
     const char* name;
     bool cublas;
     bool host_offsets = false;  // cuBLAS only: the caller passes the offsets on the host (no read-back)
+    bool sm90 = false;          // forward through the wgmma kernel (grouped_gemm_sm90.cuh), the rest own
 };
 
 const std::vector<Path> kPaths = {{"own", false}, {"cublas", true}, {"cublas+host", true, true}};
@@ -74,7 +76,9 @@ struct HostOffsets {
 
 void forward(const Path& p, bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
              int64_t E, int64_t C, int64_t OC, const std::vector<int32_t>* known = nullptr) {
-    if (p.cublas)
+    if (p.sm90)
+        mf::cuda::grouped_matmul_forward_sm90(out, inp, weight, offsets, M, E, C, OC, nullptr);
+    else if (p.cublas)
         mf::cuda::grouped_matmul_forward_cublas(cublas_state(), out, inp, weight, offsets, M, E, C, OC, nullptr,
                                                 HostOffsets(p, offsets, E, known).values);
     else
@@ -278,6 +282,90 @@ TEST(CudaGroupedGemm, BackwardWeightParity) {
 }
 
 // Three runs of every product give the same bits (the cuBLAS path spreads groups over streams).
+// The wgmma forward (sm_90 only; C % 64 == 0, OC % 128 == 0) on cases of the same kinds: an empty
+// expert, a single row, more than one row tile, rows outside the groups, one busy expert, a long K
+// loop, 130 ragged experts; then bitwise repeatability and clamped bad offsets.
+const Path kSm90{"sm90", false, false, true};
+
+std::vector<GroupCase> sm90_cases() {
+    std::vector<GroupCase> cases = {
+        {4, 64, 128, {0, 1, 130, 37}},
+        {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7},
+        {8, 128, 384, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},
+        {1, 2048, 128, {300}},
+        {3, 768, 2048, {129, 2, 255}},
+    };
+    std::mt19937 rng(43);
+    GroupCase many{130, 64, 128, {}, 1, 1};
+    for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
+    cases.push_back(many);
+    return cases;
+}
+
+bool sm90_available() {
+    int device = 0, major = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    MF_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major == 9;
+}
+
+TEST(CudaGroupedGemm, Sm90ForwardParity) {
+    if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
+    std::mt19937 rng(21);
+    for (const GroupCase& g : sm90_cases()) {
+        ASSERT_TRUE(mf::cuda::grouped_matmul_forward_sm90_supported(g.C, g.OC)) << g.label(kSm90, "forward");
+        const int64_t M = g.rows();
+        const auto off = g.offsets();
+        const auto inp = random_bf16(rng, M * g.C);
+        const auto weight = random_bf16(rng, g.E * g.OC * g.C);
+        std::vector<float> ref(M * g.OC, 0.0f);
+        mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
+        DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+        const DeviceBuffer d_off = device_copy(off);
+        upload_bf16(d_inp.as<void>(), inp);
+        upload_bf16(d_w.as<void>(), weight);
+        std::vector<uint16_t> first;
+        for (int run = 0; run < 2; ++run) {
+            d_out.poison();
+            forward(kSm90, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            const auto bits = download<uint16_t>(d_out.as<void>(), ref.size());
+            if (run == 1) {
+                EXPECT_TRUE(bits == first) << g.label(kSm90, "forward") << ": a second run differs";
+                continue;
+            }
+            first = bits;
+            const auto gpu = download_bf16(d_out.as<void>(), ref.size());
+            std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
+            split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
+            split_rows(ref, g.OC, off, &ref_in, &ref_out);
+            expect_parity(g.label(kSm90, "forward"), gpu_in, ref_in, round_bf16(ref_in));
+            expect_untouched(g.label(kSm90, "forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
+        }
+    }
+    // Bad offsets are clamped like the other paths clamp them.
+    const int64_t E = 4, C = 64, OC = 128, M = 100;
+    const std::vector<int32_t> bad = {-5, 40, 20, 90, 1000}, clamped = {0, 40, 40, 90, 100};
+    const auto inp = random_bf16(rng, M * C);
+    const auto weight = random_bf16(rng, E * OC * C);
+    std::vector<float> ref(M * OC, 0.0f);
+    mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), clamped.data(), E, C, OC);
+    DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+    const DeviceBuffer d_off = device_copy(bad);
+    upload_bf16(d_inp.as<void>(), inp);
+    upload_bf16(d_w.as<void>(), weight);
+    d_out.poison();
+    forward(kSm90, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, E, C, OC);
+    MF_CHECK_CUDA(cudaDeviceSynchronize());
+    expect_parity("sm90 forward with clamped offsets", download_bf16(d_out.as<void>(), ref.size()), ref,
+                  round_bf16(ref));
+    // Shapes it does not serve are refused, not computed wrongly.
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 128));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 192));
+    EXPECT_THROW(forward(kSm90, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, E, 96, 128),
+                 mf::Error);
+}
+
 TEST(CudaGroupedGemm, Deterministic) {
     for (const Path& p : kPaths) {
         std::mt19937 rng(14);
@@ -419,6 +507,15 @@ TEST(CudaGroupedGemm, Benchmark) {
                 "TFLOP/s\n",
                 static_cast<long long>(M), static_cast<long long>(E), c.label, static_cast<long long>(c.C),
                 static_cast<long long>(c.OC), dense, flops / dense * 1e-6);
+            if (sm90_available()) {
+                const double fwd = median_us([&] {
+                    forward(kSm90, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
+                            c.OC);
+                }, 20, 5000);
+                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s\n",
+                            static_cast<long long>(M), static_cast<long long>(E), c.label, "sm90 (wgmma)", fwd,
+                            flops / fwd * 1e-6);
+            }
             for (const Path& p : kPaths) {
                 const auto timed = [&](auto&& fn) {
                     try {
