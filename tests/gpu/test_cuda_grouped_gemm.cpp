@@ -168,31 +168,44 @@ void expect_untouched(const std::string& what, const std::vector<float>& now, co
 // ---------------------------------------------------------------------------------------------
 // parity
 
+// The forward of case g through path p on fresh random inputs against the CPU, rows outside the
+// groups untouched; `runs` > 1 repeats the call, which must give the same bits.
+void check_forward(const Path& p, const GroupCase& g, std::mt19937& rng, int runs = 1) {
+    const int64_t M = g.rows();
+    const auto off = g.offsets();
+    const auto inp = random_bf16(rng, M * g.C);
+    const auto weight = random_bf16(rng, g.E * g.OC * g.C);
+    std::vector<float> ref(M * g.OC, 0.0f);
+    mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
+
+    DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
+    const DeviceBuffer d_off = device_copy(off);
+    upload_bf16(d_inp.as<void>(), inp);
+    upload_bf16(d_w.as<void>(), weight);
+    std::vector<uint16_t> first;
+    for (int run = 0; run < runs; ++run) {
+        d_out.poison();
+        forward(p, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto bits = download<uint16_t>(d_out.as<void>(), ref.size());
+        if (run > 0) {
+            EXPECT_TRUE(bits == first) << g.label(p, "forward") << ": run " << run << " differs from the first";
+            continue;
+        }
+        first = bits;
+        const auto gpu = download_bf16(d_out.as<void>(), ref.size());
+        std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
+        split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
+        split_rows(ref, g.OC, off, &ref_in, &ref_out);
+        expect_parity(g.label(p, "forward"), gpu_in, ref_in, round_bf16(ref_in));
+        expect_untouched(g.label(p, "forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
+    }
+}
+
 TEST(CudaGroupedGemm, ForwardParity) {
     for (const Path& p : kPaths) {
         std::mt19937 rng(11);
-        for (const GroupCase& g : make_cases()) {
-            const int64_t M = g.rows();
-            const auto off = g.offsets();
-            const auto inp = random_bf16(rng, M * g.C);
-            const auto weight = random_bf16(rng, g.E * g.OC * g.C);
-            std::vector<float> ref(M * g.OC, 0.0f);
-            mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
-
-            DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
-            const DeviceBuffer d_off = device_copy(off);
-            upload_bf16(d_inp.as<void>(), inp);
-            upload_bf16(d_w.as<void>(), weight);
-            d_out.poison();
-            forward(p, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
-            MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const auto gpu = download_bf16(d_out.as<void>(), ref.size());
-            std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
-            split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
-            split_rows(ref, g.OC, off, &ref_in, &ref_out);
-            expect_parity(g.label(p, "forward"), gpu_in, ref_in, round_bf16(ref_in));
-            expect_untouched(g.label(p, "forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
-        }
+        for (const GroupCase& g : make_cases()) check_forward(p, g, rng);
     }
 }
 
@@ -315,34 +328,7 @@ TEST(CudaGroupedGemm, Sm90ForwardParity) {
     std::mt19937 rng(21);
     for (const GroupCase& g : sm90_cases()) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_forward_sm90_supported(g.C, g.OC)) << g.label(kSm90, "forward");
-        const int64_t M = g.rows();
-        const auto off = g.offsets();
-        const auto inp = random_bf16(rng, M * g.C);
-        const auto weight = random_bf16(rng, g.E * g.OC * g.C);
-        std::vector<float> ref(M * g.OC, 0.0f);
-        mf::cpu::grouped_matmul_forward(ref.data(), inp.data(), weight.data(), off.data(), g.E, g.C, g.OC);
-        DeviceBuffer d_inp(inp.size() * 2), d_w(weight.size() * 2), d_out(ref.size() * 2);
-        const DeviceBuffer d_off = device_copy(off);
-        upload_bf16(d_inp.as<void>(), inp);
-        upload_bf16(d_w.as<void>(), weight);
-        std::vector<uint16_t> first;
-        for (int run = 0; run < 2; ++run) {
-            d_out.poison();
-            forward(kSm90, d_out.as<bf16>(), d_inp.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC);
-            MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const auto bits = download<uint16_t>(d_out.as<void>(), ref.size());
-            if (run == 1) {
-                EXPECT_TRUE(bits == first) << g.label(kSm90, "forward") << ": a second run differs";
-                continue;
-            }
-            first = bits;
-            const auto gpu = download_bf16(d_out.as<void>(), ref.size());
-            std::vector<float> gpu_in, gpu_out, ref_in, ref_out;
-            split_rows(gpu, g.OC, off, &gpu_in, &gpu_out);
-            split_rows(ref, g.OC, off, &ref_in, &ref_out);
-            expect_parity(g.label(kSm90, "forward"), gpu_in, ref_in, round_bf16(ref_in));
-            expect_untouched(g.label(kSm90, "forward"), gpu_out, std::vector<float>(gpu_out.size(), NAN));
-        }
+        check_forward(kSm90, g, rng, 2);
     }
     // Shapes it does not serve are refused, not computed wrongly.
     EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 128));
