@@ -511,17 +511,18 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
             [&](const EpChunk& ch) {
                 const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
                 const auto host = chunk_host_offsets(r, ch);
-                const Tensor rows_da = row_view(s.da_local, ch.first_row, ch.num_rows);
-                ops::zero(rows_da);
+                // The input gradients are written (the chunk's rows are exactly its groups' rows).
                 ops::grouped_matmul_backward(s.da_local, expert_view(g.down, ch.first_expert, ch.num_experts),
                                              s.dy_local, a.a_local,
-                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host);
-                ops::swiglu_backward(row_view(s.dh_local, ch.first_row, ch.num_rows), rows_da,
+                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
+                                             false);
+                ops::swiglu_backward(row_view(s.dh_local, ch.first_row, ch.num_rows),
+                                     row_view(s.da_local, ch.first_row, ch.num_rows),
                                      row_view(a.h_local, ch.first_row, ch.num_rows));
-                ops::zero(row_view(s.dx_local, ch.first_row, ch.num_rows));
                 ops::grouped_matmul_backward(s.dx_local, expert_view(g.gate_up, ch.first_expert, ch.num_experts),
                                              s.dh_local, a.x_local,
-                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
+                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
+                                             false);
             },
             [&](const EpChunk& ch) {
                 ops::ep_reduce_rows(chunk_rows(s.recv_back, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
@@ -530,12 +531,13 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         ops::ep_gather_slots(s.dtopk_weight, s.dw_sent, b.send_pos, b.counts(), a.topk_idx, b.expert_dest);
     } else {
         ops::moe_unpermute_backward(s.dy_perm, s.dtopk_weight, dy, a.y_perm, a.topk_weight, a.pair_row);
-        ops::zero(s.da_perm);
-        ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets);
+        // Every pair row belongs to a group (offsets run from 0 to N·K), so the input gradients are
+        // written rather than zeroed and accumulated.
+        ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
+                                     false);
         ops::swiglu_backward(s.dh_perm, s.da_perm, a.h_perm);
-        ops::zero(s.dx_perm);
         ops::grouped_matmul_backward(s.dx_perm, g.gate_up, s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
-                                     a.host_offsets);
+                                     a.host_offsets, false);
         ops::moe_gather_backward(dx, s.dx_perm, a.pair_row, d.top_k);
     }
     ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);

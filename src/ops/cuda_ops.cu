@@ -427,15 +427,16 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 }
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) {
+                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets,
+                             bool accumulate_dinp) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (defined(dinp)) {
         if (grouped_uses_cublas(M, E, C, OC, false))
             mf::cuda::grouped_matmul_backward_input_cublas(grouped_cublas(), B(dinp), B(dout), B(weight), I(offsets), M,
-                                                           E, C, OC, true, ctx().stream, host_offsets);
+                                                           E, C, OC, accumulate_dinp, ctx().stream, host_offsets);
         else
-            mf::cuda::grouped_matmul_backward_input(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC, true,
-                                                    ctx().stream);
+            mf::cuda::grouped_matmul_backward_input(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC,
+                                                    accumulate_dinp, ctx().stream);
     }
     if (defined(dweight)) {
         if (grouped_uses_cublas(M, E, C, OC, true))

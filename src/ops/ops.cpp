@@ -593,12 +593,20 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 }
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) {
+                             const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets,
+                             bool accumulate_dinp) {
     OpScope scope_("grouped_matmul_backward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
-        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets, host_offsets);
+        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets, host_offsets,
+                                                  accumulate_dinp);
     check_host_offsets(offsets, host_offsets);
+    if (!accumulate_dinp && defined(dinp) && E > 0) {  // written: clear the groups' rows, then add
+        const int32_t* off = i32(offsets);
+        MF_CHECK(off[0] >= 0 && off[0] <= off[E] && off[E] <= rows(dinp), "grouped_matmul_backward: offsets [",
+                 off[0], ", ", off[E], ") outside the ", rows(dinp), " rows of dinp");
+        std::fill(f(dinp) + off[0] * C, f(dinp) + off[E] * C, 0.0f);
+    }
     cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 
