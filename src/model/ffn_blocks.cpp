@@ -352,13 +352,15 @@ struct Exchanged {
 // The EP pipeline shared by forward and backward: `out` (and `meta` when defined) travel to the
 // owners, every chunk's exchange started first; then chunk by chunk: join it, `arrive` (place the
 // chunk's tokens in the local rows), `compute`, `depart` (reduce the chunk's results into its rows
-// of back.received, and of extra.received when defined), and start their exchange back into
-// back.sent (extra.sent); finally join every exchange. With one chunk, or without an NCCL side
-// stream, each exchange completes before the next step.
-template <typename Arrive, typename Compute, typename Depart>
+// of back.received, and of extra.received when defined), start their exchange back into back.sent
+// (extra.sent), and run `after` (work nothing of the exchange waits for, e.g. the weight
+// gradients) while it travels; finally join every exchange. The way there overlaps only with more
+// than one chunk; the way back always overlaps `after` (on NCCL; over TCP every exchange completes
+// before the next step).
+template <typename Arrive, typename Compute, typename Depart, typename After>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
                  const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
-                 Depart&& depart) {
+                 Depart&& depart, After&& after) {
     check_backend(*d.ep, out.sent.device(), "expert parallelism");
     parallel::Communicator& ep = *d.ep;
     const bool overlap = r.chunks.size() > 1;
@@ -373,8 +375,9 @@ void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, con
         arrive(ch);
         compute(ch);
         depart(ch);
-        if (extra.defined()) exchange_chunk(ep, overlap, ch, false, extra.sent, extra.received);
-        tickets[c] = exchange_chunk(ep, overlap, ch, false, back.sent, back.received);
+        if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received);
+        tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received);
+        after(ch);
     }
     for (const uint64_t t : tickets) join(ep, t);
 }
@@ -453,7 +456,8 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
             },
             [&](const EpChunk& ch) {
                 ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
-            });
+            },
+            [](const EpChunk&) {});
         const EpPlanBuffers& b = a.plan_buffers;
         ops::ep_sum_blocks(y, a.send_back, b.send_pos, b.counts(), false);
         return;
@@ -511,21 +515,30 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
             [&](const EpChunk& ch) {
                 const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
                 const auto host = chunk_host_offsets(r, ch);
-                // The input gradients are written (the chunk's rows are exactly its groups' rows).
-                ops::grouped_matmul_backward(s.da_local, expert_view(g.down, ch.first_expert, ch.num_experts),
-                                             s.dy_local, a.a_local,
+                // The input gradients first (written: the chunk's rows are exactly its groups' rows),
+                // so that they travel back while the weight gradients are computed (`after`).
+                ops::grouped_matmul_backward(s.da_local, Tensor(), s.dy_local, a.a_local,
                                              expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
                                              false);
                 ops::swiglu_backward(row_view(s.dh_local, ch.first_row, ch.num_rows),
                                      row_view(s.da_local, ch.first_row, ch.num_rows),
                                      row_view(a.h_local, ch.first_row, ch.num_rows));
-                ops::grouped_matmul_backward(s.dx_local, expert_view(g.gate_up, ch.first_expert, ch.num_experts),
-                                             s.dh_local, a.x_local,
+                ops::grouped_matmul_backward(s.dx_local, Tensor(), s.dh_local, a.x_local,
                                              expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
                                              false);
             },
             [&](const EpChunk& ch) {
                 ops::ep_reduce_rows(chunk_rows(s.recv_back, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
+            },
+            [&](const EpChunk& ch) {
+                const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
+                const auto host = chunk_host_offsets(r, ch);
+                ops::grouped_matmul_backward(Tensor(), expert_view(g.down, ch.first_expert, ch.num_experts),
+                                             s.dy_local, a.a_local,
+                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host);
+                ops::grouped_matmul_backward(Tensor(), expert_view(g.gate_up, ch.first_expert, ch.num_experts),
+                                             s.dh_local, a.x_local,
+                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
             });
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);
         ops::ep_gather_slots(s.dtopk_weight, s.dw_sent, b.send_pos, b.counts(), a.topk_idx, b.expert_dest);
