@@ -295,7 +295,7 @@ TEST(CudaGroupedGemm, BackwardWeightParity) {
 }
 
 // Three runs of every product give the same bits (the cuBLAS path spreads groups over streams).
-// The wgmma forward (sm_90 only; C % 64 == 0, OC % 128 == 0) on cases of the same kinds: an empty
+// The wgmma forward (sm_90 only; C % 64 == 0, OC % 256 == 0) on cases of the same kinds: an empty
 // expert, a single row, more than one row tile, rows outside the groups, one busy expert, a long K
 // loop, 130 ragged experts, each run twice (bitwise equal); the clamping of bad offsets is checked
 // with the other paths (BadOffsetsStayInBounds).
@@ -303,14 +303,14 @@ const Path kSm90{"sm90", false, false, true};
 
 std::vector<GroupCase> sm90_cases() {
     std::vector<GroupCase> cases = {
-        {4, 64, 128, {0, 1, 130, 37}},
+        {4, 64, 256, {0, 1, 130, 37}},
         {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7},
-        {8, 128, 384, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},
-        {1, 2048, 128, {300}},
+        {8, 128, 512, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},
+        {1, 2048, 256, {300}},
         {3, 768, 2048, {129, 2, 255}},
     };
     std::mt19937 rng(43);
-    GroupCase many{130, 64, 128, {}, 1, 1};
+    GroupCase many{130, 64, 256, {}, 1, 1};
     for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
     cases.push_back(many);
     return cases;
@@ -331,8 +331,8 @@ TEST(CudaGroupedGemm, Sm90ForwardParity) {
         check_forward(kSm90, g, rng, 2);
     }
     // Shapes it does not serve are refused, not computed wrongly.
-    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 128));
-    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 192));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 256));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 128));
     DeviceBuffer buf(4096);
     EXPECT_THROW(forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, 1, 96, 128),
                  mf::Error);
@@ -380,7 +380,7 @@ TEST(CudaGroupedGemm, BadOffsetsStayInBounds) {
     if (sm90_available()) paths.push_back(kSm90);
     for (const Path& p : paths) {
         std::mt19937 rng(15);
-        const int64_t E = 4, C = 64, OC = 128, M = 100;
+        const int64_t E = 4, C = 64, OC = 256, M = 100;
         const std::vector<int32_t> bad = {-5, 40, 20, 90, 1000};  // negative, decreasing, past M
         const std::vector<int32_t> clamped = {0, 40, 40, 90, 100};
         const auto inp = random_bf16(rng, M * C);

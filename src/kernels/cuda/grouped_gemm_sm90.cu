@@ -1,22 +1,26 @@
-// The grouped forward product on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a):
-//   out[r, :] = inp[r, :] · weight[e]ᵀ for the rows r of every group e
-// with the offsets on the device, one launch for all groups (no host issue per expert, no host
-// copy of the offsets), the same clamping of bad offsets and the same result contract as
-// grouped_gemm.cuh's forward (each output element owned by one block, fp32 sums in a fixed k
-// order, no atomics).
+// The grouped forward product on Hopper (sm_90a): out[r, :] = inp[r, :] · weight[e]ᵀ for the rows r
+// of every group e, with the offsets on the device, one launch for all groups (no host issue per
+// expert, no host copy of the offsets), the same clamping of bad offsets and the same result
+// contract as grouped_gemm.cuh's forward (each output element owned by one block, fp32 sums in a
+// fixed k order, no atomics).
 //
-// Tiles and grid: a block owns one 128 x 128 output tile (a row tile of one group x a column tile);
-// tiles are numbered across groups exactly like the sm80 kernel's (a prefix of row tiles per group
+// Tiles and grid: a block owns one 128 x 256 output tile (a row tile of one group x a column
+// tile); tiles are numbered across groups like the sm80 kernel's (a prefix of row tiles per group
 // in shared memory, a binary search for the group), and the grid is sized for the worst case so
-// the host never reads the offsets. Two warpgroups each multiply 64 rows of the tile with
-// wgmma.m64n128k16 (bf16 in, fp32 accumulators in registers).
-// Main loop: K in slices of 64 through a 3-stage cp.async ring; each stage holds the A slice
-// (128 rows x 64 k) and the B slice (128 columns x 64 k), both K-major with rows of 128 bytes in
-// the 128-byte swizzle wgmma reads (16-byte chunk c of row r stored at chunk c ^ (r % 8), stages
-// 1024-byte aligned); rows past the group's end are zero-filled. Per slice: wait for its copies,
-// fence them to the async proxy, barrier, issue the 4 k16 wgmmas, let the previous slice's wgmmas
-// finish, barrier, and refill the stage they read.
+// the host never reads the offsets.
+// Warp specialisation: warpgroup 0 is the producer (one thread issues the tensor-memory-accelerator
+// loads, the rest give their registers away with setmaxnreg), warpgroups 1 and 2 each multiply 64
+// rows of the tile with wgmma.m64n256k16 (bf16 in, fp32 accumulators in registers). A 4-stage ring
+// in shared memory holds K slices of 64: the A slice (128 rows) and the B slice (256 weight rows),
+// both loaded by TMA with the 128-byte swizzle that wgmma's K-major descriptors read. Each stage has
+// a "full" mbarrier (the producer arms it with the slice's bytes, the TMA completes it) and an
+// "empty" one (each consumer warpgroup arrives once its wgmmas on the slice are done). Rows past a
+// group's end are loaded like any other (rows past M come back as zeros) and never stored.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cstdint>
+#include <mutex>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
@@ -28,18 +32,20 @@ namespace mf::cuda {
 
 namespace {
 
-constexpr int kTile = 128;  // rows (M) and columns (N) of a block's output tile
+constexpr int kTileM = 128;
+constexpr int kTileN = 256;
 constexpr int kSliceK = 64;  // bf16 per 128-byte smem row
-constexpr int kStages = 3;
-constexpr int kThreads = 256;  // two warpgroups
-constexpr int kOperandBytes = kTile * kSliceK * 2;  // 16 KB
-constexpr int kStageBytes = 2 * kOperandBytes;
-constexpr int kRingBytes = kStages * kStageBytes;  // 96 KB
+constexpr int kStages = 4;
+constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kABytes = kTileM * kSliceK * 2;  // 16 KB
+constexpr int kBBytes = kTileN * kSliceK * 2;  // 32 KB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kRingBytes = kStages * kStageBytes;  // 192 KB
 constexpr int kAlign = 1024;                       // the swizzle atom: 8 rows of 128 bytes
-constexpr int kChunksPerThread = kTile * kSliceK / 8 / kThreads;  // 16-byte chunks per operand slice
+constexpr int kBarrierBytes = 2 * kStages * 8;
 
 size_t smem_bytes(int64_t num_experts) {
-    return kAlign + kRingBytes + 2 * static_cast<size_t>(num_experts + 1) * sizeof(int);
+    return kAlign + kRingBytes + kBarrierBytes + 2 * static_cast<size_t>(num_experts + 1) * sizeof(int);
 }
 
 // wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, rows of 128 bytes, 8-row atoms
@@ -60,18 +66,54 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d (64 x 128 fp32, this warpgroup's fragment) += A (64 x 16 at desc_a) · B (16 x 128 at desc_b).
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+// Arrives once and expects `bytes` of asynchronous copies to complete on the barrier.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits until the barrier's phase of the given parity has completed (the phase before the first
+// counts as complete, so parity 1 passes at once on a fresh barrier).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
     asm volatile(
         "{\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// A 2-D tile of `map` at (c0 innermost, c1) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+// d (64 x 256 fp32, this warpgroup's fragment) += A (64 x 16 at desc_a) · B (16 x 256 at desc_b).
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, 1, 1, 1, 0, 0;\n"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, 1, 1, 1, 0, 0;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -80,22 +122,16 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a
           "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(desc_a), "l"(desc_b));
-}
-
-// One operand slice (128 K-major rows x 64 k) into a swizzled stage buffer; rows >= rows_valid are
-// zero-filled (nothing read).
-__device__ __forceinline__ void load_slice(unsigned char* stage, const bf16* rows, int64_t ld, int rows_valid, int k0,
-                                           int tid) {
-#pragma unroll
-    for (int j = 0; j < kChunksPerThread; ++j) {
-        const int chunk = tid + j * kThreads;
-        const int r = chunk / 8, c = chunk % 8;
-        const bool valid = r < rows_valid;
-        unsigned char* dst = stage + r * 128 + ((c ^ (r % 8)) * 16);
-        cp_async_16(dst, valid ? rows + r * ld + k0 + c * 8 : rows, valid);
-    }
 }
 
 // Clamped offsets and the exclusive prefix of row tiles per group (the sm80 kernel's table).
@@ -123,7 +159,7 @@ __device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets
         carry = 0;
         for (int base = 0; base <= num_experts; base += 32) {  // tiles of groups 0 .. e - 1
             const int e = base + lane;
-            int v = (e >= 1 && e <= num_experts) ? (begin[e] - begin[e - 1] + kTile - 1) / kTile : 0;
+            int v = (e >= 1 && e <= num_experts) ? (begin[e] - begin[e - 1] + kTileM - 1) / kTileM : 0;
 #pragma unroll
             for (int d = 1; d < 32; d *= 2) {
                 const int other = __shfl_up_sync(kFull, v, d);
@@ -137,17 +173,29 @@ __device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets
     __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
-    grouped_forward_wgmma_kernel(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int num_rows,
-                                 int num_experts, int N, int K) {
+// map_a: inp as [M][K] (K innermost), boxes of 128 rows x 64; map_b: weight as [E·N][K], boxes of
+// 256 rows x 64; both with the 128-byte swizzle.
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_forward_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                 bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>(
         (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
-    int* begin = reinterpret_cast<int*>(ring + kRingBytes);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ring + kRingBytes);
+    uint64_t* empty = full + kStages;
+    int* begin = reinterpret_cast<int*>(empty + kStages);
     int* tile_prefix = begin + num_experts + 1;
-    build_table(begin, tile_prefix, offsets, num_experts, num_rows);
+    const int tid = static_cast<int>(threadIdx.x);
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&full[s], 1);   // the producer's arrive (plus the TMA bytes)
+            mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    build_table(begin, tile_prefix, offsets, num_experts, num_rows);  // ends with __syncthreads()
 
-    const int col_tiles = N / kTile;
+    const int col_tiles = N / kTileN;
     const int row_tile = static_cast<int>(blockIdx.x) / col_tiles;
     const int col_tile = static_cast<int>(blockIdx.x) % col_tiles;
     if (row_tile >= tile_prefix[num_experts]) return;  // uniform across the block
@@ -160,48 +208,44 @@ __global__ void __launch_bounds__(kThreads, 2)
             hi = mid;
     }
     const int expert = lo;
-    const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTile;
-    const int rows_valid = min(kTile, begin[expert + 1] - row0);
-    const int n0 = col_tile * kTile;
-    const bf16* a_rows = inp + static_cast<int64_t>(row0) * K;
-    const bf16* b_rows = weight + (static_cast<int64_t>(expert) * N + n0) * K;
-
-    const int tid = static_cast<int>(threadIdx.x);
-    const int warpgroup = tid / 128;
+    const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
+    const int rows_valid = min(kTileM, begin[expert + 1] - row0);
+    const int n0 = col_tile * kTileN;
     const int slices = K / kSliceK;
-    auto stage_a = [&](int s) { return ring + s * kStageBytes; };
-    auto stage_b = [&](int s) { return ring + s * kStageBytes + kOperandBytes; };
-    auto load = [&](int slice) {
-        const int s = slice % kStages;
-        load_slice(stage_a(s), a_rows, K, rows_valid, slice * kSliceK, tid);
-        load_slice(stage_b(s), b_rows, K, kTile, slice * kSliceK, tid);
-    };
+    const int warpgroup = tid / 128;
 
-    float acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (s < slices) load(s);
-        cp_async_commit();
+    if (warpgroup == 0) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 0) {
+            for (int i = 0; i < slices; ++i) {
+                const int s = i % kStages;
+                mbar_wait(&empty[s], ((i / kStages) & 1) ^ 1);
+                unsigned char* stage = ring + s * kStageBytes;
+                mbar_arrive_expect_tx(&full[s], kStageBytes);
+                tma_load_2d(stage, &map_a, &full[s], i * kSliceK, row0);
+                tma_load_2d(stage + kABytes, &map_b, &full[s], i * kSliceK, expert * N + n0);
+            }
+        }
+        return;
     }
-    for (int slice = 0; slice < slices; ++slice) {
-        cp_async_wait<kStages - 2>();
-        fence_async_proxy();
-        __syncthreads();
-        const int s = slice % kStages;
-        const uint32_t a_addr = smem_u32(stage_a(s)) + warpgroup * 64 * 128;
-        const uint32_t b_addr = smem_u32(stage_b(s));
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int consumer = warpgroup - 1;  // rows 64·consumer .. + 63 of the tile
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < slices; ++i) {
+        const int s = i % kStages;
+        mbar_wait(&full[s], (i / kStages) & 1);
+        const uint32_t a_addr = smem_u32(ring + s * kStageBytes) + consumer * 64 * 128;
+        const uint32_t b_addr = smem_u32(ring + s * kStageBytes + kABytes);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kSliceK / 16; ++kk)
-            wgmma_m64n128k16(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 32));
+            wgmma_m64n256k16(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 32));
         wgmma_commit();
-        wgmma_wait<1>();  // the previous slice's products are done: its stage may be refilled
-        __syncthreads();
-        if (slice + kStages - 1 < slices) load(slice + kStages - 1);
-        cp_async_commit();
+        wgmma_wait<1>();  // the previous slice's products are done: release its stage
+        if (i > 0 && tid % 128 == 0) mbar_arrive(&empty[(i - 1) % kStages]);
     }
     wgmma_wait<0>();
 
@@ -210,10 +254,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     // and (row g + 8, same cols) in acc[4j+2], acc[4j+3].
     const int lane = tid % 32, warp = (tid % 128) / 32;
     const int g = lane / 4, t = lane % 4;
-    const int r_lo = warpgroup * 64 + warp * 16 + g, r_hi = r_lo + 8;
+    const int r_lo = consumer * 64 + warp * 16 + g, r_hi = r_lo + 8;
     bf16* out_tile = out + static_cast<int64_t>(row0) * N + n0;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kTileN / 8; ++j) {
         const int col = 8 * j + 2 * t;
         if (r_lo < rows_valid)
             *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_lo) * N + col) =
@@ -222,6 +266,37 @@ __global__ void __launch_bounds__(kThreads, 2)
             *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_hi) * N + col) =
                 __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
     }
+}
+
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no link to libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void* ptr = nullptr;
+        cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+        MF_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                                       &status));
+        MF_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
+                 "grouped_matmul_forward_sm90: the driver has no cuTensorMapEncodeTiled");
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }();
+    return fn;
+}
+
+// A bf16 [rows][cols] row-major matrix (cols innermost) read in boxes of box_rows x 64 with the
+// 128-byte swizzle; rows past the end read as zeros.
+CUtensorMap tile_map(const bf16* base, int64_t rows, int64_t cols, int box_rows) {
+    CUtensorMap map;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(bf16)};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSliceK), static_cast<cuuint32_t>(box_rows)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(base), dims,
+                                      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    MF_CHECK(r == CUDA_SUCCESS, "grouped_matmul_forward_sm90: cuTensorMapEncodeTiled failed (", static_cast<int>(r),
+             ") for a [", rows, ", ", cols, "] bf16 matrix");
+    return map;
 }
 
 }  // namespace
@@ -234,23 +309,25 @@ bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
         if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
         return major == 9 && minor == 0;
     }();
-    return hopper && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTile == 0;
+    return hopper && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
 }
 
 void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
                                  int64_t E, int64_t C, int64_t OC, cudaStream_t stream) {
     check_grouped_args("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, C, OC);
     MF_CHECK(grouped_matmul_forward_sm90_supported(C, OC), "grouped_matmul_forward_sm90: needs an sm_90 GPU, C % ",
-             kSliceK, " == 0 and OC % ", kTile, " == 0 (C=", C, ", OC=", OC, ")");
+             kSliceK, " == 0 and OC % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
     if (M == 0 || E == 0) return;
-    const int64_t row_tiles = (M + kTile - 1) / kTile + E;  // Σ_e ceil(rows_e / 128) never exceeds this
-    const int64_t blocks = row_tiles * (OC / kTile);
+    const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
+    const int64_t blocks = row_tiles * (OC / kTileN);
     MF_CHECK(blocks < (int64_t{1} << 31), "grouped_matmul_forward_sm90: grid of ", blocks, " blocks is too large");
+    const CUtensorMap map_a = tile_map(inp, M, C, kTileM);
+    const CUtensorMap map_b = tile_map(weight, E * OC, C, kTileN);
     const size_t smem = smem_bytes(E);
     MF_CHECK_CUDA(cudaFuncSetAttribute(grouped_forward_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
     grouped_forward_wgmma_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-        out, inp, weight, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC), static_cast<int>(C));
+        map_a, map_b, out, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC), static_cast<int>(C));
     MF_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -1,13 +1,15 @@
 // The grouped forward product (grouped_gemm.cuh's grouped_matmul_forward: same formula, offsets
 // contract, clamping of bad offsets and argument checks) on Hopper's warpgroup tensor-core
 // instructions (wgmma, sm_90a), for the shapes it serves: an sm_90 device, C a multiple of 64 and
-// OC a multiple of 128 (grouped_matmul_forward_sm90_supported; the call refuses others). One
+// OC a multiple of 256 (grouped_matmul_forward_sm90_supported; the call refuses others). One
 // launch for all groups, offsets read on the device only; deterministic (no atomics, fixed order).
-// Opt-in (MOEFORGE_GROUPED_GEMM=sm90 sends the forward products here): this first version, with
-// cp.async loads and block barriers, measured 479 TFLOP/s at the Qwen3-30B-A3B gate_up shape under
-// EP=2 (131072 rows, 64 experts) against 684 for the cuBLAS path on the same H200, and P2 EP=2 ran
-// 129.5 vs 125.8 ms/step with it (MF_BENCH=1 test_cuda_grouped_gemm). What it lacks for that: tile
-// loads by the tensor-memory accelerator on mbarriers, a producer warp, 128 x 256 tiles.
+// Opt-in (MOEFORGE_GROUPED_GEMM=sm90 sends the forward products here) until it beats the cuBLAS
+// path (MF_BENCH=1 test_cuda_grouped_gemm, H200, 131072 rows over 64 experts = the EP=2 shape):
+// gate_up (C 2048, OC 1536) 621 TFLOP/s vs 647 for cuBLAS reading the offsets and 695 given host
+// offsets; down (C 768, OC 2048) 431 vs 486 / 607; P2 EP=2 126.2 vs 124.7 ms/step. (A first
+// version with cp.async and block barriers ran 479 / 376.) Next: a persistent grid whose epilogue
+// overlaps the next tile's loads (the down product's K loop is only 12 slices long), then the
+// input- and weight-gradient products.
 #pragma once
 
 #include <cuda_runtime.h>
