@@ -27,7 +27,7 @@ namespace mf::cli {
 int cmd_bench(const Args& args) {
     const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute",
                         "ep-size", "ep-chunks", "timeout"},
-                       {"profile", "no-zero1"}, "bench");
+                       {"profile", "phases", "no-zero1"}, "bench");
     const std::filesystem::path cfg_file = a.require("config", "bench");
     auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
                                                 cfg_file.string());
@@ -88,13 +88,21 @@ int cmd_bench(const Args& args) {
             ops::set_profiling(true);
         }
         ops::synchronize(device);
+        const bool phases = i >= warmup && a.has("phases");
+        if (phases) ops::phase_start(device);
         const auto t0 = std::chrono::steady_clock::now();
         dist->begin_grad_sync(m);
         const model::StepStats s = m.step(batch, &scales);
         dist->finish_grad_sync(m);
-        adamw.step(optim.lr, train::clip_coefficient(train::grad_norm(m, dist.get()), 1.0));
+        ops::phase_mark("grad sync");
+        const double clip = train::clip_coefficient(train::grad_norm(m, dist.get()), 1.0);
+        ops::phase_mark("grad norm");
+        adamw.step(optim.lr, clip);
+        ops::phase_mark("adamw");
         m.zero_grads();
+        ops::phase_mark("zero grads");
         ops::synchronize(device);
+        if (phases) ops::phase_stop();
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double sums[2] = {s.ce_sum, s.aux};
         const std::vector<double> total = dist->sum_f64(sums);
@@ -138,6 +146,17 @@ int cmd_bench(const Args& args) {
         for (const auto& op : ops::profile_report())
             prof.set(op.name, json::Value(op.seconds * 1e3 / static_cast<double>(std::max<int64_t>(steps, 1))));
         v.set("ms_per_step_by_op", std::move(prof));
+    }
+    if (a.has("phases") && dist->is_main()) {
+        // Rank 0's timeline: when the device reached each mark, the phase's own share, and when the
+        // host had enqueued it (host ahead of the device = positive slack).
+        std::fprintf(stderr, "%-24s %10s %10s %10s %10s\n", "phase (rank 0)", "device_ms", "phase_ms", "host_ms", "slack_ms");
+        double prev = 0;
+        for (const auto& p : ops::phase_report()) {
+            std::fprintf(stderr, "%-24s %10.3f %10.3f %10.3f %10.3f\n", p.name.c_str(), p.gpu_ms, p.gpu_ms - prev, p.host_ms,
+                         p.gpu_ms - p.host_ms);
+            prev = p.gpu_ms;
+        }
     }
     if (dist->is_main()) std::printf("%s\n", v.dump().c_str());
     return 0;

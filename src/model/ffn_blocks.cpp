@@ -434,6 +434,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
     if (d.ep != nullptr) {
         check_ep(d, w);
         ep_plan(d, a);
+        ops::phase_mark("fwd moe plan");
         carve_forward(d, a, x.dtype(), x.device());
         pack_forward(a, x);
         const EpRouting& r = a.routing;
@@ -459,6 +460,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
             },
             [](const EpChunk&) {});
         const EpPlanBuffers& b = a.plan_buffers;
+        ops::phase_mark("fwd moe experts");
         ops::ep_sum_blocks(y, a.send_back, b.send_pos, b.counts(), false);
         return;
     }
@@ -504,6 +506,7 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         s.recv_back = rows[8];
         s.send_back = rows[9];
         ops::ep_pack_rows(s.send_rows, dy, b.send_pos, b.counts());
+        ops::phase_mark("bwd moe start");
         // Output gradients travel the dispatch way (the owner weights them and takes the weight
         // gradients), input gradients and weight gradients come back the combine way.
         ep_pipeline(
@@ -540,6 +543,7 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                                              s.dh_local, a.x_local,
                                              expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
             });
+        ops::phase_mark("bwd moe experts");
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);
         ops::ep_gather_slots(s.dtopk_weight, s.dw_sent, b.send_pos, b.counts(), a.topk_idx, b.expert_dest);
     } else {

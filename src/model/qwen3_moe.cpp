@@ -8,6 +8,13 @@
 
 namespace mf::model {
 
+namespace {
+// A phase clock mark named after a block and its layer (ops::phase_mark; nothing when the clock is off).
+void mark_layer(const char* what, int64_t l) {
+    if (ops::phase_clock_on()) ops::phase_mark(std::string(what) + " " + std::to_string(l));
+}
+}  // namespace
+
 struct Qwen3Moe::Layer {
     bool is_moe = false;
     Tensor ln1, ln2, g_ln1, g_ln2;
@@ -370,6 +377,7 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     attention_block_forward(la.attn_out, la.attn, la.ln1, L.attn, attention_dims(c), B, T, ws.positions,
                             ws.attention_docs());
     ops::add(la.x_mid, x, la.attn_out);
+    mark_layer("fwd attention", l);
     ops::rmsnorm_forward(la.ln2, la.ln2_rstd, la.x_mid, L.ln2, eps);
     if (L.is_moe) {
         MoeDims md = moe_dims(c);
@@ -379,6 +387,7 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     }
     else mlp_block_forward(la.ffn_out, la.mlp, la.ln2, L.mlp);
     ops::add(ws.resid[static_cast<size_t>(l + 1)], la.x_mid, la.ffn_out);
+    mark_layer("fwd ffn", l);
 }
 
 void Qwen3Moe::validate(const data::Batch& b) const {
@@ -457,6 +466,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     if (scales != nullptr) ops::zero(ws.d_ln);
     ops::lm_head_cross_entropy(ws.losses, scales ? ws.d_ln : Tensor(), scales ? grad(head_name) : Tensor(), ws.lnf,
                                head, ws.targets, scales ? static_cast<float>(scales->ce) : 0.0f);
+    ops::phase_mark("fwd head");
     StepStats stats;
     stats.ce_sum = ops::sum(ws.losses);
     stats.num_targets = batch.num_targets();
@@ -497,6 +507,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         else
             mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);
         ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd);
+        mark_layer("bwd ffn", l);
         // x_mid = x + attention(rmsnorm(x))
         ops::copy(ws.d_resid, ws.d_mid);
         ops::zero(ws.d_ln);
@@ -504,9 +515,11 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
                                  ws.positions, ws.attention_docs());
         ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd);
         if (grad_hook_) grad_hook_(l);
+        mark_layer("bwd attention", l);
     }
     ops::embedding_backward(grad("model.embed_tokens.weight"), ws.d_resid, ws.ids);
     if (grad_hook_) grad_hook_(c.tie_word_embeddings ? kGradsEmbeddingAndHead : kGradsEmbedding);
+    ops::phase_mark("bwd embedding");
     (void)H;
     return stats;
 }

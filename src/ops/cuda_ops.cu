@@ -115,6 +115,36 @@ void cast(const Tensor& dst, const Tensor& src) {
 
 void synchronize() { wait_for_stream(ctx().stream); }
 
+namespace {
+std::vector<cudaEvent_t>& mark_events() {
+    static std::vector<cudaEvent_t> events;  // grown on demand, kept for the process
+    return events;
+}
+}  // namespace
+
+void record_mark(int index) {
+    auto& events = mark_events();
+    while (static_cast<int>(events.size()) <= index) {
+        cudaEvent_t e = nullptr;
+        MF_CHECK_CUDA(cudaEventCreate(&e));
+        events.push_back(e);
+    }
+    MF_CHECK_CUDA(cudaEventRecord(events[static_cast<size_t>(index)], ctx().stream));
+}
+
+std::vector<double> mark_times_ms(int count) {
+    synchronize();
+    const auto& events = mark_events();
+    MF_CHECK(count <= static_cast<int>(events.size()), "mark_times_ms: ", count, " marks, ", events.size(), " recorded");
+    std::vector<double> out(static_cast<size_t>(std::max(count, 0)), 0.0);
+    for (int i = 1; i < count; ++i) {
+        float ms = 0;
+        MF_CHECK_CUDA(cudaEventElapsedTime(&ms, events[0], events[static_cast<size_t>(i)]));
+        out[static_cast<size_t>(i)] = ms;
+    }
+    return out;
+}
+
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     if (out.dtype() == DType::f32)

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <span>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -17,6 +18,10 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();
+// Phase clock events (ops::phase_mark): record event `index` on the op stream; read events 1..count-1
+// as ms after event 0 (synchronises).
+void record_mark(int index);
+std::vector<double> mark_times_ms(int count);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight);

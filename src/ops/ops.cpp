@@ -3,6 +3,7 @@
 #include "ops/ops.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -85,6 +86,74 @@ std::vector<OpTime> profile_report() {
     std::vector<OpTime> out;
     for (const auto& [name, v] : profile().totals) out.push_back({name, v.first, v.second});
     std::sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.seconds > b.seconds; });
+    return out;
+}
+
+namespace {
+struct PhaseClock {
+    bool on = false;
+    Device device = Device::cpu;
+    std::chrono::steady_clock::time_point t0;
+    std::vector<std::pair<std::string, double>> span;  // (name, host ms) of this span's marks; [0] = start
+    std::vector<std::string> order;
+    std::map<std::string, std::array<double, 3>> totals;  // gpu ms, host ms, count
+};
+PhaseClock& phase_clock() {
+    static PhaseClock c;
+    return c;
+}
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+void phase_start(Device device) {
+    auto& c = phase_clock();
+    synchronize(device);
+    c.on = true;
+    c.device = device;
+    c.span.clear();
+    c.t0 = std::chrono::steady_clock::now();
+    phase_mark("start");
+}
+
+bool phase_clock_on() { return phase_clock().on; }
+
+void phase_mark(std::string_view name) {
+    auto& c = phase_clock();
+    if (!c.on) return;
+    if (c.device == Device::cuda) cuda_impl::record_mark(static_cast<int>(c.span.size()));
+    c.span.emplace_back(std::string(name), ms_since(c.t0));
+}
+
+void phase_stop() {
+    auto& c = phase_clock();
+    if (!c.on) return;
+    c.on = false;
+    const int n = static_cast<int>(c.span.size());
+    std::vector<double> gpu(static_cast<size_t>(n));
+    if (c.device == Device::cuda) gpu = cuda_impl::mark_times_ms(n);
+    else
+        for (int i = 0; i < n; ++i) gpu[static_cast<size_t>(i)] = c.span[static_cast<size_t>(i)].second;
+    std::map<std::string, int> seen;  // a name marked again in the span becomes "name #2", ...
+    for (int i = 1; i < n; ++i) {
+        std::string name = c.span[static_cast<size_t>(i)].first;
+        if (const int k = ++seen[name]; k > 1) name += " #" + std::to_string(k);
+        auto [it, fresh] = c.totals.try_emplace(name, std::array<double, 3>{0, 0, 0});
+        if (fresh) c.order.push_back(name);
+        it->second[0] += gpu[static_cast<size_t>(i)];
+        it->second[1] += c.span[static_cast<size_t>(i)].second;
+        it->second[2] += 1;
+    }
+}
+
+std::vector<PhaseTime> phase_report() {
+    const auto& c = phase_clock();
+    std::vector<PhaseTime> out;
+    for (const auto& name : c.order) {
+        const auto& t = c.totals.at(name);
+        out.push_back({name, t[0] / t[2], t[1] / t[2], static_cast<int64_t>(t[2])});
+    }
     return out;
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
@@ -187,5 +188,22 @@ struct OpTime {
 };
 std::vector<OpTime> profile_report();  // sorted by time, descending
 void reset_profile();
+
+// Phase clock: where a step's time goes without serialising it. Between phase_start and phase_stop,
+// phase_mark(name) records a point on the device stream (a CUDA event; on the CPU the host clock)
+// and the host time at which it was enqueued. Per mark, phase_report gives the mean over spans of
+// when the device reached it (gpu_ms) and when the host enqueued it (host_ms), both from the span's
+// start: where gpu_ms runs close behind host_ms the device waited for the host's issue; the gap
+// between consecutive gpu_ms is that phase's share of the step. Marks are cheap no-ops when off.
+void phase_start(Device device);  // synchronises, then starts a span (the clock is on until phase_stop)
+bool phase_clock_on();
+void phase_mark(std::string_view name);
+void phase_stop();                // synchronises and adds the span's marks to the report
+struct PhaseTime {
+    std::string name;
+    double gpu_ms, host_ms;  // means over the spans that recorded the mark
+    int64_t count;
+};
+std::vector<PhaseTime> phase_report();  // in the order the marks were first seen
 
 }  // namespace mf::ops

@@ -1,4 +1,0 @@
-#include "cli/commands.h"
-#include "core/check.h"
-namespace mf::cli {
-}
