@@ -58,6 +58,7 @@ int cmd_bench(const Args& args) {
     const size_t mem0 = device_memory_used();
     model::Qwen3Moe m(cfg, {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32, dist->expert_shard()});
     if (dist->ep_size() > 1) m.set_expert_parallel(dist->ep_group(), run.dist.ep_chunks);
+    dist->gather_embedding_grads(m);
     uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
     for (const auto& s : m.params().specs()) {
         // Replicated tensors: the same draws on every rank; expert shards: each rank its own.

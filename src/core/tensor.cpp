@@ -18,6 +18,7 @@ size_t dtype_size(DType dtype) {
         case DType::bf16: return 2;
         case DType::i32: return 4;
         case DType::i64: return 8;
+        case DType::f64: return 8;
     }
     return 0;
 }
@@ -28,6 +29,7 @@ const char* dtype_name(DType dtype) {
         case DType::bf16: return "bf16";
         case DType::i32: return "i32";
         case DType::i64: return "i64";
+        case DType::f64: return "f64";
     }
     return "?";
 }

@@ -14,7 +14,7 @@
 
 namespace mf {
 
-enum class DType : uint8_t { f32, bf16, i32, i64 };
+enum class DType : uint8_t { f32, bf16, i32, i64, f64 };
 enum class Device : uint8_t { cpu, cuda };
 
 size_t dtype_size(DType dtype);
@@ -66,6 +66,8 @@ template <>
 constexpr DType dtype_of<int32_t>() { return DType::i32; }
 template <>
 constexpr DType dtype_of<int64_t>() { return DType::i64; }
+template <>
+constexpr DType dtype_of<double>() { return DType::f64; }
 
 template <typename T>
 T* Tensor::ptr() const {

@@ -133,7 +133,20 @@ Tensor Qwen3Moe::param(std::string_view name) const {
     return params_.as(param_dtype_, s.shape, static_cast<size_t>(s.offset) * dtype_size(param_dtype_));
 }
 
+void Qwen3Moe::zero_grads() {
+    settle_grads();
+    const Tensor g = grads_.as(placement_.grad_dtype, {table_.total()});
+    zeroing_ = ops::background(placement_.device, [&g] { ops::zero(g); });
+}
+
+void Qwen3Moe::settle_grads() const {
+    if (zeroing_ == 0) return;
+    ops::wait_background(placement_.device, zeroing_);
+    zeroing_ = 0;
+}
+
 Tensor Qwen3Moe::grad(std::string_view name) const {
+    settle_grads();
     const ParamSpec& s = table_.get(name);
     return grads_.as(placement_.grad_dtype, s.shape, static_cast<size_t>(s.offset) * dtype_size(placement_.grad_dtype));
 }
@@ -349,6 +362,14 @@ Recompute parse_recompute(std::string_view name) {
     fail("unknown recompute mode \"", name, "\" (none, moe, full)");
 }
 
+void Qwen3Moe::set_embedding_row_gather(RowGather gather, int ranks) {
+    MF_CHECK(!gather || !config_.tie_word_embeddings,
+             "set_embedding_row_gather: tied embeddings take the head's dense gradient; reduce them instead");
+    MF_CHECK(ranks >= 1, "set_embedding_row_gather: ranks=", ranks);
+    row_gather_ = std::move(gather);
+    row_gather_ranks_ = row_gather_ ? ranks : 1;
+}
+
 void Qwen3Moe::set_expert_parallel(parallel::Communicator* ep_group, int64_t chunks) {
     MF_CHECK(chunks >= 1, "expert parallelism: ", chunks, " pipeline chunks (need at least 1)");
     const ExpertShard& sh = placement_.shard;
@@ -463,6 +484,8 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     }
 
     // Loss head: CE over counted targets (and, with scales, dL/d lnf and the head's weight grad).
+    // The gradients are first touched here (a background zero_grads ran beside the forward).
+    settle_grads();
     if (scales != nullptr) ops::zero(ws.d_ln);
     ops::lm_head_cross_entropy(ws.losses, scales ? ws.d_ln : Tensor(), scales ? grad(head_name) : Tensor(), ws.lnf,
                                head, ws.targets, scales ? static_cast<float>(scales->ce) : 0.0f);
@@ -517,7 +540,19 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         if (grad_hook_) grad_hook_(l);
         mark_layer("bwd attention", l);
     }
-    ops::embedding_backward(grad("model.embed_tokens.weight"), ws.d_resid, ws.ids);
+    if (row_gather_) {
+        const int64_t all = row_gather_ranks_ * N;
+        const size_t id_bytes = (static_cast<size_t>(all) * sizeof(int32_t) + 255) / 256 * 256;
+        const size_t bytes = id_bytes + static_cast<size_t>(all * H) * dtype_size(ws.d_resid.dtype());
+        if (gathered_rows_.nbytes() < bytes) gathered_rows_ = Buffer(bytes, placement_.device);
+        const Tensor ids = gathered_rows_.as(DType::i32, {all});
+        const Tensor rows = gathered_rows_.as(ws.d_resid.dtype(), {all, H}, id_bytes);
+        row_gather_(ids, ws.ids);
+        row_gather_(rows, ws.d_resid);
+        ops::embedding_backward(grad("model.embed_tokens.weight"), rows, ids);
+    } else {
+        ops::embedding_backward(grad("model.embed_tokens.weight"), ws.d_resid, ws.ids);
+    }
     if (grad_hook_) grad_hook_(c.tie_word_embeddings ? kGradsEmbeddingAndHead : kGradsEmbedding);
     ops::phase_mark("bwd embedding");
     (void)H;

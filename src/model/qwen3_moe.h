@@ -25,6 +25,7 @@
 #include "model/ffn_blocks.h"
 #include "model/param_table.h"
 #include "model/qwen3_moe_config.h"
+#include "ops/ops.h"
 #include "parallel/communicator.h"
 
 namespace mf::model {
@@ -81,13 +82,19 @@ class Qwen3Moe {
     const ExpertShard& expert_shard() const { return placement_.shard; }
     // The flat buffers as tensors [P] (device and dtype as placed).
     Tensor params_tensor() const { return params_.as(param_dtype_, {table_.total()}); }
-    Tensor grads_tensor() const { return grads_.as(placement_.grad_dtype, {table_.total()}); }
+    Tensor grads_tensor() const {
+        settle_grads();
+        return grads_.as(placement_.grad_dtype, {table_.total()});
+    }
     // CPU models only: the flat f32 buffers.
     float* param_data();
     float* grad_data();
     Tensor param(std::string_view name) const;
     Tensor grad(std::string_view name) const;
-    void zero_grads() { grads_.zero(); }
+    // Zeroes the gradients. On the GPU the memset goes to the background stream (ops::background), so
+    // that it runs beside the next step's forward; step(), grad() and grads_tensor() put their work
+    // behind it.
+    void zero_grads();
     // Parameters to and from host f32 (converted as the placement needs).
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
@@ -110,6 +117,17 @@ class Qwen3Moe {
     // reduction behind an event) is what it is for. An empty function turns it off.
     static constexpr int64_t kGradsHead = -1, kGradsEmbedding = -2, kGradsEmbeddingAndHead = -3;
     void set_grad_hook(std::function<void(int64_t)> hook) { grad_hook_ = std::move(hook); }
+
+    // The embedding gradient under data parallelism, sparse: instead of the dense [V, H] gradient being
+    // reduced, every rank gathers every rank's token ids and their output-gradient rows
+    // (gather(all, mine): all = the `ranks` ranks' `mine` one after the other, in rank order, on every
+    // rank; a stream-ordered all-gather) and adds all of them into its embedding gradient. The
+    // gradient then comes out the same on every rank, each id's rows summed in fp32 in (rank, token)
+    // order, as one process holding all the rows would sum them; a step moves N·H values per rank
+    // instead of V·H. Every rank must call step() with the same B·T. Not for tied embeddings (the
+    // head's dense gradient shares the tensor). An empty function turns it off.
+    using RowGather = std::function<void(const Tensor& all, const Tensor& mine)>;
+    void set_embedding_row_gather(RowGather gather, int ranks);
 
     void set_recompute(Recompute r);
     Recompute recompute() const { return recompute_; }
@@ -144,6 +162,7 @@ class Qwen3Moe {
     void plan(int64_t B, int64_t T);           // sizes the arena (once per shape) and allocates the step
     void allocate_step(int64_t B, int64_t T);  // the step's allocation sequence
     void validate(const data::Batch& batch) const;
+    void settle_grads() const;  // the op stream waits for a pending background zero_grads
     void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
 
     Qwen3MoeConfig config_;
@@ -158,6 +177,10 @@ class Qwen3Moe {
     parallel::Communicator* ep_ = nullptr;
     int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
+    mutable ops::BackgroundTicket zeroing_ = 0;
+    RowGather row_gather_;
+    int row_gather_ranks_ = 1;
+    Buffer gathered_rows_;  // [ranks · N] ids (i32), then [ranks · N, H] output-gradient rows
 };
 
 }  // namespace mf::model

@@ -45,21 +45,32 @@ using mf::cuda::bf16;
 // the dw accumulation over [V, C] and longer GEMMs.
 constexpr size_t kLossScratchBytes = size_t{1} << 30;
 
+// Background tickets: events recorded on the background stream, reused round robin (an old ticket's
+// event may have been recorded again since; waiting on it then waits for later background work too,
+// which the one in-order background stream makes a superset of the ticket's).
+constexpr int64_t kBackgroundEvents = 64;
+
 struct Context {
-    cudaStream_t stream = nullptr;
+    cudaStream_t stream = nullptr;      // where ops go: the op stream (legacy default), or `background`
+    cudaStream_t background = nullptr;  // created on first use, non-blocking
+    bool in_background = false;
+    int64_t tickets = 0;
+    cudaEvent_t fork = nullptr;
+    std::vector<cudaEvent_t> ticket_events;
     mf::cuda::GemmContext gemm;
     cublasHandle_t blas = nullptr;
-    Buffer scratch;
+    Buffer scratch, background_scratch;
     Buffer small;  // a few device scalars
     Context() : small(256, Device::cuda) { MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed"); }
 
-    // Scratch of at least `bytes`, 256-byte aligned, split into `parts` regions on request.
+    // Scratch of at least `bytes`, 256-byte aligned (the background stream's own inside background()).
     void* get(size_t bytes) {
-        if (scratch.nbytes() < bytes) {
+        Buffer& b = in_background ? background_scratch : scratch;
+        if (b.nbytes() < bytes) {
             wait_for_stream(stream);  // the old buffer may still be in use
-            scratch = Buffer(std::max(bytes, scratch.nbytes() + scratch.nbytes() / 2), Device::cuda);
+            b = Buffer(std::max(bytes, b.nbytes() + b.nbytes() / 2), Device::cuda);
         }
-        return scratch.data();
+        return b.data();
     }
     double* d_double() { return static_cast<double*>(small.data()); }
     unsigned long long* d_count() { return reinterpret_cast<unsigned long long*>(static_cast<char*>(small.data()) + 64); }
@@ -121,6 +132,41 @@ std::vector<cudaEvent_t>& mark_events() {
     return events;
 }
 }  // namespace
+
+void background_begin() {
+    Context& c = ctx();
+    MF_CHECK(!c.in_background, "ops::background: nested background work");
+    if (c.background == nullptr) {
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&c.background, cudaStreamNonBlocking));
+        MF_CHECK_CUDA(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming));
+        c.ticket_events.resize(static_cast<size_t>(kBackgroundEvents));
+        for (cudaEvent_t& e : c.ticket_events) MF_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    MF_CHECK_CUDA(cudaEventRecord(c.fork, c.stream));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(c.background, c.fork, 0));
+    c.stream = c.background;
+    c.in_background = true;
+}
+
+void background_abandon() {
+    Context& c = ctx();
+    c.stream = nullptr;
+    c.in_background = false;
+}
+
+int64_t background_end() {
+    Context& c = ctx();
+    const int64_t ticket = ++c.tickets;
+    MF_CHECK_CUDA(cudaEventRecord(c.ticket_events[static_cast<size_t>(ticket % kBackgroundEvents)], c.background));
+    background_abandon();
+    return ticket;
+}
+
+void wait_background(int64_t ticket) {
+    Context& c = ctx();
+    MF_CHECK(!c.in_background && ticket <= c.tickets, "ops::wait_background: ticket ", ticket, " was not issued");
+    MF_CHECK_CUDA(cudaStreamWaitEvent(c.stream, c.ticket_events[static_cast<size_t>(ticket % kBackgroundEvents)], 0));
+}
 
 void record_mark(int index) {
     auto& events = mark_events();
@@ -517,6 +563,12 @@ double sum_squares(const Tensor& x) {
     MF_CHECK_CUDA(cudaMemcpyAsync(&v, ctx().d_double(), sizeof v, cudaMemcpyDeviceToHost, ctx().stream));
     wait_for_stream(ctx().stream);
     return v;
+}
+
+void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x) {
+    const size_t bytes = mf::cuda::sum_squares_scratch_bytes();
+    mf::cuda::sum_squares(sums.ptr<double>() + slot, x.data(), x.dtype(), x.numel(), false, ctx().get(bytes),
+                          ctx().stream);
 }
 
 bool all_finite(const Tensor& x) {

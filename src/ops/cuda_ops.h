@@ -18,9 +18,16 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();
+void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
 // Phase clock events (ops::phase_mark): record event `index` on the op stream; read events 1..count-1
 // as ms after event 0 (synchronises).
 void record_mark(int index);
+// ops::background: switch the op stream to the background stream (behind the op stream's work so
+// far) and back, returning the ticket; abandon switches back after an exception.
+void background_begin();
+int64_t background_end();
+void background_abandon();
+void wait_background(int64_t ticket);
 std::vector<double> mark_times_ms(int count);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,

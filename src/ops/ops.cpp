@@ -89,6 +89,27 @@ std::vector<OpTime> profile_report() {
     return out;
 }
 
+BackgroundTicket background(Device device, const std::function<void()>& f) {
+    if (device != Device::cuda) {
+        f();
+        return 0;
+    }
+    cuda_impl::background_begin();
+    struct Leave {
+        bool ended = false;
+        ~Leave() {
+            if (!ended) cuda_impl::background_abandon();
+        }
+    } leave;
+    f();
+    leave.ended = true;
+    return cuda_impl::background_end();
+}
+
+void wait_background(Device device, BackgroundTicket ticket) {
+    if (device == Device::cuda && ticket > 0) cuda_impl::wait_background(ticket);
+}
+
 namespace {
 struct PhaseClock {
     bool on = false;
@@ -719,6 +740,15 @@ double sum_squares(const Tensor& x) {
     OpScope scope_("sum_squares");
     if (x.device() == Device::cuda) return cuda_impl::sum_squares(x);
     return cpu::sum_squares(f(x), x.numel());
+}
+
+void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x) {
+    OpScope scope_("sum_squares");
+    (void)device_of({&sums, &x});
+    MF_CHECK(sums.dtype() == DType::f64 && slot >= 0 && slot < sums.numel(), "sum_squares_to: slot ", slot, " of ",
+             sums.numel(), " ", dtype_name(sums.dtype()), " sums");
+    if (x.device() == Device::cuda) return cuda_impl::sum_squares_to(sums, slot, x);
+    sums.ptr<double>()[slot] = cpu::sum_squares(f(x), x.numel());
 }
 
 bool all_finite(const Tensor& x) {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -175,7 +176,22 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
 // --- reductions ------------------------------------------------------------------------------------
 double sum(const Tensor& x);          // Σ x (f32 tensors), in a fixed order
 double sum_squares(const Tensor& x);  // Σ x², in a fixed order
+// sums[slot] = Σ x² (sums: f64 on x's device), the same value sum_squares(x) returns, left on the
+// device (no host sync; may be issued inside ops::background).
+void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
 bool all_finite(const Tensor& x);
+
+// --- background stream -----------------------------------------------------------------------------
+// For memory-bound passes (zeroing, norms) that may run beside the op stream's compute.
+// background(device, f) calls f with every op it issues enqueued on a second stream, behind all that
+// the op stream holds at the call, and returns a ticket; wait_background(device, t) puts all that the
+// op stream gets afterwards behind that work (and every earlier background work). Ops issued inside
+// f get scratch of their own, so they may run while the op stream's run; ops that read results back
+// to the host, and nested background calls, must not be issued there. On the CPU f runs at once and
+// tickets are 0.
+using BackgroundTicket = int64_t;
+BackgroundTicket background(Device device, const std::function<void()>& f);
+void wait_background(Device device, BackgroundTicket ticket);
 
 // --- profiling -------------------------------------------------------------------------------------
 // When enabled, every op synchronises the device before and after itself and adds its wall time

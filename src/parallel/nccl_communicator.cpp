@@ -30,6 +30,7 @@ ncclDataType_t nccl_type(DType dtype) {
         case DType::bf16: return ncclBfloat16;
         case DType::i32: return ncclInt32;
         case DType::i64: return ncclInt64;
+        case DType::f64: return ncclFloat64;
     }
     MF_FAIL("no NCCL type for dtype ", dtype_name(dtype));
 }

@@ -12,6 +12,7 @@
 #if defined(MOEFORGE_WITH_NCCL)
 #include "parallel/nccl_communicator.h"
 #endif
+#include "train/optimizer.h"
 
 namespace mf::train {
 
@@ -144,12 +145,17 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     if (!distributed()) return;
     const auto& specs = model.params().specs();
     reduced_.assign(specs.size(), false);
+    if (!squares_done_.empty()) squares_done_.assign(specs.size(), false);  // sums of an earlier step are stale
     // The specs each hook call completes: layer l's by name, the head's and the embedding's.
     const int64_t L = model.config().num_hidden_layers;
     std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(L));
     std::vector<size_t> head, embedding;
     for (size_t i = 0; i < specs.size(); ++i) {
         const std::string& n = specs[i].name;
+        if (embedding_gathered_ && n == "model.embed_tokens.weight") {
+            reduced_[i] = true;  // complete on every rank already (gather_embedding_grads)
+            continue;
+        }
         if (n.rfind("model.layers.", 0) == 0) {
             const int64_t l = std::stoll(n.substr(13, n.find('.', 13) - 13));
             by_layer[static_cast<size_t>(l)].push_back(i);
@@ -161,6 +167,7 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     }
     model.set_grad_hook([this, &model, by_layer, head, embedding](int64_t id) {
         if (id >= 0) reduce_specs(model, by_layer[static_cast<size_t>(id)]);
+        if (id >= 0) start_square_sums(model, by_layer[static_cast<size_t>(id)]);
         if (id == model::Qwen3Moe::kGradsHead || id == model::Qwen3Moe::kGradsEmbeddingAndHead) reduce_specs(model, head);
         if (id == model::Qwen3Moe::kGradsEmbedding || id == model::Qwen3Moe::kGradsEmbeddingAndHead)
             reduce_specs(model, embedding);
@@ -177,6 +184,53 @@ void DistContext::finish_grad_sync(model::Qwen3Moe& model) {
     impl_->world->wait_async();
     if (impl_->groups.dp) impl_->groups.dp->wait_async();
     reduced_.clear();
+}
+
+void DistContext::gather_embedding_grads(model::Qwen3Moe& model) {
+    if (!distributed() || model.config().tie_word_embeddings) return;
+    parallel::Communicator* world = impl_->world.get();
+    model.set_embedding_row_gather(
+        [world](const Tensor& all, const Tensor& mine) {
+            MF_CHECK(all.numel() == mine.numel() * world->size() && all.dtype() == mine.dtype(),
+                     "embedding row gather: ", all.numel(), " slots for ", world->size(), " x ", mine.numel());
+            world->all_gather(mine.data(), all.data(), mine.numel(), mine.dtype());
+        },
+        world->size());
+    embedding_gathered_ = true;
+}
+
+void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& which) {
+    // Only gradients that no reduction will change: the expert ones when no other rank holds the same
+    // experts (the replicated ones wait for their all-reduce, which runs on another stream).
+    if (!(ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) return;
+    const auto& specs = model.params().specs();
+    if (squares_done_.size() != specs.size()) {
+        squares_done_.assign(specs.size(), false);
+        square_sums_ = Buffer(specs.size() * sizeof(double), model.device());
+    }
+    const Tensor g = model.grads_tensor(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
+    std::vector<size_t> todo;
+    for (const size_t i : which)
+        if (specs[i].is_expert && !squares_done_[i]) todo.push_back(i);
+    if (todo.empty()) return;
+    squares_ticket_ = ops::background(model.device(), [&] {
+        for (const size_t i : todo) {
+            char* base = static_cast<char*>(g.data()) + static_cast<size_t>(specs[i].offset) * dtype_size(g.dtype());
+            ops::sum_squares_to(sums, static_cast<int64_t>(i), Tensor(base, g.dtype(), {specs[i].numel}, g.device()));
+        }
+    });
+    for (const size_t i : todo) squares_done_[i] = true;
+}
+
+std::vector<double> DistContext::gradient_square_sums(model::Qwen3Moe& model) {
+    const auto& specs = model.params().specs();
+    if (squares_done_.size() != specs.size()) return train::gradient_square_sums(model);
+    if (squares_ticket_ != 0) ops::wait_background(model.device(), squares_ticket_);
+    squares_ticket_ = 0;
+    std::vector<double> out =
+        train::gradient_square_sums(model, square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), squares_done_);
+    squares_done_.assign(specs.size(), false);
+    return out;
 }
 
 model::ExpertShard DistContext::expert_shard() const {

@@ -81,6 +81,18 @@ class DistContext {
     // gradients must be complete sums over the micro-batches before they are reduced).
     void begin_grad_sync(model::Qwen3Moe& model);
     void finish_grad_sync(model::Qwen3Moe& model);
+    // For a distributed run with untied embeddings: the model gathers every rank's embedding-gradient
+    // rows over the world (Qwen3Moe::set_embedding_row_gather), so each micro-batch's embedding gradient
+    // is complete and the same on every rank, and the grad sync leaves it out (N·H values per rank
+    // and micro-batch move instead of the dense V·H all-reduce at the end of the backward). Call once
+    // on every rank after the model is built; the model must not outlive this context. A no-op for a
+    // single process or tied embeddings.
+    void gather_embedding_grads(model::Qwen3Moe& model);
+    // train::gradient_square_sums for this rank's gradients after finish_grad_sync: the expert
+    // tensors that need no reduction (EP over the whole world: the DP group is this rank alone) had
+    // theirs computed in the background as their layer's backward finished (ops::background, beside
+    // the backward of the layers below); the rest are computed now.
+    std::vector<double> gradient_square_sums(model::Qwen3Moe& model);
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
     // The HF export of a run (save_hf_model from a ParamSource, on world rank 0), from every rank's
@@ -108,6 +120,11 @@ class DistContext {
     parallel::ParallelLayout layout_;
     // Gradient ranges reduced so far in the current sync (per parameter spec).
     std::vector<bool> reduced_;
+    bool embedding_gathered_ = false;
+    Buffer square_sums_;               // f64 per parameter spec, on the model's device
+    std::vector<bool> squares_done_;   // per spec: its square sum is in square_sums_ (or on its way)
+    ops::BackgroundTicket squares_ticket_ = 0;
+    void start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     void reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     struct Impl;
     std::unique_ptr<Impl> impl_;

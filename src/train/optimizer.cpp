@@ -171,19 +171,37 @@ void AdamW::set_state(const std::vector<float>& master, const std::vector<float>
     });
 }
 
-double grad_norm(model::Qwen3Moe& model, DistContext* dist) {
+std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& sums, const std::vector<bool>& done) {
+    const auto& specs = model.params().specs();
+    const int64_t n = static_cast<int64_t>(specs.size());
+    Buffer own;
+    Tensor slots = sums;
+    if (slots.data() == nullptr) {
+        own = Buffer(static_cast<size_t>(n) * sizeof(double), model.device());
+        slots = own.as(DType::f64, {n});
+    }
+    MF_CHECK(slots.numel() == n && slots.dtype() == DType::f64 && (done.empty() || done.size() == specs.size()),
+             "gradient_square_sums: ", slots.numel(), " slots and ", done.size(), " flags for ", n, " parameters");
     const Tensor g = model.grads_tensor();
-    double ss = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (done.empty() || !done[static_cast<size_t>(i)])
+            ops::sum_squares_to(slots, i, flat_range(g, specs[static_cast<size_t>(i)].offset, specs[static_cast<size_t>(i)].numel));
+    std::vector<double> out(static_cast<size_t>(n));
+    ops::copy_to_host(out.data(), slots);
+    return out;
+}
+
+double grad_norm(model::Qwen3Moe& model, DistContext* dist) {
+    const std::vector<double> sums = dist != nullptr ? dist->gradient_square_sums(model) : gradient_square_sums(model);
+    const auto& specs = model.params().specs();
+    double replicated = 0, experts = 0;
+    for (size_t i = 0; i < specs.size(); ++i) (specs[i].is_expert ? experts : replicated) += sums[i];
     if (dist != nullptr && dist->ep_size() > 1) {
         // Replicated region: the same on every rank, counted once; experts: summed over the EP group.
-        const int64_t rep = model.params().expert_offset();
-        const double experts = ops::sum_squares(flat_range(g, rep, g.numel() - rep));
         const double one[1] = {experts};
-        ss = ops::sum_squares(flat_range(g, 0, rep)) + dist->sum_f64(one, Group::ep)[0];
-    } else {
-        ss = ops::sum_squares(g);
+        experts = dist->sum_f64(one, Group::ep)[0];
     }
-    return std::sqrt(ss);
+    return std::sqrt(replicated + experts);
 }
 
 double clip_coefficient(double norm, double max_norm) {

@@ -94,7 +94,17 @@ class AdamW {
 // Global L2 norm of the model's gradients. Under expert parallelism (`dist` with EP > 1) the norm
 // covers every expert: the replicated region counted once, the expert regions summed over the EP
 // group, so every rank gets the same norm.
+// The sums come per parameter tensor (gradient_square_sums), added in table order in double, so the
+// norm does not depend on where each was computed.
 double grad_norm(model::Qwen3Moe& model, DistContext* dist = nullptr);
+
+// Σ g² of each parameter's gradient, one double per spec in table order (each the value
+// ops::sum_squares gives for that tensor), read back to the host at once. `sums` (f64 [specs] on the
+// model's device, or undefined for a scratch of its own) receives them; the specs marked in `done`
+// were filled there already (in the background during the backward, DistContext) and are not
+// computed again.
+std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& sums = Tensor(),
+                                         const std::vector<bool>& done = {});
 
 // torch's clipping factor for a global norm: min(1, max_norm / (norm + 1e-6)) when max_norm > 0 and
 // the norm is finite, else 1. Passed to AdamW::step as its grad_scale.

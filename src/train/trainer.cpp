@@ -102,6 +102,7 @@ TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
     model->set_recompute(model::parse_recompute(recipe.train.recompute));
     const auto& cfg = model->config();
     if (dist->ep_size() > 1) model->set_expert_parallel(dist->ep_group(), recipe.dist.ep_chunks);
+    dist->gather_embedding_grads(*model);
 
     const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
     data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
