@@ -1,5 +1,7 @@
 #include "model/param_table.h"
 
+#include <string_view>
+
 namespace mf::model {
 
 Shape ParamSpec::global_shape() const {
@@ -13,6 +15,13 @@ const ParamSpec& ParamTable::add(std::string name, Shape shape, bool is_expert, 
     ParamSpec spec;
     spec.name = std::move(name);
     spec.is_expert = is_expert;
+    constexpr std::string_view kLayers = "model.layers.";
+    if (spec.name.starts_with(kLayers)) {
+        int64_t l = 0;
+        size_t i = kLayers.size();
+        for (; i < spec.name.size() && spec.name[i] >= '0' && spec.name[i] <= '9'; ++i) l = l * 10 + (spec.name[i] - '0');
+        if (i > kLayers.size() && i < spec.name.size() && spec.name[i] == '.') spec.layer = l;
+    }
     if (is_expert) {
         MF_CHECK(!shape.empty() && shard.size >= 1 && shard.rank >= 0 && shard.rank < shard.size &&
                      shape[0] % shard.size == 0,

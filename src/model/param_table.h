@@ -37,6 +37,7 @@ struct ParamSpec {
     bool is_expert = false;    // stacked expert weights (split over EP ranks)
     int64_t expert_first = 0;  // stacked experts: the global index of local expert 0
     int64_t experts_total = 0; // stacked experts: E over all ranks
+    int64_t layer = -1;        // N for "model.layers.N.*", else -1
     // The shape over all ranks (== shape unless the experts are sharded).
     Shape global_shape() const;
 };

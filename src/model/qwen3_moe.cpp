@@ -129,6 +129,7 @@ Qwen3Moe::Qwen3Moe(Qwen3MoeConfig config, ModelPlacement placement)
 Qwen3Moe::~Qwen3Moe() = default;
 
 Tensor Qwen3Moe::param(std::string_view name) const {
+    settle_params();
     const ParamSpec& s = table_.get(name);
     return params_.as(param_dtype_, s.shape, static_cast<size_t>(s.offset) * dtype_size(param_dtype_));
 }
@@ -143,6 +144,20 @@ void Qwen3Moe::settle_grads() const {
     if (zeroing_ == 0) return;
     ops::wait_background(placement_.device, zeroing_);
     zeroing_ = 0;
+}
+
+void Qwen3Moe::params_pending(int64_t layer, ops::BackgroundTicket ticket) {
+    MF_CHECK(layer >= 0 && layer < config_.num_hidden_layers, "params_pending: layer ", layer, " of ",
+             config_.num_hidden_layers);
+    params_pending_.resize(static_cast<size_t>(config_.num_hidden_layers), 0);
+    params_pending_[static_cast<size_t>(layer)] = ticket;
+}
+
+void Qwen3Moe::settle_params() const {
+    for (ops::BackgroundTicket& t : params_pending_) {
+        if (t != 0) ops::wait_background(placement_.device, t);
+        t = 0;
+    }
 }
 
 Tensor Qwen3Moe::grad(std::string_view name) const {
@@ -391,6 +406,10 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     Workspace& ws = *ws_;
     const auto& c = config_;
     const Layer& L = layers_[static_cast<size_t>(l)];
+    if (static_cast<size_t>(l) < params_pending_.size() && params_pending_[static_cast<size_t>(l)] != 0) {
+        ops::wait_background(placement_.device, params_pending_[static_cast<size_t>(l)]);
+        params_pending_[static_cast<size_t>(l)] = 0;
+    }
     auto& la = ws.acts(l, recompute_);
     const float eps = static_cast<float>(c.rms_norm_eps);
     const Tensor& x = ws.resid[static_cast<size_t>(l)];

@@ -81,7 +81,10 @@ class Qwen3Moe {
     DType grad_dtype() const { return placement_.grad_dtype; }
     const ExpertShard& expert_shard() const { return placement_.shard; }
     // The flat buffers as tensors [P] (device and dtype as placed).
-    Tensor params_tensor() const { return params_.as(param_dtype_, {table_.total()}); }
+    Tensor params_tensor() const {
+        settle_params();
+        return params_.as(param_dtype_, {table_.total()});
+    }
     Tensor grads_tensor() const {
         settle_grads();
         return grads_.as(placement_.grad_dtype, {table_.total()});
@@ -95,6 +98,11 @@ class Qwen3Moe {
     // that it runs beside the next step's forward; step(), grad() and grads_tensor() put their work
     // behind it.
     void zero_grads();
+    // Layer `layer`'s parameters are still being written on the background stream until `ticket` (an
+    // optimizer update running beside the next forward, train::AdamW): layer_forward waits for it
+    // before the layer's first op, and params_tensor(), param() and param_data() wait for every
+    // pending layer.
+    void params_pending(int64_t layer, ops::BackgroundTicket ticket);
     // Parameters to and from host f32 (converted as the placement needs).
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
@@ -162,7 +170,8 @@ class Qwen3Moe {
     void plan(int64_t B, int64_t T);           // sizes the arena (once per shape) and allocates the step
     void allocate_step(int64_t B, int64_t T);  // the step's allocation sequence
     void validate(const data::Batch& batch) const;
-    void settle_grads() const;  // the op stream waits for a pending background zero_grads
+    void settle_grads() const;   // the op stream waits for a pending background zero_grads
+    void settle_params() const;  // ... and for every pending background parameter update
     void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
 
     Qwen3MoeConfig config_;
@@ -178,6 +187,7 @@ class Qwen3Moe {
     int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
     mutable ops::BackgroundTicket zeroing_ = 0;
+    mutable std::vector<ops::BackgroundTicket> params_pending_;  // per layer; 0: nothing pending
     RowGather row_gather_;
     int row_gather_ranks_ = 1;
     Buffer gathered_rows_;  // [ranks · N] ids (i32), then [ranks · N, H] output-gradient rows

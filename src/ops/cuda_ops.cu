@@ -124,7 +124,10 @@ void cast(const Tensor& dst, const Tensor& src) {
     MF_FAIL("cast from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()), " is not supported");
 }
 
-void synchronize() { wait_for_stream(ctx().stream); }
+void synchronize() {
+    wait_for_stream(ctx().stream);
+    if (ctx().background != nullptr && !ctx().in_background) wait_for_stream(ctx().background);
+}
 
 namespace {
 std::vector<cudaEvent_t>& mark_events() {

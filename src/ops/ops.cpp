@@ -7,8 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -90,7 +92,11 @@ std::vector<OpTime> profile_report() {
 }
 
 BackgroundTicket background(Device device, const std::function<void()>& f) {
-    if (device != Device::cuda) {
+    static const bool enabled = [] {
+        const char* env = std::getenv("MOEFORGE_BACKGROUND");
+        return env == nullptr || std::string_view(env) != "0";
+    }();
+    if (device != Device::cuda || !enabled) {
         f();
         return 0;
     }

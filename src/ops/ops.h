@@ -29,7 +29,7 @@ void copy_to_host(void* dst, const Tensor& src);
 void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
 void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
-void synchronize(Device device);
+void synchronize(Device device);  // waits for all device work: the op stream and the background stream
 
 // --- dense -----------------------------------------------------------------------------------------
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);  // out[N,OC] = inp[N,C]·wᵀ
@@ -188,7 +188,8 @@ bool all_finite(const Tensor& x);
 // op stream gets afterwards behind that work (and every earlier background work). Ops issued inside
 // f get scratch of their own, so they may run while the op stream's run; ops that read results back
 // to the host, and nested background calls, must not be issued there. On the CPU f runs at once and
-// tickets are 0.
+// tickets are 0; so it does on the GPU with MOEFORGE_BACKGROUND=0 in the environment (everything on the
+// op stream, in issue order: for measurements and for ruling the second stream out).
 using BackgroundTicket = int64_t;
 BackgroundTicket background(Device device, const std::function<void()>& f);
 void wait_background(Device device, BackgroundTicket ticket);

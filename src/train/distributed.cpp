@@ -156,9 +156,8 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
             reduced_[i] = true;  // complete on every rank already (gather_embedding_grads)
             continue;
         }
-        if (n.rfind("model.layers.", 0) == 0) {
-            const int64_t l = std::stoll(n.substr(13, n.find('.', 13) - 13));
-            by_layer[static_cast<size_t>(l)].push_back(i);
+        if (specs[i].layer >= 0) {
+            by_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
         } else if (n == "model.embed_tokens.weight") {
             embedding.push_back(i);
         } else {

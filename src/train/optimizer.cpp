@@ -105,20 +105,43 @@ void AdamW::step(double lr, double grad_scale) {
     const auto& specs = model_.params().specs();
     const Tensor params = model_.params_tensor(), grads = model_.grads_tensor();
     const size_t es = dtype_size(state_dtype_);
+    // The part of parameter i inside owned range r (its state at `at`), updated.
+    auto update_spec = [&](size_t i, const Range& r, int64_t at) {
+        const int64_t a = std::max(r.begin, specs[i].offset), b = std::min(r.end, specs[i].offset + specs[i].numel);
+        if (a >= b) return;
+        const int64_t n = b - a;
+        const size_t off = static_cast<size_t>(at + a - r.begin);
+        const Tensor m = m_.as(state_dtype_, {n}, off * es), v = v_.as(state_dtype_, {n}, off * es);
+        const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
+        const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
+                                static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
+                                decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_,
+                                static_cast<float>(grad_scale)};
+        ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
+    };
     auto update = [&](const Range& r, int64_t at) {
-        for (size_t i = 0; i < specs.size(); ++i) {
-            // The part of this parameter inside this owned range.
-            const int64_t a = std::max(r.begin, specs[i].offset), b = std::min(r.end, specs[i].offset + specs[i].numel);
-            if (a >= b) continue;
-            const int64_t n = b - a;
-            const size_t off = static_cast<size_t>(at + a - r.begin);
-            const Tensor m = m_.as(state_dtype_, {n}, off * es), v = v_.as(state_dtype_, {n}, off * es);
-            const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
-            const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
-                                    static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
-                                    decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_,
-                                    static_cast<float>(grad_scale)};
-            ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
+        for (size_t i = 0; i < specs.size(); ++i) update_spec(i, r, at);
+    };
+    // The expert region when no other rank takes part in it (EP over the whole world, or one
+    // process): its update needs no broadcast, so it goes to the background stream layer by layer and
+    // runs beside the next step's forward, whose layer l waits for layer l's part (params_pending).
+    auto update_behind = [&](const Range& r, int64_t at) {
+        for (size_t i = 0; i < specs.size();) {
+            const int64_t layer = specs[i].layer;
+            size_t j = i;
+            while (j < specs.size() && specs[j].layer == layer) ++j;
+            bool inside = false;
+            for (size_t k = i; k < j; ++k)
+                inside |= std::max(r.begin, specs[k].offset) < std::min(r.end, specs[k].offset + specs[k].numel);
+            if (inside && layer >= 0) {
+                const ops::BackgroundTicket t = ops::background(model_.device(), [&] {
+                    for (size_t k = i; k < j; ++k) update_spec(k, r, at);
+                });
+                model_.params_pending(layer, t);
+            } else {
+                for (size_t k = i; k < j; ++k) update_spec(k, r, at);
+            }
+            i = j;
         }
     };
     // Region by region: once this rank's chunk of a sharded region is updated, every chunk goes
@@ -126,10 +149,13 @@ void AdamW::step(double lr, double grad_scale) {
     // parameters), started asynchronously so that it overlaps the update of the next region (under
     // EP the replicated parameters' broadcast runs while the expert parameters are updated).
     for (int k = 0; k < 2; ++k) {
-        for_owned([&](const Range& r, int64_t at) {
-            if (r.region == k) update(r, at);
-        });
         const Region& g = regions_[static_cast<size_t>(k)];
+        const bool behind = k == 1 && g.group == nullptr && model_.device() == Device::cuda;
+        for_owned([&](const Range& r, int64_t at) {
+            if (r.region != k) return;
+            if (behind) update_behind(r, at);
+            else update(r, at);
+        });
         if (g.group == nullptr) continue;
         std::vector<int64_t> pieces(static_cast<size_t>(g.size) + 1);
         for (int r = 0; r <= g.size; ++r) pieces[static_cast<size_t>(r)] = (r < g.size ? g.lo(r) : g.end) - g.begin;
@@ -141,6 +167,7 @@ void AdamW::step(double lr, double grad_scale) {
 }
 
 void AdamW::get_owned(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {
+    (void)model_.params_tensor();  // after any background update (it wrote m and v too)
     master.assign(static_cast<size_t>(owned_elems_), 0.0f);
     m.assign(static_cast<size_t>(owned_elems_), 0.0f);
     v.assign(static_cast<size_t>(owned_elems_), 0.0f);
@@ -160,7 +187,8 @@ void AdamW::set_state(const std::vector<float>& master, const std::vector<float>
     MF_CHECK(static_cast<int64_t>(master.size()) == total_ && static_cast<int64_t>(m.size()) == total_ &&
                  static_cast<int64_t>(v.size()) == total_,
              "optimizer state size mismatch");
-    model_.set_params_from_host(master.data());  // the bf16 parameters are the rounded master
+    model_.set_params_from_host(master.data());  // the bf16 parameters are the rounded master (waits for a
+                                                 // background update, which also writes m and v)
     const size_t es = dtype_size(state_dtype_);
     for_owned([&](const Range& r, int64_t at) {
         const int64_t n = r.end - r.begin;
