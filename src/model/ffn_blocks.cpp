@@ -373,13 +373,17 @@ void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, con
         const EpChunk& ch = r.chunks[c];
         join(ep, tickets[c]);
         arrive(ch);
+        ops::phase_mark("ep arrived");
         compute(ch);
+        ops::phase_mark("ep computed");
         depart(ch);
         if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received);
         tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received);
         after(ch);
+        ops::phase_mark("ep after");
     }
     for (const uint64_t t : tickets) join(ep, t);
+    ops::phase_mark("ep joined");
 }
 
 void check_ep_acts(const MoeDims& d, const MoeActs& a, const char* op) {
