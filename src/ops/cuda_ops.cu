@@ -1,10 +1,10 @@
 // ops.h on the GPU: bf16 activations over the kernels in kernels/cuda.
 //
-// One process-wide context holds the op stream (see Context), the cuBLASLt and cuBLAS handles and a
-// scratch buffer that grows to the largest request. Every op queues its kernels on that stream;
-// only the ops that return a host value (sum, sum_squares, all_finite, copy_to_host) synchronise.
-// Scratch is reused op after op, which is safe because all work is ordered on the one stream (the
-// background stream of ops::background has a scratch of its own).
+// One process-wide context holds the stream (the legacy default stream for now), the cuBLASLt
+// and cuBLAS handles and a scratch buffer that grows to the largest request. Every op queues its
+// kernels on that stream; only the ops that return a host value (sum, sum_squares, all_finite,
+// copy_to_host) synchronise. Scratch is reused op after op, which is safe because all work is
+// ordered on the one stream.
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -50,13 +50,9 @@ constexpr size_t kLossScratchBytes = size_t{1} << 30;
 // which the one in-order background stream makes a superset of the ticket's).
 constexpr int64_t kBackgroundEvents = 64;
 
-// The op stream is a blocking stream at the device's greatest priority, so that work still issued
-// to the legacy default stream (NCCL collectives, cudaMemset) stays ordered with it both ways, and
-// the background stream (non-blocking, least priority) only gets SMs the op stream leaves idle.
 struct Context {
-    cudaStream_t stream = nullptr;      // where ops go: op_stream, or `background` inside ops::background
-    cudaStream_t op_stream = nullptr;
-    cudaStream_t background = nullptr;  // created on first use
+    cudaStream_t stream = nullptr;      // where ops go: the op stream (legacy default), or `background`
+    cudaStream_t background = nullptr;  // created on first use, non-blocking
     bool in_background = false;
     int64_t tickets = 0;
     cudaEvent_t fork = nullptr;
@@ -65,13 +61,7 @@ struct Context {
     cublasHandle_t blas = nullptr;
     Buffer scratch, background_scratch;
     Buffer small;  // a few device scalars
-    Context() : small(256, Device::cuda) {
-        MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
-        int least = 0, greatest = 0;
-        MF_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-        MF_CHECK_CUDA(cudaStreamCreateWithPriority(&op_stream, cudaStreamDefault, greatest));
-        stream = op_stream;
-    }
+    Context() : small(256, Device::cuda) { MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed"); }
 
     // Scratch of at least `bytes`, 256-byte aligned (the background stream's own inside background()).
     void* get(size_t bytes) {
@@ -150,9 +140,7 @@ void background_begin() {
     Context& c = ctx();
     MF_CHECK(!c.in_background, "ops::background: nested background work");
     if (c.background == nullptr) {
-        int least = 0, greatest = 0;
-        MF_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-        MF_CHECK_CUDA(cudaStreamCreateWithPriority(&c.background, cudaStreamNonBlocking, least));
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&c.background, cudaStreamNonBlocking));
         MF_CHECK_CUDA(cudaEventCreateWithFlags(&c.fork, cudaEventDisableTiming));
         c.ticket_events.resize(static_cast<size_t>(kBackgroundEvents));
         for (cudaEvent_t& e : c.ticket_events) MF_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -165,7 +153,7 @@ void background_begin() {
 
 void background_abandon() {
     Context& c = ctx();
-    c.stream = c.op_stream;
+    c.stream = nullptr;
     c.in_background = false;
 }
 
