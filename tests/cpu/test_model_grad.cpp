@@ -39,6 +39,7 @@
 #include "model/attention_block.h"
 #include "model/ffn_blocks.h"
 #include "model/qwen3_moe.h"
+#include "train/optimizer.h"
 
 using namespace mf;
 using namespace mf::model;
@@ -734,6 +735,83 @@ TEST(ModelGradAccumulation, TwoStepsAddUpAndZeroGradsResets) {
     m.step(batch, &scales);
     EXPECT_EQ(std::memcmp(g1.data(), m.grad_data(), static_cast<size_t>(P) * sizeof(float)), 0)
         << "a step after zero_grads differs from the first step";
+}
+
+// The embedding gradient from gathered rows (Qwen3Moe::set_embedding_row_gather): a stand-in gather
+// that hands back this process's rows twice, as two ranks holding the same batch would send them,
+// gives twice the dense gradient; every other gradient is untouched. Tied embeddings are refused.
+TEST(ModelEmbeddingRowGather, GatheredRowsAddUpLikeTheDensePath) {
+    const Qwen3MoeConfig cfg = tiny_config(true, false);
+    Qwen3Moe dense(cfg), gathered(cfg);
+    dense.init_random(5, 0.3f);
+    gathered.init_random(5, 0.3f);
+    int calls = 0;
+    gathered.set_embedding_row_gather(
+        [&calls](const Tensor& all, const Tensor& mine) {
+            ++calls;
+            ASSERT_EQ(all.numel(), 2 * mine.numel());
+            std::memcpy(all.data(), mine.data(), mine.nbytes());
+            std::memcpy(static_cast<char*>(all.data()) + mine.nbytes(), mine.data(), mine.nbytes());
+        },
+        2);
+    const data::Batch batch = row_batch(7);
+    const LossScales scales{1.0, 0.1};
+    dense.step(batch, &scales);
+    gathered.step(batch, &scales);
+    EXPECT_EQ(calls, 2) << "ids and rows, one gather each";
+    const float* gd = dense.grad_data();
+    const float* gg = gathered.grad_data();
+    for (const ParamSpec& s : dense.params().specs()) {
+        const bool embedding = s.name == "model.embed_tokens.weight";
+        double scale = 0;
+        for (int64_t i = 0; i < s.numel; ++i) scale = std::max(scale, static_cast<double>(std::fabs(gd[s.offset + i])));
+        int bad = 0;
+        for (int64_t i = 0; i < s.numel; ++i) {
+            const double want = (embedding ? 2.0 : 1.0) * gd[s.offset + i];
+            if (std::fabs(gg[s.offset + i] - want) > 1e-6 * scale + 1e-30 && ++bad <= 3)
+                ADD_FAILURE() << s.name << "[" << i << "]: " << gg[s.offset + i] << ", expected " << want;
+        }
+        if (embedding) {
+            EXPECT_GT(scale, 0.0);
+        }
+    }
+    Qwen3Moe tied(tiny_config(true, true));
+    EXPECT_THROW(tied.set_embedding_row_gather([](const Tensor&, const Tensor&) {}, 2), Error);
+}
+
+// The global norm is per-tensor square sums added in table order: the same as one sum over the
+// whole buffer up to double rounding, and slots marked done are taken as they are.
+TEST(ModelGradNorm, PerTensorSumsAndPrefilledSlots) {
+    Qwen3Moe m(tiny_config(true, false));
+    m.init_random(8, 0.3f);
+    const LossScales scales{1.0, 0.1};
+    m.step(row_batch(6), &scales);
+    const auto& specs = m.params().specs();
+    double whole = 0;
+    for (int64_t i = 0; i < m.num_params(); ++i) whole += static_cast<double>(m.grad_data()[i]) * m.grad_data()[i];
+    const std::vector<double> sums = mf::train::gradient_square_sums(m);
+    ASSERT_EQ(sums.size(), specs.size());
+    double total = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+        double own = 0;
+        for (int64_t k = 0; k < specs[i].numel; ++k)
+            own += static_cast<double>(m.grad_data()[specs[i].offset + k]) * m.grad_data()[specs[i].offset + k];
+        EXPECT_NEAR(sums[i], own, 1e-12 * (own + 1e-30)) << specs[i].name;
+        total += sums[i];
+    }
+    EXPECT_NEAR(mf::train::grad_norm(m), std::sqrt(whole), 1e-12 * std::sqrt(whole));
+    EXPECT_EQ(mf::train::grad_norm(m), std::sqrt(total));
+
+    Buffer slots(specs.size() * sizeof(double), Device::cpu);
+    const Tensor t = slots.as(DType::f64, {static_cast<int64_t>(specs.size())});
+    std::vector<bool> done(specs.size(), false);
+    done[1] = true;
+    t.ptr<double>()[1] = -7.0;  // a value computed elsewhere: kept as it is
+    const std::vector<double> mixed = mf::train::gradient_square_sums(m, t, done);
+    EXPECT_EQ(mixed[1], -7.0);
+    EXPECT_EQ(mixed[0], sums[0]);
+    EXPECT_EQ(mixed.back(), sums.back());
+    EXPECT_THROW(mf::train::gradient_square_sums(m, t, std::vector<bool>(3, false)), Error);
 }
 
 TEST(ModelGradDeterminism, SameSeedSameBits) {
