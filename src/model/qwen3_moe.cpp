@@ -506,8 +506,11 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     // The gradients are first touched here (a background zero_grads ran beside the forward).
     settle_grads();
     if (scales != nullptr) ops::zero(ws.d_ln);
+    // The bf16 policy on the GPU (bf16 gradients) rounds the logits to bf16, as a bf16 HF model's are.
+    const DType logits_dtype =
+        placement_.device == Device::cuda && placement_.grad_dtype == DType::bf16 ? DType::bf16 : DType::f32;
     ops::lm_head_cross_entropy(ws.losses, scales ? ws.d_ln : Tensor(), scales ? grad(head_name) : Tensor(), ws.lnf,
-                               head, ws.targets, scales ? static_cast<float>(scales->ce) : 0.0f);
+                               head, ws.targets, scales ? static_cast<float>(scales->ce) : 0.0f, logits_dtype);
     ops::phase_mark("fwd head");
     StepStats stats;
     stats.ce_sum = ops::sum(ws.losses);

@@ -56,6 +56,8 @@ double qwen3_moe_flops_per_token(const Qwen3MoeConfig& c, int64_t T);
 // `shard`: the experts this rank holds under expert parallelism (param_table.h).
 struct ModelPlacement {
     Device device = Device::cpu;
+    // bf16 on the GPU is the bf16 policy: bf16 gradients, and the LM head's logits rounded to bf16
+    // before the loss, as a bf16 HF model computes them.
     DType grad_dtype = DType::f32;
     ExpertShard shard = {};
 };

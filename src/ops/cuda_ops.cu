@@ -38,8 +38,8 @@ namespace {
 
 using mf::cuda::bf16;
 
-// Bound on the loss head's [chunk, V] fp32 logits scratch.
-// The LM head's fp32 logits buffer: chunks of up to 1 GiB / (4 V) tokens (1766 at V = 151936). At
+// Bound on the loss head's [chunk, V] logits scratch: chunks of up to 1 GiB / (4 V) tokens with fp32
+// logits (1766 at V = 151936), twice that with bf16 logits (the bf16 policy). At
 // 8192 tokens, 256 MiB chunks (441 rows) made the fused head + loss 29.4 ms (bf16 dw) / 35.1 ms (f32
 // dw) on an H200 and 1 GiB chunks 26.8 / 27.4 ms (MF_BENCH=1 test_cuda_loss_optim): fewer passes of
 // the dw accumulation over [V, C] and longer GEMMs.
@@ -529,16 +529,18 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 }
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype) {
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     // Equal chunks (the last may be shorter by rounding), each as large as the budget allows.
-    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / (4 * static_cast<size_t>(V))), 1, N);
+    const size_t row_bytes = dtype_size(logits_dtype) * static_cast<size_t>(V);
+    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / row_bytes), 1, N);
     const int64_t num_chunks = (N + max_chunk - 1) / max_chunk;
     const int64_t chunk = std::min(max_chunk, (N + num_chunks - 1) / num_chunks);
-    const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V);
+    const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
                                     defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h), B(w),
-                                    I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream);
+                                    I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream,
+                                    logits_dtype);
 }
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

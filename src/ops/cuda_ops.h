@@ -87,7 +87,7 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                              bool accumulate_dinp);
 bool grouped_matmul_uses_host_offsets();
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale);
+                           const Tensor& targets, float grad_scale, DType logits_dtype);
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
                   float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
                   float grad_scale);

@@ -709,13 +709,16 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 // --- loss ------------------------------------------------------------------------------------------
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype) {
     OpScope scope_("lm_head_cross_entropy");
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     MF_CHECK(losses.numel() == N && targets.numel() == N && w.dim(1) == C, "lm head shapes");
+    MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype ",
+             dtype_name(logits_dtype), " (f32 or bf16)");
     if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
-        return cuda_impl::lm_head_cross_entropy(losses, dh, dw, h, w, targets, grad_scale);
-    cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale);
+        return cuda_impl::lm_head_cross_entropy(losses, dh, dw, h, w, targets, grad_scale, logits_dtype);
+    cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale,
+                               logits_dtype == DType::bf16);
 }
 
 // --- optimizer -------------------------------------------------------------------------------------

@@ -158,8 +158,10 @@ bool grouped_matmul_uses_host_offsets(Device device);
 
 // --- loss ------------------------------------------------------------------------------------------
 // losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).
+// logits_dtype: f32, or bf16 to round the logits to bf16 before the softmax (a bf16 model's
+// logits; on the GPU half the logits traffic and twice the tokens per chunk).
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale);
+                           const Tensor& targets, float grad_scale, DType logits_dtype = DType::f32);
 
 // --- optimizer -------------------------------------------------------------------------------------
 struct AdamWHyper {

@@ -42,14 +42,16 @@ struct CeCase {
     int64_t N, C, V, chunk;
 };
 
-// The naive bf16 computation of the gradients: fp64 logits and softmax, dlogits rounded to bf16,
-// fp64 products, the result stored in the output dtype.
-void naive_ce_grads(std::vector<float>& dh, std::vector<float>& dw, bool dw_bf16, const std::vector<float>& h,
-                    const std::vector<float>& w, const std::vector<int32_t>& targets, const CeCase& s,
-                    float grad_scale) {
+// The naive bf16 computation of the losses and gradients: fp64 logits (rounded to bf16 when
+// bf16_logits) and softmax, dlogits rounded to bf16, fp64 products, the result stored in the output
+// dtype.
+void naive_ce_grads(std::vector<float>& loss, std::vector<float>& dh, std::vector<float>& dw, bool dw_bf16,
+                    bool bf16_logits, const std::vector<float>& h, const std::vector<float>& w,
+                    const std::vector<int32_t>& targets, const CeCase& s, float grad_scale) {
     std::vector<double> dh_acc(dh.begin(), dh.end()), dw_acc(dw.begin(), dw.end());
     std::vector<double> logits(static_cast<size_t>(s.V));
     std::vector<double> dlog(static_cast<size_t>(s.V));
+    loss.assign(static_cast<size_t>(s.N), 0.0f);
     for (int64_t n = 0; n < s.N; ++n) {
         const int32_t t = targets[n];
         if (t < 0) continue;
@@ -57,11 +59,12 @@ void naive_ce_grads(std::vector<float>& dh, std::vector<float>& dw, bool dw_bf16
         for (int64_t v = 0; v < s.V; ++v) {
             double acc = 0.0;
             for (int64_t c = 0; c < s.C; ++c) acc += static_cast<double>(h[n * s.C + c]) * w[v * s.C + c];
-            logits[v] = acc;
-            m = std::max(m, acc);
+            logits[v] = bf16_logits ? round_bf16(static_cast<float>(acc)) : acc;
+            m = std::max(m, logits[v]);
         }
         double sum = 0.0;
         for (int64_t v = 0; v < s.V; ++v) sum += std::exp(logits[v] - m);
+        loss[static_cast<size_t>(n)] = static_cast<float>(m + std::log(sum) - logits[t]);
         for (int64_t v = 0; v < s.V; ++v) {
             const double d = grad_scale * (std::exp(logits[v] - m) / sum - (v == t ? 1.0 : 0.0));
             dlog[v] = round_bf16(static_cast<float>(d));
@@ -84,8 +87,11 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
     CublasHandle handle;
     for (const CeCase& s :
          {CeCase{37, 64, 1000, 16}, CeCase{20, 40, 999, 64}, CeCase{64, 128, 4096, 64}, CeCase{5, 32, 8, 2}}) {
-        for (const DType dw_dtype : {DType::f32, DType::bf16}) {
-            const std::string name = std::string("cross_entropy dw ") + mf::dtype_name(dw_dtype) +
+        for (const auto& [dw_dtype, logits_dtype] : {std::pair{DType::f32, DType::f32}, std::pair{DType::bf16, DType::f32},
+                                                     std::pair{DType::bf16, DType::bf16}}) {
+            const bool bf16_logits = logits_dtype == DType::bf16;
+            const std::string name = std::string("cross_entropy logits ") + mf::dtype_name(logits_dtype) + " dw " +
+                                     mf::dtype_name(dw_dtype) +
                                      " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) +
                                      " V=" + std::to_string(s.V) + " chunk=" + std::to_string(s.chunk);
             const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
@@ -103,9 +109,10 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
 
             std::vector<float> loss_ref(static_cast<size_t>(s.N)), dh_ref = dh0, dw_ref = dw0;
             mf::cpu::lm_head_cross_entropy(loss_ref.data(), dh_ref.data(), dw_ref.data(), h.data(), w.data(),
-                                           targets.data(), s.N, s.C, s.V, grad_scale);
-            std::vector<float> dh_naive = dh0, dw_naive = dw0;
-            naive_ce_grads(dh_naive, dw_naive, dw_dtype == DType::bf16, h, w, targets, s, grad_scale);
+                                           targets.data(), s.N, s.C, s.V, grad_scale, bf16_logits);
+            std::vector<float> loss_naive, dh_naive = dh0, dw_naive = dw0;
+            naive_ce_grads(loss_naive, dh_naive, dw_naive, dw_dtype == DType::bf16, bf16_logits, h, w, targets, s,
+                           grad_scale);
 
             DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets),
                          d_dh = device_bf16(dh0), d_loss(loss_ref.size() * 4), d_dw(w.size() * 4);
@@ -114,16 +121,37 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
             } else {
                 upload_bf16(d_dw.as<void>(), dw0);
             }
-            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V);
+            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
             DeviceBuffer scratch(sb);
             scratch.poison();
             d_loss.poison();
             mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), d_dh.as<bf16>(), d_dw.as<void>(),
                                             dw_dtype, d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C, s.V,
-                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr);
+                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype);
             device_sync();
             const std::vector<float> loss = download<float>(d_loss.as<void>(), loss_ref.size());
-            expect_reduction(loss, loss_ref, loss_ref, name + " loss");
+            // fp32 logits: the same fp32 math in another order (tolerance from the fp32 scale alone).
+            // bf16 logits: besides that, a logit may round to the neighbouring bf16 value under
+            // another fp32 summation order, moving a loss by at most one bf16 step of the largest
+            // logit (2^-8 relative); every loss must also be that close to the fp64-then-bf16 one.
+            if (!bf16_logits) {
+                expect_reduction(loss, loss_ref, loss_ref, name + " loss");
+            } else {
+                double max_logit = 0;
+                for (int64_t n = 0; n < s.N; ++n)
+                    for (int64_t v = 0; v < s.V; ++v) {
+                        double acc = 0;
+                        for (int64_t c = 0; c < s.C; ++c) acc += static_cast<double>(h[n * s.C + c]) * w[v * s.C + c];
+                        max_logit = std::max(max_logit, std::fabs(acc));
+                    }
+                const double tol = std::ldexp(max_logit, -8) + 1e-5;
+                for (size_t i = 0; i < loss.size(); ++i) {
+                    EXPECT_LE(std::fabs(static_cast<double>(loss[i]) - loss_ref[i]), tol) << name << " loss " << i;
+                    EXPECT_LE(std::fabs(static_cast<double>(loss[i]) - loss_naive[i]), tol) << name << " loss " << i;
+                }
+                std::printf("  %-48s n=%-9zu within one bf16 step of the largest logit (%.3g)\n",
+                            (name + " loss").c_str(), loss.size(), tol);
+            }
             expect_reduction(download_bf16(d_dh.as<void>(), h.size()), dh_ref, dh_naive, name + " dh");
             const std::vector<float> dw = dw_dtype == DType::f32 ? download<float>(d_dw.as<void>(), w.size())
                                                                  : download_bf16(d_dw.as<void>(), w.size());
@@ -133,7 +161,7 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
             d_loss.poison();
             mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), nullptr, nullptr, dw_dtype,
                                             d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C, s.V,
-                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr);
+                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype);
             device_sync();
             expect_exact(download<float>(d_loss.as<void>(), loss.size()), loss, name + " loss-only run");
         }
@@ -387,7 +415,8 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
     CublasHandle handle;
     {
         // N = 8192 tokens (micro-batch 2 x 4096): chunks of 441 rows (a 256 MiB fp32 logits buffer),
-        // 1664 (1 GiB) and 4096.
+        // 1664 (1 GiB) and 4096; then bf16 logits at 2731 tokens (3 chunks of a 1 GiB buffer, as the
+        // bf16 policy runs) and 4096.
         const int64_t N = 8192, C = 2048, V = 151936;
         DeviceBuffer h(static_cast<size_t>(N * C) * 2), w(static_cast<size_t>(V * C) * 2), dh(N * C * 2),
             dw(static_cast<size_t>(V * C) * 4), loss(N * 4);
@@ -399,20 +428,23 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
         dh.zero();
         dw.zero();
         const double flops = 2.0 * N * C * V;
-        for (const int64_t chunk : {int64_t{441}, int64_t{1664}, int64_t{4096}}) {
-            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V);
+        for (const auto& [chunk, logits_type] :
+             {std::pair{int64_t{441}, DType::f32}, std::pair{int64_t{1664}, DType::f32}, std::pair{int64_t{4096}, DType::f32},
+              std::pair{int64_t{2731}, DType::bf16}, std::pair{int64_t{4096}, DType::bf16}}) {
+            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_type);
             DeviceBuffer scratch(sb);
             for (const DType dw_type : {DType::f32, DType::bf16}) {
                 const double us = time_us(
                     [&] {
                         mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), dh.as<bf16>(), dw.as<void>(),
                                                         dw_type, h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C,
-                                                        V, 1.0f / N, scratch.as<void>(), sb, chunk, nullptr);
+                                                        V, 1.0f / N, scratch.as<void>(), sb, chunk, nullptr, logits_type);
                     },
                     5);
-                std::printf("BENCH lm_head_cross_entropy fwd+bwd N=8192 V=151936 chunk %5lld dw %-4s %10.1f us  %8.1f "
-                            "TFLOP/s (3 GEMMs + loss kernel)\n",
-                            static_cast<long long>(chunk), mf::dtype_name(dw_type), us, 3 * flops / (us * 1e-6) / 1e12);
+                std::printf("BENCH lm_head_cross_entropy fwd+bwd N=8192 V=151936 chunk %5lld logits %-4s dw %-4s %10.1f us"
+                            "  %8.1f TFLOP/s (3 GEMMs + loss kernel)\n",
+                            static_cast<long long>(chunk), mf::dtype_name(logits_type), mf::dtype_name(dw_type), us,
+                            3 * flops / (us * 1e-6) / 1e12);
             }
         }
     }

@@ -8,13 +8,15 @@
 // Rows whose target is kIgnoreIndex get loss 0 and a zero dlogits row (no gradient). The sum s runs
 // over v in ascending order in double (one exp per logit, in fp32), so the loss is deterministic
 // and does not lose precision over a large vocabulary. A target outside [0, V) that is not
-// kIgnoreIndex is an error.
+// kIgnoreIndex is an error. With bf16_logits the logits are rounded to bf16 right after the matmul.
 #include "kernels/cpu/cross_entropy.h"
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/check.h"
 #include "kernels/cpu/matmul.h"
 
@@ -28,7 +30,7 @@ constexpr int64_t kChunkFloats = int64_t{1} << 22;  // 16 MiB of logits at most
 }  // namespace
 
 void lm_head_cross_entropy(float* losses, float* dh, float* dw, const float* h, const float* w, const int32_t* targets,
-                           int64_t N, int64_t C, int64_t V, float grad_scale) {
+                           int64_t N, int64_t C, int64_t V, float grad_scale, bool bf16_logits) {
     MF_CHECK(N >= 0 && C >= 0 && V > 0, "cross_entropy: bad shape N=", N, " C=", C, " V=", V);
     for (int64_t n = 0; n < N; ++n) {
         MF_CHECK(targets[n] == kIgnoreIndex || (targets[n] >= 0 && targets[n] < V), "cross_entropy: target[", n,
@@ -40,6 +42,8 @@ void lm_head_cross_entropy(float* losses, float* dh, float* dw, const float* h, 
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
         matmul_forward(logits.data(), h + n0 * C, w, rows, C, V);
+        if (bf16_logits)
+            for (float& x : std::span<float>(logits.data(), static_cast<size_t>(rows * V))) x = bf16_to_f32(f32_to_bf16(x));
         for (int64_t r = 0; r < rows; ++r) {
             float* x = logits.data() + r * V;
             const int32_t target = targets[n0 + r];

@@ -1,17 +1,19 @@
 // Fused LM head + cross-entropy, CUDA. Per chunk of rows tokens [n0, n0 + rows):
-//   1. logits[rows, V] fp32 = h[chunk] · wᵀ                cublasGemmEx, bf16 in, fp32 out
+//   1. logits[rows, V] fp32 (or bf16) = h[chunk] · wᵀ      cublasGemmEx, bf16 in, fp32 accumulation
 //   2. one block per row: pass 1 keeps a running (max, Σ exp) per thread (online softmax, one expf
 //      per logit), combined over the block in a fixed order; loss = max + log Σ − logit[target].
 //      Pass 2 writes dlogits = grad_scale · (exp(x − max) / Σ − [v == target]) as bf16 over the
-//      row's own fp32 storage (bf16 row stride 2V): the row is walked in tiles of blockDim·kVec
-//      logits, each tile read into registers, then a __syncthreads, then written; the bf16 of
-//      logits [b, b + T) lands on the bytes of fp32 logits [b/2, (b + T)/2), all already read.
+//      row's own storage (bf16 row stride 2V over fp32 logits, V over bf16 ones): the row is walked
+//      in tiles of blockDim·kVec logits, each tile read into registers, then a __syncthreads, then
+//      written; the bf16 of logits [b, b + T) lands on the bytes of fp32 logits [b/2, (b + T)/2)
+//      (bf16 logits: on their own bytes), all already read.
 //   3. dh[chunk] += dlogits · w,  dw += dlogitsᵀ · h[chunk]   cublasGemmEx, fp32 accumulation.
 // Rows are independent and every reduction has a fixed order, so the loss is deterministic;
 // the GEMMs are as deterministic as cuBLAS is (same GPU, same library: same bits).
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/cross_entropy.cuh"
@@ -39,15 +41,16 @@ __device__ __forceinline__ void combine(float& m, float& s, float other_m, float
     m = new_m;
 }
 
-// blockIdx.x: the row inside the chunk. logits: [rows, V] fp32, overwritten by bf16 rows of stride 2V.
-template <int kVec>
+// blockIdx.x: the row inside the chunk. logits: [rows, V] of TL (fp32 or bf16), overwritten by bf16
+// rows of stride V · sizeof(TL) / 2.
+template <int kVec, typename TL>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_rows_kernel(float* losses, float* logits, const int32_t* targets, int64_t V, float grad_scale,
+    cross_entropy_rows_kernel(float* losses, TL* logits, const int32_t* targets, int64_t V, float grad_scale,
                               bool want_grad) {
     __shared__ float shared_m[kThreads / 32];
     __shared__ float shared_s[kThreads / 32];
     const int64_t r = blockIdx.x;
-    float* x = logits + r * V;
+    TL* x = logits + r * V;
     bf16* d = reinterpret_cast<bf16*>(x);  // this row's dlogits, over its own logits
     const int32_t target = targets[r];
     const bool ignored = target == kIgnoreIndex;
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         return;
     }
-    const float target_logit = x[target];  // read before any thread writes the row
+    const float target_logit = detail::to_f32(x[target]);  // read before any thread writes the row
 
     // Pass 1: online (max, Σ exp) per thread.
     float m = -INFINITY, s = 0.0f;
@@ -111,12 +114,15 @@ __global__ void __launch_bounds__(kThreads)
                 f[e] = expf(f[e] - m) * scale;
                 if (v + e == target) f[e] -= grad_scale;
             }
-            if constexpr (kVec == 4) {
-                uint2 raw;
-                __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-                pairs[0] = __floats2bfloat162_rn(f[0], f[1]);
-                pairs[1] = __floats2bfloat162_rn(f[2], f[3]);
-                *reinterpret_cast<uint2*>(d + v) = raw;
+            if constexpr (kVec % 4 == 0) {
+#pragma unroll
+                for (int q = 0; q < kVec; q += 4) {
+                    uint2 raw;
+                    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+                    pairs[0] = __floats2bfloat162_rn(f[q], f[q + 1]);
+                    pairs[1] = __floats2bfloat162_rn(f[q + 2], f[q + 3]);
+                    *reinterpret_cast<uint2*>(d + v + q) = raw;
+                }
             } else {
                 d[v] = __float2bfloat16_rn(f[0]);
             }
@@ -143,14 +149,17 @@ void gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op_b,
 // ----------------------------------------------------------------------------------------------
 // public entries
 
-size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V) {
+size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logits_dtype) {
     MF_CHECK(chunk > 0 && V > 0, "lm_head_cross_entropy: bad chunk ", chunk, " or V ", V);
-    return static_cast<size_t>(chunk * V) * sizeof(float);
+    MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype must be f32 or bf16, got ",
+             dtype_name(logits_dtype));
+    return static_cast<size_t>(chunk * V) * dtype_size(logits_dtype);
 }
 
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream) {
+                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
+                           DType logits_dtype) {
     MF_CHECK(N >= 0 && C > 0 && V > 0, "lm_head_cross_entropy: bad shape N=", N, " C=", C, " V=", V);
     constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
     MF_CHECK(C <= kIntMax && 2 * V <= kIntMax, "lm_head_cross_entropy: C = ", C, " or V = ", V,
@@ -161,39 +170,47 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
              "lm_head_cross_entropy: null handle or buffer");
     MF_CHECK(dw == nullptr || dw_dtype == DType::f32 || dw_dtype == DType::bf16,
              "lm_head_cross_entropy: dw dtype must be f32 or bf16, got ", dtype_name(dw_dtype));
-    const size_t needed = lm_head_cross_entropy_scratch_bytes(chunk, V);
+    const size_t needed = lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     MF_CHECK(scratch != nullptr && scratch_bytes >= needed, "lm_head_cross_entropy: scratch has ", scratch_bytes,
              " bytes, needs ", needed);
     MF_CHECK(aligned_to(16, scratch), "lm_head_cross_entropy: scratch must be 16-byte aligned");
     check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
 
     const bool want_grad = dh != nullptr || dw != nullptr;
-    float* logits = static_cast<float*>(scratch);
-    const bf16* dlogits = reinterpret_cast<const bf16*>(logits);
-    const bool vec = V % 4 == 0;
+    const bool wide = logits_dtype == DType::f32;
+    const bf16* dlogits = static_cast<const bf16*>(scratch);
+    const int64_t ld_dlogits = wide ? 2 * V : V;  // bf16 elements between dlogits rows
+    // Vector paths: 4 fp32 logits (16 bytes) or 8 bf16 ones per load; rows start 16-byte aligned when
+    // V is a multiple of the vector width (scratch is 16-byte aligned).
+    const bool vec = V % (wide ? 4 : 8) == 0;
     const cudaDataType_t dw_type = dw_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
         const bf16* h_chunk = h + n0 * C;
         // logits_cm (V × rows) = w_cm(C × V)ᵀ · h_cm(C × rows)
-        gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, V, rows, C, w, C, h_chunk, C, 0.0f, logits, CUDA_R_32F, V,
-             "logits GEMM");
-        if (vec) {
-            cross_entropy_rows_kernel<4><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-                losses + n0, logits, targets + n0, V, grad_scale, want_grad);
-        } else {
-            cross_entropy_rows_kernel<1><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-                losses + n0, logits, targets + n0, V, grad_scale, want_grad);
-        }
+        gemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, V, rows, C, w, C, h_chunk, C, 0.0f, scratch,
+             wide ? CUDA_R_32F : CUDA_R_16BF, V, "logits GEMM");
+        const auto rows_kernel = [&](auto* logits) {
+            using TL = std::remove_pointer_t<decltype(logits)>;
+            constexpr int kVec = sizeof(TL) == 4 ? 4 : 8;
+            if (vec)
+                cross_entropy_rows_kernel<kVec, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
+            else
+                cross_entropy_rows_kernel<1, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
+        };
+        if (wide) rows_kernel(static_cast<float*>(scratch));
+        else rows_kernel(static_cast<bf16*>(scratch));
         MF_CHECK_CUDA(cudaGetLastError());
         if (dh != nullptr) {
             // dh_cm (C × rows) += w_cm (C × V) · dlogits_cm (V × rows, ld 2V)
-            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, C, rows, V, w, C, dlogits, 2 * V, 1.0f, dh + n0 * C, CUDA_R_16BF, C,
-                 "dh GEMM");
+            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, C, rows, V, w, C, dlogits, ld_dlogits, 1.0f, dh + n0 * C, CUDA_R_16BF,
+                 C, "dh GEMM");
         }
         if (dw != nullptr) {
             // dw_cm (C × V) += h_cm (C × rows) · dlogits_cm (V × rows, ld 2V)ᵀ
-            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, C, V, rows, h_chunk, C, dlogits, 2 * V, 1.0f, dw, dw_type, C,
+            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, C, V, rows, h_chunk, C, dlogits, ld_dlogits, 1.0f, dw, dw_type, C,
                  "dw GEMM");
         }
     }

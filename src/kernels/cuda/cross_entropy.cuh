@@ -17,21 +17,25 @@
 
 namespace mf::cuda {
 
-// Bytes of scratch lm_head_cross_entropy needs for chunks of `chunk` tokens: one [chunk, V] fp32
-// logits buffer, which the loss kernel overwrites in place with the bf16 dlogits.
-size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V);
+// Bytes of scratch lm_head_cross_entropy needs for chunks of `chunk` tokens: one [chunk, V] logits
+// buffer (fp32 or bf16), which the loss kernel overwrites in place with the bf16 dlogits.
+size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logits_dtype = DType::f32);
 
 // losses [N] fp32 (written). When dh / dw are non-null, the gradients of Σ_n grad_scale · loss[n]:
 //   dh [N, C] bf16 += dlogits · w          dw [V, C] (dw_dtype f32 or bf16) += dlogitsᵀ · h
 // with dlogits[n, v] = grad_scale · (softmax(logits[n])[v] − [v == target[n]]) rounded to bf16.
 // h [N, C] bf16, w [V, C] bf16, targets [N] int32. Per chunk of `chunk` tokens (the last may be
-// shorter): one GEMM (bf16 in, fp32 logits out), one kernel (per-row max and Σ exp in fp32, the
-// loss, dlogits written in place as bf16 rows of stride 2V), two GEMMs accumulating dh and dw
+// shorter): one GEMM (bf16 in, fp32 logits out; or logits rounded to bf16 with logits_dtype bf16,
+// as a bf16 model's are: half the logits traffic, twice the tokens per chunk of scratch), one kernel
+// (per-row max and Σ exp in fp32, the loss, dlogits written in place as bf16 rows of stride 2V over
+// fp32 logits, V over bf16 ones), two GEMMs accumulating dh and dw
 // (fp32 accumulation; dw rounded to bf16 once per chunk when it is bf16). cuBLAS results are
 // deterministic for a given GPU and library. The handle is set to `stream`.
-// scratch: lm_head_cross_entropy_scratch_bytes(chunk, V) bytes, 16-byte aligned.
+// scratch: lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype) bytes, 16-byte aligned.
+// CPU reference: cpu::lm_head_cross_entropy with bf16_logits = (logits_dtype == bf16).
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream);
+                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
+                           DType logits_dtype = DType::f32);
 
 }  // namespace mf::cuda
