@@ -298,13 +298,24 @@ void NcclCommunicator::broadcast_each(void* data, std::span<const int64_t> offse
     check_broadcast_each_args(offsets, size_);
     const size_t elem = dtype_size(dtype);
     begin(op);
+    // Point to point: this rank's piece goes straight to every peer and every peer's piece comes
+    // straight here, one group. (ncclBroadcast per piece ran its LL protocol at ~130 GB/s for the
+    // 780 MB of P2's ZeRO-1 parameters; large sends and receives run the Simple protocol.)
     MF_CHECK_NCCL(ncclGroupStart());
     for (int r = 0; r < size_; ++r) {
         const int64_t count = offsets[r + 1] - offsets[r];
-        if (count == 0) continue;
+        if (count == 0 || r == rank_) continue;
         checked_nbytes(count, dtype, op);
         char* piece = static_cast<char*>(data) + static_cast<size_t>(offsets[r]) * elem;
-        MF_CHECK_NCCL(ncclBroadcast(piece, piece, static_cast<size_t>(count), nccl_type(dtype), r, comm_, stream_));
+        MF_CHECK_NCCL(ncclRecv(piece, static_cast<size_t>(count), nccl_type(dtype), r, comm_, stream_));
+    }
+    const int64_t mine = offsets[rank_ + 1] - offsets[rank_];
+    if (mine > 0) {
+        checked_nbytes(mine, dtype, op);
+        const char* piece = static_cast<const char*>(data) + static_cast<size_t>(offsets[rank_]) * elem;
+        for (int r = 0; r < size_; ++r)
+            if (r != rank_)
+                MF_CHECK_NCCL(ncclSend(piece, static_cast<size_t>(mine), nccl_type(dtype), r, comm_, stream_));
     }
     MF_CHECK_NCCL(ncclGroupEnd());
     wait_nccl(op);
