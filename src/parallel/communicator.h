@@ -60,8 +60,7 @@ class Communicator {
     // Every rank r's piece data[offsets[r], offsets[r + 1]) copied to every rank: an in-place
     // all-gather of uneven pieces (offsets: size() + 1 non-decreasing entries, the same on every
     // rank). This default broadcasts the pieces one after the other; NCCL sends each piece straight
-    // to every peer (point to point) in one group,
-    // so they run at the same time.
+    // to every peer (point to point) in one group, so they all travel at the same time.
     virtual void broadcast_each(void* data, std::span<const int64_t> offsets, DType dtype) {
         check_broadcast_each_args(offsets, size());
         for (int r = 0; r < size(); ++r)
