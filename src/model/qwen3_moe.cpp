@@ -130,8 +130,17 @@ Qwen3Moe::~Qwen3Moe() = default;
 
 Tensor Qwen3Moe::param(std::string_view name) const {
     settle_params();
+    return param_view(name);
+}
+
+Tensor Qwen3Moe::param_view(std::string_view name) const {
     const ParamSpec& s = table_.get(name);
     return params_.as(param_dtype_, s.shape, static_cast<size_t>(s.offset) * dtype_size(param_dtype_));
+}
+
+Tensor Qwen3Moe::outer_param(std::string_view name) const {
+    MF_CHECK(table_.get(name).layer < 0, "outer_param: ", name, " belongs to a layer");
+    return param_view(name);
 }
 
 void Qwen3Moe::zero_grads() {
@@ -460,10 +469,12 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     md.ep = ep_;
     md.ep_chunks = ep_chunks_;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    const Tensor wte = param("model.embed_tokens.weight");
+    // Not param(): that would wait for every layer's pending background update before the forward;
+    // each layer waits for its own in layer_forward.
+    const Tensor wte = outer_param("model.embed_tokens.weight");
     const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
-    const Tensor head = param(head_name);
-    const Tensor normf = param("model.norm.weight");
+    const Tensor head = outer_param(head_name);
+    const Tensor normf = outer_param("model.norm.weight");
 
     std::vector<float> mask(static_cast<size_t>(N));
     double rows_per_layer = 0;

@@ -174,6 +174,9 @@ class Qwen3Moe {
     void validate(const data::Batch& batch) const;
     void settle_grads() const;   // the op stream waits for a pending background zero_grads
     void settle_params() const;  // ... and for every pending background parameter update
+    Tensor param_view(std::string_view name) const;  // param() without the wait
+    // A parameter outside every layer (embedding, final norm, head): never pending, so no wait.
+    Tensor outer_param(std::string_view name) const;
     void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
 
     Qwen3MoeConfig config_;
