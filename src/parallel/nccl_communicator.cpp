@@ -185,6 +185,7 @@ NcclCommunicator::NcclCommunicator(ncclComm_t comm, int world_rank, double timeo
 }
 
 NcclCommunicator::~NcclCommunicator() {
+    peer_.reset();  // waits (bounded) until the peers have taken what this rank sent them
     exchange_.reset();
     for (cudaEvent_t e : exchange_done_)
         if (e != nullptr) cudaEventDestroy(e);
@@ -239,18 +240,36 @@ uint32_t NcclCommunicator::begin(const char* op) {
     return ++seq_;
 }
 
+void NcclCommunicator::check_peer(const char* op) {
+    if (peer_ == nullptr) return;
+    const int late = peer_->late_peer();
+    if (late >= 0)
+        abort_with(op, detail::concat("timed out after ", seconds_str(timeout_s_), " s waiting for rank ", late,
+                                      " of this group (peer exchange)"));
+}
+
 void NcclCommunicator::synchronize() {
     if (comm_ == nullptr) return;
+    wait_stream(stream_);
+}
+
+void NcclCommunicator::wait_stream(cudaStream_t stream) {
     const double start = net::now_s(), deadline = start + timeout_s_;
     for (;;) {
-        const cudaError_t status = cudaStreamQuery(stream_);
-        if (status == cudaSuccess) return;
+        check_peer(last_op_);
+        const cudaError_t status = cudaStreamQuery(stream);
+        if (status == cudaSuccess) {
+            check_peer(last_op_);  // a wait that gave up lets the stream finish
+            return;
+        }
         if (status != cudaErrorNotReady) MF_CHECK_CUDA(status);
         ncclResult_t state = ncclSuccess;
         MF_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
         if (state != ncclSuccess && state != ncclInProgress)
             abort_with(last_op_, detail::concat("NCCL error: ", ncclGetErrorString(state)));
-        if (net::now_s() > deadline)
+        // With a peer exchange, a little grace: its device waits (started before this call) give up
+        // after the same timeout and name the late peer.
+        if (net::now_s() > deadline + (peer_ != nullptr ? 1.0 : 0.0))
             abort_with(last_op_, detail::concat("timed out after ", seconds_str(timeout_s_),
                                                 " s waiting for the other ranks (NCCL does not name the late peer)"));
         poll_pause(net::now_s() - start);
@@ -337,6 +356,10 @@ void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> s
     check_all_to_all_v_args(size(), send_counts, send_offsets, recv_counts, recv_offsets, dtype, op);
     const size_t n = static_cast<size_t>(size());
     begin(op);
+    if (peer_exchange() != nullptr) {
+        peer_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype, stream_);
+        return;
+    }
     const size_t elem = dtype_size(dtype);
     const ncclDataType_t type = nccl_type(dtype);
     const char* in = static_cast<const char*>(send);
@@ -372,22 +395,28 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     return std::unique_ptr<Communicator>(new NcclCommunicator(child, world_rank_, timeout_s_, stream_, op));
 }
 
+void NcclCommunicator::order_side_stream() {
+    if (side_stream_ == nullptr) {
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+        MF_CHECK_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+    }
+    // After everything enqueued on the default stream so far (the data being produced).
+    MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
+}
+
 NcclCommunicator& NcclCommunicator::side(const char* op) {
+    order_side_stream();
     if (side_ == nullptr) {
         // First use (every rank reaches it at the same point of the program): a second NCCL
         // communicator over the same ranks, driven on a non-blocking stream so that it runs
         // concurrently with the default stream instead of being serialised behind it.
-        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-        MF_CHECK_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
         ncclConfig_t config = nonblocking_config();
         ncclComm_t child = nullptr;
         MF_CHECK_NCCL(ncclCommSplit(comm_, 0, rank_, &child, &config));
         wait_nccl(op);
         side_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, side_stream_, op));
     }
-    // After everything enqueued on the default stream so far (the data being produced).
-    MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
-    MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
     return *side_;
 }
 
@@ -418,19 +447,48 @@ void NcclCommunicator::wait_async() {
     async_pending_ = false;
 }
 
-NcclCommunicator& NcclCommunicator::exchange(const char* op) {
-    if (exchange_ == nullptr) {
+void NcclCommunicator::order_exchange_stream() {
+    if (exchange_stream_ == nullptr) {
         MF_CHECK_CUDA(cudaStreamCreateWithFlags(&exchange_stream_, cudaStreamNonBlocking));
         MF_CHECK_CUDA(cudaEventCreateWithFlags(&exchange_ready_, cudaEventDisableTiming));
         for (cudaEvent_t& e : exchange_done_) MF_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    MF_CHECK_CUDA(cudaEventRecord(exchange_ready_, stream_));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(exchange_stream_, exchange_ready_, 0));
+}
+
+PeerExchange* NcclCommunicator::peer_exchange() {
+    if (!peer_decided_) {
+        peer_decided_ = true;
+        peer_ = PeerExchange::create(*this);
+    }
+    return peer_.get();
+}
+
+void NcclCommunicator::peer_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                                         std::span<const int64_t> send_offsets, void* recv,
+                                         std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
+                                         DType dtype, cudaStream_t stream) {
+    const size_t n = static_cast<size_t>(size_), elem = dtype_size(dtype);
+    std::vector<size_t> sb(n), so(n), rb(n), ro(n);
+    for (size_t p = 0; p < n; ++p) {
+        sb[p] = static_cast<size_t>(send_counts[p]) * elem;
+        so[p] = static_cast<size_t>(send_offsets[p]) * elem;
+        rb[p] = static_cast<size_t>(recv_counts[p]) * elem;
+        ro[p] = static_cast<size_t>(recv_offsets[p]) * elem;
+    }
+    peer_->all_to_all_v(static_cast<const char*>(send), sb, so, static_cast<char*>(recv), rb, ro, stream);
+}
+
+NcclCommunicator& NcclCommunicator::exchange(const char* op) {
+    order_exchange_stream();
+    if (exchange_ == nullptr) {
         ncclConfig_t config = nonblocking_config();
         ncclComm_t child = nullptr;
         MF_CHECK_NCCL(ncclCommSplit(comm_, 0, rank_, &child, &config));
         wait_nccl(op);
         exchange_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, exchange_stream_, op));
     }
-    MF_CHECK_CUDA(cudaEventRecord(exchange_ready_, stream_));
-    MF_CHECK_CUDA(cudaStreamWaitEvent(exchange_stream_, exchange_ready_, 0));
     return *exchange_;
 }
 
@@ -446,6 +504,12 @@ uint64_t NcclCommunicator::all_to_all_v_start(const void* send, std::span<const 
                                               std::span<const int64_t> recv_offsets, DType dtype) {
     const char* op = "all_to_all_v_start";
     begin(op);
+    if (peer_exchange() != nullptr) {
+        check_all_to_all_v_args(size(), send_counts, send_offsets, recv_counts, recv_offsets, dtype, op);
+        order_exchange_stream();
+        peer_all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype, exchange_stream_);
+        return record_exchange();
+    }
     exchange(op).all_to_all_v(send, send_counts, send_offsets, recv, recv_counts, recv_offsets, dtype);
     return record_exchange();
 }

@@ -19,6 +19,14 @@
 //     topology and NCCL_ALGO/NCCL_PROTO, so results are run-to-run deterministic and identical on every
 //     rank (ring and tree both finish by copying one reduced value to all).
 //   - split() is ncclCommSplit; barrier() is a one-element all-reduce followed by synchronize().
+//   - all_to_all_v and all_to_all_v_start bypass NCCL where every rank's GPU can map every other's
+//     memory (one host, peer access): the pieces are copied into the peers' windows by the copy
+//     engines and out into place there (parallel/peer_exchange.h; made at the first such call,
+//     which every rank reaches at the same point; MOEFORGE_PEER_EXCHANGE=0 keeps NCCL's send/recv).
+//     A piece that does not come within the timeout is reported by synchronize() with the late
+//     peer's rank. (broadcast_each_async stays on NCCL: measured in P2, the copy engines, starved
+//     by the memory-bound AdamW running beside it, took 11.5 ms for ZeRO-1's 387 MB pieces where
+//     NCCL's kernels take ~4.6.)
 #pragma once
 
 #if defined(MOEFORGE_WITH_NCCL)
@@ -27,6 +35,7 @@
 #include <nccl.h>
 
 #include "parallel/communicator.h"
+#include "parallel/peer_exchange.h"
 #include "parallel/rendezvous.h"
 
 namespace mf::parallel {
@@ -77,6 +86,8 @@ class NcclCommunicator final : public Communicator {
                                 std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
                                 DType dtype) override;
     void all_to_all_v_join(uint64_t ticket) override;
+    // Whether all_to_all_v runs over the peer exchange (after the first all_to_all_v; false before).
+    bool uses_peer_exchange() const { return peer_ != nullptr; }
 
  private:
     NcclCommunicator(ncclComm_t comm, int world_rank, double timeout_s, cudaStream_t stream, const char* what);
@@ -91,6 +102,9 @@ class NcclCommunicator final : public Communicator {
     // The side stream's communicator (all_reduce_sum_async, broadcast_each_async), made on first use;
     // side() makes it and orders the side stream after the default stream's work so far.
     NcclCommunicator& side(const char* op);
+    void order_side_stream();  // makes the side stream and its event; waits for stream_
+    // Polls `stream` until its work is done, with the timeout (and the peer exchange's report).
+    void wait_stream(cudaStream_t stream);
     std::unique_ptr<NcclCommunicator> side_;
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
@@ -98,7 +112,17 @@ class NcclCommunicator final : public Communicator {
     // The exchange stream's communicator, made on first use; exchange() makes it and orders the
     // exchange stream after the default stream's work so far, record_exchange() returns the ticket.
     NcclCommunicator& exchange(const char* op);
+    void order_exchange_stream();  // makes the exchange stream and its events; waits for stream_
     uint64_t record_exchange();
+    // The peer exchange, made by the first all_to_all_v (null where it cannot run).
+    PeerExchange* peer_exchange();
+    void peer_all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                           std::span<const int64_t> send_offsets, void* recv, std::span<const int64_t> recv_counts,
+                           std::span<const int64_t> recv_offsets, DType dtype, cudaStream_t stream);
+    std::unique_ptr<PeerExchange> peer_;
+    bool peer_decided_ = false;
+    // Ends the process with the diagnostic when a peer-exchange wait gave up (see synchronize).
+    void check_peer(const char* op);
     std::unique_ptr<NcclCommunicator> exchange_;
     cudaStream_t exchange_stream_ = nullptr;
     cudaEvent_t exchange_ready_ = nullptr;

@@ -2,7 +2,11 @@
 // ranks and equal to the fp32 serial sum up to NCCL's order (checked bit for bit between ranks, and
 // exactly for integer-valued data), rank-coded all_to_all_v dispatch and combine with zero counts,
 // broadcast, broadcast_each, all_gather, split, and all_reduce_sum_async on the side stream (exact on integer
-// data, one rounding for bf16 over 2 ranks). Skips (exit 77) without NCCL in the build or with fewer than 2 GPUs.
+// data, one rounding for bf16 over 2 ranks); the peer exchange that carries all_to_all_v between GPUs
+// of one host (parallel/peer_exchange.h): rank-coded bytes through 1000-byte slots (many rounds, odd
+// sizes, zero sizes, two streams interleaved), the same through NCCL with it switched off, and a
+// peer that never sends making the waiting rank exit with its rank named. Skips (exit 77) without
+// NCCL in the build or with fewer than 2 GPUs.
 // NOTE: the parent never touches CUDA, so that the forked ranks can initialise it.
 #include <gtest/gtest.h>
 
@@ -10,14 +14,21 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "core/bf16.h"
 #include "dist_test_util.h"
 
 #if defined(MOEFORGE_WITH_NCCL)
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include "parallel/nccl_communicator.h"
+#include "parallel/peer_exchange.h"
 #endif
 
 namespace mf::test {
@@ -87,6 +98,7 @@ TEST(Nccl, TwoGpuCollectives) {
         comm.all_to_all_v(dsend.ptr, sc, so, drecv.ptr, rc, ro, DType::i64);
         comm.all_to_all_v(drecv.ptr, rc, ro, dback.ptr, sc, so, DType::i64);
         comm.synchronize();
+        rank_check(comm.uses_peer_exchange(), "2 GPUs of one host: all_to_all_v should take the peer exchange");
         const auto recv = drecv.host();
         for (int p = 0; p < 2; ++p)
             for (int64_t k = 0; k < rc[p]; ++k)
@@ -131,6 +143,17 @@ TEST(Nccl, TwoGpuCollectives) {
         for (int r = 0; r < 2; ++r)
             for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
                 rank_check(re[i] == static_cast<float>(7 * r + i % 1024), "broadcast_each element");
+        // broadcast_each_async (side stream), uneven: rank 0's piece 80 MB, rank 1's 3 floats.
+        const std::vector<int64_t> big = {0, 20000000, 20000003};
+        std::vector<float> f(static_cast<size_t>(big[2]), -1.f);
+        for (int64_t i = big[rank]; i < big[rank + 1]; ++i) f[i] = static_cast<float>(11 * rank + i % 4093);
+        DeviceVector<float> df(f);
+        comm.broadcast_each_async(df.ptr, big, DType::f32);
+        comm.wait_async();
+        const auto rf = df.host();
+        for (int r = 0; r < 2; ++r)
+            for (int64_t i = big[r]; i < big[r + 1]; ++i)
+                rank_check(rf[i] == static_cast<float>(11 * r + i % 4093), "broadcast_each_async element");
         auto solo = comm.split(rank, 0);
         rank_check(solo != nullptr && solo->size() == 1 && solo->rank() == 0, "split");
         comm.barrier();
@@ -141,6 +164,148 @@ TEST(Nccl, TwoGpuCollectives) {
         std::exit(77);
     }
     for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
+}
+
+// Rank-coded bytes: byte k of the piece `from` sends `to` in exchange `round`.
+uint8_t code(int from, int to, int round, size_t k) {
+    return static_cast<uint8_t>(from * 97 + to * 31 + round * 7 + k * 13 + (k >> 8));
+}
+
+// One all_to_all_v of bytes between 2 ranks, piece sizes sizes[from][to], with gaps between the
+// pieces on both sides (even, so that the NCCL variant can count bf16 elements).
+constexpr size_t kSendGap = 4, kRecvGap = 6;
+struct BytePlan {
+    std::vector<size_t> sb, so, rb, ro;
+    std::vector<uint8_t> send;
+    size_t recv_total = 0;
+};
+
+BytePlan byte_plan(int rank, const size_t (&sizes)[2][2], int round) {
+    BytePlan b;
+    for (int p = 0; p < 2; ++p) {
+        b.sb.push_back(sizes[rank][p]);
+        b.so.push_back(b.send.size());
+        for (size_t k = 0; k < sizes[rank][p]; ++k) b.send.push_back(code(rank, p, round, k));
+        b.send.resize(b.send.size() + kSendGap, 0xEE);
+    }
+    for (int p = 0; p < 2; ++p) {
+        b.rb.push_back(sizes[p][rank]);
+        b.ro.push_back(b.recv_total);
+        b.recv_total += sizes[p][rank] + kRecvGap;
+    }
+    return b;
+}
+
+void check_bytes(const BytePlan& b, const std::vector<uint8_t>& recv, int rank, int round) {
+    const std::string where = "exchange " + std::to_string(round) + ": ";
+    for (int p = 0; p < 2; ++p) {
+        for (size_t k = 0; k < b.rb[p]; ++k)
+            rank_check(recv[b.ro[p] + k] == code(p, rank, round, k),
+                       where + "byte " + std::to_string(k) + " from rank " + std::to_string(p));
+        for (size_t k = b.rb[p]; k < b.rb[p] + kRecvGap; ++k)
+            rank_check(recv[b.ro[p] + k] == 0x55, where + "a gap was written");
+    }
+}
+
+TEST(Nccl, PeerExchangeRoundsAndFallback) {
+    const int port = free_port();
+    const auto results = run_processes(2, [&](int rank) -> std::string {
+        int devices = 0;
+        if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return "skip";
+        parallel::DistEnv env{rank, 2, rank, "127.0.0.1", port};
+        parallel::Rendezvous rdv(env, 60, nullptr);
+        parallel::NcclCommunicator comm(rdv, 60);
+        // 1000-byte slots: every piece above 1000 bytes travels in several rounds.
+        auto x = parallel::PeerExchange::create(comm, 1000);
+        rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
+        const size_t sizes[4][2][2] = {
+            {{10, 4322}, {3000, 8}},      // uneven rounds both ways
+            {{0, 1000}, {0, 0}},          // one direction only, exactly one slot
+            {{2, 0}, {1002, 64}},         // nothing from rank 0 to rank 1, 2 rounds back
+            {{50000, 12346}, {4, 65536}},
+        };
+        cudaStream_t other = nullptr;
+        rank_check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
+        std::vector<BytePlan> plans;
+        std::vector<std::unique_ptr<DeviceVector<uint8_t>>> sends, recvs;
+        for (int round = 0; round < 8; ++round) {  // each shape twice, alternating streams, no wait between
+            plans.push_back(byte_plan(rank, sizes[round % 4], round));
+            const BytePlan& b = plans.back();
+            sends.push_back(std::make_unique<DeviceVector<uint8_t>>(b.send));
+            recvs.push_back(std::make_unique<DeviceVector<uint8_t>>(std::vector<uint8_t>(b.recv_total, 0x55)));
+            x->all_to_all_v(reinterpret_cast<const char*>(sends.back()->ptr), b.sb, b.so,
+                            reinterpret_cast<char*>(recvs.back()->ptr), b.rb, b.ro, round % 2 ? other : nullptr);
+        }
+        rank_check(cudaDeviceSynchronize() == cudaSuccess, "device");
+        rank_check(x->late_peer() == -1, "no wait gave up");
+        for (int round = 0; round < 8; ++round) check_bytes(plans[round], recvs[round]->host(), rank, round);
+        x.reset();
+        cudaStreamDestroy(other);
+
+        // The communicator's all_to_all_v with the peer exchange switched off goes through NCCL and
+        // gives the same bytes (as bf16 elements).
+        ::setenv("MOEFORGE_PEER_EXCHANGE", "0", 1);
+        auto child = comm.split(0, rank);
+        auto& nccl = static_cast<parallel::NcclCommunicator&>(*child);
+        const BytePlan b = byte_plan(rank, sizes[3], 9);
+        DeviceVector<uint8_t> ds(b.send), dr(std::vector<uint8_t>(b.recv_total, 0x55));
+        auto elems = [](const std::vector<size_t>& v) {
+            std::vector<int64_t> out;
+            for (const size_t x : v) out.push_back(static_cast<int64_t>(x / 2));
+            return out;
+        };
+        nccl.all_to_all_v(ds.ptr, elems(b.sb), elems(b.so), dr.ptr, elems(b.rb), elems(b.ro), DType::bf16);
+        nccl.synchronize();
+        rank_check(!nccl.uses_peer_exchange(), "MOEFORGE_PEER_EXCHANGE=0 should keep NCCL");
+        check_bytes(b, dr.host(), rank, 9);
+        return "ok";
+    }, 120);
+    if (results[0].output == "skip") {
+        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
+        std::exit(77);
+    }
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
+}
+
+// A peer that never sends: the rank waiting for it ends with status 1 within the timeout, naming
+// the late rank; the silent rank (which does get its piece through) is killed by the harness.
+TEST(Nccl, PeerExchangeLatePeerNamed) {
+    const int port = free_port();
+    // The communicator reports on stderr and ends the process: rank 0's stderr goes to a file.
+    const std::string err_path = "/tmp/mf_peer_late_" + std::to_string(::getpid()) + ".err";
+    const auto results = run_processes(
+        2,
+        [&](int rank) -> std::string {
+            int devices = 0;
+            if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return "skip";
+            if (rank == 0 && std::freopen(err_path.c_str(), "w", stderr) == nullptr) return "no stderr file";
+            parallel::DistEnv env{rank, 2, rank, "127.0.0.1", port};
+            parallel::Rendezvous rdv(env, 60, nullptr);
+            parallel::NcclCommunicator comm(rdv, 3);
+            std::vector<int64_t> one = {1, 1}, offs = {0, 1};
+            DeviceVector<int32_t> s(std::vector<int32_t>{rank, rank}), r(std::vector<int32_t>{-1, -1});
+            comm.all_to_all_v(s.ptr, one, offs, r.ptr, one, offs, DType::i32);  // makes the exchange; both take part
+            comm.synchronize();
+            rank_check(comm.uses_peer_exchange(), "2 GPUs of one host: the peer exchange should be taken");
+            if (rank == 1) {
+                ::sleep(30);  // never answers the second exchange
+                return "rank 1 slept";
+            }
+            comm.all_to_all_v(s.ptr, one, offs, r.ptr, one, offs, DType::i32);
+            comm.synchronize();  // must not return
+            return "rank 0 returned from a wait for a silent peer";
+        },
+        20, 1);
+    if (results[0].output == "skip") {
+        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
+        std::exit(77);
+    }
+    std::ifstream in(err_path);
+    const std::string err((std::istreambuf_iterator<char>(in)), {});
+    std::remove(err_path.c_str());
+    EXPECT_EQ(results[0].exit_code, 1) << results[0].output << err;
+    EXPECT_NE(err.find("rank 0: timed out after 3 s waiting for rank 1 of this group"), std::string::npos) << err;
+    EXPECT_LT(results[0].seconds, 15.0);
 }
 
 #endif

@@ -1,0 +1,85 @@
+// PeerExchange: all_to_all_v between the GPUs of one host by copies straight into each peer's memory
+// (CUDA IPC), the path NcclCommunicator::all_to_all_v takes where it can (EP dispatch and combine).
+//
+// Each rank owns a window: one slot of slot_bytes per peer (what that peer sends here lands in it)
+// and two counters per peer, arrived[p] (raised by p when it has filled its slot) and freed[p]
+// (raised by p when it has copied out what this rank put in p's slot). A message larger than a slot
+// travels in rounds; both ends of a pair know its size (the all_to_all_v contract: recv_counts[p]
+// is p's send_counts[this rank]) and so number its rounds alike (one counter per pair and
+// direction). Round q from s to d, all on the caller's stream, no host wait:
+//   s: wait freed[d] >= q − 1 (d has emptied the slot) ; copy engine: send piece -> d's slot ;
+//      signal d.arrived[s] = q
+//   d: wait arrived[s] >= q ; copy the slot -> recv ; signal s.freed[d] = q
+// Within a round every rank first posts its sends, then takes its receives, so no rank waits for a
+// peer that is itself waiting (the pairs of round q only need round q − 1 done). The self entry is
+// a local copy. Exchanges on different streams may interleave: the counters order every reuse of
+// a slot. Bytes travel once over NVLink by the copy engines (no SMs used, no NCCL protocol
+// buffers) plus one local copy out of the slot.
+//
+// Waits give up after the communicator's timeout on the device (peer_flags.cuh) and record which
+// peer was late; late_peer() reports it, and NcclCommunicator::synchronize turns it into the
+// diagnostic and the exit.
+#pragma once
+
+#if defined(MOEFORGE_WITH_NCCL)
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace mf::parallel {
+
+class NcclCommunicator;
+
+class PeerExchange {
+ public:
+    // The default slot: 64 MiB per peer, which carries one P2-sized message (8192 tokens of 2048
+    // fp32 partial sums) in one round. MOEFORGE_PEER_SLOT_MB overrides it.
+    static constexpr size_t kDefaultSlotBytes = size_t{64} << 20;
+
+    // Collective over `comm`'s ranks (two all_gathers). Returns the exchange on every rank when every
+    // rank's GPU is on the same host as every other's and can map its memory, nullptr on every rank
+    // otherwise (or when MOEFORGE_PEER_EXCHANGE=0). slot_bytes 0: the default (or the variable).
+    static std::unique_ptr<PeerExchange> create(NcclCommunicator& comm, size_t slot_bytes = 0);
+    ~PeerExchange();
+    PeerExchange(const PeerExchange&) = delete;
+    PeerExchange& operator=(const PeerExchange&) = delete;
+
+    // all_to_all_v in bytes (NcclCommunicator checked the arguments), enqueued on `stream`.
+    void all_to_all_v(const char* send, std::span<const size_t> send_bytes, std::span<const size_t> send_offsets,
+                      char* recv, std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets,
+                      cudaStream_t stream);
+    // The rank of the group whose piece did not come within the timeout, or -1.
+    int late_peer() const;
+    size_t slot_bytes() const { return slot_bytes_; }
+
+ private:
+    PeerExchange() = default;
+    struct Flags {  // at the start of every window
+        uint64_t arrived[64];
+        uint64_t freed[64];
+    };
+    static constexpr int kMaxRanks = 64;
+    static constexpr size_t kFlagBytes = 4096;  // Flags, rounded up so the slots stay aligned
+    char* slot(char* window, int owner, int source) const;
+    Flags* flags(char* window) const { return reinterpret_cast<Flags*>(window); }
+    void copy(char* dst, const char* src, size_t bytes, cudaStream_t stream) const;
+
+    int rank_ = 0, size_ = 1;
+    size_t slot_bytes_ = 0;
+    uint64_t timeout_ns_ = 0;
+    bool sm_copies_ = true;  // copies by SM kernels (cuda::peer_copy); MOEFORGE_PEER_COPY=ce: copy engines
+    char* window_ = nullptr;          // this rank's window
+    std::vector<char*> peers_;        // every rank's window as mapped here (peers_[rank_] = window_)
+    std::vector<uint64_t> sent_, received_;  // rounds sent to / received from each rank so far
+    int* error_host_ = nullptr;       // mapped host word: 0, or 1 + the late rank
+    int* error_device_ = nullptr;
+};
+
+}  // namespace mf::parallel
+
+#endif  // MOEFORGE_WITH_NCCL
