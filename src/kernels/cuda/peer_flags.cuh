@@ -1,7 +1,7 @@
 // Stream-ordered flags between GPUs that map each other's memory (CUDA IPC), for the peer exchange
 // of parallel/peer_exchange.h. A flag is a 64-bit counter in one GPU's memory; its peers raise it
-// (peer_signal, a system-scope release store after everything before it on the stream, the copy
-// engine's writes into that GPU included) and the owner's streams wait for it (peer_wait, a
+// (peer_signal, a system-scope release store after everything before it on the stream, the
+// copies into that GPU included) and the owner's streams wait for it (peer_wait, a
 // one-thread kernel spinning on a system-scope acquire load). Plain C++ declarations: the
 // communicator (a .cpp) calls them.
 #pragma once
