@@ -59,14 +59,34 @@ struct DeviceVector {
     }
 };
 
+// The parent's view of a two-GPU test: skipped (exit 77, said on stdout) when a rank found fewer
+// than 2 GPUs.
+void skip_without_two_gpus(const std::vector<RankResult>& results) {
+    if (results[0].output == "skip") {
+        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
+        std::exit(77);
+    }
+}
+
+bool fewer_than_two_gpus() {
+    int devices = 0;
+    return cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2;
+}
+
+// One forked rank's NCCL world of 2 on loopback.
+struct TwoGpuRank {
+    parallel::Rendezvous rdv;
+    parallel::NcclCommunicator comm;
+    TwoGpuRank(int rank, int port, double timeout_s)
+        : rdv(parallel::DistEnv{rank, 2, rank, "127.0.0.1", port}, 60, nullptr), comm(rdv, timeout_s) {}
+};
+
 TEST(Nccl, TwoGpuCollectives) {
     const int port = free_port();
     const auto results = run_processes(2, [&](int rank) -> std::string {
-        int devices = 0;
-        if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return "skip";
-        parallel::DistEnv env{rank, 2, rank, "127.0.0.1", port};
-        parallel::Rendezvous rdv(env, 60, nullptr);
-        parallel::NcclCommunicator comm(rdv, 60);
+        if (fewer_than_two_gpus()) return "skip";
+        TwoGpuRank world(rank, port, 60);
+        auto& comm = world.comm;
         // Integer-valued floats: every summation order gives the same exact result.
         std::vector<float> x(100003);
         for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + rank * 13) % 1000);
@@ -132,37 +152,33 @@ TEST(Nccl, TwoGpuCollectives) {
                                 bf16_to_f32(f32_to_bf16(0.1f * static_cast<float>(i) + 0.37f));
             rank_check(rh[i] == f32_to_bf16(exact), "async bf16 all_reduce of 2 ranks: one rounding");
         }
-        // broadcast_each (one NCCL group of broadcasts): uneven pieces, the second rank's the larger.
-        const std::vector<int64_t> pieces = {0, 1000, 300000};
-        std::vector<float> e(300000, -1.f);
-        for (int64_t i = pieces[rank]; i < pieces[rank + 1]; ++i) e[i] = static_cast<float>(7 * rank + i % 1024);
-        DeviceVector<float> de(e);
-        comm.broadcast_each(de.ptr, pieces, DType::f32);
-        comm.synchronize();
-        const auto re = de.host();
-        for (int r = 0; r < 2; ++r)
-            for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
-                rank_check(re[i] == static_cast<float>(7 * r + i % 1024), "broadcast_each element");
-        // broadcast_each_async (side stream), uneven: rank 0's piece 80 MB, rank 1's 3 floats.
-        const std::vector<int64_t> big = {0, 20000000, 20000003};
-        std::vector<float> f(static_cast<size_t>(big[2]), -1.f);
-        for (int64_t i = big[rank]; i < big[rank + 1]; ++i) f[i] = static_cast<float>(11 * rank + i % 4093);
-        DeviceVector<float> df(f);
-        comm.broadcast_each_async(df.ptr, big, DType::f32);
-        comm.wait_async();
-        const auto rf = df.host();
-        for (int r = 0; r < 2; ++r)
-            for (int64_t i = big[r]; i < big[r + 1]; ++i)
-                rank_check(rf[i] == static_cast<float>(11 * r + i % 4093), "broadcast_each_async element");
+        // broadcast_each (one NCCL group of point-to-point sends) and broadcast_each_async (side
+        // stream), uneven pieces: each rank's own coded piece must reach the other.
+        auto check_broadcast = [&](const std::vector<int64_t>& pieces, int code, bool async) {
+            std::vector<float> e(static_cast<size_t>(pieces.back()), -1.f);
+            for (int64_t i = pieces[rank]; i < pieces[rank + 1]; ++i) e[i] = static_cast<float>(code * rank + i % 1021);
+            DeviceVector<float> de(e);
+            if (async) {
+                comm.broadcast_each_async(de.ptr, pieces, DType::f32);
+                comm.wait_async();
+            } else {
+                comm.broadcast_each(de.ptr, pieces, DType::f32);
+                comm.synchronize();
+            }
+            const auto re = de.host();
+            for (int r = 0; r < 2; ++r)
+                for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
+                    rank_check(re[i] == static_cast<float>(code * r + i % 1021),
+                               async ? "broadcast_each_async element" : "broadcast_each element");
+        };
+        check_broadcast({0, 1000, 300000}, 7, false);
+        check_broadcast({0, 20000000, 20000003}, 11, true);  // rank 0's piece 80 MB, rank 1's 3 floats
         auto solo = comm.split(rank, 0);
         rank_check(solo != nullptr && solo->size() == 1 && solo->rank() == 0, "split");
         comm.barrier();
         return "ok";
     });
-    if (results[0].output == "skip") {
-        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
-        std::exit(77);
-    }
+    skip_without_two_gpus(results);
     for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
 }
 
@@ -210,11 +226,9 @@ void check_bytes(const BytePlan& b, const std::vector<uint8_t>& recv, int rank, 
 TEST(Nccl, PeerExchangeRoundsAndFallback) {
     const int port = free_port();
     const auto results = run_processes(2, [&](int rank) -> std::string {
-        int devices = 0;
-        if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return "skip";
-        parallel::DistEnv env{rank, 2, rank, "127.0.0.1", port};
-        parallel::Rendezvous rdv(env, 60, nullptr);
-        parallel::NcclCommunicator comm(rdv, 60);
+        if (fewer_than_two_gpus()) return "skip";
+        TwoGpuRank world(rank, port, 60);
+        auto& comm = world.comm;
         // 1000-byte slots: every piece above 1000 bytes travels in several rounds.
         auto x = parallel::PeerExchange::create(comm, 1000);
         rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
@@ -260,10 +274,7 @@ TEST(Nccl, PeerExchangeRoundsAndFallback) {
         check_bytes(b, dr.host(), rank, 9);
         return "ok";
     }, 120);
-    if (results[0].output == "skip") {
-        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
-        std::exit(77);
-    }
+    skip_without_two_gpus(results);
     for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
 }
 
@@ -276,12 +287,10 @@ TEST(Nccl, PeerExchangeLatePeerNamed) {
     const auto results = run_processes(
         2,
         [&](int rank) -> std::string {
-            int devices = 0;
-            if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return "skip";
+            if (fewer_than_two_gpus()) return "skip";
             if (rank == 0 && std::freopen(err_path.c_str(), "w", stderr) == nullptr) return "no stderr file";
-            parallel::DistEnv env{rank, 2, rank, "127.0.0.1", port};
-            parallel::Rendezvous rdv(env, 60, nullptr);
-            parallel::NcclCommunicator comm(rdv, 3);
+            TwoGpuRank world(rank, port, 3);
+            auto& comm = world.comm;
             std::vector<int64_t> one = {1, 1}, offs = {0, 1};
             DeviceVector<int32_t> s(std::vector<int32_t>{rank, rank}), r(std::vector<int32_t>{-1, -1});
             comm.all_to_all_v(s.ptr, one, offs, r.ptr, one, offs, DType::i32);  // makes the exchange; both take part
@@ -296,10 +305,7 @@ TEST(Nccl, PeerExchangeLatePeerNamed) {
             return "rank 0 returned from a wait for a silent peer";
         },
         20, 1);
-    if (results[0].output == "skip") {
-        std::printf("SKIPPED: fewer than 2 CUDA devices\n");
-        std::exit(77);
-    }
+    skip_without_two_gpus(results);
     std::ifstream in(err_path);
     const std::string err((std::istreambuf_iterator<char>(in)), {});
     std::remove(err_path.c_str());
