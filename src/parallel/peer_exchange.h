@@ -48,7 +48,8 @@ class PeerExchange {
 
     // Collective over `comm`'s ranks (two all_gathers). Returns the exchange on every rank when every
     // rank's GPU is on the same host as every other's and can map its memory, nullptr on every rank
-    // otherwise (or when MOEFORGE_PEER_EXCHANGE=0). slot_bytes 0: the default (or the variable).
+    // otherwise (or when MOEFORGE_PEER_EXCHANGE=0, or for more than 64 ranks). slot_bytes 0: the
+    // default (or the variable).
     static std::unique_ptr<PeerExchange> create(NcclCommunicator& comm, size_t slot_bytes = 0);
     ~PeerExchange();
     PeerExchange(const PeerExchange&) = delete;
