@@ -148,10 +148,13 @@ char* PeerExchange::slot(char* window, int owner, int source) const {
     return window + kFlagBytes + static_cast<size_t>(index) * slot_bytes_;
 }
 
-void PeerExchange::copy(char* dst, const char* src, size_t bytes, cudaStream_t stream) const {
-    if (bytes == 0) return;
-    if (sm_copies_) cuda::peer_copy(dst, src, bytes, stream);
-    else MF_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream));
+void PeerExchange::copy(std::span<const cuda::CopySpan> spans, cudaStream_t stream) const {
+    if (sm_copies_) {
+        cuda::peer_copy(spans, stream);
+        return;
+    }
+    for (const cuda::CopySpan& c : spans)
+        if (c.bytes > 0) MF_CHECK_CUDA(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream));
 }
 
 int PeerExchange::late_peer() const {
@@ -165,31 +168,41 @@ void PeerExchange::all_to_all_v(const char* send, std::span<const size_t> send_b
     const size_t me = static_cast<size_t>(rank_);
     MF_CHECK(send_bytes[me] == recv_bytes[me], "all_to_all_v: rank ", rank_, " sends itself ", send_bytes[me],
              " bytes but expects ", recv_bytes[me]);
-    copy(recv + recv_offsets[me], send + send_offsets[me], send_bytes[me], stream);
     size_t longest = 0;
     for (int p = 0; p < size_; ++p)
         if (p != rank_) longest = std::max({longest, send_bytes[static_cast<size_t>(p)], recv_bytes[static_cast<size_t>(p)]});
     Flags* own = flags(window_);
-    for (size_t at = 0; at < longest; at += slot_bytes_) {
-        for (int p = 0; p < size_; ++p) {  // this round's sends first (see the header)
+    std::vector<cuda::CopySpan> spans;
+    std::vector<std::pair<int, uint64_t>> posted;  // (peer, round) of this round's sends
+    size_t at = 0;
+    do {
+        // This round's sends first (see the header), in one copy launch with the self piece (first
+        // round): the local copy runs beside the transfer.
+        spans.clear();
+        posted.clear();
+        if (at == 0) spans.push_back({recv + recv_offsets[me], send + send_offsets[me], send_bytes[me]});
+        for (int p = 0; p < size_; ++p) {
             const size_t i = static_cast<size_t>(p);
             if (p == rank_ || send_bytes[i] <= at) continue;
             const uint64_t q = ++sent_[i];
             if (q > 1) cuda::peer_wait(&own->freed[p], q - 1, timeout_ns_, error_device_, p + 1, stream);
-            copy(slot(peers_[i], p, rank_), send + send_offsets[i] + at, std::min(slot_bytes_, send_bytes[i] - at),
-                 stream);
-            cuda::peer_signal(&flags(peers_[i])->arrived[rank_], q, stream);
+            spans.push_back({slot(peers_[i], p, rank_), send + send_offsets[i] + at, std::min(slot_bytes_, send_bytes[i] - at)});
+            posted.emplace_back(p, q);
         }
+        copy(spans, stream);
+        for (const auto& [p, q] : posted) cuda::peer_signal(&flags(peers_[static_cast<size_t>(p)])->arrived[rank_], q, stream);
         for (int p = 0; p < size_; ++p) {
             const size_t i = static_cast<size_t>(p);
             if (p == rank_ || recv_bytes[i] <= at) continue;
             const uint64_t q = ++received_[i];
             cuda::peer_wait(&own->arrived[p], q, timeout_ns_, error_device_, p + 1, stream);
-            copy(recv + recv_offsets[i] + at, slot(window_, rank_, p), std::min(slot_bytes_, recv_bytes[i] - at),
-                 stream);
+            const cuda::CopySpan out{recv + recv_offsets[i] + at, slot(window_, rank_, p),
+                                     std::min(slot_bytes_, recv_bytes[i] - at)};
+            copy({&out, 1}, stream);
             cuda::peer_signal(&flags(peers_[i])->freed[rank_], q, stream);
         }
-    }
+        at += slot_bytes_;
+    } while (at < longest);
 }
 
 }  // namespace mf::parallel

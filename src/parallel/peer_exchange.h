@@ -14,7 +14,8 @@
 // peer that is itself waiting (the pairs of round q only need round q − 1 done). The self entry is
 // a local copy. Exchanges on different streams may interleave: the counters order every reuse of
 // a slot. Bytes travel once over NVLink (no NCCL protocol buffers or proxy) plus one local copy out
-// of the slot. The copies are SM kernels (cuda::peer_copy) by default; MOEFORGE_PEER_COPY=ce uses
+// of the slot. The copies are SM kernels (cuda::peer_copy; a round's sends and the self piece in one
+// launch) by default; MOEFORGE_PEER_COPY=ce uses
 // the copy engines instead. Measured on 2 H200s (MF_BENCH=1 test_nccl_ep, 16384 tokens per rank,
 // EP dispatch + combine alone): SM copies 1.41 ms, copy engines 1.52, NCCL send/recv 1.50; in the
 // P2 step the two copy kinds tie and both beat NCCL by 0.5-1 ms (the copy engines get a small
@@ -35,6 +36,8 @@
 #include <memory>
 #include <span>
 #include <vector>
+
+#include "kernels/cuda/peer_flags.cuh"
 
 namespace mf::parallel {
 
@@ -73,7 +76,7 @@ class PeerExchange {
     static constexpr size_t kFlagBytes = 4096;  // Flags, rounded up so the slots stay aligned
     char* slot(char* window, int owner, int source) const;
     Flags* flags(char* window) const { return reinterpret_cast<Flags*>(window); }
-    void copy(char* dst, const char* src, size_t bytes, cudaStream_t stream) const;
+    void copy(std::span<const cuda::CopySpan> spans, cudaStream_t stream) const;
 
     int rank_ = 0, size_ = 1;
     size_t slot_bytes_ = 0;

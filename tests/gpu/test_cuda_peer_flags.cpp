@@ -1,6 +1,7 @@
 // The peer exchange's kernels (kernels/cuda/peer_flags.cuh) on one GPU, against their host
 // references: peer_copy against memcpy (16-byte and byte paths: aligned and misaligned pointers, sizes
-// around 16, a megabyte and change, zero); peer_signal then peer_wait passes, a wait for a value never
+// around 16, a megabyte and change, zero; one span, and ten disjoint spans of mixed alignment in one
+// call: more than one launch holds); peer_signal then peer_wait passes, a wait for a value never
 // signalled gives up after its timeout with its code in the error word, and a later wait returns at
 // once once the word is set. (Between two GPUs they run in tests/dist/test_nccl_communicator.cpp.)
 #include <gtest/gtest.h>
@@ -42,12 +43,27 @@ TEST_F(CudaPeerFlags, CopyMatchesMemcpy) {
         SCOPED_TRACE("src+" + std::to_string(c.src_off) + " dst+" + std::to_string(c.dst_off) + " bytes " +
                      std::to_string(c.bytes));
         MF_CHECK_CUDA(cudaMemset(ddst, 0xA5, n));
-        cuda::peer_copy(ddst + c.dst_off, dsrc + c.src_off, c.bytes, nullptr);
+        const cuda::CopySpan span{ddst + c.dst_off, dsrc + c.src_off, c.bytes};
+        cuda::peer_copy({&span, 1}, nullptr);
         std::vector<unsigned char> got(n), want(n, 0xA5);
         MF_CHECK_CUDA(cudaMemcpy(got.data(), ddst, n, cudaMemcpyDeviceToHost));
         std::memcpy(want.data() + c.dst_off, src.data() + c.src_off, c.bytes);
         EXPECT_EQ(got, want);
     }
+    // Ten disjoint spans in one call (more than one launch's worth), two of them misaligned.
+    MF_CHECK_CUDA(cudaMemset(ddst, 0xA5, n));
+    std::vector<unsigned char> want(n, 0xA5);
+    std::vector<cuda::CopySpan> spans;
+    for (size_t k = 0; k < 10; ++k) {
+        const size_t dst_off = k * 65536 + (k == 3 ? 5 : 0), src_off = (9 - k) * 65536 + (k == 7 ? 1 : 0);
+        const size_t bytes = 16 * (1000 + 37 * k) + (k == 7 ? 3 : 0);
+        spans.push_back({ddst + dst_off, dsrc + src_off, bytes});
+        std::memcpy(want.data() + dst_off, src.data() + src_off, bytes);
+    }
+    cuda::peer_copy(spans, nullptr);
+    std::vector<unsigned char> got(n);
+    MF_CHECK_CUDA(cudaMemcpy(got.data(), ddst, n, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(got, want);
     cudaFree(dsrc);
     cudaFree(ddst);
 }

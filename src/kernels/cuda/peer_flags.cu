@@ -42,8 +42,20 @@ __global__ void peer_signal_kernel(uint64_t* flag, uint64_t value) {
     store_release_sys(flag, value);
 }
 
-__global__ void copy16_kernel(uint4* dst, const uint4* src, size_t n) {
-    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+constexpr int kMaxSpans = 8;
+
+// Span blockIdx.y of a launch: 16-byte moves, grid-stride over its blocks in x.
+struct Spans16 {
+    uint4* dst[kMaxSpans];
+    const uint4* src[kMaxSpans];
+    size_t n[kMaxSpans];
+};
+
+__global__ void copy16_kernel(Spans16 s) {
+    const int k = blockIdx.y;
+    uint4* dst = s.dst[k];
+    const uint4* src = s.src[k];
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < s.n[k];
          i += static_cast<size_t>(gridDim.x) * blockDim.x)
         dst[i] = src[i];
 }
@@ -54,20 +66,41 @@ __global__ void copy1_kernel(unsigned char* dst, const unsigned char* src, size_
         dst[i] = src[i];
 }
 
+constexpr int kCopyThreads = 512, kCopyBlocks = 264;  // blocks of one launch, shared by its spans
+
+int copy_blocks(size_t units, int spans) {
+    const size_t most = static_cast<size_t>(std::max(kCopyBlocks / spans, 32));
+    return static_cast<int>(std::max<size_t>(1, std::min((units + kCopyThreads - 1) / kCopyThreads, most)));
+}
+
 }  // namespace
 
-void peer_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-    if (bytes == 0) return;
-    constexpr int kThreads = 512, kMaxBlocks = 264;
-    const bool wide = (reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 16 == 0;
-    const size_t n = wide ? bytes / 16 : bytes;
-    const int blocks = static_cast<int>(std::min<size_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
-    if (wide)
-        copy16_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), n);
-    else
-        copy1_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<unsigned char*>(dst),
-                                                      static_cast<const unsigned char*>(src), n);
-    MF_CHECK_CUDA(cudaGetLastError());
+void peer_copy(std::span<const CopySpan> spans, cudaStream_t stream) {
+    Spans16 wide{};
+    int count = 0;
+    size_t longest = 0;
+    auto flush = [&] {
+        if (count == 0) return;
+        copy16_kernel<<<dim3(copy_blocks(longest, count), count), kCopyThreads, 0, stream>>>(wide);
+        MF_CHECK_CUDA(cudaGetLastError());
+        count = 0;
+        longest = 0;
+    };
+    for (const CopySpan& c : spans) {
+        if (c.bytes == 0) continue;
+        if ((reinterpret_cast<uintptr_t>(c.dst) | reinterpret_cast<uintptr_t>(c.src) | c.bytes) % 16 != 0) {
+            copy1_kernel<<<copy_blocks(c.bytes, 1), kCopyThreads, 0, stream>>>(
+                static_cast<unsigned char*>(c.dst), static_cast<const unsigned char*>(c.src), c.bytes);
+            MF_CHECK_CUDA(cudaGetLastError());
+            continue;
+        }
+        wide.dst[count] = static_cast<uint4*>(c.dst);
+        wide.src[count] = static_cast<const uint4*>(c.src);
+        wide.n[count] = c.bytes / 16;
+        longest = std::max(longest, c.bytes / 16);
+        if (++count == kMaxSpans) flush();
+    }
+    flush();
 }
 
 void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* error, int code,

@@ -8,7 +8,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
 namespace mf::cuda {
 
@@ -24,10 +26,16 @@ void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* 
 // with a system-scope fence and release store, so a peer that sees the value sees those writes.
 void peer_signal(uint64_t* flag, uint64_t value, cudaStream_t stream);
 
-// dst[0, bytes) = src[0, bytes) by SM threads (16-byte moves where both are 16-byte aligned and
-// bytes is a multiple of 16, bytes otherwise); dst or src may be a peer GPU's memory. The copy engine
-// (cudaMemcpyAsync) does the same without SMs, but gets a small share of memory bandwidth while
-// memory-bound kernels run.
-void peer_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+// Copies by SM threads: dst[0, bytes) = src[0, bytes) for every span, all spans of one call in one
+// launch where every span is 16-byte aligned (pointers and size), so a local copy runs beside a copy
+// into a peer's memory; a span that is not aligned is copied byte by byte in a launch of its own.
+// dst or src may be a peer GPU's memory. The copy engines (cudaMemcpyAsync) do the same without
+// SMs, but get a small share of memory bandwidth while memory-bound kernels run.
+struct CopySpan {
+    void* dst;
+    const void* src;
+    size_t bytes;
+};
+void peer_copy(std::span<const CopySpan> spans, cudaStream_t stream);
 
 }  // namespace mf::cuda
