@@ -250,14 +250,10 @@ void NcclCommunicator::check_peer(const char* op) {
 
 void NcclCommunicator::synchronize() {
     if (comm_ == nullptr) return;
-    wait_stream(stream_);
-}
-
-void NcclCommunicator::wait_stream(cudaStream_t stream) {
     const double start = net::now_s(), deadline = start + timeout_s_;
     for (;;) {
         check_peer(last_op_);
-        const cudaError_t status = cudaStreamQuery(stream);
+        const cudaError_t status = cudaStreamQuery(stream_);
         if (status == cudaSuccess) {
             check_peer(last_op_);  // a wait that gave up lets the stream finish
             return;
@@ -395,28 +391,22 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
     return std::unique_ptr<Communicator>(new NcclCommunicator(child, world_rank_, timeout_s_, stream_, op));
 }
 
-void NcclCommunicator::order_side_stream() {
-    if (side_stream_ == nullptr) {
-        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-        MF_CHECK_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    }
-    // After everything enqueued on the default stream so far (the data being produced).
-    MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
-    MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
-}
-
 NcclCommunicator& NcclCommunicator::side(const char* op) {
-    order_side_stream();
     if (side_ == nullptr) {
         // First use (every rank reaches it at the same point of the program): a second NCCL
         // communicator over the same ranks, driven on a non-blocking stream so that it runs
         // concurrently with the default stream instead of being serialised behind it.
+        MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+        MF_CHECK_CUDA(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
         ncclConfig_t config = nonblocking_config();
         ncclComm_t child = nullptr;
         MF_CHECK_NCCL(ncclCommSplit(comm_, 0, rank_, &child, &config));
         wait_nccl(op);
         side_.reset(new NcclCommunicator(child, world_rank_, timeout_s_, side_stream_, op));
     }
+    // After everything enqueued on the default stream so far (the data being produced).
+    MF_CHECK_CUDA(cudaEventRecord(ready_, stream_));
+    MF_CHECK_CUDA(cudaStreamWaitEvent(side_stream_, ready_, 0));
     return *side_;
 }
 

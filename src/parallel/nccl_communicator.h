@@ -102,9 +102,6 @@ class NcclCommunicator final : public Communicator {
     // The side stream's communicator (all_reduce_sum_async, broadcast_each_async), made on first use;
     // side() makes it and orders the side stream after the default stream's work so far.
     NcclCommunicator& side(const char* op);
-    void order_side_stream();  // makes the side stream and its event; waits for stream_
-    // Polls `stream` until its work is done, with the timeout (and the peer exchange's report).
-    void wait_stream(cudaStream_t stream);
     std::unique_ptr<NcclCommunicator> side_;
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;

@@ -110,6 +110,12 @@ std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_
     for (const Info& o : second)
         if (o.reach == 0) return nullptr;  // the destructor frees the window
 
+    // The counters before the mappings: a failed open leaves the destructor a consistent object.
+    x->sent_.assign(static_cast<size_t>(n), 0);
+    x->received_.assign(static_cast<size_t>(n), 0);
+    MF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&x->error_host_), sizeof(int), cudaHostAllocMapped));
+    *x->error_host_ = 0;
+    MF_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&x->error_device_), x->error_host_, 0));
     x->peers_.assign(static_cast<size_t>(n), nullptr);
     x->peers_[static_cast<size_t>(x->rank_)] = x->window_;
     for (int p = 0; p < n; ++p) {
@@ -119,11 +125,6 @@ std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_
                                            cudaIpcMemLazyEnablePeerAccess));
         x->peers_[static_cast<size_t>(p)] = static_cast<char*>(mapped);
     }
-    x->sent_.assign(static_cast<size_t>(n), 0);
-    x->received_.assign(static_cast<size_t>(n), 0);
-    MF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&x->error_host_), sizeof(int), cudaHostAllocMapped));
-    *x->error_host_ = 0;
-    MF_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&x->error_device_), x->error_host_, 0));
     return x;
 }
 
