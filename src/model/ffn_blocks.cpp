@@ -481,7 +481,9 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
 }
 
 void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const Tensor& dy, const Tensor& dprobs,
-                        const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d) {
+                        const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d,
+                        bool accumulate_expert_grads) {
+    const bool acc = accumulate_expert_grads;
     if (d.ep != nullptr) {
         check_ep(d, w);
         const EpRouting& r = a.routing;
@@ -540,12 +542,15 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
             [&](const EpChunk& ch) {
                 const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
                 const auto host = chunk_host_offsets(r, ch);
+                // Each chunk's experts are its own, so written gradients are written exactly once.
                 ops::grouped_matmul_backward(Tensor(), expert_view(g.down, ch.first_expert, ch.num_experts),
                                              s.dy_local, a.a_local,
-                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host);
+                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
+                                             true, acc);
                 ops::grouped_matmul_backward(Tensor(), expert_view(g.gate_up, ch.first_expert, ch.num_experts),
                                              s.dh_local, a.x_local,
-                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
+                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
+                                             true, acc);
             });
         ops::phase_mark("bwd moe experts");
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);
@@ -555,10 +560,10 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         // Every pair row belongs to a group (offsets run from 0 to N·K), so the input gradients are
         // written rather than zeroed and accumulated.
         ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
-                                     false);
+                                     false, acc);
         ops::swiglu_backward(s.dh_perm, s.da_perm, a.h_perm);
         ops::grouped_matmul_backward(s.dx_perm, g.gate_up, s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
-                                     a.host_offsets, false);
+                                     a.host_offsets, false, acc);
         ops::moe_gather_backward(dx, s.dx_perm, a.pair_row, d.top_k);
     }
     ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);

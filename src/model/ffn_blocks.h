@@ -192,8 +192,11 @@ void ep_combine(const MoeDims& d, MoeActs& a, const Tensor& y);
 
 void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const MoeWeights& w, const MoeDims& d);
 // dprobs[N, E] f32 (may be undefined): gradient of the loss with respect to the router probabilities.
+// The expert weight gradients (grads.gate_up, grads.down) are accumulated, or with
+// accumulate_expert_grads false written (every expert's, an expert without rows getting zeros), so
+// the caller need not zero them first; the router's is always accumulated.
 void moe_block_backward(const Tensor& dx, const MoeWeights& grads, MoeScratch& s, const Tensor& dy,
                         const Tensor& dprobs, const Tensor& x, const MoeActs& acts, const MoeWeights& w,
-                        const MoeDims& d);
+                        const MoeDims& d, bool accumulate_expert_grads = true);
 
 }  // namespace mf::model

@@ -145,8 +145,19 @@ Tensor Qwen3Moe::outer_param(std::string_view name) const {
 
 void Qwen3Moe::zero_grads() {
     settle_grads();
-    const Tensor g = grads_.as(placement_.grad_dtype, {table_.total()});
+    const Tensor g = grads_.as(placement_.grad_dtype, {table_.expert_offset()});  // the replicated region
     zeroing_ = ops::background(placement_.device, [&g] { ops::zero(g); });
+    expert_grads_marked_.assign(layers_.size(), 0);
+    for (size_t l = 0; l < layers_.size(); ++l) expert_grads_marked_[l] = layers_[l].is_moe ? 1 : 0;
+}
+
+void Qwen3Moe::settle_expert_grads(int64_t layer) const {
+    for (size_t l = 0; l < expert_grads_marked_.size(); ++l) {
+        if (!expert_grads_marked_[l] || (layer >= 0 && static_cast<int64_t>(l) != layer)) continue;
+        ops::zero(layers_[l].g_moe.gate_up);
+        ops::zero(layers_[l].g_moe.down);
+        expert_grads_marked_[l] = 0;
+    }
 }
 
 void Qwen3Moe::settle_grads() const {
@@ -155,23 +166,34 @@ void Qwen3Moe::settle_grads() const {
     zeroing_ = 0;
 }
 
-void Qwen3Moe::params_pending(int64_t layer, ops::BackgroundTicket ticket) {
-    MF_CHECK(layer >= 0 && layer < config_.num_hidden_layers, "params_pending: layer ", layer, " of ",
-             config_.num_hidden_layers);
-    params_pending_.resize(static_cast<size_t>(config_.num_hidden_layers), 0);
-    params_pending_[static_cast<size_t>(layer)] = ticket;
+int64_t Qwen3Moe::param_stage(const ParamSpec& spec) const {
+    if (spec.layer >= 0) return spec.layer;
+    return spec.name == "model.embed_tokens.weight" ? kStageEmbedding : kStageHead;
+}
+
+void Qwen3Moe::params_pending(int64_t stage, std::function<void()> wait) {
+    MF_CHECK(stage >= kStageEmbedding && stage < config_.num_hidden_layers, "params_pending: stage ", stage, " of ",
+             config_.num_hidden_layers, " layers");
+    params_pending_.resize(static_cast<size_t>(config_.num_hidden_layers + 2));
+    params_pending_[static_cast<size_t>(stage + 2)].push_back(std::move(wait));
+}
+
+void Qwen3Moe::settle_stage(int64_t stage) const {
+    if (static_cast<size_t>(stage + 2) >= params_pending_.size()) return;
+    std::vector<std::function<void()>> waits;
+    waits.swap(params_pending_[static_cast<size_t>(stage + 2)]);
+    for (const auto& wait : waits) wait();
 }
 
 void Qwen3Moe::settle_params() const {
-    for (ops::BackgroundTicket& t : params_pending_) {
-        if (t != 0) ops::wait_background(placement_.device, t);
-        t = 0;
-    }
+    for (int64_t stage = kStageEmbedding; stage < static_cast<int64_t>(params_pending_.size()) - 2; ++stage)
+        settle_stage(stage);
 }
 
 Tensor Qwen3Moe::grad(std::string_view name) const {
     settle_grads();
     const ParamSpec& s = table_.get(name);
+    if (s.is_expert) settle_expert_grads(s.layer);
     return grads_.as(placement_.grad_dtype, s.shape, static_cast<size_t>(s.offset) * dtype_size(placement_.grad_dtype));
 }
 
@@ -415,10 +437,7 @@ void Qwen3Moe::layer_forward(int64_t l, int64_t B, int64_t T) {
     Workspace& ws = *ws_;
     const auto& c = config_;
     const Layer& L = layers_[static_cast<size_t>(l)];
-    if (static_cast<size_t>(l) < params_pending_.size() && params_pending_[static_cast<size_t>(l)] != 0) {
-        ops::wait_background(placement_.device, params_pending_[static_cast<size_t>(l)]);
-        params_pending_[static_cast<size_t>(l)] = 0;
-    }
+    settle_stage(l);
     auto& la = ws.acts(l, recompute_);
     const float eps = static_cast<float>(c.rms_norm_eps);
     const Tensor& x = ws.resid[static_cast<size_t>(l)];
@@ -469,8 +488,8 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     md.ep = ep_;
     md.ep_chunks = ep_chunks_;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    // Not param(): that would wait for every layer's pending background update before the forward;
-    // each layer waits for its own in layer_forward.
+    // Not param(): that would wait for every pending parameter write before the forward; each stage
+    // waits for its own right before its first op (settle_stage).
     const Tensor wte = outer_param("model.embed_tokens.weight");
     const std::string head_name = c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight";
     const Tensor head = outer_param(head_name);
@@ -492,6 +511,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
     ops::copy_from_host(ws.mask, mask.data());
 
     // --- forward -----------------------------------------------------------------------------------
+    settle_stage(kStageEmbedding);
     ops::embedding_forward(ws.resid[0], ws.ids, wte);
     int64_t num_moe_layers = 0;
     if (c.num_experts > 0) {
@@ -507,6 +527,7 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         }
     }
     const Tensor& x_final = ws.resid.back();
+    settle_stage(kStageHead);
     ops::rmsnorm_forward(ws.lnf, ws.lnf_rstd, x_final, normf, eps);
     if (logits != nullptr) {
         MF_CHECK(placement_.device == Device::cpu, "logits output is for CPU models");
@@ -557,11 +578,16 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         // x_out = x_mid + ffn(rmsnorm(x_mid))
         ops::copy(ws.d_mid, ws.d_resid);
         ops::zero(ws.d_ln);
-        if (L.is_moe)
+        if (L.is_moe) {
+            // Written rather than added where zero_grads() left them undefined.
+            const bool marked = static_cast<size_t>(l) < expert_grads_marked_.size() &&
+                                expert_grads_marked_[static_cast<size_t>(l)] != 0;
             moe_block_backward(ws.d_ln, L.g_moe, ws.moe_scratch, ws.d_resid, aux_grad ? ws.dprobs : Tensor(), la.ln2,
-                               ws.moe_acts(l, recompute_), L.moe, md);
-        else
+                               ws.moe_acts(l, recompute_), L.moe, md, !marked);
+            if (marked) expert_grads_marked_[static_cast<size_t>(l)] = 0;
+        } else {
             mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);
+        }
         ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd);
         mark_layer("bwd ffn", l);
         // x_mid = x + attention(rmsnorm(x))

@@ -89,6 +89,14 @@ class Qwen3Moe {
     }
     Tensor grads_tensor() const {
         settle_grads();
+        settle_expert_grads(-1);
+        return grads_.as(placement_.grad_dtype, {table_.total()});
+    }
+    // grads_tensor() for the gradient hook (set_grad_hook) while a backward runs: the expert
+    // gradients of layers whose backward has not run since zero_grads() are left as they are
+    // (undefined; see zero_grads), so the hook may read only gradients already finished.
+    Tensor grads_tensor_in_backward() const {
+        settle_grads();
         return grads_.as(placement_.grad_dtype, {table_.total()});
     }
     // CPU models only: the flat f32 buffers.
@@ -98,13 +106,22 @@ class Qwen3Moe {
     Tensor grad(std::string_view name) const;
     // Zeroes the gradients. On the GPU the memset goes to the background stream (ops::background), so
     // that it runs beside the next step's forward; step(), grad() and grads_tensor() put their work
-    // behind it.
+    // behind it. The stacked expert gradients are not cleared but marked: the next backward writes
+    // each MoE layer's instead of adding to them (moe_block_backward, accumulate_expert_grads false),
+    // which spares the memset and the GEMMs' read of the old values (the largest part of the
+    // gradients under EP); grad(), grads_tensor() and grad_data() zero those of layers whose backward
+    // has not run since (e.g. zero_grads() then a read), so readers always see defined values.
     void zero_grads();
-    // Layer `layer`'s parameters are still being written on the background stream until `ticket` (an
-    // optimizer update running beside the next forward, train::AdamW): layer_forward waits for it
-    // before the layer's first op, and params_tensor(), param() and param_data() wait for every
-    // pending layer.
-    void params_pending(int64_t layer, ops::BackgroundTicket ticket);
+    // Parameters still being written when the optimizer step returns (train::AdamW: an update on the
+    // background stream, a ZeRO-1 broadcast on a communicator's side stream, both running beside the
+    // next forward). A parameter's stage is where the forward first reads it: kStageEmbedding (the
+    // embedding), layer l (0..L-1: layer l's own), kStageHead (the final norm and an untied head).
+    // params_pending(stage, wait) registers `wait`, which orders the op stream after that write;
+    // the forward calls a stage's waits (once) right before the stage's first op, and
+    // params_tensor(), param() and param_data() call every pending one.
+    static constexpr int64_t kStageEmbedding = -2, kStageHead = -1;
+    int64_t param_stage(const ParamSpec& spec) const;
+    void params_pending(int64_t stage, std::function<void()> wait);
     // Parameters to and from host f32 (converted as the placement needs).
     void set_params_from_host(const float* src);
     void get_params_to_host(float* dst) const;
@@ -173,9 +190,12 @@ class Qwen3Moe {
     void allocate_step(int64_t B, int64_t T);  // the step's allocation sequence
     void validate(const data::Batch& batch) const;
     void settle_grads() const;   // the op stream waits for a pending background zero_grads
-    void settle_params() const;  // ... and for every pending background parameter update
+    void settle_expert_grads(int64_t layer) const;  // zeroes a marked layer's expert gradients (-1: all)
+    void settle_params() const;  // ... and for every pending parameter write (params_pending)
+    void settle_stage(int64_t stage) const;  // ... for the writes pending on one stage
     Tensor param_view(std::string_view name) const;  // param() without the wait
-    // A parameter outside every layer (embedding, final norm, head): never pending, so no wait.
+    // A parameter outside every layer (embedding, final norm, head), without the wait (the forward
+    // settles its stage before the first use).
     Tensor outer_param(std::string_view name) const;
     void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
 
@@ -192,7 +212,8 @@ class Qwen3Moe {
     int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
     mutable ops::BackgroundTicket zeroing_ = 0;
-    mutable std::vector<ops::BackgroundTicket> params_pending_;  // per layer; 0: nothing pending
+    mutable std::vector<char> expert_grads_marked_;  // per layer: expert gradients undefined until written
+    mutable std::vector<std::vector<std::function<void()>>> params_pending_;  // per stage, stage + 2
     RowGather row_gather_;
     int row_gather_ranks_ = 1;
     Buffer gathered_rows_;  // [ranks · N] ids (i32), then [ranks · N, H] output-gradient rows

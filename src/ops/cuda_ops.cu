@@ -507,7 +507,7 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets,
-                             bool accumulate_dinp) {
+                             bool accumulate_dinp, bool accumulate_dweight) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (defined(dinp)) {
         if (grouped_uses_cublas(M, E, C, OC, false))
@@ -518,13 +518,15 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                                                     accumulate_dinp, ctx().stream);
     }
     if (defined(dweight)) {
-        if (grouped_uses_cublas(M, E, C, OC, true))
+        if (grouped_uses_cublas(M, E, C, OC, true)) {
             mf::cuda::grouped_matmul_backward_weight_cublas(grouped_cublas(), dweight.data(), dweight.dtype(), B(dout),
                                                             B(inp), I(offsets), M, E, C, OC, ctx().stream,
-                                                            host_offsets);
-        else
+                                                            host_offsets, accumulate_dweight);
+        } else {  // the own kernel only accumulates
+            if (!accumulate_dweight) zero(dweight);
             mf::cuda::grouped_matmul_backward_weight(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets), M, E,
                                                      C, OC, ctx().stream);
+        }
     }
 }
 

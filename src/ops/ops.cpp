@@ -690,12 +690,12 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets,
-                             bool accumulate_dinp) {
+                             bool accumulate_dinp, bool accumulate_dweight) {
     OpScope scope_("grouped_matmul_backward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
         return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets, host_offsets,
-                                                  accumulate_dinp);
+                                                  accumulate_dinp, accumulate_dweight);
     check_host_offsets(offsets, host_offsets);
     if (!accumulate_dinp && defined(dinp) && E > 0) {  // written: clear the groups' rows, then add
         const int32_t* off = i32(offsets);
@@ -703,6 +703,7 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                  off[0], ", ", off[E], ") outside the ", rows(dinp), " rows of dinp");
         std::fill(f(dinp) + off[0] * C, f(dinp) + off[E] * C, 0.0f);
     }
+    if (!accumulate_dweight && defined(dweight)) std::fill(f(dweight), f(dweight) + dweight.numel(), 0.0f);
     cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 

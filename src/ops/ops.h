@@ -147,10 +147,12 @@ void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, con
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                             std::span<const int32_t> host_offsets = {});
 // dweight +=; dinp += (or, with accumulate_dinp false, written: the rows of the groups get the
-// product, so the caller need not zero them first); either may be undefined.
+// product, so the caller need not zero them first); either may be undefined. With accumulate_dweight
+// false every dweight[e] is written (an empty group's with zeros): the values of zeroing dweight and
+// accumulating, without either pass.
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets = {},
-                             bool accumulate_dinp = true);
+                             bool accumulate_dinp = true, bool accumulate_dweight = true);
 // Whether callers on `device` should pass host offsets: the GPU's cuBLAS path needs them (reading
 // the offsets once and passing them to every call saves a sync per call); on the CPU they cost
 // nothing and are checked.

@@ -102,11 +102,16 @@ class Communicator {
     // untouched by other work until wait_async() returns.
     virtual void all_reduce_sum_async(void* data, int64_t count, DType dtype) { all_reduce_sum(data, count, dtype); }
     // broadcast_each that overlaps what the default stream does next, in the same way (NCCL: on the
-    // side stream, after the work enqueued so far); completed by wait_async(). Backends without
-    // concurrency broadcast at once.
-    virtual void broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
+    // side stream, after the work enqueued so far); completed by wait_async(). It returns a ticket:
+    // join_async(ticket) orders the default stream's later work after this broadcast (and every
+    // asynchronous operation started before it) without a host wait, so a consumer of the data can
+    // be enqueued before the broadcast has finished. Backends without concurrency broadcast at once
+    // and return 0, whose join is a no-op.
+    virtual uint64_t broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
         broadcast_each(data, offsets, dtype);
+        return 0;
     }
+    virtual void join_async(uint64_t ticket) { (void)ticket; }
     virtual void wait_async() {}
     // Returns once every rank has entered the barrier.
     virtual void barrier() = 0;

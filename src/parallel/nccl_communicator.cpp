@@ -192,6 +192,8 @@ NcclCommunicator::~NcclCommunicator() {
     if (exchange_ready_ != nullptr) cudaEventDestroy(exchange_ready_);
     if (exchange_stream_ != nullptr) cudaStreamDestroy(exchange_stream_);
     side_.reset();  // its communicator and stream first
+    for (cudaEvent_t e : side_done_)
+        if (e != nullptr) cudaEventDestroy(e);
     if (ready_ != nullptr) cudaEventDestroy(ready_);
     if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
     if (scratch_ != nullptr) cudaFree(scratch_);
@@ -423,12 +425,24 @@ void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dty
     async_pending_ = true;
 }
 
-void NcclCommunicator::broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
+uint64_t NcclCommunicator::broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) {
     const char* op = "broadcast_each_async";
     check_broadcast_each_args(offsets, size_);
     begin(op);
     side(op).broadcast_each(data, offsets, dtype);  // the side communicator issues on the side stream
     async_pending_ = true;
+    const uint64_t ticket = ++side_tickets_;
+    cudaEvent_t& done = side_done_[ticket % kSideTickets];
+    if (done == nullptr) MF_CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    MF_CHECK_CUDA(cudaEventRecord(done, side_stream_));
+    return ticket;
+}
+
+void NcclCommunicator::join_async(uint64_t ticket) {
+    if (ticket == 0) return;
+    MF_CHECK(ticket <= side_tickets_, "rank ", world_rank_, ": join_async: ticket ", ticket, " was not issued (",
+             side_tickets_, " so far)");
+    MF_CHECK_CUDA(cudaStreamWaitEvent(stream_, side_done_[ticket % kSideTickets], 0));
 }
 
 void NcclCommunicator::wait_async() {

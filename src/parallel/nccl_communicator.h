@@ -67,7 +67,12 @@ class NcclCommunicator final : public Communicator {
     // On a second NCCL communicator over the same ranks and a non-blocking side stream, ordered
     // after the default stream's work at the call (an event); bf16 summed in bf16 by NCCL.
     void all_reduce_sum_async(void* data, int64_t count, DType dtype) override;
-    void broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) override;
+    // Tickets are events on the side stream, kSideTickets of them reused round robin: joining a
+    // ticket whose event was recorded again since waits for that later work too (the side stream
+    // runs in order), never for less.
+    static constexpr uint64_t kSideTickets = 256;
+    uint64_t broadcast_each_async(void* data, std::span<const int64_t> offsets, DType dtype) override;
+    void join_async(uint64_t ticket) override;
     void wait_async() override;
     std::unique_ptr<Communicator> split(int color, int key) override;
 
@@ -106,6 +111,8 @@ class NcclCommunicator final : public Communicator {
     cudaStream_t side_stream_ = nullptr;
     cudaEvent_t ready_ = nullptr;
     bool async_pending_ = false;
+    cudaEvent_t side_done_[kSideTickets] = {};
+    uint64_t side_tickets_ = 0;
     // The exchange stream's communicator, made on first use; exchange() makes it and orders the
     // exchange stream after the default stream's work so far, record_exchange() returns the ticket.
     NcclCommunicator& exchange(const char* op);

@@ -122,7 +122,7 @@ int64_t DistContext::sum_i64(int64_t value) {
 void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& which) {
     const auto& specs = model.params().specs();
     const DType dt = model.grad_dtype();
-    char* base = static_cast<char*>(model.grads_tensor().data());
+    char* base = static_cast<char*>(model.grads_tensor_in_backward().data());
     std::vector<std::pair<int64_t, int64_t>> ranges[2];  // [replicated, expert] (first, end)
     for (const size_t i : which) {
         if (reduced_[i]) continue;
@@ -207,7 +207,7 @@ void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<si
         squares_done_.assign(specs.size(), false);
         square_sums_ = Buffer(specs.size() * sizeof(double), model.device());
     }
-    const Tensor g = model.grads_tensor(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
+    const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     std::vector<size_t> todo;
     for (const size_t i : which)
         if (specs[i].is_expert && !squares_done_[i]) todo.push_back(i);

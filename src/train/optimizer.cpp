@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <exception>
 
 #include "ops/ops.h"
 #include "train/distributed.h"
@@ -50,20 +52,35 @@ AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, par
     : model_(model), optim_(optim), total_(model.num_params()) {
     const int64_t split = model.params().expert_offset();
     parallel::Communicator* groups[2] = {replicated_group, expert_group};
-    const int64_t bounds[3] = {0, split, total_};
-    for (int k = 0; k < 2; ++k) {
-        Region& r = regions_[k];
-        r.begin = bounds[k];
-        r.end = bounds[k + 1];
-        if (groups[k] != nullptr && groups[k]->size() > 1) {
-            r.group = groups[k];
-            r.rank = groups[k]->rank();
-            r.size = groups[k]->size();
+    for (int k = 0; k < 2; ++k)
+        if (groups[k] != nullptr && groups[k]->size() > 1)
+            regions_[k] = {groups[k], groups[k]->rank(), groups[k]->size()};
+    // The segments: the parameters in buffer order, in runs of one stage within one region.
+    const auto& specs = model.params().specs();
+    std::vector<size_t> order(specs.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return specs[x].offset < specs[y].offset; });
+    for (const size_t i : order) {
+        const model::ParamSpec& spec = specs[i];
+        if (spec.numel == 0) continue;
+        const int region = spec.offset >= split ? 1 : 0;
+        const int64_t stage = model.param_stage(spec);
+        if (!segments_.empty() && segments_.back().end == spec.offset && segments_.back().stage == stage &&
+            segments_.back().region == region) {
+            segments_.back().end += spec.numel;
+            continue;
         }
-        const int64_t per = (r.end - r.begin + r.size - 1) / r.size;
-        r.chunk = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-        const int64_t lo = r.lo(r.rank), hi = r.hi(r.rank);
-        if (lo < hi) owned_.push_back({lo, hi, k, r.group != nullptr});
+        segments_.push_back({spec.offset, spec.offset + spec.numel, stage, region});
+    }
+    for (size_t s = 0; s < segments_.size(); ++s) {
+        Segment& seg = segments_[s];
+        const Region& r = regions_[seg.region];
+        const int64_t per = (seg.end - seg.begin + r.size - 1) / r.size;
+        seg.chunk = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+        const int64_t lo = seg.lo(r.rank), hi = seg.hi(r.rank);
+        if (lo >= hi) continue;
+        owned_.push_back({lo, hi, seg.region, r.group != nullptr});
+        owned_segment_.push_back(s);
         owned_elems_ += hi - lo;
     }
     const Device dev = model.device();
@@ -119,51 +136,48 @@ void AdamW::step(double lr, double grad_scale) {
                                 static_cast<float>(grad_scale)};
         ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
     };
-    auto update = [&](const Range& r, int64_t at) {
-        for (size_t i = 0; i < specs.size(); ++i) update_spec(i, r, at);
-    };
-    // The expert region when no other rank takes part in it (EP over the whole world, or one
-    // process): its update needs no broadcast, so it goes to the background stream layer by layer and
-    // runs beside the next step's forward, whose layer l waits for layer l's part (params_pending).
-    auto update_behind = [&](const Range& r, int64_t at) {
-        for (size_t i = 0; i < specs.size();) {
-            const int64_t layer = specs[i].layer;
-            size_t j = i;
-            while (j < specs.size() && specs[j].layer == layer) ++j;
-            bool inside = false;
-            for (size_t k = i; k < j; ++k)
-                inside |= std::max(r.begin, specs[k].offset) < std::min(r.end, specs[k].offset + specs[k].numel);
-            if (inside && layer >= 0) {
-                const ops::BackgroundTicket t = ops::background(model_.device(), [&] {
-                    for (size_t k = i; k < j; ++k) update_spec(k, r, at);
-                });
-                model_.params_pending(layer, t);
-            } else {
-                for (size_t k = i; k < j; ++k) update_spec(k, r, at);
-            }
-            i = j;
+    // Segment by segment, in the order the forward reads them (see the header): this rank's chunk is
+    // updated, then, in a sharded region, the segment's chunks go from their owners to the group on
+    // the side stream and the model's stage waits for that broadcast; in a region no other rank
+    // takes part in, the update itself goes to the background stream and the stage waits for it.
+    const Device dev = model_.device();
+    size_t next = 0;  // the next owned range
+    int64_t at = 0;   // its state's offset
+    for (size_t s = 0; s < segments_.size(); ++s) {
+        const Segment& seg = segments_[s];
+        const Region& g = regions_[seg.region];
+        const bool mine = next < owned_.size() && owned_segment_[next] == s;
+        auto update = [&] {
+            if (mine)
+                for (size_t i = 0; i < specs.size(); ++i) update_spec(i, owned_[next], at);
+        };
+        if (g.group == nullptr) {
+            if (!mine) continue;  // (an empty segment; owned ranges are never empty)
+            const ops::BackgroundTicket t = ops::background(dev, update);
+            if (t != 0) model_.params_pending(seg.stage, [dev, t] { ops::wait_background(dev, t); });
+        } else {
+            update();
+            std::vector<int64_t> pieces(static_cast<size_t>(g.size) + 1);
+            for (int r = 0; r <= g.size; ++r)
+                pieces[static_cast<size_t>(r)] = (r < g.size ? seg.lo(r) : seg.end) - seg.begin;
+            const uint64_t t = g.group->broadcast_each_async(flat_range(params, seg.begin, seg.end - seg.begin).data(),
+                                                             pieces, model_.param_dtype());
+            if (t != 0) model_.params_pending(seg.stage, [group = g.group, t] { group->join_async(t); });
         }
-    };
-    // Region by region: once this rank's chunk of a sharded region is updated, every chunk goes
-    // from its owner to the region's group (in place; afterwards all ranks hold the same
-    // parameters), started asynchronously so that it overlaps the update of the next region (under
-    // EP the replicated parameters' broadcast runs while the expert parameters are updated).
-    for (int k = 0; k < 2; ++k) {
-        const Region& g = regions_[static_cast<size_t>(k)];
-        const bool behind = k == 1 && g.group == nullptr && model_.device() == Device::cuda;
-        for_owned([&](const Range& r, int64_t at) {
-            if (r.region != k) return;
-            if (behind) update_behind(r, at);
-            else update(r, at);
-        });
-        if (g.group == nullptr) continue;
-        std::vector<int64_t> pieces(static_cast<size_t>(g.size) + 1);
-        for (int r = 0; r <= g.size; ++r) pieces[static_cast<size_t>(r)] = (r < g.size ? g.lo(r) : g.end) - g.begin;
-        g.group->broadcast_each_async(flat_range(params, g.begin, g.end - g.begin).data(), pieces,
-                                      model_.param_dtype());
+        if (mine) {
+            at += owned_[next].end - owned_[next].begin;
+            ++next;
+        }
     }
-    for (const Region& g : regions_)
-        if (g.group != nullptr) g.group->wait_async();
+}
+
+AdamW::~AdamW() {
+    // The model may outlive the groups whose broadcasts it still waits for: join them now.
+    try {
+        (void)model_.params_tensor();
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "AdamW: %s\n", e.what());
+    }
 }
 
 void AdamW::get_owned(std::vector<float>& master, std::vector<float>& m, std::vector<float>& v) const {

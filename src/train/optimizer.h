@@ -12,13 +12,20 @@
 // ZeRO-1: the optimizer state of each parameter is sharded over the ranks holding that parameter
 // (its replica group): the replicated region of the flat buffer (param_table.h) over
 // `replicated_group` (the world), the expert region over `expert_group` (the DP group; without EP
-// also the world). A region of P elements over a group of D ranks is cut into D contiguous chunks
-// (rank r owns [r·C, (r+1)·C) of it, C = ⌈P/D⌉ rounded up to 64 elements, the last one shorter),
-// and each rank keeps m, v (and the master) for its chunks only. The gradients are complete on every
-// rank (reduced before the step); each rank updates its chunks of the parameters, then every chunk
-// is broadcast from its owner over the region's group, in place, so all ranks leave step() with
-// identical parameters. An element's update does not depend on the sharding, so a ZeRO-1 run
-// equals the unsharded one bit for bit.
+// also the world). A region is cut into segments, one per forward stage (Qwen3Moe::param_stage: the
+// embedding, each layer's parameters of that region, the final norm and head), and a segment of P
+// elements over a group of D ranks into D contiguous chunks (rank r owns [r·C, (r+1)·C) of it,
+// C = ⌈P/D⌉ rounded up to 64 elements, the last one shorter); each rank keeps m, v (and the master)
+// for its chunks only. The gradients are complete on every rank (reduced before the step); each
+// rank updates its chunk of a segment, then the segment's chunks are broadcast from their owners
+// over the region's group, in place, asynchronously: step() returns with the broadcasts running
+// and registers each with the model (params_pending), so the next forward's stage waits for its
+// own segment and the rest of the broadcasts run beside it. Splitting by stage keeps the first
+// stage's wait short (the embedding, updated and sent by all ranks at once) and lets every rank's
+// links carry its share. A region no other rank takes part in (one process, EP over the whole
+// world, or ZeRO off) needs no broadcast: on the GPU its update goes to the background stream,
+// segment by segment, and the forward's stages wait for theirs the same way. An element's update
+// does not depend on the sharding, so a ZeRO-1 run equals the unsharded one bit for bit.
 #pragma once
 
 #include <algorithm>
@@ -41,15 +48,20 @@ class AdamW {
     // keeps that region's state whole.
     AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed,
           parallel::Communicator* replicated_group = nullptr, parallel::Communicator* expert_group = nullptr);
+    ~AdamW();  // orders the model's stream after the writes still pending (see step)
+    AdamW(const AdamW&) = delete;
+    AdamW& operator=(const AdamW&) = delete;
     // One update with learning rate `lr`, every gradient multiplied by `grad_scale` first (fp32; the
     // clipping coefficient, see clip_coefficient); increments the step count first (bias correction
-    // t ≥ 1). Collective over the ZeRO groups.
+    // t ≥ 1). Collective over the ZeRO groups. It may return before the parameters are written (see
+    // above): the model's forward, params_tensor() and param() order themselves after the writes;
+    // the groups' wait_async() (DistContext::finish_grad_sync) polls the broadcasts with the timeout.
     void step(double lr, double grad_scale = 1.0);
     int64_t step_count() const { return step_; }
     void set_step_count(int64_t s) { step_ = s; }
 
-    // The ranges of the flat buffer whose state this rank holds (one per region, ascending; the whole
-    // region without ZeRO; empty ranges are left out).
+    // The ranges of the flat buffer whose state this rank holds (one per segment, ascending; the
+    // whole segment without ZeRO; empty ranges are left out).
     struct Range {
         int64_t begin, end;
         int region;    // 0: the replicated region, 1: the experts
@@ -66,12 +78,18 @@ class AdamW {
     size_t state_bytes() const;
 
  private:
-    // One region of the flat buffer and how its state is sharded.
+    // One region of the flat buffer and the group its state is sharded over.
     struct Region {
-        int64_t begin = 0, end = 0;             // the region
         parallel::Communicator* group = nullptr;  // null: not sharded
         int rank = 0, size = 1;
-        int64_t chunk = 0;                        // elements per rank
+    };
+    // A run of the flat buffer first read by one forward stage, inside one region, cut into its
+    // group's chunks.
+    struct Segment {
+        int64_t begin = 0, end = 0;
+        int64_t stage = 0;  // Qwen3Moe::param_stage
+        int region = 0;
+        int64_t chunk = 0;  // elements per rank
         int64_t lo(int r) const { return std::min(end, begin + static_cast<int64_t>(r) * chunk); }
         int64_t hi(int r) const { return std::min(end, lo(r) + chunk); }
     };
@@ -82,8 +100,10 @@ class AdamW {
     model::Qwen3Moe& model_;
     Recipe::Optim optim_;
     int64_t total_;
-    Region regions_[2];          // replicated, experts
-    std::vector<Range> owned_;
+    Region regions_[2];  // replicated, experts
+    std::vector<Segment> segments_;  // in buffer order
+    std::vector<Range> owned_;       // this rank's chunk of each segment (none where empty)
+    std::vector<size_t> owned_segment_;  // the segment of each owned range
     int64_t owned_elems_ = 0;
     DType state_dtype_;
     Buffer master_, m_, v_;  // [owned_elems_]; master_ empty unless mixed on the GPU

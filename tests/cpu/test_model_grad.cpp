@@ -735,6 +735,20 @@ TEST(ModelGradAccumulation, TwoStepsAddUpAndZeroGradsResets) {
     m.step(batch, &scales);
     EXPECT_EQ(std::memcmp(g1.data(), m.grad_data(), static_cast<size_t>(P) * sizeof(float)), 0)
         << "a step after zero_grads differs from the first step";
+
+    // zero_grads() leaves the expert gradients in place and has the next backward write them: with
+    // no read in between, the gradients of two steps are still there when that backward runs.
+    m.step(batch, &scales);
+    m.zero_grads();
+    m.step(batch, &scales);
+    EXPECT_EQ(std::memcmp(g1.data(), m.grad_data(), static_cast<size_t>(P) * sizeof(float)), 0)
+        << "a step after zero_grads added to the previous gradients";
+    // ... and a read before any backward sees zeros, the expert gradients included.
+    m.step(batch, &scales);
+    m.zero_grads();
+    const Tensor gate_up = m.grad("model.layers.0.mlp.experts.gate_up_proj");
+    for (int64_t i = 0; i < gate_up.numel(); ++i) ASSERT_EQ(gate_up.ptr<float>()[i], 0.0f) << "gate_up grad " << i;
+    for (int64_t i = 0; i < P; ++i) ASSERT_EQ(m.grad_data()[i], 0.0f) << "zero_grads left entry " << i;
 }
 
 // The embedding gradient from gathered rows (Qwen3Moe::set_embedding_row_gather): a stand-in gather

@@ -153,19 +153,25 @@ TEST(Nccl, TwoGpuCollectives) {
             rank_check(rh[i] == f32_to_bf16(exact), "async bf16 all_reduce of 2 ranks: one rounding");
         }
         // broadcast_each (one NCCL group of point-to-point sends) and broadcast_each_async (side
-        // stream), uneven pieces: each rank's own coded piece must reach the other.
+        // stream), uneven pieces: each rank's own coded piece must reach the other. The async result
+        // is read back on the default stream after join_async alone (no host wait): the device-side
+        // ordering must suffice, as for the forward that reads ZeRO-1's broadcast parameters.
         auto check_broadcast = [&](const std::vector<int64_t>& pieces, int code, bool async) {
             std::vector<float> e(static_cast<size_t>(pieces.back()), -1.f);
             for (int64_t i = pieces[rank]; i < pieces[rank + 1]; ++i) e[i] = static_cast<float>(code * rank + i % 1021);
             DeviceVector<float> de(e);
+            std::vector<float> re;
             if (async) {
-                comm.broadcast_each_async(de.ptr, pieces, DType::f32);
+                const uint64_t ticket = comm.broadcast_each_async(de.ptr, pieces, DType::f32);
+                rank_check(ticket != 0, "broadcast_each_async returns a ticket");
+                comm.join_async(ticket);
+                re = de.host();
                 comm.wait_async();
             } else {
                 comm.broadcast_each(de.ptr, pieces, DType::f32);
                 comm.synchronize();
+                re = de.host();
             }
-            const auto re = de.host();
             for (int r = 0; r < 2; ++r)
                 for (int64_t i = pieces[r]; i < pieces[r + 1]; ++i)
                     rank_check(re[i] == static_cast<float>(code * r + i % 1021),

@@ -294,6 +294,52 @@ TEST(CudaGroupedGemm, BackwardWeightParity) {
     }
 }
 
+// The written weight gradient (accumulate false, what the backward right after zero_grads uses): over
+// a buffer of NaNs it gives the bits of zeroing and accumulating (so the old values are not read),
+// an empty expert's slice zeros; with no rows at all, zeros everywhere.
+TEST(CudaGroupedGemm, BackwardWeightWrittenEqualsZeroedThenAccumulated) {
+    for (const Path& p : kPaths) {
+        if (!p.cublas) continue;  // the own kernel only accumulates (ops zeroes before it)
+        std::mt19937 rng(17);
+        for (const GroupCase& g : make_cases()) {
+            for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+                const int64_t M = g.rows(), n = g.E * g.OC * g.C;
+                const auto off = g.offsets();
+                const auto dout = random_bf16(rng, M * g.OC);
+                const auto inp = random_bf16(rng, M * g.C);
+                const size_t elem = dtype == mf::DType::f32 ? 4 : 2;
+                DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), written(n * elem), summed(n * elem);
+                const DeviceBuffer d_off = device_copy(off);
+                upload_bf16(d_dout.as<void>(), dout);
+                upload_bf16(d_inp.as<void>(), inp);
+                MF_CHECK_CUDA(cudaMemset(written.as<void>(), 0xff, written.bytes()));  // NaN in f32 and bf16
+                MF_CHECK_CUDA(cudaMemset(summed.as<void>(), 0, summed.bytes()));
+                const HostOffsets host(p, d_off.as<int32_t>(), g.E, nullptr);
+                mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), written.as<void>(), dtype,
+                                                                d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(),
+                                                                M, g.E, g.C, g.OC, nullptr, host.values, false);
+                backward_weight(p, summed.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M,
+                                g.E, g.C, g.OC);
+                MF_CHECK_CUDA(cudaDeviceSynchronize());
+                const auto a = download<uint8_t>(written.as<void>(), n * elem);
+                const auto b = download<uint8_t>(summed.as<void>(), n * elem);
+                EXPECT_TRUE(a == b) << g.label(p, dtype == mf::DType::f32 ? "backward weight f32 =" : "backward weight bf16 =");
+            }
+        }
+        // No rows at all: every slice written with zeros.
+        const std::vector<int32_t> none = {0, 0, 0, 0};
+        const DeviceBuffer d_none = device_copy(none), dw(3 * 8 * 16 * 4), dummy(16);
+        MF_CHECK_CUDA(cudaMemset(dw.as<void>(), 0xff, dw.bytes()));
+        const HostOffsets host(p, d_none.as<int32_t>(), 3, nullptr);
+        mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), dw.as<void>(), mf::DType::f32, dummy.as<bf16>(),
+                                                        dummy.as<bf16>(), d_none.as<int32_t>(), 0, 3, 16, 8, nullptr,
+                                                        host.values, false);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto z = download<float>(dw.as<void>(), 3 * 8 * 16);
+        EXPECT_TRUE(std::all_of(z.begin(), z.end(), [](float x) { return x == 0.0f; })) << p.name << ": M = 0";
+    }
+}
+
 // Three runs of every product give the same bits (the cuBLAS path spreads groups over streams).
 // The wgmma forward (sm_90 only; C % 64 == 0, OC % 256 == 0) on cases of the same kinds: an empty
 // expert, a single row, more than one row tile, rows outside the groups, one busy expert, a long K

@@ -389,23 +389,31 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
                                            int64_t OC, cudaStream_t stream,
-                                           std::span<const int32_t> host_offsets) {
+                                           std::span<const int32_t> host_offsets, bool accumulate) {
     check_grouped_args("grouped_matmul_backward_weight_cublas", dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
              "grouped_matmul_backward_weight_cublas: dweight must be f32 or bf16, got ", dtype_name(dweight_dtype));
-    if (M == 0 || E == 0 || C == 0 || OC == 0) return;  // adds empty sums
+    if (E == 0 || C == 0 || OC == 0) return;
+    const size_t elem = dweight_dtype == DType::f32 ? sizeof(float) : sizeof(bf16);
+    const size_t slice_bytes = static_cast<size_t>(OC * C) * elem;
+    if (M == 0) {  // every group empty: adds empty sums, or writes zeros
+        if (!accumulate) MF_CHECK_CUDA(cudaMemsetAsync(dweight, 0, static_cast<size_t>(E) * slice_bytes, stream));
+        return;
+    }
     GroupedGemmCublas::State& s = ctx.state();
     read_offsets(s, offsets, host_offsets, M, E, stream);
-    const size_t elem = dweight_dtype == DType::f32 ? sizeof(float) : sizeof(bf16);
     s.groups.clear();
     for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = s.begin[e], rows = s.begin[e + 1] - r0;
-        if (rows == 0) continue;  // an empty group leaves dweight[e] unchanged
-        void* slice = static_cast<char*>(dweight) + static_cast<size_t>(e * OC * C) * elem;
+        void* slice = static_cast<char*>(dweight) + static_cast<size_t>(e) * slice_bytes;
+        if (rows == 0) {  // an empty group leaves dweight[e] unchanged, or zeroes it
+            if (!accumulate) MF_CHECK_CUDA(cudaMemsetAsync(slice, 0, slice_bytes, stream));
+            continue;
+        }
         s.groups.push_back({C, OC, rows, inp + r0 * C, C, dout + r0 * OC, OC, slice, C});
     }
     const cudaDataType_t d_type = dweight_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
-    issue(s, Product::backward_weight, d_type, 1.0f, stream);
+    issue(s, Product::backward_weight, d_type, accumulate ? 1.0f : 0.0f, stream);
 }
 
 }  // namespace mf::cuda

@@ -62,10 +62,13 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
                                           std::span<const int32_t> host_offsets = {});
 
 // dweight[E, OC, C] (fp32 or bf16): dweight[e] += Σ_{r in group e} dout[r]ᵀ · inp[r], summed in fp32 and
-// added once to the stored value (the product's epilogue reads the old value: beta = 1).
+// added once to the stored value (the product's epilogue reads the old value: beta = 1). With
+// accumulate false the sum is written instead (beta = 0: the old value is neither read nor needed)
+// and an empty group's dweight[e] is zeroed, so every dweight[e] is written: the same values as
+// zeroing dweight and accumulating, bit for bit, without the zeroing pass or the read.
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
                                            int64_t OC, cudaStream_t stream,
-                                           std::span<const int32_t> host_offsets = {});
+                                           std::span<const int32_t> host_offsets = {}, bool accumulate = true);
 
 }  // namespace mf::cuda
