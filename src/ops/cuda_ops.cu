@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/adamw.cuh"
@@ -572,10 +573,13 @@ double sum_squares(const Tensor& x) {
     return v;
 }
 
-void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x) {
-    const size_t bytes = mf::cuda::sum_squares_scratch_bytes();
-    mf::cuda::sum_squares(sums.ptr<double>() + slot, x.data(), x.dtype(), x.numel(), false, ctx().get(bytes),
-                          ctx().stream);
+void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs) {
+    if (xs.empty()) return;
+    std::vector<mf::cuda::SumSquaresItem> items;
+    items.reserve(xs.size());
+    for (size_t i = 0; i < xs.size(); ++i) items.push_back({xs[i].data(), xs[i].numel(), sums.ptr<double>() + slots[i]});
+    mf::cuda::sum_squares_many(items.data(), static_cast<int64_t>(items.size()), xs[0].dtype(),
+                               ctx().get(mf::cuda::sum_squares_many_scratch_bytes()), ctx().stream);
 }
 
 bool all_finite(const Tensor& x) {

@@ -18,7 +18,7 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
 void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void cast(const Tensor& dst, const Tensor& src);
 void synchronize();
-void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
+void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs);
 // Phase clock events (ops::phase_mark): record event `index` on the op stream; read events 1..count-1
 // as ms after event 0 (synchronises).
 void record_mark(int index);

@@ -16,7 +16,7 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) { no_cud
 void add(const Tensor& out, const Tensor& a, const Tensor& b) { no_cuda(); }
 void cast(const Tensor& dst, const Tensor& src) { no_cuda(); }
 void synchronize() { no_cuda(); }
-void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x) { no_cuda(); }
+void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs) { no_cuda(); }
 void record_mark(int index) { no_cuda(); }
 void background_begin() { no_cuda(); }
 int64_t background_end() { no_cuda(); }

@@ -753,12 +753,24 @@ double sum_squares(const Tensor& x) {
 }
 
 void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x) {
+    const int64_t slots[1] = {slot};
+    sum_squares_to(sums, slots, std::span<const Tensor>(&x, 1));
+}
+
+void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs) {
     OpScope scope_("sum_squares");
-    (void)device_of({&sums, &x});
-    MF_CHECK(sums.dtype() == DType::f64 && slot >= 0 && slot < sums.numel(), "sum_squares_to: slot ", slot, " of ",
-             sums.numel(), " ", dtype_name(sums.dtype()), " sums");
-    if (x.device() == Device::cuda) return cuda_impl::sum_squares_to(sums, slot, x);
-    sums.ptr<double>()[slot] = cpu::sum_squares(f(x), x.numel());
+    MF_CHECK(slots.size() == xs.size(), "sum_squares_to: ", slots.size(), " slots for ", xs.size(), " tensors");
+    MF_CHECK(sums.dtype() == DType::f64, "sum_squares_to: ", dtype_name(sums.dtype()), " sums (f64 expected)");
+    for (size_t i = 0; i < xs.size(); ++i) {
+        (void)device_of({&sums, &xs[i]});
+        MF_CHECK(slots[i] >= 0 && slots[i] < sums.numel(), "sum_squares_to: slot ", slots[i], " of ", sums.numel(),
+                 " sums");
+        MF_CHECK(xs[i].dtype() == xs[0].dtype(), "sum_squares_to: tensors of ", dtype_name(xs[0].dtype()), " and ",
+                 dtype_name(xs[i].dtype()));
+    }
+    if (xs.empty()) return;
+    if (sums.device() == Device::cuda) return cuda_impl::sum_squares_to(sums, slots, xs);
+    for (size_t i = 0; i < xs.size(); ++i) sums.ptr<double>()[slots[i]] = cpu::sum_squares(f(xs[i]), xs[i].numel());
 }
 
 bool all_finite(const Tensor& x) {

@@ -183,6 +183,9 @@ double sum_squares(const Tensor& x);  // Σ x², in a fixed order
 // sums[slot] = Σ x² (sums: f64 on x's device), the same value sum_squares(x) returns, left on the
 // device (no host sync; may be issued inside ops::background).
 void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
+// The same for many tensors of one dtype, sums[slots[i]] = Σ xs[i]², in a couple of launches on the
+// GPU however many there are (the per-tensor passes of a gradient norm are mostly tiny tensors).
+void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs);
 bool all_finite(const Tensor& x);
 
 // --- background stream -----------------------------------------------------------------------------

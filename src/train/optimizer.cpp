@@ -225,9 +225,14 @@ std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& s
     MF_CHECK(slots.numel() == n && slots.dtype() == DType::f64 && (done.empty() || done.size() == specs.size()),
              "gradient_square_sums: ", slots.numel(), " slots and ", done.size(), " flags for ", n, " parameters");
     const Tensor g = model.grads_tensor();
-    for (int64_t i = 0; i < n; ++i)
-        if (done.empty() || !done[static_cast<size_t>(i)])
-            ops::sum_squares_to(slots, i, flat_range(g, specs[static_cast<size_t>(i)].offset, specs[static_cast<size_t>(i)].numel));
+    std::vector<int64_t> which;
+    std::vector<Tensor> parts;
+    for (int64_t i = 0; i < n; ++i) {
+        if (!done.empty() && done[static_cast<size_t>(i)]) continue;
+        which.push_back(i);
+        parts.push_back(flat_range(g, specs[static_cast<size_t>(i)].offset, specs[static_cast<size_t>(i)].numel));
+    }
+    ops::sum_squares_to(slots, which, parts);
     std::vector<double> out(static_cast<size_t>(n));
     ops::copy_to_host(out.data(), slots);
     return out;

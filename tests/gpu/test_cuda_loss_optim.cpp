@@ -7,6 +7,8 @@
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/reduce.h"
@@ -352,6 +354,45 @@ TEST(CudaReduce, SumSquaresAndSumMatchCpuInDouble) {
                 std::printf("  %-48s sumsq rel err %.3g, sum err %.3g\n", name.c_str(),
                             ref_sq > 0 ? std::fabs(sq - ref_sq) / ref_sq : 0.0, std::fabs(sum - ref_sum));
             }
+        }
+    }
+}
+
+// sum_squares_many gives every buffer the bits sum_squares gives it, across sizes either side of the
+// block boundaries (one group, one block of groups, the full 1024-block grid and beyond), both
+// alignments and dtypes, more items than one batch (kMaxSumItems), empty buffers included.
+TEST(CudaReduce, SumSquaresManyEqualsOneAtATimeBitForBit) {
+    std::mt19937 rng(36);
+    const std::vector<int64_t> sizes = {0,    1,    7,       8,       9,       2047,    2048,    2049,
+                                        5000, 8192, 2097151, 2097152, 2097160, 3000017, 9000001, 64};
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        const size_t elem = dtype == DType::f32 ? 4 : 2;
+        std::vector<DeviceBuffer> bufs;
+        std::vector<mf::cuda::SumSquaresItem> items;
+        const int count = mf::cuda::kMaxSumItems + 13;
+        DeviceBuffer outs(static_cast<size_t>(count) * 8), one(8), scratch(mf::cuda::sum_squares_scratch_bytes()),
+            many_scratch(mf::cuda::sum_squares_many_scratch_bytes());
+        for (int i = 0; i < count; ++i) {
+            const int64_t n = sizes[static_cast<size_t>(i) % sizes.size()] + (i >= 16 ? i : 0);
+            const int64_t offset = i % 3 == 1 ? 1 : 0;
+            std::vector<float> x = random_f32(rng, static_cast<size_t>(n), -2.0f, 2.0f);
+            bufs.emplace_back((static_cast<size_t>(n) + 1) * elem);
+            char* p = static_cast<char*>(bufs.back().as<void>()) + offset * elem;
+            if (dtype == DType::f32) upload(p, x);
+            else upload_bf16(p, round_bf16(x));
+            items.push_back({p, n, outs.as<double>() + i});
+        }
+        mf::cuda::sum_squares_many(items.data(), count, dtype, many_scratch.as<void>(), nullptr);
+        device_sync();
+        const std::vector<double> many = download<double>(outs.as<void>(), static_cast<size_t>(count));
+        for (int i = 0; i < count; ++i) {
+            mf::cuda::sum_squares(one.as<double>(), items[static_cast<size_t>(i)].x, dtype, items[static_cast<size_t>(i)].n,
+                                  false, scratch.as<void>(), nullptr);
+            device_sync();
+            const double ref = download<double>(one.as<void>(), 1)[0];
+            EXPECT_EQ(std::memcmp(&ref, &many[static_cast<size_t>(i)], sizeof ref), 0)
+                << mf::dtype_name(dtype) << " item " << i << " n=" << items[static_cast<size_t>(i)].n << ": " << many[static_cast<size_t>(i)]
+                << " vs " << ref;
         }
     }
 }

@@ -74,6 +74,56 @@ __global__ void sum_partial_kernel(double* partial, const T* x, int64_t n) {
     if (threadIdx.x == 0) partial[blockIdx.x] = total;
 }
 
+// sum_partial_kernel's work for up to kMaxSumItems buffers in one grid: blocks [first[i], first[i + 1])
+// are buffer i's, partials at partial[i · kSumBlocks + b].
+struct SumBatch {
+    const void* x[kMaxSumItems];
+    int64_t n[kMaxSumItems];
+    double* out[kMaxSumItems];
+    int first[kMaxSumItems + 1];
+    bool vec[kMaxSumItems];
+    int count;
+};
+
+template <typename T>
+__global__ void sum_squares_many_partial_kernel(double* partial, const __grid_constant__ SumBatch batch) {
+    int lo = 0, hi = batch.count - 1;  // the item whose block range holds blockIdx.x
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (batch.first[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
+        else hi = mid - 1;
+    }
+    const int b = static_cast<int>(blockIdx.x) - batch.first[lo];
+    const int64_t n = batch.n[lo];
+    const T* x = static_cast<const T*>(batch.x[lo]);
+    const int64_t stride = static_cast<int64_t>(batch.first[lo + 1] - batch.first[lo]) * blockDim.x;
+    double acc = 0.0;
+    for (int64_t g = static_cast<int64_t>(b) * blockDim.x + threadIdx.x; g * 8 < n; g += stride) {
+        const int64_t base = g * 8;
+        if (batch.vec[lo] && base + 8 <= n) {
+            float v[8];
+            detail::load_f32<8>(v, x + base);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc += static_cast<double>(v[j]) * v[j];
+        } else {
+            for (int64_t i = base; i < base + 8 && i < n; ++i) {
+                const double v = detail::to_f32(x[i]);
+                acc += v * v;
+            }
+        }
+    }
+    const double total = block_sum_double<kSumThreads>(acc);
+    if (threadIdx.x == 0) partial[static_cast<int64_t>(lo) * kSumBlocks + b] = total;
+}
+
+__global__ void sum_squares_many_final_kernel(const double* partial, const __grid_constant__ SumBatch batch) {
+    const int i = static_cast<int>(blockIdx.x);
+    const int blocks = batch.first[i + 1] - batch.first[i];
+    const double v = static_cast<int>(threadIdx.x) < blocks ? partial[static_cast<int64_t>(i) * kSumBlocks + threadIdx.x] : 0.0;
+    const double total = block_sum_double<kSumBlocks>(v);
+    if (threadIdx.x == 0) *batch.out[i] = total;
+}
+
 __global__ void sum_squares_final_kernel(double* out, const double* partial, bool accumulate) {
     const double total = block_sum_double<kSumBlocks>(partial[threadIdx.x]);
     if (threadIdx.x == 0) *out = accumulate ? *out + total : total;
@@ -185,6 +235,42 @@ void sum_entry(const char* op, double* out, const void* x, DType dtype, int64_t 
             break;
         default:
             MF_FAIL(op, ": dtype must be f32 or bf16, got ", dtype_name(dtype));
+    }
+}
+
+size_t sum_squares_many_scratch_bytes() { return static_cast<size_t>(kMaxSumItems) * kSumBlocks * sizeof(double); }
+
+void sum_squares_many(const SumSquaresItem* items, int64_t count, DType dtype, void* scratch, cudaStream_t stream) {
+    MF_CHECK(count >= 0 && (count == 0 || items != nullptr), "sum_squares_many: ", count, " items");
+    MF_CHECK(dtype == DType::f32 || dtype == DType::bf16, "sum_squares_many: dtype must be f32 or bf16, got ",
+             dtype_name(dtype));
+    MF_CHECK(count == 0 || (scratch != nullptr && aligned_to(8, scratch)), "sum_squares_many: bad scratch");
+    double* partial = static_cast<double*>(scratch);
+    for (int64_t start = 0; start < count; start += kMaxSumItems) {
+        SumBatch batch{};
+        batch.count = static_cast<int>(std::min<int64_t>(kMaxSumItems, count - start));
+        for (int i = 0; i < batch.count; ++i) {
+            const SumSquaresItem& it = items[start + i];
+            MF_CHECK(it.n >= 0 && it.out != nullptr && (it.n == 0 || it.x != nullptr), "sum_squares_many: item ",
+                     start + i, " has n = ", it.n, (it.out == nullptr ? " and no output" : ""));
+            const int64_t groups = (it.n + 7) / 8;
+            const int64_t blocks = std::min<int64_t>(kSumBlocks, (groups + kSumThreads - 1) / kSumThreads);
+            batch.x[i] = it.x;
+            batch.n[i] = it.n;
+            batch.out[i] = it.out;
+            batch.vec[i] = aligned_to(16, it.x);
+            batch.first[i + 1] = batch.first[i] + static_cast<int>(blocks);
+        }
+        if (batch.first[batch.count] > 0) {
+            if (dtype == DType::f32)
+                sum_squares_many_partial_kernel<float>
+                    <<<batch.first[batch.count], kSumThreads, 0, stream>>>(partial, batch);
+            else
+                sum_squares_many_partial_kernel<bf16><<<batch.first[batch.count], kSumThreads, 0, stream>>>(partial, batch);
+            MF_CHECK_CUDA(cudaGetLastError());
+        }
+        sum_squares_many_final_kernel<<<batch.count, kSumBlocks, 0, stream>>>(partial, batch);
+        MF_CHECK_CUDA(cudaGetLastError());
     }
 }
 

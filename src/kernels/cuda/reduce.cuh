@@ -24,6 +24,21 @@ size_t sum_squares_scratch_bytes();
 void sum_squares(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
                  cudaStream_t stream);
 
+// Many sum_squares at once, two launches per kMaxSumItems buffers instead of two per buffer (the
+// gradient norm's buffers are mostly small: norms, routers, projections). *items[i].out = Σ x² of
+// items[i], bit for bit the value sum_squares gives for that buffer (a buffer of g 8-element groups
+// takes min(1024, ⌈g/256⌉) blocks, so every thread owns the groups it owns there and the missing
+// blocks' partials are the zeros those blocks would have written). All buffers of one dtype.
+// scratch: sum_squares_many_scratch_bytes(), 8-byte aligned.
+struct SumSquaresItem {
+    const void* x;
+    int64_t n;
+    double* out;
+};
+constexpr int kMaxSumItems = 64;
+size_t sum_squares_many_scratch_bytes();
+void sum_squares_many(const SumSquaresItem* items, int64_t count, DType dtype, void* scratch, cudaStream_t stream);
+
 // *out = (or += when accumulate) Σ_i x[i] in double; same grid, order and scratch as sum_squares.
 void sum_values(double* out, const void* x, DType dtype, int64_t n, bool accumulate, void* scratch,
                 cudaStream_t stream);
