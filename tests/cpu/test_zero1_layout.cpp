@@ -51,21 +51,11 @@ class RecordingGroup final : public parallel::Communicator {
     int rank_;
 };
 
+// Three layers (the middle one dense), an odd vocabulary so that chunks do not divide evenly.
 model::Qwen3MoeConfig config() {
-    model::Qwen3MoeConfig c;
-    c.vocab_size = 301;  // odd sizes: chunks that do not divide evenly
-    c.hidden_size = 16;
-    c.intermediate_size = 12;
-    c.moe_intermediate_size = 6;
-    c.num_hidden_layers = 3;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 4;
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    c.mlp_only_layers = {1};
-    c.max_position_embeddings = 64;
-    return c;
+    return {.vocab_size = 301, .hidden_size = 16, .intermediate_size = 12, .moe_intermediate_size = 6,
+            .num_hidden_layers = 3, .num_attention_heads = 4, .num_key_value_heads = 2, .head_dim = 4,
+            .num_experts = 4, .num_experts_per_tok = 2, .mlp_only_layers = {1}, .max_position_embeddings = 64};
 }
 
 TEST(Zero1Layout, EveryStageIsSplitOverTheRanksAndBroadcastInForwardOrder) {
