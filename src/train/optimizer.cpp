@@ -68,9 +68,11 @@ AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, par
         if (!segments_.empty() && segments_.back().end == spec.offset && segments_.back().stage == stage &&
             segments_.back().region == region) {
             segments_.back().end += spec.numel;
+            segments_.back().specs.push_back(i);
             continue;
         }
-        segments_.push_back({spec.offset, spec.offset + spec.numel, stage, region});
+        segments_.push_back({.begin = spec.offset, .end = spec.offset + spec.numel, .stage = stage, .region = region,
+                             .specs = {i}});
     }
     for (size_t s = 0; s < segments_.size(); ++s) {
         Segment& seg = segments_[s];
@@ -149,7 +151,7 @@ void AdamW::step(double lr, double grad_scale) {
         const bool mine = next < owned_.size() && owned_segment_[next] == s;
         auto update = [&] {
             if (mine)
-                for (size_t i = 0; i < specs.size(); ++i) update_spec(i, owned_[next], at);
+                for (const size_t i : seg.specs) update_spec(i, owned_[next], at);
         };
         if (g.group == nullptr) {
             if (!mine) continue;  // (an empty segment; owned ranges are never empty)

@@ -90,6 +90,7 @@ class AdamW {
         int64_t stage = 0;  // Qwen3Moe::param_stage
         int region = 0;
         int64_t chunk = 0;  // elements per rank
+        std::vector<size_t> specs;  // the parameters in it (indices into the table's specs)
         int64_t lo(int r) const { return std::min(end, begin + static_cast<int64_t>(r) * chunk); }
         int64_t hi(int r) const { return std::min(end, lo(r) + chunk); }
     };
