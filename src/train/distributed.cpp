@@ -212,14 +212,7 @@ void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<si
     for (const size_t i : which)
         if (specs[i].is_expert && !squares_done_[i]) todo.push_back(i);
     if (todo.empty()) return;
-    std::vector<int64_t> slots;
-    std::vector<Tensor> parts;
-    for (const size_t i : todo) {
-        char* base = static_cast<char*>(g.data()) + static_cast<size_t>(specs[i].offset) * dtype_size(g.dtype());
-        slots.push_back(static_cast<int64_t>(i));
-        parts.push_back(Tensor(base, g.dtype(), {specs[i].numel}, g.device()));
-    }
-    squares_ticket_ = ops::background(model.device(), [&] { ops::sum_squares_to(sums, slots, parts); });
+    squares_ticket_ = ops::background(model.device(), [&] { gradient_square_sums_to(sums, g, specs, todo); });
     for (const size_t i : todo) squares_done_[i] = true;
 }
 

@@ -226,18 +226,24 @@ std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& s
     }
     MF_CHECK(slots.numel() == n && slots.dtype() == DType::f64 && (done.empty() || done.size() == specs.size()),
              "gradient_square_sums: ", slots.numel(), " slots and ", done.size(), " flags for ", n, " parameters");
-    const Tensor g = model.grads_tensor();
-    std::vector<int64_t> which;
-    std::vector<Tensor> parts;
-    for (int64_t i = 0; i < n; ++i) {
-        if (!done.empty() && done[static_cast<size_t>(i)]) continue;
-        which.push_back(i);
-        parts.push_back(flat_range(g, specs[static_cast<size_t>(i)].offset, specs[static_cast<size_t>(i)].numel));
-    }
-    ops::sum_squares_to(slots, which, parts);
+    std::vector<size_t> which;
+    for (size_t i = 0; i < specs.size(); ++i)
+        if (done.empty() || !done[i]) which.push_back(i);
+    gradient_square_sums_to(slots, model.grads_tensor(), specs, which);
     std::vector<double> out(static_cast<size_t>(n));
     ops::copy_to_host(out.data(), slots);
     return out;
+}
+
+void gradient_square_sums_to(const Tensor& sums, const Tensor& grads, const std::vector<model::ParamSpec>& specs,
+                             std::span<const size_t> which) {
+    std::vector<int64_t> slots;
+    std::vector<Tensor> parts;
+    for (const size_t i : which) {
+        slots.push_back(static_cast<int64_t>(i));
+        parts.push_back(flat_range(grads, specs[i].offset, specs[i].numel));
+    }
+    ops::sum_squares_to(sums, slots, parts);
 }
 
 double grad_norm(model::Qwen3Moe& model, DistContext* dist) {

@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/tensor.h"
@@ -126,6 +127,10 @@ double grad_norm(model::Qwen3Moe& model, DistContext* dist = nullptr);
 // computed again.
 std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& sums = Tensor(),
                                          const std::vector<bool>& done = {});
+// sums[i] = Σ g² of parameter i's gradient for each i in `which` (grads: the model's gradient
+// buffer; sums: f64 [specs] on its device), in one ops::sum_squares_to call, left on the device.
+void gradient_square_sums_to(const Tensor& sums, const Tensor& grads, const std::vector<model::ParamSpec>& specs,
+                             std::span<const size_t> which);
 
 // torch's clipping factor for a global norm: min(1, max_norm / (norm + 1e-6)) when max_norm > 0 and
 // the norm is finite, else 1. Passed to AdamW::step as its grad_scale.
