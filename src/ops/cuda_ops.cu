@@ -408,12 +408,15 @@ void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, con
                               counts.numel(), ctx().stream);
 }
 
-// Grouped expert GEMMs: the own mma.sync kernel (grouped_gemm.cuh: device offsets, never syncs) or
-// the cuBLAS path (grouped_gemm_cublas.cuh: one host read of the offsets and one stream sync per call,
-// then one cuBLASLt matmul per group over 4 streams). Both compute the same formulas with fp32
-// accumulation, deterministically. MOEFORGE_GROUPED_GEMM=own|cublas|auto picks one (default cublas).
+// Grouped expert GEMMs: the persistent wgmma kernels (grouped_gemm_sm90.cuh: Hopper only, one launch
+// per product, device offsets), the own mma.sync kernel (grouped_gemm.cuh: device offsets, never
+// syncs) or the cuBLAS path (grouped_gemm_cublas.cuh: one host read of the offsets and one stream
+// sync per call unless the caller has them, then one cuBLASLt matmul per group over 4 streams). All
+// compute the same formulas with fp32 accumulation, deterministically.
+// MOEFORGE_GROUPED_GEMM=sm90|cublas|own|auto picks one (default sm90, its figures in
+// grouped_gemm_sm90.cuh; where it does not serve, cublas).
 //
-// Default cublas, from whole training steps on the H200 (2026-11-30, bench/p1.sh and bench/p2.sh):
+// cublas over own, from whole training steps on the H200 (2026-11-30, bench/p1.sh and bench/p2.sh):
 //   P1 (4 layers, 512 rows per expert)   own 64.1k tok/s, auto 71.5k, cublas 72.7k (70.8k in p1.sh)
 //   P2 EP=2 (8 layers, 2 GPUs)          own 36.1k tok/s/GPU, auto 41.7k, cublas 41.6k
 // (grouped GEMM per P1 step: own 9.2 + 26.4 ms, cublas 8.5 + 17.4 ms fwd + bwd). In a step the
@@ -443,17 +446,17 @@ enum class GroupedGemmPath { own, cublas, automatic, sm90 };
 constexpr double kCublasMinRowProductFlops = 2147483648.0;  // 2^31 per group
 constexpr double kCublasMinWeightGradFlops = 1073741824.0;  // 2^30 per group
 
-// MOEFORGE_GROUPED_GEMM: cublas (default), own (the sm80 kernels), auto (own for small groups), or
-// sm90 (the forward on the wgmma kernel where it serves the shape, the rest as cublas; opt-in, slower
-// so far: grouped_gemm_sm90.cuh).
+// MOEFORGE_GROUPED_GEMM: sm90 (default: the row products, forward and written input gradient, on
+// the wgmma kernels of grouped_gemm_sm90.cuh where they serve the device and shape, the rest as
+// cublas), cublas, own (the sm80 kernels) or auto (own for small groups, else cublas).
 GroupedGemmPath grouped_gemm_setting() {
     static const GroupedGemmPath path = [] {
         const char* env = std::getenv("MOEFORGE_GROUPED_GEMM");
-        const std::string_view v = env == nullptr ? "cublas" : env;
+        const std::string_view v = env == nullptr ? "sm90" : env;
         if (v == "own") return GroupedGemmPath::own;
-        if (v == "cublas" || v.empty()) return GroupedGemmPath::cublas;
+        if (v == "cublas") return GroupedGemmPath::cublas;
         if (v == "auto") return GroupedGemmPath::automatic;
-        if (v == "sm90") return GroupedGemmPath::sm90;
+        if (v == "sm90" || v.empty()) return GroupedGemmPath::sm90;
         mf::fail("environment variable MOEFORGE_GROUPED_GEMM='", v, "': expected own, cublas, auto or sm90");
     }();
     return path;
@@ -511,7 +514,11 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                              bool accumulate_dinp, bool accumulate_dweight) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (defined(dinp)) {
-        if (grouped_uses_cublas(M, E, C, OC, false))
+        if (grouped_gemm_setting() == GroupedGemmPath::sm90 && !accumulate_dinp &&
+            mf::cuda::grouped_matmul_backward_input_sm90_supported(C, OC))
+            mf::cuda::grouped_matmul_backward_input_sm90(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC,
+                                                         ctx().stream);
+        else if (grouped_uses_cublas(M, E, C, OC, false))
             mf::cuda::grouped_matmul_backward_input_cublas(grouped_cublas(), B(dinp), B(dout), B(weight), I(offsets), M,
                                                            E, C, OC, accumulate_dinp, ctx().stream, host_offsets);
         else

@@ -45,7 +45,7 @@ struct Path {
     const char* name;
     bool cublas;
     bool host_offsets = false;  // cuBLAS only: the caller passes the offsets on the host (no read-back)
-    bool sm90 = false;          // forward through the wgmma kernel (grouped_gemm_sm90.cuh), the rest own
+    bool sm90 = false;  // forward and written input gradient through the wgmma kernels (grouped_gemm_sm90.cuh)
 };
 
 const std::vector<Path> kPaths = {{"own", false}, {"cublas", true}, {"cublas+host", true, true}};
@@ -87,7 +87,10 @@ void forward(const Path& p, bf16* out, const bf16* inp, const bf16* weight, cons
 
 void backward_input(const Path& p, bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets, int64_t M,
                     int64_t E, int64_t C, int64_t OC, bool accumulate, const std::vector<int32_t>* known = nullptr) {
-    if (p.cublas)
+    if (p.sm90) {
+        MF_CHECK(!accumulate, "the sm90 input gradient is written, never accumulated");
+        mf::cuda::grouped_matmul_backward_input_sm90(dinp, dout, weight, offsets, M, E, C, OC, nullptr);
+    } else if (p.cublas)
         mf::cuda::grouped_matmul_backward_input_cublas(cublas_state(), dinp, dout, weight, offsets, M, E, C, OC,
                                                        accumulate, nullptr, HostOffsets(p, offsets, E, known).values);
     else
@@ -209,45 +212,57 @@ TEST(CudaGroupedGemm, ForwardParity) {
     }
 }
 
+// The input gradient of case g through path p (written, or accumulated onto random values) against
+// the CPU, rows outside the groups untouched; `runs` > 1 repeats the call, which must give the same
+// bits.
+void check_backward_input(const Path& p, const GroupCase& g, std::mt19937& rng, bool accumulate, int runs = 1) {
+    const int64_t M = g.rows();
+    const auto off = g.offsets();
+    const auto dout = random_bf16(rng, M * g.OC);
+    const auto weight = random_bf16(rng, g.E * g.OC * g.C);
+    const auto before = random_bf16(rng, M * g.C);
+    std::vector<float> product(M * g.C, 0.0f);
+    mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(), off.data(), g.E,
+                                     g.C, g.OC);
+    const auto ref = accumulate ? fp32_add(before, product) : product;
+    const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
+
+    DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
+    const DeviceBuffer d_off = device_copy(off);
+    upload_bf16(d_dout.as<void>(), dout);
+    upload_bf16(d_w.as<void>(), weight);
+    const char* op = accumulate ? "backward input +=" : "backward input =";
+    std::vector<uint16_t> first;
+    for (int run = 0; run < runs; ++run) {
+        if (accumulate)
+            upload_bf16(d_dinp.as<void>(), before);
+        else
+            d_dinp.poison();
+        backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C,
+                       g.OC, accumulate);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto bits = download<uint16_t>(d_dinp.as<void>(), ref.size());
+        if (run > 0) {
+            EXPECT_TRUE(bits == first) << g.label(p, op) << ": run " << run << " differs from the first";
+            continue;
+        }
+        first = bits;
+        const auto gpu = download_bf16(d_dinp.as<void>(), ref.size());
+        std::vector<float> gpu_in, gpu_out, ref_in, ref_out, naive_in, naive_out, before_in, before_out;
+        split_rows(gpu, g.C, off, &gpu_in, &gpu_out);
+        split_rows(ref, g.C, off, &ref_in, &ref_out);
+        split_rows(naive, g.C, off, &naive_in, &naive_out);
+        split_rows(before, g.C, off, &before_in, &before_out);
+        expect_parity(g.label(p, op), gpu_in, ref_in, naive_in);
+        expect_untouched(g.label(p, op), gpu_out, accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
+    }
+}
+
 TEST(CudaGroupedGemm, BackwardInputParity) {
     for (const Path& p : kPaths) {
         std::mt19937 rng(12);
-        for (const GroupCase& g : make_cases()) {
-            for (bool accumulate : {false, true}) {
-                const int64_t M = g.rows();
-                const auto off = g.offsets();
-                const auto dout = random_bf16(rng, M * g.OC);
-                const auto weight = random_bf16(rng, g.E * g.OC * g.C);
-                const auto before = random_bf16(rng, M * g.C);
-                std::vector<float> product(M * g.C, 0.0f);
-                mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(),
-                                                 off.data(), g.E, g.C, g.OC);
-                const auto ref = accumulate ? fp32_add(before, product) : product;
-                const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
-
-                DeviceBuffer d_dout(dout.size() * 2), d_w(weight.size() * 2), d_dinp(ref.size() * 2);
-                const DeviceBuffer d_off = device_copy(off);
-                upload_bf16(d_dout.as<void>(), dout);
-                upload_bf16(d_w.as<void>(), weight);
-                if (accumulate)
-                    upload_bf16(d_dinp.as<void>(), before);
-                else
-                    d_dinp.poison();
-                backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E,
-                               g.C, g.OC, accumulate);
-                MF_CHECK_CUDA(cudaDeviceSynchronize());
-                const auto gpu = download_bf16(d_dinp.as<void>(), ref.size());
-                std::vector<float> gpu_in, gpu_out, ref_in, ref_out, naive_in, naive_out, before_in, before_out;
-                split_rows(gpu, g.C, off, &gpu_in, &gpu_out);
-                split_rows(ref, g.C, off, &ref_in, &ref_out);
-                split_rows(naive, g.C, off, &naive_in, &naive_out);
-                split_rows(before, g.C, off, &before_in, &before_out);
-                const char* op = accumulate ? "backward input +=" : "backward input =";
-                expect_parity(g.label(p, op), gpu_in, ref_in, naive_in);
-                expect_untouched(g.label(p, op), gpu_out,
-                                 accumulate ? before_out : std::vector<float>(gpu_out.size(), NAN));
-            }
-        }
+        for (const GroupCase& g : make_cases())
+            for (bool accumulate : {false, true}) check_backward_input(p, g, rng, accumulate);
     }
 }
 
@@ -369,13 +384,21 @@ bool sm90_available() {
     return major == 9;
 }
 
-TEST(CudaGroupedGemm, Sm90ForwardParity) {
+TEST(CudaGroupedGemm, Sm90Parity) {
     if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
     std::mt19937 rng(21);
     for (const GroupCase& g : sm90_cases()) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_forward_sm90_supported(g.C, g.OC)) << g.label(kSm90, "forward");
         check_forward(kSm90, g, rng, 2);
     }
+    // The input gradient's shapes swap C and OC: C % 256 == 0, OC % 64 == 0.
+    for (GroupCase g : sm90_cases()) {
+        std::swap(g.C, g.OC);
+        ASSERT_TRUE(mf::cuda::grouped_matmul_backward_input_sm90_supported(g.C, g.OC)) << g.label(kSm90, "backward input");
+        check_backward_input(kSm90, g, rng, false, 2);
+    }
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(256, 96));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(128, 64));
     // Shapes it does not serve are refused, not computed wrongly.
     EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 256));
     EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 128));
@@ -468,7 +491,8 @@ TEST(CudaGroupedGemm, ArgumentErrors) {
 // ---------------------------------------------------------------------------------------------
 // MF_BENCH=1: Qwen3-30B-A3B expert GEMMs (hidden 2048, expert dim 768: gate_up C=2048 OC=1536, down
 // C=768 OC=2048) at 65536 rows over 128 experts (8192 tokens x top-8), 131072 rows over 128 experts
-// (16384 tokens) and 131072 rows over 64 experts (the local half under EP=2). Expert loads are uneven
+// (16384 tokens), 65536 rows over 64 experts (one rank's share under P2's EP=2: 8192 tokens x top-8 from
+// each of two ranks, half of them to its experts) and 131072 rows over 64 experts. Expert loads are uneven
 // (log-normal, two experts empty). Every path is timed (median of 20 after 3 warm-ups, CUDA events
 // around the whole call, so the cuBLAS path's offsets read and host issue count), with the dense
 // cuBLASLt GEMM of the same total size as the baseline.
@@ -497,7 +521,7 @@ TEST(CudaGroupedGemm, Benchmark) {
         const char* label;
         int64_t C, OC;
     };
-    for (const Config& cfg : {Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
+    for (const Config& cfg : {Config{65536, 64}, Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
         const int64_t M = cfg.M, E = cfg.E;
         const auto off = bench_offsets(M, E, rng);
         int32_t min_rows = INT32_MAX, max_rows = 0;
@@ -532,9 +556,13 @@ TEST(CudaGroupedGemm, Benchmark) {
                     forward(kSm90, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
                             c.OC);
                 }, 20, 5000);
-                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s\n",
+                const double bwd_in = median_us([&] {
+                    backward_input(kSm90, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
+                                   c.C, c.OC, false);
+                }, 20, 5000);
+                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f\n",
                             static_cast<long long>(M), static_cast<long long>(E), c.label, "sm90 (wgmma)", fwd,
-                            flops / fwd * 1e-6);
+                            flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6);
             }
             for (const Path& p : kPaths) {
                 const auto timed = [&](auto&& fn) {

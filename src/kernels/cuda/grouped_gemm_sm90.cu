@@ -19,6 +19,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 
@@ -48,17 +49,22 @@ size_t smem_bytes(int64_t num_experts) {
     return kAlign + kRingBytes + kBarrierBytes + 2 * static_cast<size_t>(num_experts + 1) * sizeof(int);
 }
 
-// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, rows of 128 bytes, 8-row atoms
-// 1024 bytes apart. Fields (in 16-byte units): start address [0, 14), leading byte offset
-// [16, 30) (unused by swizzled K-major layouts, 1 by convention), stride byte offset [32, 46);
-// layout type [62, 64) = 1 (128-byte swizzle).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+// wgmma shared-memory matrix descriptor with the 128-byte swizzle (8-row atoms of 128-byte rows,
+// 1024 bytes). Fields (in 16-byte units): start address [0, 14), leading byte offset [16, 30),
+// stride byte offset [32, 46); layout type [62, 64) = 1 (128-byte swizzle).
+// K-major operand (rows of 64 K values): the stride offset steps 8 rows (1024 bytes); the leading
+// offset is unused (1 by convention).
+// MN-major operand (rows of 64 M or N values, one row per K index, in boxes of 64 K rows x 64
+// columns): the stride offset steps 8 K rows (1024 bytes), the leading offset one box of columns
+// (64 x 128 = 8192 bytes).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t leading = 16) {
     uint64_t desc = (addr & 0x3FFFFu) >> 4;
-    desc |= uint64_t{1} << 16;
+    desc |= uint64_t{(leading >> 4) & 0x3FFFu} << 16;
     desc |= uint64_t{1024 >> 4} << 32;
     desc |= uint64_t{1} << 62;
     return desc;
 }
+constexpr uint32_t kMnBoxBytes = 64 * 128;  // one 64 x 64 box of an MN-major operand
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -100,7 +106,9 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
         : "memory");
 }
 
-// d (64 x 256 fp32, this warpgroup's fragment) += A (64 x 16 at desc_a) · B (16 x 256 at desc_b).
+// d (64 x 256 fp32, this warpgroup's fragment) += A (64 x 16 at desc_a) · B (16 x 256 at desc_b);
+// kTransA / kTransB: the operand is MN-major in shared memory (else K-major).
+template <int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n"
@@ -113,7 +121,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, 1, 1, 1, 0, 0;\n"
+        "%128, %129, 1, 1, 1, %130, %131;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -131,7 +139,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b));
+        : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
 // Clamped offsets and the exclusive prefix of row tiles per group (the sm80 kernel's table).
@@ -173,10 +181,32 @@ __device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets
     __syncthreads();
 }
 
-// map_a: inp as [M][K] (K innermost), boxes of 128 rows x 64; map_b: weight as [E·N][K], boxes of
-// 256 rows x 64; both with the 128-byte swizzle.
+// The row tile's group: the e with tile_prefix[e] <= row_tile < tile_prefix[e + 1].
+__device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_experts, int row_tile) {
+    int lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (tile_prefix[mid] <= row_tile)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+// out[r, n] = Σ_k a[r, k] · b_e[n, k] over the rows r of every group e, for the two row products:
+// forward (kBackwardInput false): a = inp [M][K = C], b_e = weight[e] [N = OC][K], K-major;
+// input gradient (true): a = dout [M][K = OC], b_e = weight[e]ᵀ, read from weight[e] [K][N = C] as
+// an MN-major operand.
+// map_a: a as [M][K] (K innermost), boxes of 128 rows x 64; map_b: the weights as [E·OC][C], boxes
+// of 256 rows x 64 (forward) or 64 rows x 64 (input gradient: four boxes side by side per slice);
+// both with the 128-byte swizzle. Persistent: block b takes tiles b, b + grid, ... (column tiles
+// fastest, so the blocks at work share row tiles and a group's weights in L2); the producer runs on
+// into the next tile's slices while the consumers store the last one, and the ring's stage and
+// phase count on across tiles (slice g of the block's sequence uses stage g % 4).
+template <bool kBackwardInput>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_forward_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    grouped_rows_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                  bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>(
@@ -196,34 +226,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     build_table(begin, tile_prefix, offsets, num_experts, num_rows);  // ends with __syncthreads()
 
     const int col_tiles = N / kTileN;
-    const int row_tile = static_cast<int>(blockIdx.x) / col_tiles;
-    const int col_tile = static_cast<int>(blockIdx.x) % col_tiles;
-    if (row_tile >= tile_prefix[num_experts]) return;  // uniform across the block
-    int lo = 0, hi = num_experts;  // tile_prefix[lo] <= row_tile < tile_prefix[hi]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (tile_prefix[mid] <= row_tile)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    const int expert = lo;
-    const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
-    const int rows_valid = min(kTileM, begin[expert + 1] - row0);
-    const int n0 = col_tile * kTileN;
+    const int num_tiles = tile_prefix[num_experts] * col_tiles;
     const int slices = K / kSliceK;
     const int warpgroup = tid / 128;
 
     if (warpgroup == 0) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 0) {
-            for (int i = 0; i < slices; ++i) {
-                const int s = i % kStages;
-                mbar_wait(&empty[s], ((i / kStages) & 1) ^ 1);
-                unsigned char* stage = ring + s * kStageBytes;
-                mbar_arrive_expect_tx(&full[s], kStageBytes);
-                tma_load_2d(stage, &map_a, &full[s], i * kSliceK, row0);
-                tma_load_2d(stage + kABytes, &map_b, &full[s], i * kSliceK, expert * N + n0);
+            int g = 0;  // the block's slice sequence number
+            for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
+                const int row_tile = tile / col_tiles;
+                const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
+                const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
+                const int n0 = (tile % col_tiles) * kTileN;
+                for (int i = 0; i < slices; ++i, ++g) {
+                    const int s = g % kStages;
+                    mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
+                    unsigned char* stage = ring + s * kStageBytes;
+                    mbar_arrive_expect_tx(&full[s], kStageBytes);
+                    tma_load_2d(stage, &map_a, &full[s], i * kSliceK, row0);
+                    if constexpr (kBackwardInput) {
+#pragma unroll
+                        for (int j = 0; j < kTileN / 64; ++j)
+                            tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, &full[s], n0 + 64 * j,
+                                        expert * K + i * kSliceK);
+                    } else {
+                        tma_load_2d(stage + kABytes, &map_b, &full[s], i * kSliceK, expert * N + n0);
+                    }
+                }
             }
         }
         return;
@@ -231,40 +261,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int consumer = warpgroup - 1;  // rows 64·consumer .. + 63 of the tile
-    float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    for (int i = 0; i < slices; ++i) {
-        const int s = i % kStages;
-        mbar_wait(&full[s], (i / kStages) & 1);
-        const uint32_t a_addr = smem_u32(ring + s * kStageBytes) + consumer * 64 * 128;
-        const uint32_t b_addr = smem_u32(ring + s * kStageBytes + kABytes);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kSliceK / 16; ++kk)
-            wgmma_m64n256k16(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 32));
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous slice's products are done: release its stage
-        if (i > 0 && tid % 128 == 0) mbar_arrive(&empty[(i - 1) % kStages]);
-    }
-    wgmma_wait<0>();
-
     // Accumulator fragment of m64nNk16: warp w of the warpgroup holds rows 16w .. 16w + 15; lane
     // l = 4g + t holds, for each 8-column block j, (row g, cols 8j + 2t, +1) in acc[4j], acc[4j+1]
     // and (row g + 8, same cols) in acc[4j+2], acc[4j+3].
     const int lane = tid % 32, warp = (tid % 128) / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int r_lo = consumer * 64 + warp * 16 + g, r_hi = r_lo + 8;
-    bf16* out_tile = out + static_cast<int64_t>(row0) * N + n0;
+    const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
+    const int c_lane = 2 * (lane % 4);
+    int g = 0;
+    for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
+        const int row_tile = tile / col_tiles;
+        const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
+        const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
+        const int rows_valid = min(kTileM, begin[expert + 1] - row0);
+        float acc[128];
 #pragma unroll
-    for (int j = 0; j < kTileN / 8; ++j) {
-        const int col = 8 * j + 2 * t;
-        if (r_lo < rows_valid)
-            *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_lo) * N + col) =
-                __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-        if (r_hi < rows_valid)
-            *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_hi) * N + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < slices; ++i, ++g) {
+            const int s = g % kStages;
+            mbar_wait(&full[s], (g / kStages) & 1);
+            const uint32_t a_addr = smem_u32(ring + s * kStageBytes) + consumer * 64 * 128;
+            const uint32_t b_addr = smem_u32(ring + s * kStageBytes + kABytes);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kSliceK / 16; ++kk) {
+                if constexpr (kBackwardInput)  // 16 K rows of 128 bytes per step
+                    wgmma_m64n256k16<0, 1>(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 2048, kMnBoxBytes));
+                else
+                    wgmma_m64n256k16<0, 0>(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 32));
+            }
+            wgmma_commit();
+            // The slice before is done (within this tile, or the previous tile's last, already
+            // waited for): release its stage. The block's very last slice is never waited for.
+            wgmma_wait<1>();
+            if (g > 0 && tid % 128 == 0) mbar_arrive(&empty[(g - 1) % kStages]);
+        }
+        wgmma_wait<0>();
+        bf16* out_tile = out + static_cast<int64_t>(row0) * N + (tile % col_tiles) * kTileN;
+#pragma unroll
+        for (int j = 0; j < kTileN / 8; ++j) {
+            const int col = 8 * j + c_lane;
+            if (r_lo < rows_valid)
+                *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_lo) * N + col) =
+                    __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+            if (r_hi < rows_valid)
+                *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_hi) * N + col) =
+                    __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        }
     }
 }
 
@@ -276,7 +318,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
         MF_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
                                                        &status));
         MF_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
-                 "grouped_matmul_forward_sm90: the driver has no cuTensorMapEncodeTiled");
+                 "grouped matmul (sm90): the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
     }();
     return fn;
@@ -294,14 +336,12 @@ CUtensorMap tile_map(const bf16* base, int64_t rows, int64_t cols, int box_rows)
                                       strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    MF_CHECK(r == CUDA_SUCCESS, "grouped_matmul_forward_sm90: cuTensorMapEncodeTiled failed (", static_cast<int>(r),
+    MF_CHECK(r == CUDA_SUCCESS, "grouped matmul (sm90): cuTensorMapEncodeTiled failed (", static_cast<int>(r),
              ") for a [", rows, ", ", cols, "] bf16 matrix");
     return map;
 }
 
-}  // namespace
-
-bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
+bool sm90_device() {
     static const bool hopper = [] {
         int device = 0, major = 0, minor = 0;
         if (cudaGetDevice(&device) != cudaSuccess) return false;
@@ -309,7 +349,43 @@ bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
         if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
         return major == 9 && minor == 0;
     }();
-    return hopper && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
+    return hopper;
+}
+
+// One launch of the row-product kernel: out [M][N] from a [M][K] and the weights [E][N or K][...].
+template <bool kBackwardInput>
+void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight, const int32_t* offsets, int64_t M,
+                 int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+    const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
+    MF_CHECK(E <= 1024, what, ": at most 1024 groups (E=", E, ")");  // the table lives in shared memory
+    MF_CHECK(row_tiles * (N / kTileN) < (int64_t{1} << 31), what, ": ", row_tiles * (N / kTileN), " tiles is too many");
+    if (M == 0 || E == 0) return;
+    static const int sms = [] {
+        int device = 0, count = 0;
+        MF_CHECK_CUDA(cudaGetDevice(&device));
+        MF_CHECK_CUDA(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+        return count;
+    }();
+    const int64_t blocks = std::min<int64_t>(sms, row_tiles * (N / kTileN));  // one per SM
+    const CUtensorMap map_a = tile_map(a, M, K, kTileM);
+    const CUtensorMap map_b = kBackwardInput ? tile_map(weight, E * K, N, 64) : tile_map(weight, E * N, K, kTileN);
+    const size_t smem = smem_bytes(E);
+    const auto kernel = grouped_rows_wgmma_kernel<kBackwardInput>;
+    MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, out, offsets, static_cast<int>(M),
+                                                                      static_cast<int>(E), static_cast<int>(N),
+                                                                      static_cast<int>(K));
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
+    return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
+}
+
+bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC) {
+    return sm90_device() && OC > 0 && OC % kSliceK == 0 && C > 0 && C % kTileN == 0;
 }
 
 void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
@@ -317,18 +393,16 @@ void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight,
     check_grouped_args("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, C, OC);
     MF_CHECK(grouped_matmul_forward_sm90_supported(C, OC), "grouped_matmul_forward_sm90: needs an sm_90 GPU, C % ",
              kSliceK, " == 0 and OC % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
-    if (M == 0 || E == 0) return;
-    const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
-    const int64_t blocks = row_tiles * (OC / kTileN);
-    MF_CHECK(blocks < (int64_t{1} << 31), "grouped_matmul_forward_sm90: grid of ", blocks, " blocks is too large");
-    const CUtensorMap map_a = tile_map(inp, M, C, kTileM);
-    const CUtensorMap map_b = tile_map(weight, E * OC, C, kTileN);
-    const size_t smem = smem_bytes(E);
-    MF_CHECK_CUDA(cudaFuncSetAttribute(grouped_forward_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
-    grouped_forward_wgmma_kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
-        map_a, map_b, out, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC), static_cast<int>(C));
-    MF_CHECK_CUDA(cudaGetLastError());
+    launch_rows<false>("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, OC, C, stream);
+}
+
+void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets,
+                                        int64_t M, int64_t E, int64_t C, int64_t OC, cudaStream_t stream) {
+    check_grouped_args("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC);
+    MF_CHECK(grouped_matmul_backward_input_sm90_supported(C, OC),
+             "grouped_matmul_backward_input_sm90: needs an sm_90 GPU, OC % ", kSliceK, " == 0 and C % ", kTileN,
+             " == 0 (C=", C, ", OC=", OC, ")");
+    launch_rows<true>("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC, stream);
 }
 
 }  // namespace mf::cuda
