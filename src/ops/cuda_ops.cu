@@ -446,9 +446,9 @@ enum class GroupedGemmPath { own, cublas, automatic, sm90 };
 constexpr double kCublasMinRowProductFlops = 2147483648.0;  // 2^31 per group
 constexpr double kCublasMinWeightGradFlops = 1073741824.0;  // 2^30 per group
 
-// MOEFORGE_GROUPED_GEMM: sm90 (default: the row products, forward and written input gradient, on
-// the wgmma kernels of grouped_gemm_sm90.cuh where they serve the device and shape, the rest as
-// cublas), cublas, own (the sm80 kernels) or auto (own for small groups, else cublas).
+// MOEFORGE_GROUPED_GEMM: sm90 (default: the forward, the written input gradient and the weight
+// gradient on the wgmma kernels of grouped_gemm_sm90.cuh where they serve the device and shape, the
+// rest as cublas), cublas, own (the sm80 kernels) or auto (own for small groups, else cublas).
 GroupedGemmPath grouped_gemm_setting() {
     static const GroupedGemmPath path = [] {
         const char* env = std::getenv("MOEFORGE_GROUPED_GEMM");
@@ -526,7 +526,11 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                                                     accumulate_dinp, ctx().stream);
     }
     if (defined(dweight)) {
-        if (grouped_uses_cublas(M, E, C, OC, true)) {
+        if (grouped_gemm_setting() == GroupedGemmPath::sm90 &&
+            mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
+            mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets),
+                                                          M, E, C, OC, accumulate_dweight, ctx().stream);
+        } else if (grouped_uses_cublas(M, E, C, OC, true)) {
             mf::cuda::grouped_matmul_backward_weight_cublas(grouped_cublas(), dweight.data(), dweight.dtype(), B(dout),
                                                             B(inp), I(offsets), M, E, C, OC, ctx().stream,
                                                             host_offsets, accumulate_dweight);

@@ -45,7 +45,7 @@ struct Path {
     const char* name;
     bool cublas;
     bool host_offsets = false;  // cuBLAS only: the caller passes the offsets on the host (no read-back)
-    bool sm90 = false;  // forward and written input gradient through the wgmma kernels (grouped_gemm_sm90.cuh)
+    bool sm90 = false;  // through the wgmma kernels (grouped_gemm_sm90.cuh; input gradient written only)
 };
 
 const std::vector<Path> kPaths = {{"own", false}, {"cublas", true}, {"cublas+host", true, true}};
@@ -97,10 +97,13 @@ void backward_input(const Path& p, bf16* dinp, const bf16* dout, const bf16* wei
         mf::cuda::grouped_matmul_backward_input(dinp, dout, weight, offsets, M, E, C, OC, accumulate, nullptr);
 }
 
+// Accumulates onto dweight.
 void backward_weight(const Path& p, void* dweight, mf::DType dtype, const bf16* dout, const bf16* inp,
                      const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
                      const std::vector<int32_t>* known = nullptr) {
-    if (p.cublas)
+    if (p.sm90)
+        mf::cuda::grouped_matmul_backward_weight_sm90(dweight, dtype, dout, inp, offsets, M, E, C, OC, true, nullptr);
+    else if (p.cublas)
         mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), dweight, dtype, dout, inp, offsets, M, E, C, OC,
                                                         nullptr, HostOffsets(p, offsets, E, known).values);
     else
@@ -266,46 +269,82 @@ TEST(CudaGroupedGemm, BackwardInputParity) {
     }
 }
 
+// The weight gradient of case g through path p, accumulated onto random values, against the CPU in
+// both gradient dtypes; empty experts keep their values bit for bit.
+void check_backward_weight(const Path& p, const GroupCase& g, std::mt19937& rng) {
+    for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+        const int64_t M = g.rows();
+        const auto off = g.offsets();
+        const auto dout = random_bf16(rng, M * g.OC);
+        const auto inp = random_bf16(rng, M * g.C);
+        const auto before = random_bf16(rng, g.E * g.OC * g.C);
+        std::vector<float> product(g.E * g.OC * g.C, 0.0f);
+        mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(), g.E,
+                                         g.C, g.OC);
+        const auto ref = fp32_add(before, product);
+
+        const bool f32 = dtype == mf::DType::f32;
+        DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
+        const DeviceBuffer d_off = device_copy(off);
+        upload_bf16(d_dout.as<void>(), dout);
+        upload_bf16(d_inp.as<void>(), inp);
+        if (f32)
+            upload(d_dw.as<void>(), before);
+        else
+            upload_bf16(d_dw.as<void>(), before);
+        backward_weight(p, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M, g.E,
+                        g.C, g.OC);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto gpu = f32 ? download<float>(d_dw.as<void>(), ref.size()) : download_bf16(d_dw.as<void>(), ref.size());
+        expect_parity(g.label(p, f32 ? "backward weight f32 +=" : "backward weight bf16 +="), gpu, ref,
+                      f32 ? ref : naive_bf16_add(before, product));
+        for (int64_t e = 0; e < g.E; ++e) {
+            if (g.sizes[e] != 0) continue;
+            const int64_t n = g.OC * g.C;
+            EXPECT_TRUE(std::equal(gpu.begin() + e * n, gpu.begin() + (e + 1) * n, before.begin() + e * n))
+                << g.label(p, "backward weight") << ": empty expert " << e << " changed";
+        }
+    }
+}
+
 TEST(CudaGroupedGemm, BackwardWeightParity) {
     for (const Path& p : kPaths) {
         std::mt19937 rng(13);
-        for (const GroupCase& g : make_cases()) {
-            for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
-                const int64_t M = g.rows();
-                const auto off = g.offsets();
-                const auto dout = random_bf16(rng, M * g.OC);
-                const auto inp = random_bf16(rng, M * g.C);
-                const auto before = random_bf16(rng, g.E * g.OC * g.C);
-                std::vector<float> product(g.E * g.OC * g.C, 0.0f);
-                mf::cpu::grouped_matmul_backward(nullptr, product.data(), dout.data(), inp.data(), nullptr, off.data(),
-                                                 g.E, g.C, g.OC);
-                const auto ref = fp32_add(before, product);
+        for (const GroupCase& g : make_cases()) check_backward_weight(p, g, rng);
+    }
+}
 
-                const bool f32 = dtype == mf::DType::f32;
-                DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
-                const DeviceBuffer d_off = device_copy(off);
-                upload_bf16(d_dout.as<void>(), dout);
-                upload_bf16(d_inp.as<void>(), inp);
-                if (f32)
-                    upload(d_dw.as<void>(), before);
-                else
-                    upload_bf16(d_dw.as<void>(), before);
-                backward_weight(p, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M,
-                                g.E, g.C, g.OC);
-                MF_CHECK_CUDA(cudaDeviceSynchronize());
-                const auto gpu =
-                    f32 ? download<float>(d_dw.as<void>(), ref.size()) : download_bf16(d_dw.as<void>(), ref.size());
-                expect_parity(g.label(p, f32 ? "backward weight f32 +=" : "backward weight bf16 +="), gpu, ref,
-                              f32 ? ref : naive_bf16_add(before, product));
-                // Empty experts keep their gradient bit for bit.
-                for (int64_t e = 0; e < g.E; ++e) {
-                    if (g.sizes[e] != 0) continue;
-                    const int64_t n = g.OC * g.C;
-                    EXPECT_TRUE(std::equal(gpu.begin() + e * n, gpu.begin() + (e + 1) * n, before.begin() + e * n))
-                        << g.label(p, "backward weight") << ": empty expert " << e << " changed";
-                }
-            }
+// The written weight gradient through path p (cublas or sm90) over a buffer of NaNs: the bits of
+// zeroing and accumulating (so the old values are not read), an empty expert's slice zeros.
+void expect_written_equals_accumulated(const Path& p, const GroupCase& g, std::mt19937& rng) {
+    for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+        const int64_t M = g.rows(), n = g.E * g.OC * g.C;
+        const auto off = g.offsets();
+        const auto dout = random_bf16(rng, M * g.OC);
+        const auto inp = random_bf16(rng, M * g.C);
+        const size_t elem = dtype == mf::DType::f32 ? 4 : 2;
+        DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), written(n * elem), summed(n * elem);
+        const DeviceBuffer d_off = device_copy(off);
+        upload_bf16(d_dout.as<void>(), dout);
+        upload_bf16(d_inp.as<void>(), inp);
+        MF_CHECK_CUDA(cudaMemset(written.as<void>(), 0xff, written.bytes()));  // NaN in f32 and bf16
+        MF_CHECK_CUDA(cudaMemset(summed.as<void>(), 0, summed.bytes()));
+        if (p.sm90) {
+            mf::cuda::grouped_matmul_backward_weight_sm90(written.as<void>(), dtype, d_dout.as<bf16>(),
+                                                          d_inp.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC,
+                                                          false, nullptr);
+        } else {
+            const HostOffsets host(p, d_off.as<int32_t>(), g.E, nullptr);
+            mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), written.as<void>(), dtype,
+                                                            d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(),
+                                                            M, g.E, g.C, g.OC, nullptr, host.values, false);
         }
+        backward_weight(p, summed.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M, g.E,
+                        g.C, g.OC);
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto a = download<uint8_t>(written.as<void>(), n * elem);
+        const auto b = download<uint8_t>(summed.as<void>(), n * elem);
+        EXPECT_TRUE(a == b) << g.label(p, dtype == mf::DType::f32 ? "backward weight f32 =" : "backward weight bf16 =");
     }
 }
 
@@ -316,31 +355,7 @@ TEST(CudaGroupedGemm, BackwardWeightWrittenEqualsZeroedThenAccumulated) {
     for (const Path& p : kPaths) {
         if (!p.cublas) continue;  // the own kernel only accumulates (ops zeroes before it)
         std::mt19937 rng(17);
-        for (const GroupCase& g : make_cases()) {
-            for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
-                const int64_t M = g.rows(), n = g.E * g.OC * g.C;
-                const auto off = g.offsets();
-                const auto dout = random_bf16(rng, M * g.OC);
-                const auto inp = random_bf16(rng, M * g.C);
-                const size_t elem = dtype == mf::DType::f32 ? 4 : 2;
-                DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), written(n * elem), summed(n * elem);
-                const DeviceBuffer d_off = device_copy(off);
-                upload_bf16(d_dout.as<void>(), dout);
-                upload_bf16(d_inp.as<void>(), inp);
-                MF_CHECK_CUDA(cudaMemset(written.as<void>(), 0xff, written.bytes()));  // NaN in f32 and bf16
-                MF_CHECK_CUDA(cudaMemset(summed.as<void>(), 0, summed.bytes()));
-                const HostOffsets host(p, d_off.as<int32_t>(), g.E, nullptr);
-                mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), written.as<void>(), dtype,
-                                                                d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(),
-                                                                M, g.E, g.C, g.OC, nullptr, host.values, false);
-                backward_weight(p, summed.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M,
-                                g.E, g.C, g.OC);
-                MF_CHECK_CUDA(cudaDeviceSynchronize());
-                const auto a = download<uint8_t>(written.as<void>(), n * elem);
-                const auto b = download<uint8_t>(summed.as<void>(), n * elem);
-                EXPECT_TRUE(a == b) << g.label(p, dtype == mf::DType::f32 ? "backward weight f32 =" : "backward weight bf16 =");
-            }
-        }
+        for (const GroupCase& g : make_cases()) expect_written_equals_accumulated(p, g, rng);
         // No rows at all: every slice written with zeros.
         const std::vector<int32_t> none = {0, 0, 0, 0};
         const DeviceBuffer d_none = device_copy(none), dw(3 * 8 * 16 * 4), dummy(16);
@@ -397,6 +412,25 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_backward_input_sm90_supported(g.C, g.OC)) << g.label(kSm90, "backward input");
         check_backward_input(kSm90, g, rng, false, 2);
     }
+    // The weight gradient: OC % 128 == 0, C % 256 == 0; groups whose rows end inside a 64-row slice
+    // (the next group's rows, or the end of the buffer, must not count), empty groups, lead and tail
+    // rows; accumulated onto random values, and written over NaNs.
+    std::vector<GroupCase> weight_cases = {
+        {4, 256, 128, {0, 1, 130, 37}},
+        {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7},
+        {3, 768, 2048, {129, 2, 255}},
+        {2, 2048, 128, {64, 300}, 0, 0},
+    };
+    GroupCase many{130, 256, 128, {}, 1, 1};
+    for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
+    weight_cases.push_back(many);
+    for (const GroupCase& g : weight_cases) {
+        ASSERT_TRUE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(g.C, g.OC)) << g.label(kSm90, "weight");
+        check_backward_weight(kSm90, g, rng);
+        expect_written_equals_accumulated(kSm90, g, rng);
+    }
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(128, 128));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(256, 64));
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(256, 96));
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(128, 64));
     // Shapes it does not serve are refused, not computed wrongly.
@@ -560,9 +594,19 @@ TEST(CudaGroupedGemm, Benchmark) {
                     backward_input(kSm90, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
                                    c.C, c.OC, false);
                 }, 20, 5000);
-                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f\n",
+                const auto bwd_w = [&](mf::DType dtype, auto& dw) {
+                    return median_us([&] {
+                        mf::cuda::grouped_matmul_backward_weight_sm90(dw.template as<void>(), dtype, out.as<bf16>(),
+                                                                      inp.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
+                                                                      c.OC, false, nullptr);
+                    }, 20, 5000);
+                };
+                const double bwd_w32 = bwd_w(mf::DType::f32, dw32), bwd_w16 = bwd_w(mf::DType::bf16, dw16);
+                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f"
+                            " | bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f (written)\n",
                             static_cast<long long>(M), static_cast<long long>(E), c.label, "sm90 (wgmma)", fwd,
-                            flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6);
+                            flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16,
+                            flops / bwd_w16 * 1e-6);
             }
             for (const Path& p : kPaths) {
                 const auto timed = [&](auto&& fn) {

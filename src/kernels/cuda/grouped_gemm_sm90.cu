@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
@@ -181,6 +182,42 @@ __device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets
     __syncthreads();
 }
 
+// One accumulator row of this lane stored as bf16 in 16-byte pieces: the lane holds columns 8j + 2t
+// and + 1 (t = lane % 4) at acc[4j + kHalf] and acc[4j + kHalf + 1], j < 32 (kHalf 0: the fragment's
+// row g, 2: row g + 8). Within each run of four 8-column blocks the quad's lanes swap values (two
+// xor shuffles, a 4 x 4 transpose) so that lane t holds all of block 4m + t; a warp's store then
+// covers 64 contiguous bytes per row instead of 16 (full 32-byte sectors). Every lane of the warp
+// takes part; `store` only says whether this lane's row is written.
+template <int kHalf>
+__device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128], bool store) {
+    const int t = static_cast<int>(threadIdx.x) % 4;
+    const bool bit1 = (t & 2) != 0, bit0 = (t & 1) != 0;
+    constexpr unsigned kFull = 0xffffffffu;
+#pragma unroll
+    for (int m = 0; m < kTileN / 32; ++m) {
+        uint32_t v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const __nv_bfloat162 pair =
+                __floats2bfloat162_rn(acc[4 * (4 * m + q) + kHalf], acc[4 * (4 * m + q) + kHalf + 1]);
+            v[q] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        uint32_t x0 = __shfl_xor_sync(kFull, bit1 ? v[0] : v[2], 2), x1 = __shfl_xor_sync(kFull, bit1 ? v[1] : v[3], 2);
+        if (bit1) {
+            v[0] = x0, v[1] = x1;
+        } else {
+            v[2] = x0, v[3] = x1;
+        }
+        x0 = __shfl_xor_sync(kFull, bit0 ? v[0] : v[1], 1), x1 = __shfl_xor_sync(kFull, bit0 ? v[2] : v[3], 1);
+        if (bit0) {
+            v[0] = x0, v[2] = x1;
+        } else {
+            v[1] = x0, v[3] = x1;
+        }
+        if (store) *reinterpret_cast<uint4*>(row + 8 * (4 * m + t)) = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
 // The row tile's group: the e with tile_prefix[e] <= row_tile < tile_prefix[e + 1].
 __device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_experts, int row_tile) {
     int lo = 0, hi = num_experts;
@@ -266,7 +303,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     // and (row g + 8, same cols) in acc[4j+2], acc[4j+3].
     const int lane = tid % 32, warp = (tid % 128) / 32;
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
-    const int c_lane = 2 * (lane % 4);
     int g = 0;
     for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
         const int row_tile = tile / col_tiles;
@@ -297,15 +333,142 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait<0>();
         bf16* out_tile = out + static_cast<int64_t>(row0) * N + (tile % col_tiles) * kTileN;
+        store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * N, acc, r_lo < rows_valid);
+        store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * N, acc, r_hi < rows_valid);
+    }
+}
+
+// Two adjacent fp32 sums into a gradient (written, or added to its values in fp32 and rounded once).
+__device__ __forceinline__ void store_pair(float* p, float x, float y, bool accumulate) {
+    float2 v = make_float2(x, y);
+    if (accumulate) {
+        const float2 old = *reinterpret_cast<const float2*>(p);
+        v.x += old.x;
+        v.y += old.y;
+    }
+    *reinterpret_cast<float2*>(p) = v;
+}
+__device__ __forceinline__ void store_pair(bf16* p, float x, float y, bool accumulate) {
+    if (accumulate) {
+        const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+        x += old.x;
+        y += old.y;
+    }
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+
+// The weight gradient: dweight[e][o, c] (+)= Σ_{r in group e} dout[r, o] · inp[r, c], over every
+// group e (a group without rows gets zeros, or keeps its values when accumulating). The rows are
+// the reduction: a = doutᵀ (M = OC) and b = inp (N = C), both read MN-major in boxes of 64 rows x
+// 64 columns (A: two per slice, one per consumer; B: four). Tiles of 128 x 256 of one group's
+// gradient, numbered group-major (column tiles fastest) and taken persistently like the row
+// products; a group's last slice may run past its rows: the consumers zero those rows of both
+// operands in shared memory (rows of the next group, or zeros past M) before multiplying.
+// map_a: dout as [M][OC]; map_b: inp as [M][C]; boxes of 64 x 64, 128-byte swizzle.
+template <typename TW>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
+                                     const __grid_constant__ CUtensorMap map_b, TW* dweight, const int32_t* offsets,
+                                     int num_rows, int num_experts, int OC, int C, bool accumulate) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* ring = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
+    uint64_t* full = reinterpret_cast<uint64_t*>(ring + kRingBytes);
+    uint64_t* empty = full + kStages;
+    int* begin = reinterpret_cast<int*>(empty + kStages);
+    int* tile_prefix = begin + num_experts + 1;  // unused here
+    const int tid = static_cast<int>(threadIdx.x);
+    if (tid == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    build_table(begin, tile_prefix, offsets, num_experts, num_rows);  // ends with __syncthreads()
+
+    const int c_tiles = C / kTileN, tiles_per_group = (OC / kTileM) * c_tiles;
+    const int num_tiles = num_experts * tiles_per_group;
+    const int warpgroup = tid / 128;
+
+    if (warpgroup == 0) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 0) {
+            int g = 0;
+            for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
+                const int expert = tile / tiles_per_group, within = tile % tiles_per_group;
+                const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
+                const int r_begin = begin[expert], slices = (begin[expert + 1] - r_begin + kSliceK - 1) / kSliceK;
+                for (int i = 0; i < slices; ++i, ++g) {
+                    const int s = g % kStages;
+                    mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
+                    unsigned char* stage = ring + s * kStageBytes;
+                    mbar_arrive_expect_tx(&full[s], kStageBytes);
+                    const int r = r_begin + i * kSliceK;
+#pragma unroll
+                    for (int j = 0; j < kTileM / 64; ++j)
+                        tma_load_2d(stage + j * kMnBoxBytes, &map_a, &full[s], o0 + 64 * j, r);
+#pragma unroll
+                    for (int j = 0; j < kTileN / 64; ++j)
+                        tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, &full[s], c0 + 64 * j, r);
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int consumer = warpgroup - 1;  // gradient rows 64·consumer .. + 63 of the tile
+    const int lane = tid % 32, warp = (tid % 128) / 32;
+    const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
+    const int c_lane = 2 * (lane % 4);
+    int g = 0;
+    for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
+        const int expert = tile / tiles_per_group, within = tile % tiles_per_group;
+        const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
+        const int rows = begin[expert + 1] - begin[expert], slices = (rows + kSliceK - 1) / kSliceK;
+        float acc[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < slices; ++i, ++g) {
+            const int s = g % kStages;
+            mbar_wait(&full[s], (g / kStages) & 1);
+            unsigned char* stage = ring + s * kStageBytes;
+            const int valid = min(kSliceK, rows - i * kSliceK);
+            if (valid < kSliceK) {  // zero rows valid .. 63 of the six boxes (a row is 128 bytes in any swizzle)
+                const int per_box = (kSliceK - valid) * 8;  // 16-byte words
+                for (int w = tid - 128; w < 6 * per_box; w += 256) {
+                    const int box = w / per_box, k = w % per_box;
+                    reinterpret_cast<uint4*>(stage + box * kMnBoxBytes + valid * 128)[k] = make_uint4(0, 0, 0, 0);
+                }
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups
+            }
+            const uint32_t a_addr = smem_u32(stage) + consumer * kMnBoxBytes;
+            const uint32_t b_addr = smem_u32(stage + kABytes);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kSliceK / 16; ++kk)
+                wgmma_m64n256k16<1, 1>(acc, smem_desc(a_addr + kk * 2048, kMnBoxBytes),
+                                       smem_desc(b_addr + kk * 2048, kMnBoxBytes));
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (g > 0 && tid % 128 == 0) mbar_arrive(&empty[(g - 1) % kStages]);
+        }
+        wgmma_wait<0>();
+        TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
+        if constexpr (std::is_same_v<TW, bf16>) {
+            if (!accumulate) {
+                store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * C, acc, true);
+                store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * C, acc, true);
+                continue;
+            }
+        }
 #pragma unroll
         for (int j = 0; j < kTileN / 8; ++j) {
             const int col = 8 * j + c_lane;
-            if (r_lo < rows_valid)
-                *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_lo) * N + col) =
-                    __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-            if (r_hi < rows_valid)
-                *reinterpret_cast<__nv_bfloat162*>(out_tile + static_cast<int64_t>(r_hi) * N + col) =
-                    __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            store_pair(out_tile + static_cast<int64_t>(r_lo) * C + col, acc[4 * j], acc[4 * j + 1], accumulate);
+            store_pair(out_tile + static_cast<int64_t>(r_hi) * C + col, acc[4 * j + 2], acc[4 * j + 3], accumulate);
         }
     }
 }
@@ -341,6 +504,16 @@ CUtensorMap tile_map(const bf16* base, int64_t rows, int64_t cols, int box_rows)
     return map;
 }
 
+int sm_count() {
+    static const int sms = [] {
+        int device = 0, count = 0;
+        MF_CHECK_CUDA(cudaGetDevice(&device));
+        MF_CHECK_CUDA(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+        return count;
+    }();
+    return sms;
+}
+
 bool sm90_device() {
     static const bool hopper = [] {
         int device = 0, major = 0, minor = 0;
@@ -360,13 +533,7 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
     MF_CHECK(E <= 1024, what, ": at most 1024 groups (E=", E, ")");  // the table lives in shared memory
     MF_CHECK(row_tiles * (N / kTileN) < (int64_t{1} << 31), what, ": ", row_tiles * (N / kTileN), " tiles is too many");
     if (M == 0 || E == 0) return;
-    static const int sms = [] {
-        int device = 0, count = 0;
-        MF_CHECK_CUDA(cudaGetDevice(&device));
-        MF_CHECK_CUDA(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-        return count;
-    }();
-    const int64_t blocks = std::min<int64_t>(sms, row_tiles * (N / kTileN));  // one per SM
+    const int64_t blocks = std::min<int64_t>(sm_count(), row_tiles * (N / kTileN));  // one per SM
     const CUtensorMap map_a = tile_map(a, M, K, kTileM);
     const CUtensorMap map_b = kBackwardInput ? tile_map(weight, E * K, N, 64) : tile_map(weight, E * N, K, kTileN);
     const size_t smem = smem_bytes(E);
@@ -382,6 +549,10 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
 
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
     return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
+}
+
+bool grouped_matmul_backward_weight_sm90_supported(int64_t C, int64_t OC) {
+    return sm90_device() && OC > 0 && OC % kTileM == 0 && C > 0 && C % kTileN == 0;
 }
 
 bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC) {
@@ -403,6 +574,40 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
              "grouped_matmul_backward_input_sm90: needs an sm_90 GPU, OC % ", kSliceK, " == 0 and C % ", kTileN,
              " == 0 (C=", C, ", OC=", OC, ")");
     launch_rows<true>("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC, stream);
+}
+
+void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
+                                         const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
+                                         bool accumulate, cudaStream_t stream) {
+    const char* what = "grouped_matmul_backward_weight_sm90";
+    check_grouped_args(what, dweight, dout, inp, offsets, M, E, C, OC);
+    MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, what, ": dweight must be f32 or bf16, got ",
+             dtype_name(dweight_dtype));
+    MF_CHECK(grouped_matmul_backward_weight_sm90_supported(C, OC), what, ": needs an sm_90 GPU, OC % ", kTileM,
+             " == 0 and C % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
+    MF_CHECK(E <= 1024, what, ": at most 1024 groups (E=", E, ")");
+    MF_CHECK(E * (OC / kTileM) * (C / kTileN) < (int64_t{1} << 31), what, ": too many tiles");
+    if (E == 0) return;
+    const int64_t tiles = E * (OC / kTileM) * (C / kTileN);
+    const int64_t blocks = std::min<int64_t>(sm_count(), tiles);
+    // Rows past M read as zeros; with M == 0 every group is empty and gets zeros (or keeps its values).
+    const CUtensorMap map_a = tile_map(dout, std::max<int64_t>(M, 1), OC, 64);
+    const CUtensorMap map_b = tile_map(inp, std::max<int64_t>(M, 1), C, 64);
+    const size_t smem = smem_bytes(E);
+    const auto launch = [&](auto* typed) {
+        using TW = std::remove_pointer_t<decltype(typed)>;
+        const auto kernel = grouped_weight_grad_wgmma_kernel<TW>;
+        MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, typed, offsets,
+                                                                          static_cast<int>(M), static_cast<int>(E),
+                                                                          static_cast<int>(OC), static_cast<int>(C),
+                                                                          accumulate);
+    };
+    if (dweight_dtype == DType::f32)
+        launch(static_cast<float*>(dweight));
+    else
+        launch(static_cast<bf16*>(dweight));
+    MF_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace mf::cuda
