@@ -1,21 +1,22 @@
-// The grouped forward product on Hopper (sm_90a): out[r, :] = inp[r, :] · weight[e]ᵀ for the rows r
-// of every group e, with the offsets on the device, one launch for all groups (no host issue per
-// expert, no host copy of the offsets), the same clamping of bad offsets and the same result
-// contract as grouped_gemm.cuh's forward (each output element owned by one block, fp32 sums in a
-// fixed k order, no atomics).
+// The grouped products on Hopper (sm_90a), offsets on the device, one persistent launch per product
+// for all groups (no host issue per expert, no host copy of the offsets), the same clamping of bad
+// offsets and the same result contract as grouped_gemm.cuh (each output element owned by one block,
+// fp32 sums in a fixed k order, no atomics):
+//   forward          out[r, :] = inp[r, :] · weight[e]ᵀ        (rows r of group e)
+//   input gradient   dinp[r, :] = dout[r, :] · weight[e]       (written)
+//   weight gradient  dweight[e] (+)= Σ_r dout[r, :]ᵀ · inp[r, :]
 //
-// Tiles and grid: a block owns one 128 x 256 output tile (a row tile of one group x a column
-// tile); tiles are numbered across groups like the sm80 kernel's (a prefix of row tiles per group
-// in shared memory, a binary search for the group), and the grid is sized for the worst case so
-// the host never reads the offsets.
+// Tiles: 128 x 256 outputs; the row products number their tiles across groups (a prefix of row
+// tiles per group in shared memory, a binary search for the group), the weight gradient group by
+// group. One block per SM takes tiles b, b + grid, ...
 // Warp specialisation: warpgroup 0 is the producer (one thread issues the tensor-memory-accelerator
 // loads, the rest give their registers away with setmaxnreg), warpgroups 1 and 2 each multiply 64
 // rows of the tile with wgmma.m64n256k16 (bf16 in, fp32 accumulators in registers). A 4-stage ring
-// in shared memory holds K slices of 64: the A slice (128 rows) and the B slice (256 weight rows),
-// both loaded by TMA with the 128-byte swizzle that wgmma's K-major descriptors read. Each stage has
-// a "full" mbarrier (the producer arms it with the slice's bytes, the TMA completes it) and an
-// "empty" one (each consumer warpgroup arrives once its wgmmas on the slice are done). Rows past a
-// group's end are loaded like any other (rows past M come back as zeros) and never stored.
+// in shared memory holds K slices of 64: the A slice (128 rows) and the B slice (256 columns),
+// loaded by TMA with the 128-byte swizzle that wgmma's descriptors read (K-major, or MN-major for
+// the transposed operands). Each stage has a "full" mbarrier (the producer arms it with the slice's
+// bytes, the TMA completes it) and an "empty" one (each consumer warpgroup arrives once its wgmmas
+// on the slice are done); the producer runs into the next tile while the consumers store.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -218,6 +219,50 @@ __device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128
     }
 }
 
+// The block's shared memory: a ring of kStages slices (A, then B), each with a "full" barrier (the
+// producer's arrive plus the copy engine's bytes) and an "empty" one (one arrive per consumer
+// warpgroup), then the group table (build_table). Slice g of the block's sequence uses stage
+// g % kStages, in phase g / kStages.
+struct Ring {
+    unsigned char* base;
+    uint64_t* full;
+    uint64_t* empty;
+    int* begin;
+    int* tile_prefix;
+
+    __device__ unsigned char* stage(int g) const { return base + (g % kStages) * kStageBytes; }
+    // Producer: waits until slice g's stage is free, arms its barrier with a slice's bytes.
+    __device__ uint64_t* acquire(int g) const {
+        const int s = g % kStages;
+        mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(&full[s], kStageBytes);
+        return &full[s];
+    }
+    // Consumers: slice g has arrived; slice g is no longer read (one thread per warpgroup).
+    __device__ void wait_full(int g) const { mbar_wait(&full[g % kStages], (g / kStages) & 1); }
+    __device__ void release(int g) const { mbar_arrive(&empty[g % kStages]); }
+};
+
+// Carves the ring, initialises its barriers and builds the table; ends with a block barrier.
+__device__ __forceinline__ Ring setup_ring(const int32_t* offsets, int num_experts, int num_rows) {
+    extern __shared__ unsigned char smem_raw[];
+    Ring ring;
+    ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
+    ring.full = reinterpret_cast<uint64_t*>(ring.base + kRingBytes);
+    ring.empty = ring.full + kStages;
+    ring.begin = reinterpret_cast<int*>(ring.empty + kStages);
+    ring.tile_prefix = ring.begin + num_experts + 1;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&ring.full[s], 1);
+            mbar_init(&ring.empty[s], 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    build_table(ring.begin, ring.tile_prefix, offsets, num_experts, num_rows);
+    return ring;
+}
+
 // The row tile's group: the e with tile_prefix[e] <= row_tile < tile_prefix[e + 1].
 __device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_experts, int row_tile) {
     int lo = 0, hi = num_experts;
@@ -245,22 +290,10 @@ template <bool kBackwardInput>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rows_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                  bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char* ring = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
-    uint64_t* full = reinterpret_cast<uint64_t*>(ring + kRingBytes);
-    uint64_t* empty = full + kStages;
-    int* begin = reinterpret_cast<int*>(empty + kStages);
-    int* tile_prefix = begin + num_experts + 1;
+    const Ring ring = setup_ring(offsets, num_experts, num_rows);
+    const int* begin = ring.begin;
+    const int* tile_prefix = ring.tile_prefix;
     const int tid = static_cast<int>(threadIdx.x);
-    if (tid == 0) {
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(&full[s], 1);   // the producer's arrive (plus the TMA bytes)
-            mbar_init(&empty[s], 2);  // one arrive per consumer warpgroup
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    build_table(begin, tile_prefix, offsets, num_experts, num_rows);  // ends with __syncthreads()
 
     const int col_tiles = N / kTileN;
     const int num_tiles = tile_prefix[num_experts] * col_tiles;
@@ -277,18 +310,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
                 const int n0 = (tile % col_tiles) * kTileN;
                 for (int i = 0; i < slices; ++i, ++g) {
-                    const int s = g % kStages;
-                    mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
-                    unsigned char* stage = ring + s * kStageBytes;
-                    mbar_arrive_expect_tx(&full[s], kStageBytes);
-                    tma_load_2d(stage, &map_a, &full[s], i * kSliceK, row0);
+                    uint64_t* full = ring.acquire(g);
+                    unsigned char* stage = ring.stage(g);
+                    tma_load_2d(stage, &map_a, full, i * kSliceK, row0);
                     if constexpr (kBackwardInput) {
 #pragma unroll
                         for (int j = 0; j < kTileN / 64; ++j)
-                            tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, &full[s], n0 + 64 * j,
+                            tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, full, n0 + 64 * j,
                                         expert * K + i * kSliceK);
                     } else {
-                        tma_load_2d(stage + kABytes, &map_b, &full[s], i * kSliceK, expert * N + n0);
+                        tma_load_2d(stage + kABytes, &map_b, full, i * kSliceK, expert * N + n0);
                     }
                 }
             }
@@ -313,10 +344,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
         for (int i = 0; i < slices; ++i, ++g) {
-            const int s = g % kStages;
-            mbar_wait(&full[s], (g / kStages) & 1);
-            const uint32_t a_addr = smem_u32(ring + s * kStageBytes) + consumer * 64 * 128;
-            const uint32_t b_addr = smem_u32(ring + s * kStageBytes + kABytes);
+            ring.wait_full(g);
+            const uint32_t a_addr = smem_u32(ring.stage(g)) + consumer * 64 * 128;
+            const uint32_t b_addr = smem_u32(ring.stage(g) + kABytes);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kSliceK / 16; ++kk) {
@@ -329,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // The slice before is done (within this tile, or the previous tile's last, already
             // waited for): release its stage. The block's very last slice is never waited for.
             wgmma_wait<1>();
-            if (g > 0 && tid % 128 == 0) mbar_arrive(&empty[(g - 1) % kStages]);
+            if (g > 0 && tid % 128 == 0) ring.release(g - 1);
         }
         wgmma_wait<0>();
         bf16* out_tile = out + static_cast<int64_t>(row0) * N + (tile % col_tiles) * kTileN;
@@ -370,22 +400,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                                      const __grid_constant__ CUtensorMap map_b, TW* dweight, const int32_t* offsets,
                                      int num_rows, int num_experts, int OC, int C, bool accumulate) {
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char* ring = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
-    uint64_t* full = reinterpret_cast<uint64_t*>(ring + kRingBytes);
-    uint64_t* empty = full + kStages;
-    int* begin = reinterpret_cast<int*>(empty + kStages);
-    int* tile_prefix = begin + num_experts + 1;  // unused here
+    const Ring ring = setup_ring(offsets, num_experts, num_rows);
+    const int* begin = ring.begin;
     const int tid = static_cast<int>(threadIdx.x);
-    if (tid == 0) {
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 2);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    build_table(begin, tile_prefix, offsets, num_experts, num_rows);  // ends with __syncthreads()
 
     const int c_tiles = C / kTileN, tiles_per_group = (OC / kTileM) * c_tiles;
     const int num_tiles = num_experts * tiles_per_group;
@@ -400,17 +417,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
                 const int r_begin = begin[expert], slices = (begin[expert + 1] - r_begin + kSliceK - 1) / kSliceK;
                 for (int i = 0; i < slices; ++i, ++g) {
-                    const int s = g % kStages;
-                    mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
-                    unsigned char* stage = ring + s * kStageBytes;
-                    mbar_arrive_expect_tx(&full[s], kStageBytes);
+                    uint64_t* full = ring.acquire(g);
+                    unsigned char* stage = ring.stage(g);
                     const int r = r_begin + i * kSliceK;
 #pragma unroll
                     for (int j = 0; j < kTileM / 64; ++j)
-                        tma_load_2d(stage + j * kMnBoxBytes, &map_a, &full[s], o0 + 64 * j, r);
+                        tma_load_2d(stage + j * kMnBoxBytes, &map_a, full, o0 + 64 * j, r);
 #pragma unroll
                     for (int j = 0; j < kTileN / 64; ++j)
-                        tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, &full[s], c0 + 64 * j, r);
+                        tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, full, c0 + 64 * j, r);
                 }
             }
         }
@@ -431,9 +446,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
         for (int i = 0; i < slices; ++i, ++g) {
-            const int s = g % kStages;
-            mbar_wait(&full[s], (g / kStages) & 1);
-            unsigned char* stage = ring + s * kStageBytes;
+            ring.wait_full(g);
+            unsigned char* stage = ring.stage(g);
             const int valid = min(kSliceK, rows - i * kSliceK);
             if (valid < kSliceK) {  // zero rows valid .. 63 of the six boxes (a row is 128 bytes in any swizzle)
                 const int per_box = (kSliceK - valid) * 8;  // 16-byte words
@@ -453,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                        smem_desc(b_addr + kk * 2048, kMnBoxBytes));
             wgmma_commit();
             wgmma_wait<1>();
-            if (g > 0 && tid % 128 == 0) mbar_arrive(&empty[(g - 1) % kStages]);
+            if (g > 0 && tid % 128 == 0) ring.release(g - 1);
         }
         wgmma_wait<0>();
         TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
