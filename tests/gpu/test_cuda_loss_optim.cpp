@@ -456,8 +456,8 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
     CublasHandle handle;
     {
         // N = 8192 tokens (micro-batch 2 x 4096): chunks of 441 rows (a 256 MiB fp32 logits buffer),
-        // 1664 (1 GiB) and 4096; then bf16 logits at 2731 tokens (3 chunks of a 1 GiB buffer, as the
-        // bf16 policy runs) and 4096.
+        // 1664 (1 GiB) and 4096; then bf16 logits at 2048 tokens (4 chunks), 2731 (3 chunks of a 1 GiB
+        // buffer, as the bf16 policy runs), 4096 and 8192 (one chunk).
         const int64_t N = 8192, C = 2048, V = 151936;
         DeviceBuffer h(static_cast<size_t>(N * C) * 2), w(static_cast<size_t>(V * C) * 2), dh(N * C * 2),
             dw(static_cast<size_t>(V * C) * 4), loss(N * 4);
@@ -471,7 +471,8 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
         const double flops = 2.0 * N * C * V;
         for (const auto& [chunk, logits_type] :
              {std::pair{int64_t{441}, DType::f32}, std::pair{int64_t{1664}, DType::f32}, std::pair{int64_t{4096}, DType::f32},
-              std::pair{int64_t{2731}, DType::bf16}, std::pair{int64_t{4096}, DType::bf16}}) {
+              std::pair{int64_t{2048}, DType::bf16}, std::pair{int64_t{2731}, DType::bf16},
+              std::pair{int64_t{4096}, DType::bf16}, std::pair{int64_t{8192}, DType::bf16}}) {
             const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_type);
             DeviceBuffer scratch(sb);
             for (const DType dw_type : {DType::f32, DType::bf16}) {

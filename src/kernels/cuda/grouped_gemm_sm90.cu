@@ -387,13 +387,23 @@ __device__ __forceinline__ void store_pair(bf16* p, float x, float y, bool accum
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }
 
+// Round `round` of a snake schedule over `grid` blocks: this block's tile is the blockIdx.x-th of the
+// round's `grid` tiles, counted forward in even rounds and backward in odd ones; tiles numbered by
+// decreasing cost then pair a heavier with a lighter one round after round.
+__device__ __forceinline__ int snake_tile(int round, int grid) {
+    const int b = static_cast<int>(blockIdx.x);
+    return round * grid + ((round & 1) == 0 ? b : grid - 1 - b);
+}
+
 // The weight gradient: dweight[e][o, c] (+)= Σ_{r in group e} dout[r, o] · inp[r, c], over every
 // group e (a group without rows gets zeros, or keeps its values when accumulating). The rows are
 // the reduction: a = doutᵀ (M = OC) and b = inp (N = C), both read MN-major in boxes of 64 rows x
 // 64 columns (A: two per slice, one per consumer; B: four). Tiles of 128 x 256 of one group's
-// gradient, numbered group-major (column tiles fastest) and taken persistently like the row
-// products; a group's last slice may run past its rows: the consumers zero those rows of both
-// operands in shared memory (rows of the next group, or zeros past M) before multiplying.
+// gradient, numbered group-major (column tiles fastest) with the groups by decreasing rows (a tile's
+// cost is its group's rows) and dealt to the blocks in a snake order (snake_tile), so that the
+// blocks' sums of rows come out even (plain round-robin over uneven groups leaves some blocks far
+// behind the mean). A group's last slice may run past its rows: the consumers zero those rows of
+// both operands in shared memory (rows of the next group, or zeros past M) before multiplying.
 // map_a: dout as [M][OC]; map_b: inp as [M][C]; boxes of 64 x 64, 128-byte swizzle.
 template <typename TW>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -403,17 +413,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Ring ring = setup_ring(offsets, num_experts, num_rows);
     const int* begin = ring.begin;
     const int tid = static_cast<int>(threadIdx.x);
+    // The groups by decreasing rows (ties by index), over the row products' tile table: the tiles
+    // are numbered in this order, so the heaviest go first.
+    int* order = ring.tile_prefix;
+    for (int e = tid; e < num_experts; e += kThreads) {
+        const int rows = begin[e + 1] - begin[e];
+        int rank = 0;
+        for (int f = 0; f < num_experts; ++f) {
+            const int other = begin[f + 1] - begin[f];
+            rank += (other > rows || (other == rows && f < e)) ? 1 : 0;
+        }
+        order[rank] = e;
+    }
+    __syncthreads();
 
     const int c_tiles = C / kTileN, tiles_per_group = (OC / kTileM) * c_tiles;
-    const int num_tiles = num_experts * tiles_per_group;
+    const int num_tiles = num_experts * tiles_per_group, grid = static_cast<int>(gridDim.x);
     const int warpgroup = tid / 128;
 
     if (warpgroup == 0) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 0) {
             int g = 0;
-            for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
-                const int expert = tile / tiles_per_group, within = tile % tiles_per_group;
+            for (int round = 0; round * grid < num_tiles; ++round) {
+                const int tile = snake_tile(round, grid);
+                if (tile >= num_tiles) continue;
+                const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
                 const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
                 const int r_begin = begin[expert], slices = (begin[expert + 1] - r_begin + kSliceK - 1) / kSliceK;
                 for (int i = 0; i < slices; ++i, ++g) {
@@ -438,8 +463,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
     const int c_lane = 2 * (lane % 4);
     int g = 0;
-    for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
-        const int expert = tile / tiles_per_group, within = tile % tiles_per_group;
+    for (int round = 0; round * grid < num_tiles; ++round) {
+        const int tile = snake_tile(round, grid);
+        if (tile >= num_tiles) continue;
+        const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
         const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
         const int rows = begin[expert + 1] - begin[expert], slices = (rows + kSliceK - 1) / kSliceK;
         float acc[128];
