@@ -90,7 +90,7 @@ void EpPlanBuffers::alloc(Arena& arena, const MoeDims& d, int64_t N) {
     plan = arena.alloc(DType::i32, {E + 1 + V});
     plan_all = arena.alloc(DType::i32, {S * (E + 1 + V)});
     send_pos = arena.alloc(DType::i32, {V, N});
-    index = arena.alloc(DType::i32, {E + El + 1});
+    index = arena.alloc(DType::i32, {E + 2 * (El + num_chunks(d))});
 }
 
 void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
@@ -203,7 +203,7 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
     const Device device = a.topk_idx.device();
     MF_CHECK(E % S == 0, "EP size ", S, " does not divide ", E, " experts");
     MF_CHECK(has_data(b.plan) && b.plan.numel() == W && b.plan_all.numel() == S * W && b.send_pos.dim(0) == V &&
-                 b.send_pos.dim(1) == a.topk_idx.dim(0) && b.index.numel() == E + El + 1,
+                 b.send_pos.dim(1) == a.topk_idx.dim(0) && b.index.numel() == E + 2 * (El + C),
              "ep_plan: the plan buffers were allocated for another shape (MoeActs::alloc)");
     check_backend(ep, device, "ep_plan");
     upload_expert_dest(d, a);
@@ -229,53 +229,75 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
     }
     auto cnt = [&](int64_t s, int64_t e) { return off(s, e + 1) - off(s, e); };
 
-    // Local rows are expert-major, then source rank: rank p's expert j takes source s's rows at
-    // lo_p[j] + Σ_{s' < s} cnt(s', p·El + j), where lo_p are p's local offsets.
+    // Local rows at every owner p, chunk by chunk; within a chunk part 0 (p's own tokens,
+    // expert-major), then part 1 (the other ranks' tokens, expert-major, by source rank within an
+    // expert). row_base[e] (the first E entries of the index) is where e's owner puts this rank's
+    // rows of e; this rank's parts' group offsets follow.
     EpRouting r;
-    std::vector<int32_t> index(static_cast<size_t>(E + El + 1));
+    std::vector<int32_t> index(static_cast<size_t>(E));
     for (int64_t p = 0; p < S; ++p) {
         int64_t row = 0;
-        for (int64_t j = 0; j < El; ++j) {
-            const int64_t e = p * El + j;
-            int64_t before_me = 0;
-            for (int64_t s = 0; s < me; ++s) before_me += cnt(s, e);
-            index[static_cast<size_t>(e)] = checked_i32(row + before_me, "expert rows");  // row_base
-            if (p == me) index[static_cast<size_t>(E + j)] = checked_i32(row, "expert rows");
-            for (int64_t s = 0; s < S; ++s) row += cnt(s, e);
+        for (int64_t c = 0; c < C; ++c) {
+            const int64_t j0 = chunk_begin(c, C, El), j1 = chunk_begin(c + 1, C, El);
+            EpChunk ch;
+            ch.first_expert = j0;
+            ch.num_experts = j1 - j0;
+            ch.first_row = row;
+            for (int part = 0; part < 2; ++part) {
+                EpChunk::Part& pt = ch.parts[part];
+                pt.first_row = row;
+                pt.offsets = static_cast<int64_t>(index.size()) - E;
+                for (int64_t j = j0; j < j1; ++j) {
+                    const int64_t e = p * El + j;
+                    if (p == me) index.push_back(checked_i32(row, "expert rows"));
+                    for (int64_t s = 0; s < S; ++s) {
+                        if ((s == p) != (part == 0)) continue;
+                        if (s == me) index[static_cast<size_t>(e)] = checked_i32(row, "expert rows");
+                        row += cnt(s, e);
+                    }
+                }
+                if (p == me) index.push_back(checked_i32(row, "expert rows"));
+                pt.num_rows = row - pt.first_row;
+            }
+            ch.num_rows = row - ch.first_row;
+            if (p == me) r.chunks.push_back(std::move(ch));
         }
-        if (p == me) {
-            index[static_cast<size_t>(E + El)] = checked_i32(row, "expert rows");
-            r.num_local = row;
-        }
+        if (p == me) r.num_local = row;
     }
     r.local_offsets.assign(index.begin() + E, index.end());
 
     // Buffers: the send buffer holds the tokens per destination v = c·S + p in v order (the
     // layout ops::ep_pack_rows writes); the receive buffer those from every source for chunk c,
-    // chunk-major then source-major, so a chunk's received tokens are contiguous.
+    // chunk-major, this rank's own first, then the others in rank order, so that a chunk's received
+    // tokens and each of its parts' are contiguous.
     int64_t sent = 0, received = 0;
     for (int64_t c = 0; c < C; ++c) {
-        EpChunk ch;
-        ch.first_expert = chunk_begin(c, C, El);
-        ch.num_experts = chunk_begin(c + 1, C, El) - ch.first_expert;
-        ch.first_row = r.local_offsets[static_cast<size_t>(ch.first_expert)];
-        ch.num_rows = r.local_offsets[static_cast<size_t>(ch.first_expert + ch.num_experts)] - ch.first_row;
+        EpChunk& ch = r.chunks[static_cast<size_t>(c)];
         ch.first_recv = received;
+        ch.recv_offsets.assign(static_cast<size_t>(S), 0);
+        ch.recv_counts.assign(static_cast<size_t>(S), 0);
+        auto take = [&](int64_t p) {
+            ch.recv_offsets[static_cast<size_t>(p)] = received;
+            ch.recv_counts[static_cast<size_t>(p)] = tokens(p, c * S + me);
+            received += ch.recv_counts[static_cast<size_t>(p)];
+        };
+        take(me);
+        for (int64_t p = 0; p < S; ++p)
+            if (p != me) take(p);
         for (int64_t p = 0; p < S; ++p) {
             ch.send_offsets.push_back(sent);
             ch.send_counts.push_back(tokens(me, c * S + p));
             sent += ch.send_counts.back();
-            ch.recv_offsets.push_back(received);
-            ch.recv_counts.push_back(tokens(p, c * S + me));
-            received += ch.recv_counts.back();
         }
         ch.num_recv = received - ch.first_recv;
-        r.chunks.push_back(std::move(ch));
+        ch.num_self = ch.recv_counts[static_cast<size_t>(me)];
     }
     r.num_sent = checked_i32(sent, "tokens sent");
     r.num_received = checked_i32(received, "tokens received");
+    MF_CHECK(static_cast<int64_t>(index.size()) == b.index.numel(), "ep_plan: index of ", index.size(),
+             " entries for a buffer of ", b.index.numel());
     r.row_base = flat_view(b.index, 0, E);
-    r.group_offsets = flat_view(b.index, E, El + 1);
+    r.group_offsets = flat_view(b.index, E, static_cast<int64_t>(r.local_offsets.size()));
     ops::copy_from_host(b.index, index.data());
     a.routing = std::move(r);
 }
@@ -284,9 +306,10 @@ namespace {
 
 // The rows of one chunk's exchange, `width` elements per token: toward the owners (send buffer ->
 // receive buffer) or back. With `overlap` it is only started (Communicator::all_to_all_v_start);
-// returns the ticket to join (0: done).
+// returns the ticket to join (0: done). With `others_only` this rank's own rows stay out of it
+// (copy_own moves them).
 uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners,
-                        const Tensor& sent, const Tensor& received) {
+                        const Tensor& sent, const Tensor& received, bool others_only = false) {
     MF_CHECK(sent.dtype() == received.dtype() && sent.dim(-1) == received.dim(-1) &&
                  sent.device() == received.device(),
              "expert parallelism: exchange buffers differ in dtype, width or device");
@@ -296,8 +319,9 @@ uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk&
         for (size_t i = 0; i < v.size(); ++i) out[i] = v[i] * width;
         return out;
     };
-    const auto sc = scaled(ch.send_counts), so = scaled(ch.send_offsets), rc = scaled(ch.recv_counts),
-               ro = scaled(ch.recv_offsets);
+    auto sc = scaled(ch.send_counts), so = scaled(ch.send_offsets), rc = scaled(ch.recv_counts),
+         ro = scaled(ch.recv_offsets);
+    if (others_only) sc[static_cast<size_t>(ep.rank())] = rc[static_cast<size_t>(ep.rank())] = 0;
     const Tensor& from = to_owners ? sent : received;
     const Tensor& to = to_owners ? received : sent;
     const auto& from_counts = to_owners ? sc : rc;
@@ -315,8 +339,38 @@ void join(parallel::Communicator& ep, uint64_t ticket) {
     if (ticket != 0) ep.all_to_all_v_join(ticket);
 }
 
+// This rank's own rows of a chunk's exchange (left out of exchange_chunk with others_only): a copy
+// between its block of the send buffer and the chunk's first rows of the receive buffer.
+void copy_own(const parallel::Communicator& ep, const EpChunk& ch, bool to_owners, const Tensor& sent,
+              const Tensor& received) {
+    const auto me = static_cast<size_t>(ep.rank());
+    const int64_t n = ch.send_counts[me];
+    MF_CHECK(n == ch.num_self && ch.recv_offsets[me] == ch.first_recv, "expert parallelism: own rows out of place");
+    if (n == 0) return;
+    const Tensor own_sent = row_view(sent, ch.send_offsets[me], n), own_received = row_view(received, ch.first_recv, n);
+    if (to_owners)
+        ops::copy(own_received, own_sent);
+    else
+        ops::copy(own_sent, own_received);
+}
+
 // A chunk's received tokens (rows of a receive-side buffer).
 Tensor chunk_rows(const Tensor& t, const EpChunk& ch) { return row_view(t, ch.first_recv, ch.num_recv); }
+
+// A part's received tokens: part 0 this rank's own, part 1 the other ranks'.
+Tensor part_rows(const Tensor& t, const EpChunk& ch, int part) {
+    return part == 0 ? row_view(t, ch.first_recv, ch.num_self)
+                     : row_view(t, ch.first_recv + ch.num_self, ch.num_recv - ch.num_self);
+}
+
+// A part's group offsets, on the device and on the host.
+Tensor part_offsets(const EpRouting& r, const EpChunk& ch, int part) {
+    return flat_view(r.group_offsets, ch.parts[part].offsets, ch.num_experts + 1);
+}
+std::span<const int32_t> part_host_offsets(const EpRouting& r, const EpChunk& ch, int part) {
+    return std::span<const int32_t>(r.local_offsets)
+        .subspan(static_cast<size_t>(ch.parts[part].offsets), static_cast<size_t>(ch.num_experts + 1));
+}
 
 // Carves the forward's local rows and exchange buffers (see MoeActs).
 void carve_forward(const MoeDims& d, MoeActs& a, DType act, Device dev) {
@@ -350,35 +404,45 @@ struct Exchanged {
 };
 
 // The EP pipeline shared by forward and backward: `out` (and `meta` when defined) travel to the
-// owners, every chunk's exchange started first; then chunk by chunk: join it, `arrive` (place the
-// chunk's tokens in the local rows), `compute`, `depart` (reduce the chunk's results into its rows
-// of back.received, and of extra.received when defined), start their exchange back into back.sent
-// (extra.sent), and run `after` (work nothing of the exchange waits for, e.g. the weight
-// gradients) while it travels; finally join every exchange. The way there overlaps only with more
-// than one chunk; the way back always overlaps `after` (on NCCL; over TCP every exchange completes
-// before the next step).
+// owners, the other ranks' rows of every chunk started first (this rank's own are copied); then
+// chunk by chunk and part by part (EpChunk: own tokens first, computed while the others travel):
+// `arrive` (place the part's tokens in the local rows), `compute`, `depart` (reduce the part's
+// results into its rows of back.received, and of extra.received when defined), and send them back
+// (own: a copy; the others': started into back.sent, extra.sent); then `after` (work nothing of
+// the exchange waits for, e.g. the weight gradients, over both parts) while they travel; finally
+// join every exchange. On NCCL the exchanges run on a side stream; over TCP each completes before
+// the call returns.
 template <typename Arrive, typename Compute, typename Depart, typename After>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
                  const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
                  Depart&& depart, After&& after) {
     check_backend(*d.ep, out.sent.device(), "expert parallelism");
     parallel::Communicator& ep = *d.ep;
-    const bool overlap = r.chunks.size() > 1;
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
-        if (meta.defined()) exchange_chunk(ep, overlap, r.chunks[c], true, meta.sent, meta.received);
-        tickets[c] = exchange_chunk(ep, overlap, r.chunks[c], true, out.sent, out.received);
+        const EpChunk& ch = r.chunks[c];
+        if (meta.defined()) exchange_chunk(ep, true, ch, true, meta.sent, meta.received, true);
+        tickets[c] = exchange_chunk(ep, true, ch, true, out.sent, out.received, true);
+        if (meta.defined()) copy_own(ep, ch, true, meta.sent, meta.received);
+        copy_own(ep, ch, true, out.sent, out.received);
     }
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
-        join(ep, tickets[c]);
-        arrive(ch);
-        ops::phase_mark("ep arrived");
-        compute(ch);
-        ops::phase_mark("ep computed");
-        depart(ch);
-        if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received);
-        tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received);
+        for (int part = 0; part < 2; ++part) {
+            if (part == 1) join(ep, tickets[c]);
+            arrive(ch, part);
+            ops::phase_mark(part == 0 ? "ep own arrived" : "ep arrived");
+            compute(ch, part);
+            ops::phase_mark(part == 0 ? "ep own computed" : "ep computed");
+            depart(ch, part);
+            if (part == 0) {
+                if (extra.defined()) copy_own(ep, ch, false, extra.sent, extra.received);
+                copy_own(ep, ch, false, back.sent, back.received);
+            } else {
+                if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received, true);
+                tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received, true);
+            }
+        }
         after(ch);
         ops::phase_mark("ep after");
     }
@@ -421,16 +485,6 @@ void ep_combine(const MoeDims& d, MoeActs& a, const Tensor& y) {
     ops::ep_sum_blocks(y, a.send_back, b.send_pos, b.counts(), false);
 }
 
-namespace {
-
-// A chunk's experts' offsets from the plan's host copy (the same values as its group_offsets slice).
-std::span<const int32_t> chunk_host_offsets(const EpRouting& r, const EpChunk& ch) {
-    return std::span<const int32_t>(r.local_offsets)
-        .subspan(static_cast<size_t>(ch.first_expert), static_cast<size_t>(ch.num_experts + 1));
-}
-
-}  // namespace
-
 void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeights& w, const MoeDims& d) {
     ops::matmul_forward(a.logits, x, w.router);
     ops::router_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, d.norm_topk_prob);
@@ -446,21 +500,26 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         // numbers), so they touch only the chunk's rows.
         ep_pipeline(
             d, r, {a.send_rows, a.recv_rows}, {a.send_meta, a.recv_meta}, {a.send_back, a.recv_back}, {},
-            [&](const EpChunk& ch) {
-                ops::ep_scatter_rows(a.x_local, chunk_rows(a.recv_rows, ch), chunk_rows(a.recv_meta, ch));
+            [&](const EpChunk& ch, int part) {
+                ops::ep_scatter_rows(a.x_local, part_rows(a.recv_rows, ch, part), part_rows(a.recv_meta, ch, part));
             },
-            [&](const EpChunk& ch) {
-                const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
-                const auto host = chunk_host_offsets(r, ch);
+            [&](const EpChunk& ch, int part) {
+                // The grouped GEMMs see all local rows but only the part's offsets (absolute row
+                // numbers), so they touch only its rows.
+                const EpChunk::Part& pt = ch.parts[part];
+                if (pt.num_rows == 0) return;
+                const Tensor offsets = part_offsets(r, ch, part);
+                const auto host = part_host_offsets(r, ch, part);
                 ops::grouped_matmul_forward(a.h_local, a.x_local,
                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
-                ops::swiglu_forward(row_view(a.a_local, ch.first_row, ch.num_rows),
-                                    row_view(a.h_local, ch.first_row, ch.num_rows));
+                ops::swiglu_forward(row_view(a.a_local, pt.first_row, pt.num_rows),
+                                    row_view(a.h_local, pt.first_row, pt.num_rows));
                 ops::grouped_matmul_forward(a.y_local, a.a_local, expert_view(w.down, ch.first_expert, ch.num_experts),
                                             offsets, host);
             },
-            [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(chunk_rows(a.recv_back, ch), a.y_local, chunk_rows(a.recv_meta, ch), true);
+            [&](const EpChunk& ch, int part) {
+                ops::ep_reduce_rows(part_rows(a.recv_back, ch, part), a.y_local, part_rows(a.recv_meta, ch, part),
+                                    true);
             },
             [](const EpChunk&) {});
         const EpPlanBuffers& b = a.plan_buffers;
@@ -517,40 +576,40 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         // gradients), input gradients and weight gradients come back the combine way.
         ep_pipeline(
             d, r, {s.send_rows, s.recv_rows}, {}, {s.send_back, s.recv_back}, {s.dw_sent, s.dw_recv},
-            [&](const EpChunk& ch) {
-                ops::ep_scatter_grad(s.dy_local, chunk_rows(s.dw_recv, ch), chunk_rows(s.recv_rows, ch),
-                                     chunk_rows(a.recv_meta, ch), a.y_local);
+            [&](const EpChunk& ch, int part) {
+                ops::ep_scatter_grad(s.dy_local, part_rows(s.dw_recv, ch, part), part_rows(s.recv_rows, ch, part),
+                                     part_rows(a.recv_meta, ch, part), a.y_local);
             },
-            [&](const EpChunk& ch) {
-                const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
-                const auto host = chunk_host_offsets(r, ch);
-                // The input gradients first (written: the chunk's rows are exactly its groups' rows),
-                // so that they travel back while the weight gradients are computed (`after`).
+            [&](const EpChunk& ch, int part) {
+                const EpChunk::Part& pt = ch.parts[part];
+                if (pt.num_rows == 0) return;
+                const Tensor offsets = part_offsets(r, ch, part);
+                const auto host = part_host_offsets(r, ch, part);
+                // The input gradients (written: the part's rows are exactly its groups' rows), so
+                // that they travel back while the weight gradients are computed (`after`).
                 ops::grouped_matmul_backward(s.da_local, Tensor(), s.dy_local, a.a_local,
                                              expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
                                              false);
-                ops::swiglu_backward(row_view(s.dh_local, ch.first_row, ch.num_rows),
-                                     row_view(s.da_local, ch.first_row, ch.num_rows),
-                                     row_view(a.h_local, ch.first_row, ch.num_rows));
+                ops::swiglu_backward(row_view(s.dh_local, pt.first_row, pt.num_rows),
+                                     row_view(s.da_local, pt.first_row, pt.num_rows),
+                                     row_view(a.h_local, pt.first_row, pt.num_rows));
                 ops::grouped_matmul_backward(s.dx_local, Tensor(), s.dh_local, a.x_local,
                                              expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
                                              false);
             },
-            [&](const EpChunk& ch) {
-                ops::ep_reduce_rows(chunk_rows(s.recv_back, ch), s.dx_local, chunk_rows(a.recv_meta, ch), false);
+            [&](const EpChunk& ch, int part) {
+                ops::ep_reduce_rows(part_rows(s.recv_back, ch, part), s.dx_local, part_rows(a.recv_meta, ch, part),
+                                    false);
             },
             [&](const EpChunk& ch) {
-                const Tensor offsets = flat_view(r.group_offsets, ch.first_expert, ch.num_experts + 1);
-                const auto host = chunk_host_offsets(r, ch);
-                // Each chunk's experts are its own, so written gradients are written exactly once.
-                ops::grouped_matmul_backward(Tensor(), expert_view(g.down, ch.first_expert, ch.num_experts),
-                                             s.dy_local, a.a_local,
-                                             expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
-                                             true, acc);
-                ops::grouped_matmul_backward(Tensor(), expert_view(g.gate_up, ch.first_expert, ch.num_experts),
-                                             s.dh_local, a.x_local,
-                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
-                                             true, acc);
+                // Both parts' rows of each expert in one pass; each chunk's experts are its own, so
+                // written gradients are written exactly once.
+                const Tensor offsets[2] = {part_offsets(r, ch, 0), part_offsets(r, ch, 1)};
+                const std::span<const int32_t> host[2] = {part_host_offsets(r, ch, 0), part_host_offsets(r, ch, 1)};
+                ops::grouped_matmul_backward_weight(expert_view(g.down, ch.first_expert, ch.num_experts), s.dy_local,
+                                                    a.a_local, offsets, host, acc);
+                ops::grouped_matmul_backward_weight(expert_view(g.gate_up, ch.first_expert, ch.num_experts),
+                                                    s.dh_local, a.x_local, offsets, host, acc);
             });
         ops::phase_mark("bwd moe experts");
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);

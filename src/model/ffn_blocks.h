@@ -19,7 +19,10 @@
 // one-rank computation), runs its experts, and on the way back sums its slots' weighted outputs per
 // token, so each source adds one row per destination (fp32 sums in rank order; the partial sums
 // travel in fp32, so the one rounding to the activation dtype happens at the source as in the
-// one-rank block, and EP changes only the order of fp32 additions). At top-8 over 128 experts and
+// one-rank block, and EP changes only the order of fp32 additions). An owner's rows from its own
+// tokens need no transfer: they are copied locally and computed first, while the other ranks'
+// tokens travel (EpChunk's two parts), and their results go back by copy while the other part
+// computes; the weight gradients then take both parts' rows of an expert in one pass. At top-8 over 128 experts and
 // EP=2 this sends ~2.7× fewer bytes than one bf16 row per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
@@ -82,12 +85,22 @@ struct MoeDims {
 // One chunk of the local experts and the tokens that travel for it.
 struct EpChunk {
     int64_t first_expert = 0, num_experts = 0;  // local experts [first, first + num)
-    int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers
+    int64_t first_row = 0, num_rows = 0;        // their rows in the local buffers (both parts)
+    // The chunk's rows in two parts: 0, those of this rank's own tokens (they need no transfer), then
+    // 1, those of the other ranks' tokens; each part expert-major (part 1 by source rank within an
+    // expert). A part's group offsets are num_experts + 1 absolute row numbers at `offsets` in
+    // EpRouting::local_offsets (and group_offsets).
+    struct Part {
+        int64_t first_row = 0, num_rows = 0;
+        int64_t offsets = 0;
+    };
+    Part parts[2];
     // Tokens to each rank's chunk (rows of this rank's send buffer) and from each rank for this
     // chunk (rows of the receive buffer), [S] each, this rank included. A chunk's received tokens
-    // are rows [first_recv, first_recv + num_recv) of the receive buffer, source-major.
+    // are rows [first_recv, first_recv + num_recv) of the receive buffer, this rank's own first
+    // (num_self of them), then the other ranks' in rank order.
     std::vector<int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
-    int64_t first_recv = 0, num_recv = 0;
+    int64_t first_recv = 0, num_recv = 0, num_self = 0;
 };
 
 // Who sends which tokens where in one MoE block (host bookkeeping; see the header comment), plus
@@ -97,7 +110,7 @@ struct EpRouting {
     int64_t num_sent = 0;      // token rows this rank sends, to every destination (itself included)
     int64_t num_received = 0;  // token rows it receives, from every source (itself included)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
-    std::vector<int32_t> local_offsets;  // [E/S + 1] expert-major row offsets
+    std::vector<int32_t> local_offsets;  // every chunk's parts' group offsets (EpChunk::Part::offsets)
     Tensor group_offsets;                // local_offsets on the tokens' device (view of EpPlanBuffers::index)
     Tensor row_base;                     // [E]: where each expert's owner puts this rank's rows of it
 };
@@ -108,7 +121,7 @@ struct EpPlanBuffers {
     Tensor plan;         // [E + 1 + V]: this rank's expert offsets, then its tokens per destination
     Tensor plan_all;     // [S·(E + 1 + V)]: every rank's plan (all_gather)
     Tensor send_pos;     // [V, N]: each token's row in a destination's block, or -1 (ops::ep_token_positions)
-    Tensor index;        // [E + E/S + 1]: row_base, then local_offsets
+    Tensor index;        // [E + 2·(E/S + C)]: row_base, then local_offsets
     Tensor expert_offsets() const;  // plan's first E + 1 entries (moe_permute_indices writes them)
     Tensor counts() const;          // plan's last V entries
     void alloc(Arena& arena, const MoeDims& d, int64_t N);
@@ -182,8 +195,9 @@ struct MoeScratch {
 //   ep_plan:     counts the tokens per destination, exchanges every rank's counts and plans
 //                (a.routing, the device index);
 //   ep_dispatch: x [N, H] -> a.x_local [num_local, H] (carves the local rows and the exchange's
-//                buffers), expert-major over the local experts, within an expert by source rank and
-//                then source order;
+//                buffers) in the layout of EpChunk (per chunk: this rank's tokens expert-major,
+//                then the other ranks' expert-major, by source rank within an expert, each source
+//                in token order);
 //   ep_combine:  a.y_local [num_local, H] -> y [N, H], y[t] = Σ_k topk_weight[t, k] · (the local
 //                row of slot k at its owner) (written).
 void ep_plan(const MoeDims& d, MoeActs& a);

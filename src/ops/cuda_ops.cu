@@ -542,6 +542,23 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     }
 }
 
+void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                    std::span<const Tensor> offsets,
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate) {
+    const int64_t M = rows(inp), E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
+    if (grouped_gemm_setting() == GroupedGemmPath::sm90 && mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
+        // One pass over both tables: each gradient rounded once.
+        mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets[0]), M,
+                                                      E, C, OC, accumulate, ctx().stream,
+                                                      offsets.size() > 1 ? I(offsets[1]) : nullptr);
+        return;
+    }
+    for (size_t p = 0; p < offsets.size(); ++p)  // table by table, the later ones accumulated
+        grouped_matmul_backward(Tensor(), dweight, dout, inp, dweight, offsets[p],
+                                host_offsets.empty() ? std::span<const int32_t>() : host_offsets[p], true,
+                                accumulate || p > 0);
+}
+
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype) {
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);

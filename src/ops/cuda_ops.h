@@ -85,6 +85,9 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets,
                              bool accumulate_dinp, bool accumulate_dweight);
+void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                    std::span<const Tensor> offsets,
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate);
 bool grouped_matmul_uses_host_offsets();
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype);

@@ -707,6 +707,24 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 
+void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                    std::span<const Tensor> offsets,
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate) {
+    OpScope scope_("grouped_matmul_backward");
+    MF_CHECK(offsets.size() == 1 || offsets.size() == 2, "grouped_matmul_backward_weight: 1 or 2 row tables, got ",
+             offsets.size());
+    MF_CHECK(host_offsets.empty() || host_offsets.size() == offsets.size(),
+             "grouped_matmul_backward_weight: one host copy per row table");
+    if (device_of({&dweight, &dout, &inp, &offsets[0]}) == Device::cuda)
+        return cuda_impl::grouped_matmul_backward_weight(dweight, dout, inp, offsets, host_offsets, accumulate);
+    const int64_t E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
+    if (!accumulate) std::fill(f(dweight), f(dweight) + dweight.numel(), 0.0f);
+    for (size_t p = 0; p < offsets.size(); ++p) {
+        check_host_offsets(offsets[p], host_offsets.empty() ? std::span<const int32_t>() : host_offsets[p]);
+        cpu::grouped_matmul_backward(nullptr, f(dweight), f(dout), f(inp), nullptr, i32(offsets[p]), E, C, OC);
+    }
+}
+
 // --- loss ------------------------------------------------------------------------------------------
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,

@@ -153,6 +153,12 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                              const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets = {},
                              bool accumulate_dinp = true, bool accumulate_dweight = true);
+// The weight gradient alone, of groups whose rows lie in one or two row tables: group e's rows are
+// [offsets[p][e], offsets[p][e + 1]) of every table p, summed in table order (host_offsets: empty,
+// or one host copy per table, as above); written like grouped_matmul_backward's unless accumulate.
+void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                    std::span<const Tensor> offsets,
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate);
 // Whether callers on `device` should pass host offsets: the GPU's cuBLAS path needs them (reading
 // the offsets once and passing them to every call saves a sync per call); on the CPU they cost
 // nothing and are checked.

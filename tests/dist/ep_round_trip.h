@@ -1,7 +1,8 @@
 // Expert-parallel dispatch and combine (model/ffn_blocks.h) with rank-coded payloads compared bit
 // for bit, on either backend (CPU tensors over TCP, CUDA bf16 tensors over NCCL). Every token row
 // carries (source rank, token, column numbers), so each owner checks that its local rows are exactly
-// the tokens routed to its experts, expert-major, then source rank, then the source's token order;
+// the tokens routed to its experts in the plan's layout (per chunk its own tokens, then the other
+// ranks', expert-major, by source rank within an expert, each source in token order);
 // the owner then writes, per local row, (expert + 1, token, owner + 1, column numbers), and combine
 // must return y[t] = Σ_k w[t, k] · that row of slot k. The weights (0.75, 0.25) and the values
 // (tokens < 64, column codes c mod 32) are chosen so every partial and total sum is exact in bf16, so the comparison is bitwise there too (a
@@ -100,24 +101,35 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
     model::ep_plan(d, a);
     model::ep_dispatch(d, a, x);
 
-    // What this rank's experts must hold: expert-major, then source, then the source's tokens.
+    // What this rank's experts must hold: chunk by chunk (the plan's expert chunks), this rank's own
+    // tokens expert-major, then the other ranks' expert-major, by source rank within an expert; each
+    // source's tokens in order.
     std::vector<float> want;
     std::vector<int64_t> row_token;  // the source token of each local row (for the combine codes)
     std::vector<int64_t> row_expert;
-    for (int64_t j = 0; j < El; ++j) {
-        const int64_t e = me * El + j;
-        for (int s = 0; s < S; ++s)
-            for (int64_t t = 0; t < round_trip_tokens(routing, s); ++t) {
-                const auto [e0, e1] = round_trip_experts(routing, s, S, t);
-                if (e0 != e && e1 != e) continue;
-                want.push_back(static_cast<float>(s));
-                want.push_back(static_cast<float>(t));
-                want.push_back(0.5f);
-                for (int64_t c = 3; c < cols; ++c) want.push_back(static_cast<float>(c % 32));
-                row_token.push_back(t);
-                row_expert.push_back(e);
+    int64_t experts_seen = 0;
+    for (const model::EpChunk& ch : a.routing.chunks) {
+        rank_check(ch.first_expert == experts_seen && ch.num_experts >= 1, name + ": chunks do not tile the experts");
+        experts_seen += ch.num_experts;
+        for (int part = 0; part < 2; ++part)
+            for (int64_t j = ch.first_expert; j < ch.first_expert + ch.num_experts; ++j) {
+                const int64_t e = me * El + j;
+                for (int s = 0; s < S; ++s) {
+                    if ((s == me) != (part == 0)) continue;
+                    for (int64_t t = 0; t < round_trip_tokens(routing, s); ++t) {
+                        const auto [e0, e1] = round_trip_experts(routing, s, S, t);
+                        if (e0 != e && e1 != e) continue;
+                        want.push_back(static_cast<float>(s));
+                        want.push_back(static_cast<float>(t));
+                        want.push_back(0.5f);
+                        for (int64_t c = 3; c < cols; ++c) want.push_back(static_cast<float>(c % 32));
+                        row_token.push_back(t);
+                        row_expert.push_back(e);
+                    }
+                }
             }
     }
+    rank_check(experts_seen == El, name + ": chunks do not cover the local experts");
     const int64_t R = static_cast<int64_t>(row_token.size());
     rank_check(a.routing.num_local == R, name + ": " + std::to_string(a.routing.num_local) +
                                              " local rows, expected " + std::to_string(R));

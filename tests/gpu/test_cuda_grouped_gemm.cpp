@@ -429,6 +429,38 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         check_backward_weight(kSm90, g, rng);
         expect_written_equals_accumulated(kSm90, g, rng);
     }
+    // Two row tables (EP's own and other ranks' rows of each expert, in two regions of the buffer):
+    // one pass equals the fp32 sum of both tables' products, rounded once.
+    for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16}) {
+        const GroupCase g1{5, 256, 128, {3, 0, 130, 64, 7}, 2, 0}, g2{5, 256, 128, {0, 0, 65, 200, 1}, 0, 9};
+        const int64_t M1 = g1.rows(), M = M1 + g2.rows(), n = g1.E * g1.OC * g1.C;
+        auto off1 = g1.offsets(), off2 = g2.offsets();
+        for (auto& o : off2) o += static_cast<int32_t>(M1);
+        const auto dout = random_bf16(rng, M * g1.OC), inp = random_bf16(rng, M * g1.C), before = random_bf16(rng, n);
+        std::vector<float> p1(n, 0.0f), p2(n, 0.0f);
+        mf::cpu::grouped_matmul_backward(nullptr, p1.data(), dout.data(), inp.data(), nullptr, off1.data(), g1.E, g1.C,
+                                         g1.OC);
+        mf::cpu::grouped_matmul_backward(nullptr, p2.data(), dout.data(), inp.data(), nullptr, off2.data(), g1.E, g1.C,
+                                         g1.OC);
+        const auto product = fp32_add(p1, p2);
+        const auto ref = fp32_add(before, product);
+        const bool f32 = dtype == mf::DType::f32;
+        DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(n * (f32 ? 4 : 2));
+        const DeviceBuffer d_off1 = device_copy(off1), d_off2 = device_copy(off2);
+        upload_bf16(d_dout.as<void>(), dout);
+        upload_bf16(d_inp.as<void>(), inp);
+        if (f32)
+            upload(d_dw.as<void>(), before);
+        else
+            upload_bf16(d_dw.as<void>(), before);
+        mf::cuda::grouped_matmul_backward_weight_sm90(d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                                                      d_off1.as<int32_t>(), M, g1.E, g1.C, g1.OC, true, nullptr,
+                                                      d_off2.as<int32_t>());
+        MF_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto gpu = f32 ? download<float>(d_dw.as<void>(), n) : download_bf16(d_dw.as<void>(), n);
+        expect_parity(f32 ? "sm90 backward weight, two tables, f32 +=" : "sm90 backward weight, two tables, bf16 +=",
+                      gpu, ref, f32 ? ref : naive_bf16_add(before, product));
+    }
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(128, 128));
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(256, 64));
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(256, 96));

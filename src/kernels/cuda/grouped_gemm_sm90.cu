@@ -48,7 +48,7 @@ constexpr int kAlign = 1024;                       // the swizzle atom: 8 rows o
 constexpr int kBarrierBytes = 2 * kStages * 8;
 
 size_t smem_bytes(int64_t num_experts) {
-    return kAlign + kRingBytes + kBarrierBytes + 2 * static_cast<size_t>(num_experts + 1) * sizeof(int);
+    return kAlign + kRingBytes + kBarrierBytes + 3 * static_cast<size_t>(num_experts + 1) * sizeof(int);
 }
 
 // wgmma shared-memory matrix descriptor with the 128-byte swizzle (8-row atoms of 128-byte rows,
@@ -144,29 +144,42 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
-// Clamped offsets and the exclusive prefix of row tiles per group (the sm80 kernel's table).
-__device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets, int num_experts, int num_rows) {
+// Warp-wide: the running maximum of table[0 .. num_experts], each entry clamped to [0, num_rows]
+// first (the clamping of bad offsets).
+__device__ void clamp_offsets(int* table, int num_experts, int num_rows) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    constexpr unsigned kFull = 0xffffffffu;
+    int carry = 0;
+    for (int base = 0; base <= num_experts; base += 32) {
+        const int e = base + lane;
+        int v = e <= num_experts ? min(max(table[e], 0), num_rows) : num_rows;
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const int other = __shfl_up_sync(kFull, v, d);
+            if (lane >= d) v = max(v, other);
+        }
+        v = max(v, carry);
+        if (e <= num_experts) table[e] = v;
+        carry = __shfl_sync(kFull, v, 31);
+    }
+}
+
+// Clamped offsets (and a second table when `offsets2` is given), and the exclusive prefix of row
+// tiles per group of the first (the sm80 kernel's table). Ends with a block barrier.
+__device__ void build_table(int* begin, int* begin2, int* tile_prefix, const int32_t* offsets,
+                            const int32_t* offsets2, int num_experts, int num_rows) {
     const int tid = static_cast<int>(threadIdx.x);
-    for (int e = tid; e <= num_experts; e += kThreads) begin[e] = offsets[e];
+    for (int e = tid; e <= num_experts; e += kThreads) {
+        begin[e] = offsets[e];
+        if (offsets2 != nullptr) begin2[e] = offsets2[e];
+    }
     __syncthreads();
     if (tid < 32) {
+        clamp_offsets(begin, num_experts, num_rows);
+        __syncwarp();
         const int lane = tid;
         constexpr unsigned kFull = 0xffffffffu;
         int carry = 0;
-        for (int base = 0; base <= num_experts; base += 32) {  // running maximum, clamped to [0, num_rows]
-            const int e = base + lane;
-            int v = e <= num_experts ? min(max(begin[e], 0), num_rows) : num_rows;
-#pragma unroll
-            for (int d = 1; d < 32; d *= 2) {
-                const int other = __shfl_up_sync(kFull, v, d);
-                if (lane >= d) v = max(v, other);
-            }
-            v = max(v, carry);
-            if (e <= num_experts) begin[e] = v;
-            carry = __shfl_sync(kFull, v, 31);
-        }
-        __syncwarp();
-        carry = 0;
         for (int base = 0; base <= num_experts; base += 32) {  // tiles of groups 0 .. e - 1
             const int e = base + lane;
             int v = (e >= 1 && e <= num_experts) ? (begin[e] - begin[e - 1] + kTileM - 1) / kTileM : 0;
@@ -179,6 +192,8 @@ __device__ void build_table(int* begin, int* tile_prefix, const int32_t* offsets
             if (e <= num_experts) tile_prefix[e] = v;
             carry = __shfl_sync(kFull, v, 31);
         }
+    } else if (tid < 64 && offsets2 != nullptr) {
+        clamp_offsets(begin2, num_experts, num_rows);
     }
     __syncthreads();
 }
@@ -229,6 +244,7 @@ struct Ring {
     uint64_t* empty;
     int* begin;
     int* tile_prefix;
+    int* begin2;  // the weight gradient's second row table (when given)
 
     __device__ unsigned char* stage(int g) const { return base + (g % kStages) * kStageBytes; }
     // Producer: waits until slice g's stage is free, arms its barrier with a slice's bytes.
@@ -243,8 +259,9 @@ struct Ring {
     __device__ void release(int g) const { mbar_arrive(&empty[g % kStages]); }
 };
 
-// Carves the ring, initialises its barriers and builds the table; ends with a block barrier.
-__device__ __forceinline__ Ring setup_ring(const int32_t* offsets, int num_experts, int num_rows) {
+// Carves the ring, initialises its barriers and builds the table(s); ends with a block barrier.
+__device__ __forceinline__ Ring setup_ring(const int32_t* offsets, const int32_t* offsets2, int num_experts,
+                                           int num_rows) {
     extern __shared__ unsigned char smem_raw[];
     Ring ring;
     ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
@@ -252,6 +269,7 @@ __device__ __forceinline__ Ring setup_ring(const int32_t* offsets, int num_exper
     ring.empty = ring.full + kStages;
     ring.begin = reinterpret_cast<int*>(ring.empty + kStages);
     ring.tile_prefix = ring.begin + num_experts + 1;
+    ring.begin2 = ring.tile_prefix + num_experts + 1;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&ring.full[s], 1);
@@ -259,7 +277,7 @@ __device__ __forceinline__ Ring setup_ring(const int32_t* offsets, int num_exper
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    build_table(ring.begin, ring.tile_prefix, offsets, num_experts, num_rows);
+    build_table(ring.begin, ring.begin2, ring.tile_prefix, offsets, offsets2, num_experts, num_rows);
     return ring;
 }
 
@@ -290,7 +308,7 @@ template <bool kBackwardInput>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rows_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                  bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
-    const Ring ring = setup_ring(offsets, num_experts, num_rows);
+    const Ring ring = setup_ring(offsets, nullptr, num_experts, num_rows);
     const int* begin = ring.begin;
     const int* tile_prefix = ring.tile_prefix;
     const int tid = static_cast<int>(threadIdx.x);
@@ -409,18 +427,22 @@ template <typename TW>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                                      const __grid_constant__ CUtensorMap map_b, TW* dweight, const int32_t* offsets,
-                                     int num_rows, int num_experts, int OC, int C, bool accumulate) {
-    const Ring ring = setup_ring(offsets, num_experts, num_rows);
-    const int* begin = ring.begin;
+                                     const int32_t* offsets2, int num_rows, int num_experts, int OC, int C,
+                                     bool accumulate) {
+    const Ring ring = setup_ring(offsets, offsets2, num_experts, num_rows);
+    const int parts = offsets2 != nullptr ? 2 : 1;
+    // A group's rows: [t[e], t[e + 1]) of each table t, in table order.
+    const auto table = [&](int part) -> const int* { return part == 0 ? ring.begin : ring.begin2; };
+    const auto group_rows = [&](int part, int e) { return table(part)[e + 1] - table(part)[e]; };
     const int tid = static_cast<int>(threadIdx.x);
     // The groups by decreasing rows (ties by index), over the row products' tile table: the tiles
     // are numbered in this order, so the heaviest go first.
     int* order = ring.tile_prefix;
     for (int e = tid; e < num_experts; e += kThreads) {
-        const int rows = begin[e + 1] - begin[e];
+        const int rows = group_rows(0, e) + (parts > 1 ? group_rows(1, e) : 0);
         int rank = 0;
         for (int f = 0; f < num_experts; ++f) {
-            const int other = begin[f + 1] - begin[f];
+            const int other = group_rows(0, f) + (parts > 1 ? group_rows(1, f) : 0);
             rank += (other > rows || (other == rows && f < e)) ? 1 : 0;
         }
         order[rank] = e;
@@ -440,17 +462,20 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (tile >= num_tiles) continue;
                 const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
                 const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
-                const int r_begin = begin[expert], slices = (begin[expert + 1] - r_begin + kSliceK - 1) / kSliceK;
-                for (int i = 0; i < slices; ++i, ++g) {
-                    uint64_t* full = ring.acquire(g);
-                    unsigned char* stage = ring.stage(g);
-                    const int r = r_begin + i * kSliceK;
+                for (int part = 0; part < parts; ++part) {
+                    const int r_begin = table(part)[expert];
+                    const int slices = (group_rows(part, expert) + kSliceK - 1) / kSliceK;
+                    for (int i = 0; i < slices; ++i, ++g) {
+                        uint64_t* full = ring.acquire(g);
+                        unsigned char* stage = ring.stage(g);
+                        const int r = r_begin + i * kSliceK;
 #pragma unroll
-                    for (int j = 0; j < kTileM / 64; ++j)
-                        tma_load_2d(stage + j * kMnBoxBytes, &map_a, full, o0 + 64 * j, r);
+                        for (int j = 0; j < kTileM / 64; ++j)
+                            tma_load_2d(stage + j * kMnBoxBytes, &map_a, full, o0 + 64 * j, r);
 #pragma unroll
-                    for (int j = 0; j < kTileN / 64; ++j)
-                        tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, full, c0 + 64 * j, r);
+                        for (int j = 0; j < kTileN / 64; ++j)
+                            tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, full, c0 + 64 * j, r);
+                    }
                 }
             }
         }
@@ -468,33 +493,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tile >= num_tiles) continue;
         const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
         const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
-        const int rows = begin[expert + 1] - begin[expert], slices = (rows + kSliceK - 1) / kSliceK;
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-        for (int i = 0; i < slices; ++i, ++g) {
-            ring.wait_full(g);
-            unsigned char* stage = ring.stage(g);
-            const int valid = min(kSliceK, rows - i * kSliceK);
-            if (valid < kSliceK) {  // zero rows valid .. 63 of the six boxes (a row is 128 bytes in any swizzle)
-                const int per_box = (kSliceK - valid) * 8;  // 16-byte words
-                for (int w = tid - 128; w < 6 * per_box; w += 256) {
-                    const int box = w / per_box, k = w % per_box;
-                    reinterpret_cast<uint4*>(stage + box * kMnBoxBytes + valid * 128)[k] = make_uint4(0, 0, 0, 0);
+        for (int part = 0; part < parts; ++part) {
+            const int rows = group_rows(part, expert), slices = (rows + kSliceK - 1) / kSliceK;
+            for (int i = 0; i < slices; ++i, ++g) {
+                ring.wait_full(g);
+                unsigned char* stage = ring.stage(g);
+                const int valid = min(kSliceK, rows - i * kSliceK);
+                if (valid < kSliceK) {  // zero rows valid .. 63 of the six boxes (a row is 128 bytes in any swizzle)
+                    const int per_box = (kSliceK - valid) * 8;  // 16-byte words
+                    for (int w = tid - 128; w < 6 * per_box; w += 256) {
+                        const int box = w / per_box, k = w % per_box;
+                        reinterpret_cast<uint4*>(stage + box * kMnBoxBytes + valid * 128)[k] = make_uint4(0, 0, 0, 0);
+                    }
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups
                 }
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups
-            }
-            const uint32_t a_addr = smem_u32(stage) + consumer * kMnBoxBytes;
-            const uint32_t b_addr = smem_u32(stage + kABytes);
-            wgmma_fence();
+                const uint32_t a_addr = smem_u32(stage) + consumer * kMnBoxBytes;
+                const uint32_t b_addr = smem_u32(stage + kABytes);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kSliceK / 16; ++kk)
-                wgmma_m64n256k16<1, 1>(acc, smem_desc(a_addr + kk * 2048, kMnBoxBytes),
-                                       smem_desc(b_addr + kk * 2048, kMnBoxBytes));
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+                for (int kk = 0; kk < kSliceK / 16; ++kk)
+                    wgmma_m64n256k16<1, 1>(acc, smem_desc(a_addr + kk * 2048, kMnBoxBytes),
+                                           smem_desc(b_addr + kk * 2048, kMnBoxBytes));
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+            }
         }
         wgmma_wait<0>();
         TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
@@ -619,7 +646,7 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
 
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
                                          const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                         bool accumulate, cudaStream_t stream) {
+                                         bool accumulate, cudaStream_t stream, const int32_t* offsets2) {
     const char* what = "grouped_matmul_backward_weight_sm90";
     check_grouped_args(what, dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, what, ": dweight must be f32 or bf16, got ",
@@ -639,7 +666,7 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
         using TW = std::remove_pointer_t<decltype(typed)>;
         const auto kernel = grouped_weight_grad_wgmma_kernel<TW>;
         MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, typed, offsets,
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, typed, offsets, offsets2,
                                                                           static_cast<int>(M), static_cast<int>(E),
                                                                           static_cast<int>(OC), static_cast<int>(C),
                                                                           accumulate);

@@ -38,9 +38,11 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
 
 // dweight[E, OC, C] (f32 or bf16): dweight[e] (+)= Σ_{r in group e} dout[r]ᵀ · inp[r], every group
 // written (zeros for a group without rows) or, with `accumulate`, added to in fp32 and rounded once.
+// With `offsets2` (a second [E + 1] table, same contract) group e's rows are those of both tables,
+// [offsets[e], offsets[e + 1]) then [offsets2[e], offsets2[e + 1]), summed in that order.
 // Needs OC % 128 == 0 and C % 256 == 0.
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
                                          const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                         bool accumulate, cudaStream_t stream);
+                                         bool accumulate, cudaStream_t stream, const int32_t* offsets2 = nullptr);
 
 }  // namespace mf::cuda
