@@ -130,6 +130,17 @@ std::vector<T> download(const void* src, size_t n) {
 }
 
 // A device buffer holding v as bf16 (extra_elements of room after it, poisoned).
+// A gradient buffer's values in its dtype (f32 as they are, bf16 rounded), and back.
+inline void upload_grad(void* dst, const std::vector<float>& v, bool f32) {
+    if (f32)
+        upload(dst, v);
+    else
+        upload_bf16(dst, v);
+}
+inline std::vector<float> download_grad(const void* src, size_t n, bool f32) {
+    return f32 ? download<float>(src, n) : download_bf16(src, n);
+}
+
 inline DeviceBuffer device_bf16(const std::vector<float>& v, size_t extra_elements = 0) {
     DeviceBuffer b((v.size() + extra_elements) * 2);
     b.poison();

@@ -110,10 +110,7 @@ TEST(CudaGemm, BackwardWeightParity) {
             DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), d_dw(ref.size() * (f32 ? 4 : 2));
             upload_bf16(d_dout.as<void>(), dout);
             upload_bf16(d_inp.as<void>(), inp);
-            if (f32)
-                upload(d_dw.as<void>(), before);
-            else
-                upload_bf16(d_dw.as<void>(), before);
+            upload_grad(d_dw.as<void>(), before, f32);
             mf::cuda::matmul_backward_weight(ctx, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N, s.C,
                                              s.OC, nullptr);
             MF_CHECK_CUDA(cudaDeviceSynchronize());

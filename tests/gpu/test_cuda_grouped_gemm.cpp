@@ -288,14 +288,11 @@ void check_backward_weight(const Path& p, const GroupCase& g, std::mt19937& rng)
         const DeviceBuffer d_off = device_copy(off);
         upload_bf16(d_dout.as<void>(), dout);
         upload_bf16(d_inp.as<void>(), inp);
-        if (f32)
-            upload(d_dw.as<void>(), before);
-        else
-            upload_bf16(d_dw.as<void>(), before);
+        upload_grad(d_dw.as<void>(), before, f32);
         backward_weight(p, d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M, g.E,
                         g.C, g.OC);
         MF_CHECK_CUDA(cudaDeviceSynchronize());
-        const auto gpu = f32 ? download<float>(d_dw.as<void>(), ref.size()) : download_bf16(d_dw.as<void>(), ref.size());
+        const auto gpu = download_grad(d_dw.as<void>(), ref.size(), f32);
         expect_parity(g.label(p, f32 ? "backward weight f32 +=" : "backward weight bf16 +="), gpu, ref,
                       f32 ? ref : naive_bf16_add(before, product));
         for (int64_t e = 0; e < g.E; ++e) {
@@ -449,15 +446,12 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         const DeviceBuffer d_off1 = device_copy(off1), d_off2 = device_copy(off2);
         upload_bf16(d_dout.as<void>(), dout);
         upload_bf16(d_inp.as<void>(), inp);
-        if (f32)
-            upload(d_dw.as<void>(), before);
-        else
-            upload_bf16(d_dw.as<void>(), before);
+        upload_grad(d_dw.as<void>(), before, f32);
         mf::cuda::grouped_matmul_backward_weight_sm90(d_dw.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
                                                       d_off1.as<int32_t>(), M, g1.E, g1.C, g1.OC, true, nullptr,
                                                       d_off2.as<int32_t>());
         MF_CHECK_CUDA(cudaDeviceSynchronize());
-        const auto gpu = f32 ? download<float>(d_dw.as<void>(), n) : download_bf16(d_dw.as<void>(), n);
+        const auto gpu = download_grad(d_dw.as<void>(), n, f32);
         expect_parity(f32 ? "sm90 backward weight, two tables, f32 +=" : "sm90 backward weight, two tables, bf16 +=",
                       gpu, ref, f32 ? ref : naive_bf16_add(before, product));
     }

@@ -451,6 +451,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     const int c_tiles = C / kTileN, tiles_per_group = (OC / kTileM) * c_tiles;
     const int num_tiles = num_experts * tiles_per_group, grid = static_cast<int>(gridDim.x);
+    struct TileAt {
+        int expert, o0, c0;  // the group, and the tile's first gradient row and column
+    };
+    const auto weight_tile = [&](int tile) {
+        const int within = tile % tiles_per_group;
+        return TileAt{order[tile / tiles_per_group], (within / c_tiles) * kTileM, (within % c_tiles) * kTileN};
+    };
     const int warpgroup = tid / 128;
 
     if (warpgroup == 0) {  // producer
@@ -460,8 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int round = 0; round * grid < num_tiles; ++round) {
                 const int tile = snake_tile(round, grid);
                 if (tile >= num_tiles) continue;
-                const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
-                const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
+                const auto [expert, o0, c0] = weight_tile(tile);
                 for (int part = 0; part < parts; ++part) {
                     const int r_begin = table(part)[expert];
                     const int slices = (group_rows(part, expert) + kSliceK - 1) / kSliceK;
@@ -491,8 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int round = 0; round * grid < num_tiles; ++round) {
         const int tile = snake_tile(round, grid);
         if (tile >= num_tiles) continue;
-        const int expert = order[tile / tiles_per_group], within = tile % tiles_per_group;
-        const int o0 = (within / c_tiles) * kTileM, c0 = (within % c_tiles) * kTileN;
+        const auto [expert, o0, c0] = weight_tile(tile);
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
