@@ -478,6 +478,9 @@ bool grouped_uses_cublas(int64_t M, int64_t E, int64_t C, int64_t OC, bool weigh
     return flops_per_group >= (weight_grad ? kCublasMinWeightGradFlops : kCublasMinRowProductFlops);
 }
 
+// The sm90 kernels serve the product (their shape checks aside).
+bool use_sm90(int64_t E) { return grouped_gemm_setting() == GroupedGemmPath::sm90 && E <= mf::cuda::kSm90MaxGroups; }
+
 mf::cuda::GroupedGemmCublas& grouped_cublas() {
     // MOEFORGE_GROUPED_GEMM_LANES: the streams the per-expert products spread over (1 .. 16; the
     // class's default, 4, when unset): a tuning knob for benchmarks.
@@ -500,7 +503,7 @@ bool grouped_matmul_uses_host_offsets() { return grouped_gemm_setting() != Group
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                             std::span<const int32_t> host_offsets) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
-    if (grouped_gemm_setting() == GroupedGemmPath::sm90 && mf::cuda::grouped_matmul_forward_sm90_supported(C, OC))
+    if (use_sm90(E) && mf::cuda::grouped_matmul_forward_sm90_supported(C, OC))
         mf::cuda::grouped_matmul_forward_sm90(B(out), B(inp), B(weight), I(offsets), M, E, C, OC, ctx().stream);
     else if (grouped_uses_cublas(M, E, C, OC, false))
         mf::cuda::grouped_matmul_forward_cublas(grouped_cublas(), B(out), B(inp), B(weight), I(offsets), M, E, C, OC,
@@ -514,8 +517,7 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                              bool accumulate_dinp, bool accumulate_dweight) {
     const int64_t M = rows(inp), E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (defined(dinp)) {
-        if (grouped_gemm_setting() == GroupedGemmPath::sm90 && !accumulate_dinp &&
-            mf::cuda::grouped_matmul_backward_input_sm90_supported(C, OC))
+        if (use_sm90(E) && !accumulate_dinp && mf::cuda::grouped_matmul_backward_input_sm90_supported(C, OC))
             mf::cuda::grouped_matmul_backward_input_sm90(B(dinp), B(dout), B(weight), I(offsets), M, E, C, OC,
                                                          ctx().stream);
         else if (grouped_uses_cublas(M, E, C, OC, false))
@@ -526,8 +528,7 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                                                     accumulate_dinp, ctx().stream);
     }
     if (defined(dweight)) {
-        if (grouped_gemm_setting() == GroupedGemmPath::sm90 &&
-            mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
+        if (use_sm90(E) && mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
             mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets),
                                                           M, E, C, OC, accumulate_dweight, ctx().stream);
         } else if (grouped_uses_cublas(M, E, C, OC, true)) {
@@ -546,7 +547,7 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate) {
     const int64_t M = rows(inp), E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
-    if (grouped_gemm_setting() == GroupedGemmPath::sm90 && mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
+    if (use_sm90(E) && mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
         // One pass over both tables: each gradient rounded once.
         mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets[0]), M,
                                                       E, C, OC, accumulate, ctx().stream,

@@ -465,6 +465,14 @@ TEST(CudaGroupedGemm, Sm90Parity) {
     DeviceBuffer buf(4096);
     EXPECT_THROW(forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, 1, 96, 128),
                  mf::Error);
+    // More groups than the shared-memory table holds: refused before anything is read.
+    const int64_t too_many = mf::cuda::kSm90MaxGroups + 1;
+    EXPECT_THROW(forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, too_many, 64, 256),
+                 mf::Error);
+    EXPECT_THROW(mf::cuda::grouped_matmul_backward_weight_sm90(buf.as<void>(), mf::DType::f32, buf.as<bf16>(),
+                                                               buf.as<bf16>(), buf.as<int32_t>(), 4, too_many, 256, 128,
+                                                               false, nullptr),
+                 mf::Error);
 }
 
 TEST(CudaGroupedGemm, Deterministic) {

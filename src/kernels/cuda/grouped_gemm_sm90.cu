@@ -603,7 +603,7 @@ template <bool kBackwardInput>
 void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight, const int32_t* offsets, int64_t M,
                  int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
     const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
-    MF_CHECK(E <= 1024, what, ": at most 1024 groups (E=", E, ")");  // the table lives in shared memory
+    MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
     MF_CHECK(row_tiles * (N / kTileN) < (int64_t{1} << 31), what, ": ", row_tiles * (N / kTileN), " tiles is too many");
     if (M == 0 || E == 0) return;
     const int64_t blocks = std::min<int64_t>(sm_count(), row_tiles * (N / kTileN));  // one per SM
@@ -658,7 +658,7 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
              dtype_name(dweight_dtype));
     MF_CHECK(grouped_matmul_backward_weight_sm90_supported(C, OC), what, ": needs an sm_90 GPU, OC % ", kTileM,
              " == 0 and C % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
-    MF_CHECK(E <= 1024, what, ": at most 1024 groups (E=", E, ")");
+    MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
     MF_CHECK(E * (OC / kTileM) * (C / kTileN) < (int64_t{1} << 31), what, ": too many tiles");
     if (E == 0) return;
     const int64_t tiles = E * (OC / kTileM) * (C / kTileN);

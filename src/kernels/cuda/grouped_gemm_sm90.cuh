@@ -25,6 +25,10 @@
 
 namespace mf::cuda {
 
+// At most this many groups (their row table lives in shared memory); callers with more take
+// another path.
+constexpr int64_t kSm90MaxGroups = 1024;
+
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC);
 bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC);
 bool grouped_matmul_backward_weight_sm90_supported(int64_t C, int64_t OC);
