@@ -43,8 +43,8 @@ void attention_block_backward(const Tensor& dx, const AttentionWeights& g, Atten
                               const Tensor& x, const AttentionActs& a, const AttentionWeights& w,
                               const AttentionDims& d, int64_t B, int64_t T, const Tensor& positions,
                               const Tensor& doc_ids) {
-    for (const Tensor* t : {&s.dq, &s.dk, &s.dv, &s.dattn, &s.dq_raw, &s.dk_raw}) ops::zero(*t);
-    ops::matmul_backward(s.dattn, g.wo, dy, a.attn, w.wo);
+    // Every scratch gradient below is written, not added to.
+    ops::matmul_backward(s.dattn, g.wo, dy, a.attn, w.wo, false);
     ops::attention_backward(s.dq, s.dk, s.dv, s.dattn, a.q, a.k, a.v, a.attn, a.lse, doc_ids, B, T, d.num_heads,
                             d.num_kv_heads);
     ops::qknorm_rope_backward(s.dq_raw, s.dk_raw, g.q_norm, g.k_norm, s.dq, s.dk, a.q_raw, a.k_raw, w.q_norm, w.k_norm,

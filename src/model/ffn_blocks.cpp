@@ -1,6 +1,8 @@
 #include "model/ffn_blocks.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <span>
@@ -71,6 +73,31 @@ int64_t chunk_begin(int64_t c, int64_t C, int64_t El) { return c * El / C; }
 // Destinations: v = c·S + p is chunk c of rank p.
 int64_t num_destinations(const MoeDims& d) { return d.ep_size() * num_chunks(d); }
 
+// MoeDims::ep_own_split and ep_comm_sms, or their environment overrides (for tuning runs).
+double own_split(const MoeDims& d) {
+    double f = d.ep_own_split;
+    if (const char* env = std::getenv("MOEFORGE_EP_OWN_SPLIT"); env != nullptr && *env != '\0') {
+        char* end = nullptr;
+        f = std::strtod(env, &end);
+        if (end == env || *end != '\0' || !(f >= 0 && f <= 1))
+            fail("MOEFORGE_EP_OWN_SPLIT='", env, "': expected a number in [0, 1]");
+    }
+    MF_CHECK(f >= 0 && f <= 1, "MoeDims::ep_own_split must lie in [0, 1], got ", f);
+    return f;
+}
+
+int comm_sms(const MoeDims& d) {
+    int64_t n = d.ep_comm_sms;
+    if (const char* env = std::getenv("MOEFORGE_EP_COMM_SMS"); env != nullptr && *env != '\0') {
+        char* end = nullptr;
+        n = std::strtoll(env, &end, 10);
+        if (end == env || *end != '\0' || n < 0 || n > 1024)
+            fail("MOEFORGE_EP_COMM_SMS='", env, "': expected a whole number of SMs in [0, 1024]");
+    }
+    MF_CHECK(n >= 0, "MoeDims::ep_comm_sms must not be negative, got ", n);
+    return static_cast<int>(n);
+}
+
 }  // namespace
 
 Tensor EpPlanBuffers::expert_offsets() const {
@@ -90,7 +117,7 @@ void EpPlanBuffers::alloc(Arena& arena, const MoeDims& d, int64_t N) {
     plan = arena.alloc(DType::i32, {E + 1 + V});
     plan_all = arena.alloc(DType::i32, {S * (E + 1 + V)});
     send_pos = arena.alloc(DType::i32, {V, N});
-    index = arena.alloc(DType::i32, {E + 2 * (El + num_chunks(d))});
+    index = arena.alloc(DType::i32, {E + 4 * (El + num_chunks(d))});
 }
 
 void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
@@ -203,7 +230,7 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
     const Device device = a.topk_idx.device();
     MF_CHECK(E % S == 0, "EP size ", S, " does not divide ", E, " experts");
     MF_CHECK(has_data(b.plan) && b.plan.numel() == W && b.plan_all.numel() == S * W && b.send_pos.dim(0) == V &&
-                 b.send_pos.dim(1) == a.topk_idx.dim(0) && b.index.numel() == E + 2 * (El + C),
+                 b.send_pos.dim(1) == a.topk_idx.dim(0) && b.index.numel() == E + 4 * (El + C),
              "ep_plan: the plan buffers were allocated for another shape (MoeActs::alloc)");
     check_backend(ep, device, "ep_plan");
     upload_expert_dest(d, a);
@@ -263,6 +290,23 @@ void ep_plan(const MoeDims& d, MoeActs& a) {
             if (p == me) r.chunks.push_back(std::move(ch));
         }
         if (p == me) r.num_local = row;
+    }
+    // The own pieces: part 0 cut at a row, its group offsets clamped to either side.
+    const double split = own_split(d);
+    for (EpChunk& ch : r.chunks) {
+        const EpChunk::Part& own = ch.parts[0];
+        const int64_t cut = own.first_row + std::llround(split * static_cast<double>(own.num_rows));
+        const size_t table = static_cast<size_t>(E + own.offsets);
+        for (int piece = 0; piece < 2; ++piece) {
+            EpChunk::Part& pt = ch.own_pieces[piece];
+            pt.first_row = piece == 0 ? own.first_row : cut;
+            pt.num_rows = piece == 0 ? cut - own.first_row : own.first_row + own.num_rows - cut;
+            pt.offsets = static_cast<int64_t>(index.size()) - E;
+            for (int64_t j = 0; j <= ch.num_experts; ++j) {
+                const int64_t o = index[table + static_cast<size_t>(j)];
+                index.push_back(checked_i32(piece == 0 ? std::min(o, cut) : std::max(o, cut), "expert rows"));
+            }
+        }
     }
     r.local_offsets.assign(index.begin() + E, index.end());
 
@@ -363,14 +407,31 @@ Tensor part_rows(const Tensor& t, const EpChunk& ch, int part) {
                      : row_view(t, ch.first_recv + ch.num_self, ch.num_recv - ch.num_self);
 }
 
-// A part's group offsets, on the device and on the host.
-Tensor part_offsets(const EpRouting& r, const EpChunk& ch, int part) {
-    return flat_view(r.group_offsets, ch.parts[part].offsets, ch.num_experts + 1);
+// The group offsets of a part or own piece of a chunk, on the device and on the host.
+Tensor part_offsets(const EpRouting& r, const EpChunk& ch, const EpChunk::Part& pt) {
+    return flat_view(r.group_offsets, pt.offsets, ch.num_experts + 1);
 }
-std::span<const int32_t> part_host_offsets(const EpRouting& r, const EpChunk& ch, int part) {
+std::span<const int32_t> part_host_offsets(const EpRouting& r, const EpChunk& ch, const EpChunk::Part& pt) {
     return std::span<const int32_t>(r.local_offsets)
-        .subspan(static_cast<size_t>(ch.parts[part].offsets), static_cast<size_t>(ch.num_experts + 1));
+        .subspan(static_cast<size_t>(pt.offsets), static_cast<size_t>(ch.num_experts + 1));
 }
+
+// Leaves SMs to the exchange's copy kernels for as long as it lives (see MoeDims::ep_comm_sms).
+class CommSms {
+ public:
+    CommSms(Device device, int sms) : device_(device), on_(sms > 0) {
+        if (on_) ops::set_grouped_matmul_reserved_sms(device_, sms);
+    }
+    ~CommSms() {
+        if (on_) ops::set_grouped_matmul_reserved_sms(device_, 0);
+    }
+    CommSms(const CommSms&) = delete;
+    CommSms& operator=(const CommSms&) = delete;
+
+ private:
+    Device device_;
+    bool on_;
+};
 
 // Carves the forward's local rows and exchange buffers (see MoeActs).
 void carve_forward(const MoeDims& d, MoeActs& a, DType act, Device dev) {
@@ -405,19 +466,23 @@ struct Exchanged {
 
 // The EP pipeline shared by forward and backward: `out` (and `meta` when defined) travel to the
 // owners, the other ranks' rows of every chunk started first (this rank's own are copied); then
-// chunk by chunk and part by part (EpChunk: own tokens first, computed while the others travel):
-// `arrive` (place the part's tokens in the local rows), `compute`, `depart` (reduce the part's
-// results into its rows of back.received, and of extra.received when defined), and send them back
-// (own: a copy; the others': started into back.sent, extra.sent); then `after` (work nothing of
-// the exchange waits for, e.g. the weight gradients, over both parts) while they travel; finally
-// join every exchange. On NCCL the exchanges run on a side stream; over TCP each completes before
-// the call returns.
+// chunk by chunk (EpChunk): `arrive` part 0 (place this rank's own tokens in the local rows) and
+// `compute` the first own piece while the others travel; `arrive` part 1 once they are here,
+// `compute` it, `depart` it (reduce its results into its rows of back.received, and of
+// extra.received when defined) and start sending them back (back.sent, extra.sent); `compute` the
+// second own piece while they travel, `depart` part 0 and copy its results back; then `after`
+// (work nothing of the exchange waits for, e.g. the weight gradients, over both parts); finally
+// join every exchange. While an exchange may be in flight the grouped GEMMs leave comm_sms(d) SMs
+// to its copies. On NCCL the exchanges run on a side stream; over TCP each completes before the
+// call returns.
 template <typename Arrive, typename Compute, typename Depart, typename After>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
                  const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
                  Depart&& depart, After&& after) {
-    check_backend(*d.ep, out.sent.device(), "expert parallelism");
+    const Device device = out.sent.device();
+    check_backend(*d.ep, device, "expert parallelism");
     parallel::Communicator& ep = *d.ep;
+    const int sms = comm_sms(d);
     std::vector<uint64_t> tickets(r.chunks.size(), 0);
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
@@ -428,21 +493,30 @@ void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, con
     }
     for (size_t c = 0; c < r.chunks.size(); ++c) {
         const EpChunk& ch = r.chunks[c];
-        for (int part = 0; part < 2; ++part) {
-            if (part == 1) join(ep, tickets[c]);
-            arrive(ch, part);
-            ops::phase_mark(part == 0 ? "ep own arrived" : "ep arrived");
-            compute(ch, part);
-            ops::phase_mark(part == 0 ? "ep own computed" : "ep computed");
-            depart(ch, part);
-            if (part == 0) {
-                if (extra.defined()) copy_own(ep, ch, false, extra.sent, extra.received);
-                copy_own(ep, ch, false, back.sent, back.received);
-            } else {
-                if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received, true);
-                tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received, true);
-            }
+        {
+            const CommSms reserve(device, sms);
+            arrive(ch, 0);
+            compute(ch, ch.own_pieces[0]);
+            ops::phase_mark("ep own computed");
         }
+        join(ep, tickets[c]);
+        arrive(ch, 1);
+        ops::phase_mark("ep arrived");
+        {
+            // Only later chunks' exchanges can be in flight here.
+            const CommSms reserve(device, c + 1 < r.chunks.size() ? sms : 0);
+            compute(ch, ch.parts[1]);
+        }
+        ops::phase_mark("ep computed");
+        depart(ch, 1);
+        if (extra.defined()) exchange_chunk(ep, true, ch, false, extra.sent, extra.received, true);
+        tickets[c] = exchange_chunk(ep, true, ch, false, back.sent, back.received, true);
+        const CommSms reserve(device, sms);
+        compute(ch, ch.own_pieces[1]);
+        depart(ch, 0);
+        if (extra.defined()) copy_own(ep, ch, false, extra.sent, extra.received);
+        copy_own(ep, ch, false, back.sent, back.received);
+        ops::phase_mark("ep own computed #2");
         after(ch);
         ops::phase_mark("ep after");
     }
@@ -503,13 +577,12 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
             [&](const EpChunk& ch, int part) {
                 ops::ep_scatter_rows(a.x_local, part_rows(a.recv_rows, ch, part), part_rows(a.recv_meta, ch, part));
             },
-            [&](const EpChunk& ch, int part) {
-                // The grouped GEMMs see all local rows but only the part's offsets (absolute row
+            [&](const EpChunk& ch, const EpChunk::Part& pt) {
+                // The grouped GEMMs see all local rows but only the piece's offsets (absolute row
                 // numbers), so they touch only its rows.
-                const EpChunk::Part& pt = ch.parts[part];
                 if (pt.num_rows == 0) return;
-                const Tensor offsets = part_offsets(r, ch, part);
-                const auto host = part_host_offsets(r, ch, part);
+                const Tensor offsets = part_offsets(r, ch, pt);
+                const auto host = part_host_offsets(r, ch, pt);
                 ops::grouped_matmul_forward(a.h_local, a.x_local,
                                             expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
                 ops::swiglu_forward(row_view(a.a_local, pt.first_row, pt.num_rows),
@@ -580,12 +653,11 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                 ops::ep_scatter_grad(s.dy_local, part_rows(s.dw_recv, ch, part), part_rows(s.recv_rows, ch, part),
                                      part_rows(a.recv_meta, ch, part), a.y_local);
             },
-            [&](const EpChunk& ch, int part) {
-                const EpChunk::Part& pt = ch.parts[part];
+            [&](const EpChunk& ch, const EpChunk::Part& pt) {
                 if (pt.num_rows == 0) return;
-                const Tensor offsets = part_offsets(r, ch, part);
-                const auto host = part_host_offsets(r, ch, part);
-                // The input gradients (written: the part's rows are exactly its groups' rows), so
+                const Tensor offsets = part_offsets(r, ch, pt);
+                const auto host = part_host_offsets(r, ch, pt);
+                // The input gradients (written: the piece's rows are exactly its groups' rows), so
                 // that they travel back while the weight gradients are computed (`after`).
                 ops::grouped_matmul_backward(s.da_local, Tensor(), s.dy_local, a.a_local,
                                              expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
@@ -604,8 +676,9 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
             [&](const EpChunk& ch) {
                 // Both parts' rows of each expert in one pass; each chunk's experts are its own, so
                 // written gradients are written exactly once.
-                const Tensor offsets[2] = {part_offsets(r, ch, 0), part_offsets(r, ch, 1)};
-                const std::span<const int32_t> host[2] = {part_host_offsets(r, ch, 0), part_host_offsets(r, ch, 1)};
+                const Tensor offsets[2] = {part_offsets(r, ch, ch.parts[0]), part_offsets(r, ch, ch.parts[1])};
+                const std::span<const int32_t> host[2] = {part_host_offsets(r, ch, ch.parts[0]),
+                                                          part_host_offsets(r, ch, ch.parts[1])};
                 ops::grouped_matmul_backward_weight(expert_view(g.down, ch.first_expert, ch.num_experts), s.dy_local,
                                                     a.a_local, offsets, host, acc);
                 ops::grouped_matmul_backward_weight(expert_view(g.gate_up, ch.first_expert, ch.num_experts),

@@ -20,10 +20,13 @@
 // token, so each source adds one row per destination (fp32 sums in rank order; the partial sums
 // travel in fp32, so the one rounding to the activation dtype happens at the source as in the
 // one-rank block, and EP changes only the order of fp32 additions). An owner's rows from its own
-// tokens need no transfer: they are copied locally and computed first, while the other ranks'
-// tokens travel (EpChunk's two parts), and their results go back by copy while the other part
-// computes; the weight gradients then take both parts' rows of an expert in one pass. At top-8 over 128 experts and
-// EP=2 this sends ~2.7× fewer bytes than one bf16 row per (token, expert) pair both ways.
+// tokens need no transfer (they are copied locally), so they fill the time the others' travel: the
+// first piece of them is computed while the other ranks' tokens arrive, then the others' rows, whose
+// results are sent back while the second piece computes (EpChunk's parts and own pieces); the
+// weight gradients take both parts' rows of an expert in one pass. While an exchange is in flight
+// the grouped GEMMs leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
+// set_grouped_matmul_reserved_sms). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer
+// bytes than one bf16 row per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
 // back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
@@ -79,6 +82,14 @@ struct MoeDims {
     // test_nccl_ep): MoE forward+backward 10.15 ms; 2 chunks 10.95; 4: 12.78; 8: 15.32 (more
     // destinations send a token more often, and each chunk's GEMMs get fewer rows).
     int64_t ep_chunks = 1;
+    // The share of a chunk's own-token rows computed before the other ranks' rows (while those
+    // arrive); the rest is computed after them (while their results go back). In [0, 1];
+    // MOEFORGE_EP_OWN_SPLIT overrides it.
+    double ep_own_split = 0.5;
+    // SMs the grouped GEMMs leave to the exchange's copy kernels while an exchange is in flight
+    // (the GPU's grouped GEMMs are persistent and would otherwise hold every SM until they end);
+    // MOEFORGE_EP_COMM_SMS overrides it. No effect on the CPU.
+    int ep_comm_sms = 16;
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
 
@@ -95,6 +106,10 @@ struct EpChunk {
         int64_t offsets = 0;
     };
     Part parts[2];
+    // Part 0 cut at a row (MoeDims::ep_own_split) into the piece computed before part 1 and the
+    // piece computed after it; their group offsets are part 0's clamped to either side of the cut
+    // (a group may straddle it), so together they compute exactly part 0's rows.
+    Part own_pieces[2];
     // Tokens to each rank's chunk (rows of this rank's send buffer) and from each rank for this
     // chunk (rows of the receive buffer), [S] each, this rank included. A chunk's received tokens
     // are rows [first_recv, first_recv + num_recv) of the receive buffer, this rank's own first
@@ -110,7 +125,7 @@ struct EpRouting {
     int64_t num_sent = 0;      // token rows this rank sends, to every destination (itself included)
     int64_t num_received = 0;  // token rows it receives, from every source (itself included)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
-    std::vector<int32_t> local_offsets;  // every chunk's parts' group offsets (EpChunk::Part::offsets)
+    std::vector<int32_t> local_offsets;  // every chunk's parts' and own pieces' group offsets (EpChunk::Part::offsets)
     Tensor group_offsets;                // local_offsets on the tokens' device (view of EpPlanBuffers::index)
     Tensor row_base;                     // [E]: where each expert's owner puts this rank's rows of it
 };
@@ -121,7 +136,7 @@ struct EpPlanBuffers {
     Tensor plan;         // [E + 1 + V]: this rank's expert offsets, then its tokens per destination
     Tensor plan_all;     // [S·(E + 1 + V)]: every rank's plan (all_gather)
     Tensor send_pos;     // [V, N]: each token's row in a destination's block, or -1 (ops::ep_token_positions)
-    Tensor index;        // [E + 2·(E/S + C)]: row_base, then local_offsets
+    Tensor index;        // [E + 4·(E/S + C)]: row_base, then local_offsets
     Tensor expert_offsets() const;  // plan's first E + 1 entries (moe_permute_indices writes them)
     Tensor counts() const;          // plan's last V entries
     void alloc(Arena& arena, const MoeDims& d, int64_t N);

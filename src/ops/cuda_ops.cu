@@ -204,7 +204,7 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) 
 }
 
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight) {
+                     const Tensor& weight, bool accumulate_dinp) {
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     const bf16* g = nullptr;
     if (dout.dtype() == DType::f32) {  // the router's f32 logit gradient: round to bf16 for the GEMMs
@@ -214,7 +214,8 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
     } else {
         g = B(dout);
     }
-    if (defined(dinp)) mf::cuda::matmul_backward_input(ctx().gemm, B(dinp), g, B(weight), N, C, OC, true, ctx().stream);
+    if (defined(dinp))
+        mf::cuda::matmul_backward_input(ctx().gemm, B(dinp), g, B(weight), N, C, OC, accumulate_dinp, ctx().stream);
     if (defined(dweight))
         mf::cuda::matmul_backward_weight(ctx().gemm, dweight.data(), dweight.dtype(), g, B(inp), N, C, OC, ctx().stream);
 }
@@ -499,6 +500,7 @@ mf::cuda::GroupedGemmCublas& grouped_cublas() {
 }  // namespace
 
 bool grouped_matmul_uses_host_offsets() { return grouped_gemm_setting() != GroupedGemmPath::own; }
+void set_grouped_matmul_reserved_sms(int sms) { mf::cuda::set_grouped_gemm_sm90_reserved_sms(sms); }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                             std::span<const int32_t> host_offsets) {

@@ -31,7 +31,7 @@ void wait_background(int64_t ticket);
 std::vector<double> mark_times_ms(int count);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight);
+                     const Tensor& weight, bool accumulate_dinp);
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
@@ -89,6 +89,7 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate);
 bool grouped_matmul_uses_host_offsets();
+void set_grouped_matmul_reserved_sms(int sms);
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype);
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

@@ -24,7 +24,7 @@ void background_abandon() { no_cuda(); }
 void wait_background(int64_t ticket) { no_cuda(); }
 std::vector<double> mark_times_ms(int count) { no_cuda(); }
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) { no_cuda(); }
-void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight) { no_cuda(); }
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, bool accumulate_dinp) { no_cuda(); }
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) { no_cuda(); }
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
@@ -56,6 +56,7 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets, bool accumulate_dinp, bool accumulate_dweight) { no_cuda(); }
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp, std::span<const Tensor> offsets, std::span<const std::span<const int32_t>> host_offsets, bool accumulate) { no_cuda(); }
 bool grouped_matmul_uses_host_offsets() { return false; }
+void set_grouped_matmul_reserved_sms(int sms) { no_cuda(); }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale, DType logits_dtype) { no_cuda(); }
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) { no_cuda(); }
 double sum(const Tensor& x) { no_cuda(); }

@@ -259,12 +259,13 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) 
 }
 
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight) {
+                     const Tensor& weight, bool accumulate_dinp) {
     OpScope scope_("matmul_backward");
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     MF_CHECK(dout.numel() == N * OC, "matmul backward shapes");
     if (device_of({&dinp, &dweight, &dout, &inp, &weight}) == Device::cuda)
-        return cuda_impl::matmul_backward(dinp, dweight, dout, inp, weight);
+        return cuda_impl::matmul_backward(dinp, dweight, dout, inp, weight, accumulate_dinp);
+    if (!accumulate_dinp) zero(dinp);
     cpu::matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), N, C, OC);
 }
 
@@ -326,6 +327,8 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                    &k_rstd, &positions}) == Device::cuda)
         return cuda_impl::qknorm_rope_backward(dq_raw, dk_raw, dq_weight, dk_weight, dq, dk, q_raw, k_raw, q_weight,
                                                k_weight, q_rstd, k_rstd, positions, num_heads, num_kv_heads, theta);
+    zero(dq_raw);  // the CPU kernels below add into them
+    zero(dk_raw);
     cpu::rope_backward(f(dq), i32(positions), N, num_heads, D, theta);
     cpu::rmsnorm_backward(f(dq_raw), f(dq_weight), f(dq), f(q_raw), f(q_weight), f(q_rstd), N * num_heads, D);
     cpu::rope_backward(f(dk), i32(positions), N, num_kv_heads, D, theta);
@@ -349,6 +352,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     const int64_t D = q.numel() / (B * T * num_heads);
     if (device_of({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, &doc_ids}) == Device::cuda)
         return cuda_impl::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, num_heads, num_kv_heads);
+    for (const Tensor* t : {&dq, &dk, &dv}) zero(*t);  // the CPU kernel adds into them
     cpu::attention_backward(f(dq), f(dk), f(dv), f(dout), f(q), f(k), f(v), f(out), f(lse), i32(doc_ids),
                             {B, T, num_heads, num_kv_heads, D});
 }
@@ -674,6 +678,10 @@ void check_host_offsets(const Tensor& offsets, std::span<const int32_t> host_off
 
 bool grouped_matmul_uses_host_offsets(Device device) {
     return device == Device::cpu || cuda_impl::grouped_matmul_uses_host_offsets();
+}
+
+void set_grouped_matmul_reserved_sms(Device device, int sms) {
+    if (device == Device::cuda) cuda_impl::set_grouped_matmul_reserved_sms(sms);
 }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,

@@ -33,9 +33,10 @@ void synchronize(Device device);  // waits for all device work: the op stream an
 
 // --- dense -----------------------------------------------------------------------------------------
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);  // out[N,OC] = inp[N,C]·wᵀ
-// dinp[N,C] += dout·w (dinp may be undefined to skip); dweight[OC,C] += doutᵀ·inp (may be undefined).
+// dinp[N,C] += dout·w (written instead when !accumulate_dinp; dinp may be undefined to skip);
+// dweight[OC,C] += doutᵀ·inp (may be undefined).
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                     const Tensor& weight);
+                     const Tensor& weight, bool accumulate_dinp = true);
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);  // dwte +=
@@ -51,7 +52,7 @@ void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& d
 void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
                          const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta);
-// dq_raw, dk_raw: zero on entry, receive the gradients; dq_weight, dk_weight +=. dq and dk (the
+// dq_raw, dk_raw: written (distinct from dq and dk); dq_weight, dk_weight +=. dq and dk (the
 // gradients at q and k) are used as scratch.
 void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight,
                           const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
@@ -62,7 +63,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
-                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv: zero on entry
+                        int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv: written
 
 void swiglu_forward(const Tensor& out, const Tensor& inp);   // inp[N, 2I] -> out[N, I]
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
@@ -163,6 +164,11 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
 // the offsets once and passing them to every call saves a sync per call); on the CPU they cost
 // nothing and are checked.
 bool grouped_matmul_uses_host_offsets(Device device);
+// SMs the grouped matmuls leave free, from now on, for kernels on other streams: the GPU's own
+// grouped GEMMs are persistent (one block per SM, each holding a whole SM), so a kernel queued on
+// another stream, such as the EP exchange's copies, could not start until they end. 0 (the
+// default) gives them every SM. No effect on the CPU.
+void set_grouped_matmul_reserved_sms(Device device, int sms);
 
 // --- loss ------------------------------------------------------------------------------------------
 // losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).

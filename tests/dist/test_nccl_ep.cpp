@@ -4,7 +4,9 @@
 //     each source checks the weighted sums that come back), every routing of the harness,
 //     unpipelined and in 2 chunks, at row widths 8, 5 and 2056.
 //  2. A whole EP=2 moe_block_forward + moe_block_backward (rank p: experts [p·E/2, (p+1)·E/2) of one
-//     shared random weight set, and its own N tokens), unpipelined and pipelined in 3 chunks, against
+//     shared random weight set, and its own N tokens), unpipelined with the own-token rows cut at
+//     half (the default), at 0 and at 1 (all computed after, or before, the other ranks' rows), and
+//     pipelined in 3 chunks cut at 0.3, against
 //     the EP=1 block on one GPU computing both ranks' 2N tokens, and all against the fp32 CPU block
 //     fed the same bf16-rounded inputs.
 //     Tolerance (CONVENTIONS.md, the rule for reductions, with the one-GPU block as the "naive"
@@ -20,7 +22,8 @@
 //     harness also runs on the CPU backend over TCP (every build), where "one GPU" is the CPU block.
 //  3. MF_BENCH=1: the EP=2 MoE block forward and forward+backward at the Qwen3-30B-A3B-like shape
 //     (16384 tokens per rank, hidden 2048, 128 experts, top-8, expert dim 768) with ep_chunks 1, 2, 4
-//     and 8, the dispatch+combine exchange alone, and one GPU running its 16384 tokens through all
+//     and 8, then unpipelined over own-row cuts and SMs left to the exchange (MoeDims::ep_own_split,
+//     ep_comm_sms), the dispatch+combine exchange alone, and one GPU running its 16384 tokens through all
 //     128 experts (no EP).
 // The GPU tests skip (exit 77) with fewer than 2 GPUs, and are not built without NCCL.
 // NOTE: the parent never touches CUDA, so that the forked ranks can initialise it.
@@ -230,7 +233,8 @@ std::string compare(const std::string& what, const std::vector<float>& ep, const
 
 // `device`: cuda (NCCL group) compares EP=2 and one GPU against the CPU; cpu (TCP group) runs the
 // same comparison with the CPU block in place of both GPU runs (then EP must match it to the floor).
-// EP runs twice: unpipelined (ep_chunks 1) and pipelined in 3 uneven chunks (8 local experts: 2, 3, 3).
+// EP runs unpipelined (ep_chunks 1) with the own rows cut at 0.5, 0 and 1 (MoeDims::ep_own_split),
+// and pipelined in 3 uneven chunks (8 local experts: 2, 3, 3) cut at 0.3.
 std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Device device) {
     const int me = comm.rank(), S = comm.size();
     const int64_t El = s.E / S;
@@ -247,11 +251,13 @@ std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Devi
     for (const int32_t e : one_topk) ++load[static_cast<size_t>(e)];
     for (const int64_t c : load) out += " " + std::to_string(c);
     out += "\n";
-    for (const int64_t chunks : {1, 3}) {
-        const model::MoeDims d_ep{s.H, s.I, s.E, s.K, true, &comm, chunks};
+    for (const auto& [chunks, split] : {std::pair<int64_t, double>{1, 0.5}, {1, 0.0}, {1, 1.0}, {3, 0.3}}) {
+        const model::MoeDims d_ep{s.H, s.I, s.E, s.K, true, &comm, chunks, split};
         const BlockResult ep = run_block(device, p, d_ep, me * s.N, s.N, me * El, El);
         rank_check(ep.topk == one_topk && ep.topk == ref_topk, "the runs routed differently");
-        const std::string c = "c" + std::to_string(chunks) + " ";
+        char tag[32];
+        std::snprintf(tag, sizeof tag, "c%lld s%.1f ", static_cast<long long>(chunks), split);
+        const std::string c = tag;
         const int64_t gu = El * 2 * s.I * s.H, dn = El * s.H * s.I;
         out += compare(c + "y", ep.y, slice(one.y, me * NH, NH), slice(ref.y, me * NH, NH));
         out += compare(c + "dx", ep.dx, slice(one.dx, me * NH, NH), slice(ref.dx, me * NH, NH));
@@ -418,6 +424,21 @@ std::string bench(parallel::Communicator& comm) {
                       3 * expert_tflop(rows) / (step * 1e-3));
         out += line;
     }
+    // The overlap's knobs, unpipelined: the own rows' cut and the SMs left to the exchange.
+    for (const double split : {0.3, 0.5, 0.7})
+        for (const int sms : {0, 8, 16, 24, 32}) {
+            model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, 1, split, sms};
+            BenchModel m(s, d, El, 42);
+            const double fwd = median_ms([&] { m.forward(d); });
+            const double step = median_ms([&] {
+                m.forward(d);
+                m.backward(d);
+            });
+            std::snprintf(line, sizeof line,
+                          "BENCH EP=2 rank %d own split %.1f, %2d SMs for the exchange: fwd %.2f ms, fwd+bwd %.2f ms\n",
+                          comm.rank(), split, sms, fwd, step);
+            out += line;
+        }
     {
         model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, 1};
         BenchModel m(s, d, El, 42);

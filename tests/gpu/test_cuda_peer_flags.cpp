@@ -4,6 +4,9 @@
 // call: more than one launch holds); peer_signal then peer_wait passes, a wait for a value never
 // signalled gives up after its timeout with its code in the error word, and a later wait returns at
 // once once the word is set. (Between two GPUs they run in tests/dist/test_nccl_communicator.cpp.)
+// MF_BENCH=1: whether the exchange's copies (SM kernels or copy engines) and its one-thread flag
+// kernels, issued on a side stream, run beside a persistent sm90 grouped GEMM that holds every SM
+// (the EP pipeline's overlap depends on it): each alone, then together, timed from a common start.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -12,7 +15,9 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/peer_flags.cuh"
+#include "test_cuda_common.h"
 #include "test_util.h"
 
 using namespace mf;
@@ -100,6 +105,96 @@ TEST_F(CudaPeerFlags, SignalWaitAndTimeout) {
     EXPECT_EQ(*error, 7);
     cudaFree(flag);
     cudaFreeHost(error);
+}
+
+TEST_F(CudaPeerFlags, BenchCopiesBesideGroupedGemm) {
+    if (!test::bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1";
+    // The P2 shape of one expert GEMM (gate_up forward, 64 local experts, 1024 rows each) and one
+    // exchange's worth of bytes (~32K token rows of 2048 bf16).
+    const int64_t E = 64, M = 65536, C = 2048, OC = 1536;
+    const size_t copy_bytes = size_t{32768} * 2048 * 2;
+    cuda::bf16 *inp = nullptr, *weight = nullptr, *out = nullptr;
+    int32_t* offsets = nullptr;
+    unsigned char *src = nullptr, *dst = nullptr;
+    uint64_t* flag = nullptr;
+    MF_CHECK_CUDA(cudaMalloc(&inp, static_cast<size_t>(M * C) * sizeof(cuda::bf16)));
+    MF_CHECK_CUDA(cudaMalloc(&weight, static_cast<size_t>(E * OC * C) * sizeof(cuda::bf16)));
+    MF_CHECK_CUDA(cudaMalloc(&out, static_cast<size_t>(M * OC) * sizeof(cuda::bf16)));
+    MF_CHECK_CUDA(cudaMalloc(&offsets, static_cast<size_t>(E + 1) * sizeof(int32_t)));
+    MF_CHECK_CUDA(cudaMalloc(&src, copy_bytes));
+    MF_CHECK_CUDA(cudaMalloc(&dst, copy_bytes));
+    MF_CHECK_CUDA(cudaMalloc(&flag, sizeof(uint64_t)));
+    MF_CHECK_CUDA(cudaMemset(inp, 0x3e, static_cast<size_t>(M * C) * sizeof(cuda::bf16)));
+    MF_CHECK_CUDA(cudaMemset(weight, 0x3c, static_cast<size_t>(E * OC * C) * sizeof(cuda::bf16)));
+    MF_CHECK_CUDA(cudaMemset(src, 1, copy_bytes));
+    std::vector<int32_t> off(static_cast<size_t>(E + 1));
+    for (int64_t e = 0; e <= E; ++e) off[static_cast<size_t>(e)] = static_cast<int32_t>(e * (M / E));
+    MF_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    cudaStream_t main_s = nullptr, side = nullptr;
+    MF_CHECK_CUDA(cudaStreamCreateWithFlags(&main_s, cudaStreamNonBlocking));
+    MF_CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t start, gemm_done, side_done;
+    for (cudaEvent_t* ev : {&start, &gemm_done, &side_done}) MF_CHECK_CUDA(cudaEventCreate(ev));
+    const cuda::CopySpan span{dst, src, copy_bytes};
+    enum class Side { none, sm_copy, ce_copy, flag };
+    auto issue_side = [&](Side what) {
+        if (what == Side::sm_copy) cuda::peer_copy({&span, 1}, side);
+        if (what == Side::ce_copy) MF_CHECK_CUDA(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, side));
+        if (what == Side::flag) cuda::peer_signal(flag, 1, side);
+    };
+    // Median over 7 runs of (gemm end, side end) in ms from the common start.
+    auto run = [&](bool gemm, Side what) {
+        std::vector<float> g, sd;
+        for (int it = 0; it < 8; ++it) {
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            MF_CHECK_CUDA(cudaEventRecord(start, main_s));
+            MF_CHECK_CUDA(cudaStreamWaitEvent(side, start, 0));
+            if (gemm) cuda::grouped_matmul_forward_sm90(out, inp, weight, offsets, M, E, C, OC, main_s);
+            MF_CHECK_CUDA(cudaEventRecord(gemm_done, main_s));
+            issue_side(what);
+            MF_CHECK_CUDA(cudaEventRecord(side_done, side));
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            if (it == 0) continue;  // warm-up
+            float a = 0, b = 0;
+            MF_CHECK_CUDA(cudaEventElapsedTime(&a, start, gemm_done));
+            MF_CHECK_CUDA(cudaEventElapsedTime(&b, start, side_done));
+            g.push_back(a);
+            sd.push_back(b);
+        }
+        std::sort(g.begin(), g.end());
+        std::sort(sd.begin(), sd.end());
+        return std::pair<float, float>{g[g.size() / 2], sd[sd.size() / 2]};
+    };
+    const float gemm_alone = run(true, Side::none).first;
+    std::printf("BENCH grouped GEMM (sm90, %lld rows, %lld experts, %lldx%lld) alone: %.3f ms\n",
+                static_cast<long long>(M), static_cast<long long>(E), static_cast<long long>(OC),
+                static_cast<long long>(C), gemm_alone);
+    for (const auto& [what, name] : {std::pair{Side::sm_copy, "SM-kernel copy"}, std::pair{Side::ce_copy, "copy-engine copy"},
+                                     std::pair{Side::flag, "one-thread flag kernel"}}) {
+        const float alone = run(false, what).second;
+        const auto [g, sd] = run(true, what);
+        std::printf("BENCH %-24s (%.0f MB) alone %.3f ms; beside the GEMM: GEMM ends at %.3f ms, side at %.3f ms "
+                    "(%s)\n",
+                    name, what == Side::flag ? 0.0 : copy_bytes / 1e6, alone, g, sd,
+                    sd < g ? "overlapped" : "waited for the GEMM");
+    }
+    // Reserving SMs for the side stream: the GEMM alone on fewer SMs, and beside the SM-kernel copy.
+    for (const int reserve : {4, 8, 16, 24, 32}) {
+        cuda::set_grouped_gemm_sm90_reserved_sms(reserve);
+        const float g_alone = run(true, Side::none).first;
+        const auto [g, sd] = run(true, Side::sm_copy);
+        std::printf("BENCH reserve %2d SMs: GEMM alone %.3f ms (%+.1f%%); beside the SM-kernel copy GEMM ends at %.3f "
+                    "ms, copy at %.3f ms\n",
+                    reserve, g_alone, 100.0 * (g_alone / gemm_alone - 1), g, sd);
+    }
+    cuda::set_grouped_gemm_sm90_reserved_sms(0);
+    for (cudaEvent_t ev : {start, gemm_done, side_done}) cudaEventDestroy(ev);
+    cudaStreamDestroy(main_s);
+    cudaStreamDestroy(side);
+    for (void* p : {static_cast<void*>(inp), static_cast<void*>(weight), static_cast<void*>(out),
+                    static_cast<void*>(offsets), static_cast<void*>(src), static_cast<void*>(dst),
+                    static_cast<void*>(flag)})
+        cudaFree(p);
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -586,6 +587,11 @@ int sm_count() {
     return sms;
 }
 
+std::atomic<int> g_reserved_sms{0};
+
+// Blocks of a persistent launch: one per SM, less the SMs reserved for other streams' kernels.
+int persistent_blocks() { return std::max(1, sm_count() - g_reserved_sms.load(std::memory_order_relaxed)); }
+
 bool sm90_device() {
     static const bool hopper = [] {
         int device = 0, major = 0, minor = 0;
@@ -605,7 +611,7 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
     MF_CHECK(row_tiles * (N / kTileN) < (int64_t{1} << 31), what, ": ", row_tiles * (N / kTileN), " tiles is too many");
     if (M == 0 || E == 0) return;
-    const int64_t blocks = std::min<int64_t>(sm_count(), row_tiles * (N / kTileN));  // one per SM
+    const int64_t blocks = std::min<int64_t>(persistent_blocks(), row_tiles * (N / kTileN));
     const CUtensorMap map_a = tile_map(a, M, K, kTileM);
     const CUtensorMap map_b = kBackwardInput ? tile_map(weight, E * K, N, 64) : tile_map(weight, E * N, K, kTileN);
     const size_t smem = smem_bytes(E);
@@ -618,6 +624,9 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
 }
 
 }  // namespace
+
+void set_grouped_gemm_sm90_reserved_sms(int sms) { g_reserved_sms.store(std::max(sms, 0), std::memory_order_relaxed); }
+int grouped_gemm_sm90_reserved_sms() { return g_reserved_sms.load(std::memory_order_relaxed); }
 
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
     return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
@@ -661,7 +670,7 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
     MF_CHECK(E * (OC / kTileM) * (C / kTileN) < (int64_t{1} << 31), what, ": too many tiles");
     if (E == 0) return;
     const int64_t tiles = E * (OC / kTileM) * (C / kTileN);
-    const int64_t blocks = std::min<int64_t>(sm_count(), tiles);
+    const int64_t blocks = std::min<int64_t>(persistent_blocks(), tiles);
     // Rows past M read as zeros; with M == 0 every group is empty and gets zeros (or keeps its values).
     const CUtensorMap map_a = tile_map(dout, std::max<int64_t>(M, 1), OC, 64);
     const CUtensorMap map_b = tile_map(inp, std::max<int64_t>(M, 1), C, 64);
