@@ -142,9 +142,9 @@ void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>
 }
 
 void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
-    if (!distributed()) return;
     const auto& specs = model.params().specs();
-    reduced_.assign(specs.size(), false);
+    const bool dist = distributed();
+    if (dist) reduced_.assign(specs.size(), false);
     if (!squares_done_.empty()) squares_done_.assign(specs.size(), false);  // sums of an earlier step are stale
     // The specs each hook call completes: layer l's by name, the head's and the embedding's.
     const int64_t L = model.config().num_hidden_layers;
@@ -152,7 +152,7 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     std::vector<size_t> head, embedding;
     for (size_t i = 0; i < specs.size(); ++i) {
         const std::string& n = specs[i].name;
-        if (embedding_gathered_ && n == "model.embed_tokens.weight") {
+        if (dist && embedding_gathered_ && n == "model.embed_tokens.weight") {
             reduced_[i] = true;  // complete on every rank already (gather_embedding_grads)
             continue;
         }
@@ -164,12 +164,18 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
             head.push_back(i);  // model.norm.weight, lm_head.weight
         }
     }
-    model.set_grad_hook([this, &model, by_layer, head, embedding](int64_t id) {
-        if (id >= 0) reduce_specs(model, by_layer[static_cast<size_t>(id)]);
+    model.set_grad_hook([this, &model, dist, by_layer, head, embedding](int64_t id) {
+        const bool with_head = id == model::Qwen3Moe::kGradsHead || id == model::Qwen3Moe::kGradsEmbeddingAndHead;
+        const bool with_embedding =
+            id == model::Qwen3Moe::kGradsEmbedding || id == model::Qwen3Moe::kGradsEmbeddingAndHead;
+        if (dist) {
+            if (id >= 0) reduce_specs(model, by_layer[static_cast<size_t>(id)]);
+            if (with_head) reduce_specs(model, head);
+            if (with_embedding) reduce_specs(model, embedding);
+        }
         if (id >= 0) start_square_sums(model, by_layer[static_cast<size_t>(id)]);
-        if (id == model::Qwen3Moe::kGradsHead || id == model::Qwen3Moe::kGradsEmbeddingAndHead) reduce_specs(model, head);
-        if (id == model::Qwen3Moe::kGradsEmbedding || id == model::Qwen3Moe::kGradsEmbeddingAndHead)
-            reduce_specs(model, embedding);
+        if (with_head) start_square_sums(model, head);
+        if (with_embedding) start_square_sums(model, embedding);
     });
 }
 
@@ -199,9 +205,11 @@ void DistContext::gather_embedding_grads(model::Qwen3Moe& model) {
 }
 
 void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& which) {
-    // Only gradients that no reduction will change: the expert ones when no other rank holds the same
-    // experts (the replicated ones wait for their all-reduce, which runs on another stream).
-    if (!(ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) return;
+    // Only gradients that no reduction will change: every one in a single process; else the expert
+    // ones when no other rank holds the same experts (the replicated ones wait for their all-reduce,
+    // which runs on another stream).
+    const bool all_final = !distributed();
+    if (!all_final && !(ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) return;
     const auto& specs = model.params().specs();
     if (squares_done_.size() != specs.size()) {
         squares_done_.assign(specs.size(), false);
@@ -210,7 +218,7 @@ void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<si
     const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     std::vector<size_t> todo;
     for (const size_t i : which)
-        if (specs[i].is_expert && !squares_done_[i]) todo.push_back(i);
+        if ((all_final || specs[i].is_expert) && !squares_done_[i]) todo.push_back(i);
     if (todo.empty()) return;
     squares_ticket_ = ops::background(model.device(), [&] { gradient_square_sums_to(sums, g, specs, todo); });
     for (const size_t i : todo) squares_done_[i] = true;

@@ -78,7 +78,8 @@ class DistContext {
     // as its backward is enqueued (all_reduce_sum_async: on NCCL a side stream overlapping the
     // backward of the layers below); finish_grad_sync reduces whatever was not started, waits for
     // all, and removes the hook. Call them around the LAST micro-batch of an optimizer step (the
-    // gradients must be complete sums over the micro-batches before they are reduced).
+    // gradients must be complete sums over the micro-batches before they are reduced). In a single
+    // process there is nothing to reduce, and the hook only starts the square sums (below).
     void begin_grad_sync(model::Qwen3Moe& model);
     void finish_grad_sync(model::Qwen3Moe& model);
     // For a distributed run with untied embeddings: the model gathers every rank's embedding-gradient
@@ -88,10 +89,11 @@ class DistContext {
     // on every rank after the model is built; the model must not outlive this context. A no-op for a
     // single process or tied embeddings.
     void gather_embedding_grads(model::Qwen3Moe& model);
-    // train::gradient_square_sums for this rank's gradients after finish_grad_sync: the expert
-    // tensors that need no reduction (EP over the whole world: the DP group is this rank alone) had
-    // theirs computed in the background as their layer's backward finished (ops::background, beside
-    // the backward of the layers below); the rest are computed now.
+    // train::gradient_square_sums for this rank's gradients after finish_grad_sync: the tensors that
+    // need no reduction (all of them in a single process; the expert ones under EP over the whole
+    // world, where the DP group is this rank alone) had theirs computed in the background as their
+    // block's backward finished (ops::background, beside the backward of the blocks below); the rest
+    // are computed now.
     std::vector<double> gradient_square_sums(model::Qwen3Moe& model);
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
