@@ -614,7 +614,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
 
 void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const Tensor& dy, const Tensor& dprobs,
                         const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d,
-                        bool accumulate_expert_grads) {
+                        bool accumulate_expert_grads, const ExpertGradSquares& squares) {
     const bool acc = accumulate_expert_grads;
     if (d.ep != nullptr) {
         check_ep(d, w);
@@ -680,9 +680,9 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                 const std::span<const int32_t> host[2] = {part_host_offsets(r, ch, ch.parts[0]),
                                                           part_host_offsets(r, ch, ch.parts[1])};
                 ops::grouped_matmul_backward_weight(expert_view(g.down, ch.first_expert, ch.num_experts), s.dy_local,
-                                                    a.a_local, offsets, host, acc);
+                                                    a.a_local, offsets, host, acc, squares.down);
                 ops::grouped_matmul_backward_weight(expert_view(g.gate_up, ch.first_expert, ch.num_experts),
-                                                    s.dh_local, a.x_local, offsets, host, acc);
+                                                    s.dh_local, a.x_local, offsets, host, acc, squares.gate_up);
             });
         ops::phase_mark("bwd moe experts");
         ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);
@@ -691,11 +691,17 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         ops::moe_unpermute_backward(s.dy_perm, s.dtopk_weight, dy, a.y_perm, a.topk_weight, a.pair_row);
         // Every pair row belongs to a group (offsets run from 0 to N·K), so the input gradients are
         // written rather than zeroed and accumulated.
-        ops::grouped_matmul_backward(s.da_perm, g.down, s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
-                                     false, acc);
+        const std::span<const int32_t> host[1] = {a.host_offsets};
+        const std::span<const std::span<const int32_t>> hosts = a.host_offsets.empty() ? std::span<const std::span<const int32_t>>() : host;
+        ops::grouped_matmul_backward(s.da_perm, Tensor(), s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
+                                     false);
+        ops::grouped_matmul_backward_weight(g.down, s.dy_perm, a.a_perm, {&a.expert_offsets, 1}, hosts, acc,
+                                            squares.down);
         ops::swiglu_backward(s.dh_perm, s.da_perm, a.h_perm);
-        ops::grouped_matmul_backward(s.dx_perm, g.gate_up, s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
-                                     a.host_offsets, false, acc);
+        ops::grouped_matmul_backward(s.dx_perm, Tensor(), s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
+                                     a.host_offsets, false);
+        ops::grouped_matmul_backward_weight(g.gate_up, s.dh_perm, a.x_perm, {&a.expert_offsets, 1}, hosts, acc,
+                                            squares.gate_up);
         ops::moe_gather_backward(dx, s.dx_perm, a.pair_row, d.top_k);
     }
     ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);

@@ -224,8 +224,14 @@ void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const Mo
 // The expert weight gradients (grads.gate_up, grads.down) are accumulated, or with
 // accumulate_expert_grads false written (every expert's, an expert without rows getting zeros), so
 // the caller need not zero them first; the router's is always accumulated.
+// squares (optional, one f64 each on the gradients' device): += Σ g² of the stacked expert
+// gradients as stored (ops::grouped_matmul_backward_weight's square_sum), for the clipping norm.
+struct ExpertGradSquares {
+    Tensor gate_up, down;
+};
 void moe_block_backward(const Tensor& dx, const MoeWeights& grads, MoeScratch& s, const Tensor& dy,
                         const Tensor& dprobs, const Tensor& x, const MoeActs& acts, const MoeWeights& w,
-                        const MoeDims& d, bool accumulate_expert_grads = true);
+                        const MoeDims& d, bool accumulate_expert_grads = true,
+                        const ExpertGradSquares& squares = {});
 
 }  // namespace mf::model

@@ -17,6 +17,7 @@ void mark_layer(const char* what, int64_t l) {
 
 struct Qwen3Moe::Layer {
     bool is_moe = false;
+    int64_t gate_up_spec = -1, down_spec = -1;  // MoE: the stacked expert specs' indices in specs()
     Tensor ln1, ln2, g_ln1, g_ln2;
     AttentionWeights attn, g_attn;
     MoeWeights moe, g_moe;
@@ -143,6 +144,24 @@ Tensor Qwen3Moe::outer_param(std::string_view name) const {
     return param_view(name);
 }
 
+std::vector<bool> Qwen3Moe::set_grad_square_sums(const Tensor& slots, const std::vector<bool>& wanted) {
+    const size_t n = table_.specs().size();
+    grad_square_slots_ = Tensor();
+    grad_square_wanted_.clear();
+    if (slots.data() == nullptr) return {};
+    MF_CHECK(slots.dtype() == DType::f64 && slots.numel() == static_cast<int64_t>(n) &&
+                 slots.device() == placement_.device && wanted.size() == n,
+             "set_grad_square_sums: ", slots.numel(), " ", dtype_name(slots.dtype()), " slots and ", wanted.size(),
+             " flags for ", n, " parameters");
+    grad_square_slots_ = slots;
+    grad_square_wanted_.assign(n, false);
+    for (const Layer& L : layers_)
+        if (L.is_moe)
+            for (const int64_t spec : {L.gate_up_spec, L.down_spec})
+                grad_square_wanted_[static_cast<size_t>(spec)] = wanted[static_cast<size_t>(spec)];
+    return grad_square_wanted_;
+}
+
 void Qwen3Moe::zero_grads() {
     settle_grads();
     const Tensor g = grads_.as(placement_.grad_dtype, {table_.expert_offset()});  // the replicated region
@@ -249,6 +268,8 @@ void Qwen3Moe::build_layers() {
             if (L.is_moe) {
                 (pass == 0 ? L.moe : L.g_moe) =
                     MoeWeights{at("mlp.gate.weight"), at("mlp.experts.gate_up_proj"), at("mlp.experts.down_proj")};
+                L.gate_up_spec = &table_.get(p + "mlp.experts.gate_up_proj") - table_.specs().data();
+                L.down_spec = &table_.get(p + "mlp.experts.down_proj") - table_.specs().data();
             } else {
                 // gate_proj and up_proj are adjacent: one fused [2I, H] view over both.
                 const Tensor gate = at("mlp.gate_proj.weight");
@@ -582,8 +603,15 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
             // Written rather than added where zero_grads() left them undefined.
             const bool marked = static_cast<size_t>(l) < expert_grads_marked_.size() &&
                                 expert_grads_marked_[static_cast<size_t>(l)] != 0;
+            ExpertGradSquares squares;
+            for (auto [spec, slot] : {std::pair{L.gate_up_spec, &squares.gate_up}, std::pair{L.down_spec, &squares.down}})
+                if (!grad_square_wanted_.empty() && grad_square_wanted_[static_cast<size_t>(spec)]) {
+                    *slot = Tensor(static_cast<double*>(grad_square_slots_.data()) + spec, DType::f64, {1},
+                                   grad_square_slots_.device());
+                    ops::zero(*slot);
+                }
             moe_block_backward(ws.d_ln, L.g_moe, ws.moe_scratch, ws.d_resid, aux_grad ? ws.dprobs : Tensor(), la.ln2,
-                               ws.moe_acts(l, recompute_), L.moe, md, !marked);
+                               ws.moe_acts(l, recompute_), L.moe, md, !marked, squares);
             if (marked) expert_grads_marked_[static_cast<size_t>(l)] = 0;
         } else {
             mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);

@@ -144,6 +144,13 @@ class Qwen3Moe {
     // reduction behind an event) is what it is for. An empty function turns it off.
     static constexpr int64_t kGradsHead = -1, kGradsEmbedding = -2, kGradsEmbeddingAndHead = -3;
     void set_grad_hook(std::function<void(int64_t)> hook) { grad_hook_ = std::move(hook); }
+    // Square sums formed by the backward itself, for the clipping norm: while set (`slots`: f64, one
+    // per spec of params().specs(), on the model's device; `wanted`: a flag per spec), each MoE
+    // layer's backward writes Σ g² of its stacked expert gradients whose flag is set into their
+    // slots as its weight-gradient GEMMs store them (moe_block_backward's squares), so no later
+    // pass reads those gradients again. Returns the flags of the specs it will fill (the flagged
+    // stacked expert specs); the caller reads their slots after the backward. Empty tensor: off.
+    std::vector<bool> set_grad_square_sums(const Tensor& slots, const std::vector<bool>& wanted);
 
     // The embedding gradient under data parallelism, sparse: instead of the dense [V, H] gradient being
     // reduced, every rank gathers every rank's token ids and their output-gradient rows
@@ -211,6 +218,8 @@ class Qwen3Moe {
     parallel::Communicator* ep_ = nullptr;
     int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
+    Tensor grad_square_slots_;                 // set_grad_square_sums
+    std::vector<bool> grad_square_wanted_;
     mutable ops::BackgroundTicket zeroing_ = 0;
     mutable std::vector<char> expert_grads_marked_;  // per layer: expert gradients undefined until written
     mutable std::vector<std::vector<std::function<void()>>> params_pending_;  // per stage, stage + 2

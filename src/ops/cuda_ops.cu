@@ -547,19 +547,26 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
-                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate) {
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
+                                    const Tensor& square_sum) {
     const int64_t M = rows(inp), E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
+    double* sum = defined(square_sum) ? square_sum.ptr<double>() : nullptr;
     if (use_sm90(E) && mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC)) {
-        // One pass over both tables: each gradient rounded once.
+        // One pass over both tables: each gradient rounded once (and its squares summed as stored).
+        void* scratch =
+            sum != nullptr ? ctx().get(mf::cuda::grouped_matmul_backward_weight_sm90_squares_bytes(E, C, OC)) : nullptr;
         mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets[0]), M,
                                                       E, C, OC, accumulate, ctx().stream,
-                                                      offsets.size() > 1 ? I(offsets[1]) : nullptr);
+                                                      offsets.size() > 1 ? I(offsets[1]) : nullptr, sum, scratch);
         return;
     }
     for (size_t p = 0; p < offsets.size(); ++p)  // table by table, the later ones accumulated
         grouped_matmul_backward(Tensor(), dweight, dout, inp, dweight, offsets[p],
                                 host_offsets.empty() ? std::span<const int32_t>() : host_offsets[p], true,
                                 accumulate || p > 0);
+    if (sum != nullptr)
+        mf::cuda::sum_squares(sum, dweight.data(), dweight.dtype(), dweight.numel(), true,
+                              ctx().get(mf::cuda::sum_squares_scratch_bytes()), ctx().stream);
 }
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,

@@ -87,7 +87,8 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                              bool accumulate_dinp, bool accumulate_dweight);
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
-                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate);
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
+                                    const Tensor& square_sum);
 bool grouped_matmul_uses_host_offsets();
 void set_grouped_matmul_reserved_sms(int sms);
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,

@@ -54,7 +54,7 @@ void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos
 void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) { no_cuda(); }
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
 void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets, bool accumulate_dinp, bool accumulate_dweight) { no_cuda(); }
-void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp, std::span<const Tensor> offsets, std::span<const std::span<const int32_t>> host_offsets, bool accumulate) { no_cuda(); }
+void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp, std::span<const Tensor> offsets, std::span<const std::span<const int32_t>> host_offsets, bool accumulate, const Tensor& square_sum) { no_cuda(); }
 bool grouped_matmul_uses_host_offsets() { return false; }
 void set_grouped_matmul_reserved_sms(int sms) { no_cuda(); }
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale, DType logits_dtype) { no_cuda(); }

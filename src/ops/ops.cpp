@@ -717,20 +717,25 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
-                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate) {
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
+                                    const Tensor& square_sum) {
     OpScope scope_("grouped_matmul_backward");
     MF_CHECK(offsets.size() == 1 || offsets.size() == 2, "grouped_matmul_backward_weight: 1 or 2 row tables, got ",
              offsets.size());
     MF_CHECK(host_offsets.empty() || host_offsets.size() == offsets.size(),
              "grouped_matmul_backward_weight: one host copy per row table");
-    if (device_of({&dweight, &dout, &inp, &offsets[0]}) == Device::cuda)
-        return cuda_impl::grouped_matmul_backward_weight(dweight, dout, inp, offsets, host_offsets, accumulate);
+    MF_CHECK(!defined(square_sum) || (square_sum.dtype() == DType::f64 && square_sum.numel() == 1),
+             "grouped_matmul_backward_weight: square_sum must be one f64");
+    if (device_of({&dweight, &dout, &inp, &offsets[0], &square_sum}) == Device::cuda)
+        return cuda_impl::grouped_matmul_backward_weight(dweight, dout, inp, offsets, host_offsets, accumulate,
+                                                         square_sum);
     const int64_t E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
     if (!accumulate) std::fill(f(dweight), f(dweight) + dweight.numel(), 0.0f);
     for (size_t p = 0; p < offsets.size(); ++p) {
         check_host_offsets(offsets[p], host_offsets.empty() ? std::span<const int32_t>() : host_offsets[p]);
         cpu::grouped_matmul_backward(nullptr, f(dweight), f(dout), f(inp), nullptr, i32(offsets[p]), E, C, OC);
     }
+    if (defined(square_sum)) square_sum.ptr<double>()[0] += cpu::sum_squares(f(dweight), dweight.numel());
 }
 
 // --- loss ------------------------------------------------------------------------------------------

@@ -157,9 +157,13 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
 // The weight gradient alone, of groups whose rows lie in one or two row tables: group e's rows are
 // [offsets[p][e], offsets[p][e + 1]) of every table p, summed in table order (host_offsets: empty,
 // or one host copy per table, as above); written like grouped_matmul_backward's unless accumulate.
+// With square_sum (one f64 on dweight's device): square_sum += Σ dweight² of the gradient as
+// stored, in a fixed order (the clipping norm's share of it; the GPU's own kernel forms it while
+// storing, without reading the gradient again).
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
-                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate);
+                                    std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
+                                    const Tensor& square_sum = Tensor());
 // Whether callers on `device` should pass host offsets: the GPU's cuBLAS path needs them (reading
 // the offsets once and passing them to every call saves a sync per call); on the CPU they cost
 // nothing and are checked.

@@ -146,6 +146,18 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     const bool dist = distributed();
     if (dist) reduced_.assign(specs.size(), false);
     if (!squares_done_.empty()) squares_done_.assign(specs.size(), false);  // sums of an earlier step are stale
+    // Gradients no reduction will change have their square sums formed as the backward stores them:
+    // the stacked expert ones by the MoE blocks' weight-gradient GEMMs (Qwen3Moe::set_grad_square_sums),
+    // the others by start_square_sums as their block finishes.
+    if (!dist || (ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) {
+        ensure_square_sums(model);
+        std::vector<bool> experts(specs.size());
+        for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert;
+        const std::vector<bool> filled = model.set_grad_square_sums(
+            square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), experts);
+        for (size_t i = 0; i < filled.size(); ++i)
+            if (filled[i]) squares_done_[i] = true;
+    }
     // The specs each hook call completes: layer l's by name, the head's and the embedding's.
     const int64_t L = model.config().num_hidden_layers;
     std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(L));
@@ -181,6 +193,7 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
 
 void DistContext::finish_grad_sync(model::Qwen3Moe& model) {
     model.set_grad_hook({});
+    model.set_grad_square_sums(Tensor(), {});
     if (!distributed()) return;
     std::vector<size_t> rest;
     for (size_t i = 0; i < reduced_.size(); ++i)
@@ -204,6 +217,13 @@ void DistContext::gather_embedding_grads(model::Qwen3Moe& model) {
     embedding_gathered_ = true;
 }
 
+void DistContext::ensure_square_sums(const model::Qwen3Moe& model) {
+    const size_t n = model.params().specs().size();
+    if (squares_done_.size() == n) return;
+    squares_done_.assign(n, false);
+    square_sums_ = Buffer(n * sizeof(double), model.device());
+}
+
 void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& which) {
     // Only gradients that no reduction will change: every one in a single process; else the expert
     // ones when no other rank holds the same experts (the replicated ones wait for their all-reduce,
@@ -211,10 +231,7 @@ void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<si
     const bool all_final = !distributed();
     if (!all_final && !(ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) return;
     const auto& specs = model.params().specs();
-    if (squares_done_.size() != specs.size()) {
-        squares_done_.assign(specs.size(), false);
-        square_sums_ = Buffer(specs.size() * sizeof(double), model.device());
-    }
+    ensure_square_sums(model);
     const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     std::vector<size_t> todo;
     for (const size_t i : which)

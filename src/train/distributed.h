@@ -127,6 +127,7 @@ class DistContext {
     std::vector<bool> squares_done_;   // per spec: its square sum is in square_sums_ (or on its way)
     ops::BackgroundTicket squares_ticket_ = 0;
     void start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& specs);
+    void ensure_square_sums(const model::Qwen3Moe& model);
     void reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     struct Impl;
     std::unique_ptr<Impl> impl_;

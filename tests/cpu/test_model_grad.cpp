@@ -828,6 +828,43 @@ TEST(ModelGradNorm, PerTensorSumsAndPrefilledSlots) {
     EXPECT_THROW(mf::train::gradient_square_sums(m, t, std::vector<bool>(3, false)), Error);
 }
 
+// The expert gradients' square sums formed by the backward (Qwen3Moe::set_grad_square_sums): only
+// the flagged stacked expert specs are filled, with the sums a separate pass gives, on both the
+// written (after zero_grads) and the accumulated backward; a second step's sums are of the
+// accumulated gradient; a slot table of the wrong size is refused.
+TEST(ModelGradNorm, BackwardFormedExpertSquareSums) {
+    Qwen3Moe m(tiny_config(true, false));
+    m.init_random(8, 0.3f);
+    const LossScales scales{1.0, 0.1};
+    const auto& specs = m.params().specs();
+    const int64_t n = static_cast<int64_t>(specs.size());
+    Buffer slots(static_cast<size_t>(n) * sizeof(double), Device::cpu);
+    const Tensor t = slots.as(DType::f64, {n});
+    std::vector<bool> wanted(specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) wanted[i] = specs[i].is_expert || specs[i].layer == 0;
+    m.zero_grads();
+    for (int round = 0; round < 2; ++round) {  // written, then accumulated onto the first step's
+        std::fill(t.ptr<double>(), t.ptr<double>() + n, -1.0);
+        const std::vector<bool> filled = m.set_grad_square_sums(t, wanted);
+        m.step(row_batch(6), &scales);
+        m.set_grad_square_sums(Tensor(), {});
+        const std::vector<double> plain = mf::train::gradient_square_sums(m);
+        int count = 0;
+        for (size_t i = 0; i < specs.size(); ++i) {
+            EXPECT_EQ(filled[i], specs[i].is_expert) << specs[i].name;
+            if (!filled[i]) {
+                EXPECT_EQ(t.ptr<double>()[i], -1.0) << specs[i].name << ": not asked for, must stay";
+                continue;
+            }
+            ++count;
+            EXPECT_EQ(t.ptr<double>()[i], plain[i]) << specs[i].name << " (round " << round << ")";
+            EXPECT_GT(plain[i], 0.0) << specs[i].name;
+        }
+        EXPECT_GT(count, 0);
+    }
+    EXPECT_THROW(m.set_grad_square_sums(slots.as(DType::f64, {n - 1}), wanted), Error);
+}
+
 TEST(ModelGradDeterminism, SameSeedSameBits) {
     for (const bool packed : {false, true}) {
         const Qwen3MoeConfig cfg = tiny_config(packed, !packed);

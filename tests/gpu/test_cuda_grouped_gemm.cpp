@@ -345,6 +345,50 @@ void expect_written_equals_accumulated(const Path& p, const GroupCase& g, std::m
     }
 }
 
+// The sm90 weight gradient's square sums (square_sum +=, formed while storing): the gradient's bits
+// are those of the call without them, and the sum is that of the stored values' squares in double
+// (added to the slot's old value), up to the order of the double additions (the bound of n
+// positive terms summed in double, on each side).
+void expect_square_sums(const GroupCase& g, std::mt19937& rng) {
+    for (mf::DType dtype : {mf::DType::f32, mf::DType::bf16})
+        for (const bool accumulate : {false, true}) {
+            const int64_t M = g.rows(), n = g.E * g.OC * g.C;
+            const bool f32 = dtype == mf::DType::f32;
+            const auto off = g.offsets();
+            const auto dout = random_bf16(rng, M * g.OC), inp = random_bf16(rng, M * g.C),
+                       before = random_bf16(rng, n);
+            DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), plain(n * (f32 ? 4 : 2)),
+                fused(n * (f32 ? 4 : 2)), sum(sizeof(double)),
+                scratch(mf::cuda::grouped_matmul_backward_weight_sm90_squares_bytes(g.E, g.C, g.OC));
+            const DeviceBuffer d_off = device_copy(off);
+            upload_bf16(d_dout.as<void>(), dout);
+            upload_bf16(d_inp.as<void>(), inp);
+            upload_grad(plain.as<void>(), before, f32);
+            upload_grad(fused.as<void>(), before, f32);
+            const double old = 1.5;
+            MF_CHECK_CUDA(cudaMemcpy(sum.as<void>(), &old, sizeof old, cudaMemcpyHostToDevice));
+            mf::cuda::grouped_matmul_backward_weight_sm90(plain.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                                                          d_off.as<int32_t>(), M, g.E, g.C, g.OC, accumulate, nullptr);
+            mf::cuda::grouped_matmul_backward_weight_sm90(fused.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(),
+                                                          d_off.as<int32_t>(), M, g.E, g.C, g.OC, accumulate, nullptr,
+                                                          nullptr, sum.as<double>(), scratch.as<void>());
+            MF_CHECK_CUDA(cudaDeviceSynchronize());
+            const std::string what = g.label(Path{"sm90", false, false, true}, "backward weight square sums") + (f32 ? " f32" : " bf16") +
+                                     (accumulate ? " +=" : " =");
+            const auto a = download<uint8_t>(plain.as<void>(), n * (f32 ? 4 : 2));
+            const auto b = download<uint8_t>(fused.as<void>(), n * (f32 ? 4 : 2));
+            EXPECT_TRUE(a == b) << what << ": the gradient changed";
+            const auto stored = download_grad(fused.as<void>(), n, f32);
+            double want = 0;
+            for (const float x : stored) want += static_cast<double>(x) * x;
+            double got = 0;
+            MF_CHECK_CUDA(cudaMemcpy(&got, sum.as<void>(), sizeof got, cudaMemcpyDeviceToHost));
+            // Both sides add n positive terms in double: each within n·2^-53 of the exact sum.
+            EXPECT_NEAR(got, old + want, 2.0 * static_cast<double>(n + 64) * std::ldexp(old + want, -53)) << what;
+            EXPECT_GT(want, 0.0) << what;
+        }
+}
+
 // The written weight gradient (accumulate false, what the backward right after zero_grads uses): over
 // a buffer of NaNs it gives the bits of zeroing and accumulating (so the old values are not read),
 // an empty expert's slice zeros; with no rows at all, zeros everywhere.
@@ -425,6 +469,7 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(g.C, g.OC)) << g.label(kSm90, "weight");
         check_backward_weight(kSm90, g, rng);
         expect_written_equals_accumulated(kSm90, g, rng);
+        expect_square_sums(g, rng);
     }
     // Two row tables (EP's own and other ranks' rows of each expert, in two regions of the buffer):
     // one pass equals the fp32 sum of both tables' products, rounded once.

@@ -92,6 +92,32 @@ TEST_P(GpuStep, MatchesCpuReference) {
         EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 0.1) << spec.name;
     }
 
+    // The expert gradients' square sums the backward forms itself (Qwen3Moe::set_grad_square_sums)
+    // equal a separate pass over the stored gradients (the same values, summed in another order).
+    // The step is the same as the first (same parameters and batch), so the gradients it leaves are too.
+    {
+        const auto& specs = gpu->params().specs();
+        const int64_t n = static_cast<int64_t>(specs.size());
+        Buffer slots_buf(static_cast<size_t>(n) * sizeof(double), Device::cuda);
+        const Tensor slots = slots_buf.as(DType::f64, {n});
+        std::vector<bool> experts(specs.size());
+        for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert;
+        gpu->zero_grads();
+        const std::vector<bool> filled = gpu->set_grad_square_sums(slots, experts);
+        (void)gpu->step(batch, &scales);
+        gpu->set_grad_square_sums(Tensor(), {});
+        std::vector<double> fused(specs.size());
+        ops::copy_to_host(fused.data(), slots);
+        const std::vector<double> plain = train::gradient_square_sums(*gpu);
+        int checked = 0;
+        for (size_t i = 0; i < specs.size(); ++i) {
+            if (!filled[i]) continue;
+            ++checked;
+            EXPECT_NEAR(fused[i], plain[i], 1e-10 * plain[i]) << specs[i].name;
+        }
+        EXPECT_GT(checked, 0);
+    }
+
     // Three AdamW steps on each, the same recipe.
     train::Recipe::Optim o;
     o.lr = 3e-3;

@@ -386,8 +386,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// Two adjacent fp32 sums into a gradient (written, or added to its values in fp32 and rounded once).
-__device__ __forceinline__ void store_pair(float* p, float x, float y, bool accumulate) {
+// Two adjacent fp32 sums into a gradient (written, or added to its values in fp32 and rounded once);
+// returns the two values stored.
+__device__ __forceinline__ float2 store_pair(float* p, float x, float y, bool accumulate) {
     float2 v = make_float2(x, y);
     if (accumulate) {
         const float2 old = *reinterpret_cast<const float2*>(p);
@@ -395,14 +396,22 @@ __device__ __forceinline__ void store_pair(float* p, float x, float y, bool accu
         v.y += old.y;
     }
     *reinterpret_cast<float2*>(p) = v;
+    return v;
 }
-__device__ __forceinline__ void store_pair(bf16* p, float x, float y, bool accumulate) {
+__device__ __forceinline__ float2 store_pair(bf16* p, float x, float y, bool accumulate) {
     if (accumulate) {
         const float2 old = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
         x += old.x;
         y += old.y;
     }
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    *reinterpret_cast<__nv_bfloat162*>(p) = v;
+    return __bfloat1622float2(v);
+}
+
+// x² + y² in double.
+__device__ __forceinline__ double square_pair(float2 v) {
+    return static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y;
 }
 
 // Round `round` of a snake schedule over `grid` blocks: this block's tile is the blockIdx.x-th of the
@@ -423,12 +432,15 @@ __device__ __forceinline__ int snake_tile(int round, int grid) {
 // behind the mean). A group's last slice may run past its rows: the consumers zero those rows of
 // both operands in shared memory (rows of the next group, or zeros past M) before multiplying.
 // map_a: dout as [M][OC]; map_b: inp as [M][C]; boxes of 64 x 64, 128-byte swizzle.
+// With `squares`, each consumer warp also writes the sum of the squares of the values it stored
+// (as stored: rounded, accumulated) to squares[tile · 8 + its warp]: per lane in double in a fixed
+// order, then a xor butterfly, so the result does not depend on the schedule.
 template <typename TW>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                                      const __grid_constant__ CUtensorMap map_b, TW* dweight, const int32_t* offsets,
                                      const int32_t* offsets2, int num_rows, int num_experts, int OC, int C,
-                                     bool accumulate) {
+                                     bool accumulate, double* squares) {
     const Ring ring = setup_ring(offsets, offsets2, num_experts, num_rows);
     const int parts = offsets2 != nullptr ? 2 : 1;
     // A group's rows: [t[e], t[e + 1]) of each table t, in table order.
@@ -530,20 +542,51 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait<0>();
         TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
+        double sq = 0.0;
+        bool stored = false;
         if constexpr (std::is_same_v<TW, bf16>) {
             if (!accumulate) {
                 store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * C, acc, true);
                 store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * C, acc, true);
-                continue;
+                if (squares != nullptr)
+#pragma unroll
+                    for (int i = 0; i < 128; i += 2)
+                        sq += square_pair(__bfloat1622float2(__floats2bfloat162_rn(acc[i], acc[i + 1])));
+                stored = true;
             }
         }
+        if (!stored) {
 #pragma unroll
-        for (int j = 0; j < kTileN / 8; ++j) {
-            const int col = 8 * j + c_lane;
-            store_pair(out_tile + static_cast<int64_t>(r_lo) * C + col, acc[4 * j], acc[4 * j + 1], accumulate);
-            store_pair(out_tile + static_cast<int64_t>(r_hi) * C + col, acc[4 * j + 2], acc[4 * j + 3], accumulate);
+            for (int j = 0; j < kTileN / 8; ++j) {
+                const int col = 8 * j + c_lane;
+                const float2 lo = store_pair(out_tile + static_cast<int64_t>(r_lo) * C + col, acc[4 * j],
+                                             acc[4 * j + 1], accumulate);
+                const float2 hi = store_pair(out_tile + static_cast<int64_t>(r_hi) * C + col, acc[4 * j + 2],
+                                             acc[4 * j + 3], accumulate);
+                if (squares != nullptr) sq += square_pair(lo) + square_pair(hi);
+            }
+        }
+        if (squares != nullptr) {
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+            if (lane == 0) squares[static_cast<int64_t>(tile) * 8 + consumer * 4 + warp] = sq;
         }
     }
+}
+
+// *out += Σ_i parts[i] in double, in one fixed order: thread t takes i = t, t + 256, ... ascending,
+// then a fixed tree over the threads. One block of 256 threads.
+__global__ void __launch_bounds__(256) add_parts_kernel(double* out, const double* parts, int64_t n) {
+    __shared__ double partial[256];
+    double s = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += 256) s += parts[i];
+    partial[threadIdx.x] = s;
+    __syncthreads();
+    for (int width = 128; width > 0; width >>= 1) {
+        if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out += partial[0];
 }
 
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no link to libcuda).
@@ -657,9 +700,14 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
     launch_rows<true>("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC, stream);
 }
 
+size_t grouped_matmul_backward_weight_sm90_squares_bytes(int64_t E, int64_t C, int64_t OC) {
+    return static_cast<size_t>(std::max<int64_t>(E * (OC / kTileM) * (C / kTileN), 0)) * 8 * sizeof(double);
+}
+
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
                                          const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                         bool accumulate, cudaStream_t stream, const int32_t* offsets2) {
+                                         bool accumulate, cudaStream_t stream, const int32_t* offsets2,
+                                         double* square_sum, void* squares_scratch) {
     const char* what = "grouped_matmul_backward_weight_sm90";
     check_grouped_args(what, dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, what, ": dweight must be f32 or bf16, got ",
@@ -668,6 +716,7 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
              " == 0 and C % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
     MF_CHECK(E * (OC / kTileM) * (C / kTileN) < (int64_t{1} << 31), what, ": too many tiles");
+    MF_CHECK(square_sum == nullptr || squares_scratch != nullptr, what, ": square_sum needs squares_scratch");
     if (E == 0) return;
     const int64_t tiles = E * (OC / kTileM) * (C / kTileN);
     const int64_t blocks = std::min<int64_t>(persistent_blocks(), tiles);
@@ -679,16 +728,19 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
         using TW = std::remove_pointer_t<decltype(typed)>;
         const auto kernel = grouped_weight_grad_wgmma_kernel<TW>;
         MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, typed, offsets, offsets2,
-                                                                          static_cast<int>(M), static_cast<int>(E),
-                                                                          static_cast<int>(OC), static_cast<int>(C),
-                                                                          accumulate);
+        kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
+            map_a, map_b, typed, offsets, offsets2, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC),
+            static_cast<int>(C), accumulate, square_sum != nullptr ? static_cast<double*>(squares_scratch) : nullptr);
     };
     if (dweight_dtype == DType::f32)
         launch(static_cast<float*>(dweight));
     else
         launch(static_cast<bf16*>(dweight));
     MF_CHECK_CUDA(cudaGetLastError());
+    if (square_sum != nullptr) {
+        add_parts_kernel<<<1, 256, 0, stream>>>(square_sum, static_cast<const double*>(squares_scratch), tiles * 8);
+        MF_CHECK_CUDA(cudaGetLastError());
+    }
 }
 
 }  // namespace mf::cuda
