@@ -93,7 +93,8 @@ TEST_P(GpuStep, MatchesCpuReference) {
     }
 
     // The expert gradients' square sums the backward forms itself (Qwen3Moe::set_grad_square_sums)
-    // equal a separate pass over the stored gradients (the same values, summed in another order).
+    // equal a separate pass over the stored gradients (the same values, summed in another order; the
+    // sm90 kernel's fp32 partial sums of 128 squares bound the difference by 128·2^-24 relative).
     // The step is the same as the first (same parameters and batch), so the gradients it leaves are too.
     {
         const auto& specs = gpu->params().specs();
@@ -113,7 +114,7 @@ TEST_P(GpuStep, MatchesCpuReference) {
         for (size_t i = 0; i < specs.size(); ++i) {
             if (!filled[i]) continue;
             ++checked;
-            EXPECT_NEAR(fused[i], plain[i], 1e-10 * plain[i]) << specs[i].name;
+            EXPECT_NEAR(fused[i], plain[i], 128.0 * std::ldexp(plain[i], -24)) << specs[i].name;
         }
         EXPECT_GT(checked, 0);
     }

@@ -1,7 +1,10 @@
 // Fused LM head + cross-entropy, CUDA. Per chunk of rows tokens [n0, n0 + rows):
 //   1. logits[rows, V] fp32 (or bf16) = h[chunk] · wᵀ      cublasGemmEx, bf16 in, fp32 accumulation
-//   2. one block per row: pass 1 keeps a running (max, Σ exp) per thread (online softmax, one expf
+//   2. one block per row: pass 1 keeps a running (max, Σ exp) per thread (online softmax, one exp
 //      per logit), combined over the block in a fixed order; loss = max + log Σ − logit[target].
+//      The per-logit exps are the hardware approximation (__expf: ex2.approx, a few 1e-7 relative
+//      for arguments <= 0, far below a bf16 logit's rounding): 7% off the kernel against the
+//      libm-accurate expf (2.21 -> 2.07 ms per P1 step on an H200, GPU trace).
 //      Pass 2 writes dlogits = grad_scale · (exp(x − max) / Σ − [v == target]) as bf16 over the
 //      row's own storage (bf16 row stride 2V over fp32 logits, V over bf16 ones): the row is walked
 //      in tiles of blockDim·kVec logits, each tile read into registers, then a __syncthreads, then
@@ -75,10 +78,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
             if (f[e] > m) {
-                s = s * expf(m - f[e]) + 1.0f;
+                s = s * __expf(m - f[e]) + 1.0f;
                 m = f[e];
             } else {
-                s += expf(f[e] - m);
+                s += __expf(f[e] - m);
             }
         }
     }
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kThreads)
         if (v < V) {
 #pragma unroll
             for (int e = 0; e < kVec; ++e) {
-                f[e] = expf(f[e] - m) * scale;
+                f[e] = __expf(f[e] - m) * scale;
                 if (v + e == target) f[e] -= grad_scale;
             }
             if constexpr (kVec % 4 == 0) {

@@ -409,10 +409,9 @@ __device__ __forceinline__ float2 store_pair(bf16* p, float x, float y, bool acc
     return __bfloat1622float2(v);
 }
 
-// x² + y² in double.
-__device__ __forceinline__ double square_pair(float2 v) {
-    return static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y;
-}
+// x² + y² (fp32: a thread's 128 squares are summed in fp32, then in double from there on; the
+// conversions to double cost more than the tile's epilogue otherwise does).
+__device__ __forceinline__ float square_pair(float2 v) { return fmaf(v.x, v.x, v.y * v.y); }
 
 // Round `round` of a snake schedule over `grid` blocks: this block's tile is the blockIdx.x-th of the
 // round's `grid` tiles, counted forward in even rounds and backward in odd ones; tiles numbered by
@@ -433,8 +432,9 @@ __device__ __forceinline__ int snake_tile(int round, int grid) {
 // both operands in shared memory (rows of the next group, or zeros past M) before multiplying.
 // map_a: dout as [M][OC]; map_b: inp as [M][C]; boxes of 64 x 64, 128-byte swizzle.
 // With `squares`, each consumer warp also writes the sum of the squares of the values it stored
-// (as stored: rounded, accumulated) to squares[tile · 8 + its warp]: per lane in double in a fixed
-// order, then a xor butterfly, so the result does not depend on the schedule.
+// (as stored: rounded, accumulated) to squares[tile · 8 + its warp]: per lane in fp32 over its 128
+// values in a fixed order, then in double over a xor butterfly, so the result does not depend on the
+// schedule.
 template <typename TW>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait<0>();
         TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
-        double sq = 0.0;
+        float sq = 0.0f;
         bool stored = false;
         if constexpr (std::is_same_v<TW, bf16>) {
             if (!accumulate) {
@@ -567,26 +567,43 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
         if (squares != nullptr) {
+            double warp_sq = sq;
 #pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, offset);
-            if (lane == 0) squares[static_cast<int64_t>(tile) * 8 + consumer * 4 + warp] = sq;
+            for (int offset = 16; offset > 0; offset >>= 1) warp_sq += __shfl_xor_sync(0xffffffffu, warp_sq, offset);
+            if (lane == 0) squares[static_cast<int64_t>(tile) * 8 + consumer * 4 + warp] = warp_sq;
         }
     }
 }
 
-// *out += Σ_i parts[i] in double, in one fixed order: thread t takes i = t, t + 256, ... ascending,
-// then a fixed tree over the threads. One block of 256 threads.
-__global__ void __launch_bounds__(256) add_parts_kernel(double* out, const double* parts, int64_t n) {
+// Σ parts[i] in double in one fixed order, in two launches (a single block walking them all is
+// bound by load latency: ~50 µs for the 10^5 parts of a layer's gradient): block b of kSumBlocks
+// sums its contiguous share (thread t: elements t, t + 256, ... of it, then a fixed tree) into
+// block_sums[b]; then one block adds those in a fixed tree, *out += the total.
+constexpr int kSumBlocks = 128;
+
+__device__ __forceinline__ double block_sum_256(double s) {
     __shared__ double partial[256];
-    double s = 0.0;
-    for (int64_t i = threadIdx.x; i < n; i += 256) s += parts[i];
     partial[threadIdx.x] = s;
     __syncthreads();
     for (int width = 128; width > 0; width >>= 1) {
         if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
         __syncthreads();
     }
-    if (threadIdx.x == 0) *out += partial[0];
+    return partial[0];
+}
+
+__global__ void __launch_bounds__(256) sum_parts_kernel(double* block_sums, const double* parts, int64_t n) {
+    const int64_t share = (n + kSumBlocks - 1) / kSumBlocks, first = blockIdx.x * share,
+                  end = min(n, first + share);
+    double s = 0.0;
+    for (int64_t i = first + threadIdx.x; i < end; i += 256) s += parts[i];
+    s = block_sum_256(s);
+    if (threadIdx.x == 0) block_sums[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(256) add_block_sums_kernel(double* out, const double* block_sums) {
+    const double s = block_sum_256(static_cast<int>(threadIdx.x) < kSumBlocks ? block_sums[threadIdx.x] : 0.0);
+    if (threadIdx.x == 0) *out += s;
 }
 
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no link to libcuda).
@@ -701,7 +718,8 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
 }
 
 size_t grouped_matmul_backward_weight_sm90_squares_bytes(int64_t E, int64_t C, int64_t OC) {
-    return static_cast<size_t>(std::max<int64_t>(E * (OC / kTileM) * (C / kTileN), 0)) * 8 * sizeof(double);
+    return (static_cast<size_t>(std::max<int64_t>(E * (OC / kTileM) * (C / kTileN), 0)) * 8 + kSumBlocks) *
+           sizeof(double);
 }
 
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
@@ -738,7 +756,11 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
         launch(static_cast<bf16*>(dweight));
     MF_CHECK_CUDA(cudaGetLastError());
     if (square_sum != nullptr) {
-        add_parts_kernel<<<1, 256, 0, stream>>>(square_sum, static_cast<const double*>(squares_scratch), tiles * 8);
+        double* parts = static_cast<double*>(squares_scratch);
+        double* block_sums = parts + tiles * 8;
+        sum_parts_kernel<<<kSumBlocks, 256, 0, stream>>>(block_sums, parts, tiles * 8);
+        MF_CHECK_CUDA(cudaGetLastError());
+        add_block_sums_kernel<<<1, 256, 0, stream>>>(square_sum, block_sums);
         MF_CHECK_CUDA(cudaGetLastError());
     }
 }

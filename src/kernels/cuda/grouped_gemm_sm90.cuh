@@ -54,9 +54,10 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
 // [offsets[e], offsets[e + 1]) then [offsets2[e], offsets2[e + 1]), summed in that order.
 // Needs OC % 128 == 0 and C % 256 == 0.
 // With `square_sum` (one double on the device), *square_sum += Σ dweight² over the values stored
-// (rounded and accumulated as stored), in a fixed order (per-warp sums of each tile in double, then
-// one fixed-order pass over them): the clipping norm's share of this gradient without reading it
-// again. squares_scratch: grouped_matmul_backward_weight_sm90_squares_bytes(E, C, OC) bytes.
+// (rounded and accumulated as stored), in a fixed order (each thread's 128 values in fp32, then
+// double: per-warp sums of each tile, one fixed-order pass over them; relative error below 128·2^-24):
+// the clipping norm's share of this gradient without reading it again.
+// squares_scratch: grouped_matmul_backward_weight_sm90_squares_bytes(E, C, OC) bytes.
 size_t grouped_matmul_backward_weight_sm90_squares_bytes(int64_t E, int64_t C, int64_t OC);
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
                                          const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
