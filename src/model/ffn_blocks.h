@@ -23,8 +23,8 @@
 // tokens need no transfer (they are copied locally), so they fill the time the others' travel: the
 // first piece of them is computed while the other ranks' tokens arrive, then the others' rows, whose
 // results are sent back while the second piece computes (EpChunk's parts and own pieces); the
-// weight gradients take both parts' rows of an expert in one pass. While an exchange is in flight
-// the grouped GEMMs leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
+// weight gradients take both parts' rows of an expert in one pass. While the own pieces compute
+// beside an exchange the grouped GEMMs leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
 // set_grouped_matmul_reserved_sms). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer
 // bytes than one bf16 row per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
@@ -86,9 +86,11 @@ struct MoeDims {
     // arrive); the rest is computed after them (while their results go back). In [0, 1];
     // MOEFORGE_EP_OWN_SPLIT overrides it.
     double ep_own_split = 0.5;
-    // SMs the grouped GEMMs leave to the exchange's copy kernels while an exchange is in flight
-    // (the GPU's grouped GEMMs are persistent and would otherwise hold every SM until they end);
-    // MOEFORGE_EP_COMM_SMS overrides it. No effect on the CPU.
+    // SMs the grouped GEMMs leave to the exchange's copy kernels while they compute beside an
+    // exchange (the GPU's grouped GEMMs are persistent and would otherwise hold every SM until they
+    // end: on one H200 a copy queued beside one waited for its end; with 16 SMs left free a 134 MB
+    // copy ran beside it and the GEMM took 11% longer); MOEFORGE_EP_COMM_SMS overrides it. No
+    // effect on the CPU.
     int ep_comm_sms = 16;
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
