@@ -3,6 +3,7 @@
 // through a device buffer there; the TCP ones work on the host values directly.
 #include "train/distributed.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/check.h"
@@ -146,13 +147,13 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     const bool dist = distributed();
     if (dist) reduced_.assign(specs.size(), false);
     if (!squares_done_.empty()) squares_done_.assign(specs.size(), false);  // sums of an earlier step are stale
-    // Gradients no reduction will change have their square sums formed as the backward stores them:
-    // the stacked expert ones by the MoE blocks' weight-gradient GEMMs (Qwen3Moe::set_grad_square_sums),
-    // the others by start_square_sums as their block finishes.
-    if (!dist || (ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) {
+    // Gradients final as the backward stores them have their square sums formed then: the stacked
+    // expert ones by the MoE blocks' weight-gradient GEMMs (Qwen3Moe::set_grad_square_sums), the
+    // others by start_square_sums as their block finishes.
+    std::vector<bool> experts(specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert && final_in_backward(specs[i]);
+    if (std::find(experts.begin(), experts.end(), true) != experts.end()) {
         ensure_square_sums(model);
-        std::vector<bool> experts(specs.size());
-        for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert;
         const std::vector<bool> filled = model.set_grad_square_sums(
             square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), experts);
         for (size_t i = 0; i < filled.size(); ++i)
@@ -217,6 +218,13 @@ void DistContext::gather_embedding_grads(model::Qwen3Moe& model) {
     embedding_gathered_ = true;
 }
 
+bool DistContext::final_in_backward(const model::ParamSpec& spec) const {
+    if (!distributed()) return true;
+    // The replicated gradients wait for their all-reduce (another stream); the expert ones are final
+    // when no other rank holds the same experts.
+    return spec.is_expert && ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1;
+}
+
 void DistContext::ensure_square_sums(const model::Qwen3Moe& model) {
     const size_t n = model.params().specs().size();
     if (squares_done_.size() == n) return;
@@ -225,18 +233,14 @@ void DistContext::ensure_square_sums(const model::Qwen3Moe& model) {
 }
 
 void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& which) {
-    // Only gradients that no reduction will change: every one in a single process; else the expert
-    // ones when no other rank holds the same experts (the replicated ones wait for their all-reduce,
-    // which runs on another stream).
-    const bool all_final = !distributed();
-    if (!all_final && !(ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1)) return;
     const auto& specs = model.params().specs();
-    ensure_square_sums(model);
-    const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     std::vector<size_t> todo;
     for (const size_t i : which)
-        if ((all_final || specs[i].is_expert) && !squares_done_[i]) todo.push_back(i);
+        if (final_in_backward(specs[i]) && (squares_done_.size() != specs.size() || !squares_done_[i]))
+            todo.push_back(i);
     if (todo.empty()) return;
+    ensure_square_sums(model);
+    const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     squares_ticket_ = ops::background(model.device(), [&] { gradient_square_sums_to(sums, g, specs, todo); });
     for (const size_t i : todo) squares_done_[i] = true;
 }

@@ -128,6 +128,8 @@ class DistContext {
     ops::BackgroundTicket squares_ticket_ = 0;
     void start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     void ensure_square_sums(const model::Qwen3Moe& model);
+    // Whether the gradient is final as the backward stores it (no reduction will change it).
+    bool final_in_backward(const model::ParamSpec& spec) const;
     void reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& specs);
     struct Impl;
     std::unique_ptr<Impl> impl_;
