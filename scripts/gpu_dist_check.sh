@@ -3,6 +3,9 @@
 # tests and the dist tests (the NCCL ones run there: communicator, EP dispatch/combine, EP/DP
 # training against one GPU), then benchmark P2 (bench/p2.sh). Logs go to $OUT (or ./gpu_out).
 #   SKIP_GPU_TESTS=1  leave out the single-GPU kernel tests     SKIP_P2=1  leave out the benchmark
+#   SWEEP=1  then the EP overlap's knobs: the EP block benchmark (MF_BENCH=1 test_nccl_ep: own-row
+#            split x SMs left to the exchange) and P2 steps under MOEFORGE_EP_COMM_SMS 0/16/24,
+#            MOEFORGE_PEER_COPY=ce and MOEFORGE_EP_OWN_SPLIT 0.3, then a --phases breakdown
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
@@ -18,4 +21,21 @@ fi
 (cd build-gpu && ctest -R "test_nccl|test_gpu_parallel" -V -j1 > "$OUT/ctest_dist_gpu.log" 2>&1; grep -E "rel L2|SKIPPED|Passed|Failed|FAILED|Failure|tests passed|MF_BENCH|ms" "$OUT/ctest_dist_gpu.log" | head -60)
 if [ "${SKIP_P2:-0}" != 1 ]; then
   STEPS=${STEPS:-5} bash bench/p2.sh build-gpu "$OUT"
+fi
+if [ "${SWEEP:-0}" = 1 ]; then
+  MF_BENCH=1 timeout 300 build-gpu/tests/test_nccl_ep --gtest_filter=*Benchmark* > "$OUT/ep_bench.log" 2>&1
+  grep "BENCH" "$OUT/ep_bench.log" | grep "rank 0\|no EP"
+  CFG=bench/configs/qwen3-30b-a3b.json
+  p2_step() {
+    build-gpu/moeforge launch --nproc-per-node 2 -- bench --config "$CFG" --layers 8 --micro-batch 2 --seq-len 4096 \
+        --steps 6 --warmup 2 --precision bf16 --ep-size 2 "$@" 2>> "$OUT/sweep_stderr.log" | grep '^{' | head -1 |
+      python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print('step_ms %.2f tps/gpu %.0f peak %.2f loss %.6f' % (d['step_ms'], d['tokens_per_s_per_gpu'], d['peak_gib'], d['last_loss']))"
+  }
+  for v in MOEFORGE_EP_COMM_SMS=0 MOEFORGE_EP_COMM_SMS=16 MOEFORGE_EP_COMM_SMS=24 MOEFORGE_PEER_COPY=ce \
+           MOEFORGE_EP_OWN_SPLIT=0.3; do
+    echo "P2 $v: $(export "$v"; p2_step)"
+  done
+  build-gpu/moeforge launch --nproc-per-node 2 -- bench --config "$CFG" --layers 8 --micro-batch 2 --seq-len 4096 \
+      --steps 4 --warmup 2 --precision bf16 --ep-size 2 --phases > "$OUT/p2_phases.txt" 2>&1
+  grep -E "^ep |fwd moe|bwd moe|fwd head|grad|adamw" "$OUT/p2_phases.txt" | head -40
 fi
