@@ -3,6 +3,7 @@
 # tests and the dist tests (the NCCL ones run there: communicator, EP dispatch/combine, EP/DP
 # training against one GPU), then benchmark P2 (bench/p2.sh). Logs go to $OUT (or ./gpu_out).
 #   SKIP_GPU_TESTS=1  leave out the single-GPU kernel tests     SKIP_P2=1  leave out the benchmark
+#   SKIP_DIST_TESTS=1  leave out the NCCL tests
 #   SWEEP=1  then the EP overlap's knobs: the EP block benchmark (MF_BENCH=1 test_nccl_ep: own-row
 #            split x SMs left to the exchange) and P2 steps under MOEFORGE_EP_COMM_SMS 0/16/24,
 #            MOEFORGE_PEER_COPY=ce and MOEFORGE_EP_OWN_SPLIT 0.3, then a --phases breakdown
@@ -18,7 +19,9 @@ time cmake --build build-gpu -j32 > "$OUT/build.log" 2>&1 || { grep -E "error" -
 if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
   (cd build-gpu && ctest -L gpu --output-on-failure -j1 > "$OUT/ctest_gpu.log" 2>&1; tail -15 "$OUT/ctest_gpu.log")
 fi
-(cd build-gpu && ctest -R "test_nccl|test_gpu_parallel" -V -j1 > "$OUT/ctest_dist_gpu.log" 2>&1; grep -E "rel L2|SKIPPED|Passed|Failed|FAILED|Failure|tests passed|MF_BENCH|ms" "$OUT/ctest_dist_gpu.log" | head -60)
+if [ "${SKIP_DIST_TESTS:-0}" != 1 ]; then
+  (cd build-gpu && ctest -R "test_nccl|test_gpu_parallel" -V -j1 > "$OUT/ctest_dist_gpu.log" 2>&1; grep -E "rel L2|SKIPPED|Passed|Failed|FAILED|Failure|tests passed|MF_BENCH|ms" "$OUT/ctest_dist_gpu.log" | head -60)
+fi
 if [ "${SKIP_P2:-0}" != 1 ]; then
   STEPS=${STEPS:-5} bash bench/p2.sh build-gpu "$OUT"
 fi
