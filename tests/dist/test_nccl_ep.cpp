@@ -16,10 +16,10 @@
 //     EP changes where rows are computed, the order of the router-gradient sum (two partial GEMMs
 //     added in fp32 instead of one), and rounds each destination's partial sum of y and dx to bf16
 //     before the exchange (one rounding more per destination than the one-GPU block's single one),
-//     so the two GPU runs should be close; max |ep − one_gpu| is printed too. The router inputs are multiples of 1/8 (x) and 1/64 (weights), so the fp32 logits
-//     are exact whatever the GEMM's summation order and all three runs pick the same experts
-//     (checked first: a flipped choice would be a routing difference, not rounding). The same
-//     harness also runs on the CPU backend over TCP (every build), where "one GPU" is the CPU block.
+//     so the two GPU runs should be close; max |ep − one_gpu| is printed too. The router inputs are multiples of 1/8
+//     (x) and 1/64 (weights), so the fp32 logits are exact whatever the GEMM's summation order and all three runs pick
+//     the same experts (checked first: a flipped choice would be a routing difference, not rounding). The same harness
+//     also runs on the CPU backend over TCP (every build), where "one GPU" is the CPU block.
 //  3. MF_BENCH=1: the EP=2 MoE block forward and forward+backward at the Qwen3-30B-A3B-like shape
 //     (16384 tokens per rank, hidden 2048, 128 experts, top-8, expert dim 768) with ep_chunks 1, 2, 4
 //     and 8, then unpipelined over own-row cuts and SMs left to the exchange (MoeDims::ep_own_split,
@@ -116,7 +116,6 @@ std::vector<T> download_raw(const Tensor& t) {
     return v;
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // 2. the whole block: EP=2 vs one GPU vs the fp32 CPU block (the CPU variant runs everywhere)
 
@@ -130,7 +129,14 @@ struct Problem {
     std::vector<float> router, gate_up, down, x, dy;  // [E,H], [E,2I,H], [E,H,I], [2N,H], [2N,H]
 };
 
-Problem make_problem(const BlockShape& s, uint32_t seed) {
+// Routing skews for 2 ranks (Skew::own: every token of rank p picks experts of rank p only; other:
+// of the other rank only), made by column 0: x[t][0] = +1 for rank 0's tokens, -1 for rank 1's, and
+// router[e][0] = ±32 by the half e is in: 64 between the halves' logits, against the other 255
+// columns' terms, whose sums differ between two experts by about 8 in standard deviation (block_parity
+// checks the routing it got). The values stay multiples of 1/8 and 1/64, so the fp32 logits stay exact.
+enum class Skew { none, own, other };
+
+Problem make_problem(const BlockShape& s, uint32_t seed, Skew skew = Skew::none) {
     std::mt19937 rng(seed);
     auto grid = [&](size_t n, int steps, float unit) {  // multiples of `unit` in [-steps, steps]·unit
         std::vector<float> v(n);
@@ -149,6 +155,13 @@ Problem make_problem(const BlockShape& s, uint32_t seed) {
     p.down = uniform(static_cast<size_t>(s.E * s.H * s.I), 0.1f);
     p.x = grid(static_cast<size_t>(2 * s.N * s.H), 8, 1.0f / 8);
     p.dy = uniform(static_cast<size_t>(2 * s.N * s.H), 1.0f);
+    if (skew != Skew::none) {
+        for (int64_t t = 0; t < 2 * s.N; ++t) p.x[static_cast<size_t>(t * s.H)] = t < s.N ? 1.0f : -1.0f;
+        for (int64_t e = 0; e < s.E; ++e) {
+            const bool first_half = e < s.E / 2;
+            p.router[static_cast<size_t>(e * s.H)] = (first_half == (skew == Skew::own)) ? 32.0f : -32.0f;
+        }
+    }
     return p;
 }
 
@@ -164,8 +177,8 @@ std::vector<float> slice(const std::vector<float>& v, int64_t first, int64_t n) 
 // Forward + backward of the MoE block over tokens [first_token, first_token + num_tokens) of the
 // problem, with experts [first_expert, first_expert + num_experts) (all E without EP). Parameter
 // gradients f32; with EP the router gradient is summed over the group before it is returned.
-BlockResult run_block(Device device, const Problem& p, const model::MoeDims& d, int64_t first_token,
-                      int64_t num_tokens, int64_t first_expert, int64_t num_experts) {
+BlockResult run_block(Device device, const Problem& p, const model::MoeDims& d, int64_t first_token, int64_t num_tokens,
+                      int64_t first_expert, int64_t num_experts) {
     const BlockShape& s = p.s;
     const DType act = device == Device::cuda ? DType::bf16 : DType::f32;
     Pool pool(device);
@@ -201,8 +214,8 @@ BlockResult run_block(Device device, const Problem& p, const model::MoeDims& d, 
         d.ep->all_reduce_sum(g.router.data(), g.router.numel(), DType::f32);
         d.ep->synchronize();
     }
-    return BlockResult{download(y), download(dx), download(g.router), download(g.gate_up), download(g.down),
-                       download_raw<int32_t>(a.topk_idx)};
+    return BlockResult{download(y),         download(dx),     download(g.router),
+                       download(g.gate_up), download(g.down), download_raw<int32_t>(a.topk_idx)};
 }
 
 // The rule of the file comment; throws when broken, else returns a line for the report.
@@ -234,11 +247,13 @@ std::string compare(const std::string& what, const std::vector<float>& ep, const
 // `device`: cuda (NCCL group) compares EP=2 and one GPU against the CPU; cpu (TCP group) runs the
 // same comparison with the CPU block in place of both GPU runs (then EP must match it to the floor).
 // EP runs unpipelined (ep_chunks 1) with the own rows cut at 0.5, 0 and 1 (MoeDims::ep_own_split),
-// and pipelined in 3 uneven chunks (8 local experts: 2, 3, 3) cut at 0.3.
-std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Device device) {
+// and pipelined in 3 uneven chunks (8 local experts: 2, 3, 3) cut at 0.3; under a skew (own: no
+// rank receives the other's tokens; other: no rank computes rows of its own tokens), once each
+// unpipelined and in 3 chunks, after checking that the routing is the skew asked for.
+std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Device device, Skew skew = Skew::none) {
     const int me = comm.rank(), S = comm.size();
     const int64_t El = s.E / S;
-    const Problem p = make_problem(s, 1234);
+    const Problem p = make_problem(s, 1234, skew);
     model::MoeDims d_one{s.H, s.I, s.E, s.K, true, nullptr};
     const BlockResult one = run_block(device, p, d_one, 0, S * s.N, 0, s.E);
     const BlockResult ref = run_block(Device::cpu, p, d_one, 0, S * s.N, 0, s.E);
@@ -251,7 +266,18 @@ std::string block_parity(parallel::Communicator& comm, const BlockShape& s, Devi
     for (const int32_t e : one_topk) ++load[static_cast<size_t>(e)];
     for (const int64_t c : load) out += " " + std::to_string(c);
     out += "\n";
-    for (const auto& [chunks, split] : {std::pair<int64_t, double>{1, 0.5}, {1, 0.0}, {1, 1.0}, {3, 0.3}}) {
+    if (skew != Skew::none) {
+        rank_check(S == 2, "the skewed routings are for 2 ranks");
+        for (const int32_t e : one_topk)
+            rank_check((e / El == me) == (skew == Skew::own),
+                       std::string("the routing is not the skew asked for (expert ") + std::to_string(e) + ")");
+        out += skew == Skew::own ? "skew: every token to its own rank's experts\n"
+                                 : "skew: every token to the other rank's experts\n";
+    }
+    using Run = std::pair<int64_t, double>;
+    const std::vector<Run> runs = skew == Skew::none ? std::vector<Run>{{1, 0.5}, {1, 0.0}, {1, 1.0}, {3, 0.3}}
+                                                     : std::vector<Run>{{1, 0.5}, {3, 0.3}};
+    for (const auto& [chunks, split] : runs) {
         const model::MoeDims d_ep{s.H, s.I, s.E, s.K, true, &comm, chunks, split};
         const BlockResult ep = run_block(device, p, d_ep, me * s.N, s.N, me * El, El);
         rank_check(ep.topk == one_topk && ep.topk == ref_topk, "the runs routed differently");
@@ -275,9 +301,14 @@ const BlockShape kParityShape{77, 256, 96, 16, 4};
 
 // The same harness on the CPU backend over TCP (runs everywhere; checks the comparison itself).
 TEST(NcclEp, MoeBlockEp2OnCpuOverTcpMatchesOneRank) {
-    const auto results = run_ranks(2, 60, [](parallel::Communicator& comm) {
-        return block_parity(comm, kParityShape, Device::cpu);
-    }, 120);
+    const auto results = run_ranks(
+        2, 60,
+        [](parallel::Communicator& comm) {
+            return block_parity(comm, kParityShape, Device::cpu) +
+                   block_parity(comm, kParityShape, Device::cpu, Skew::own) +
+                   block_parity(comm, kParityShape, Device::cpu, Skew::other);
+        },
+        120);
     for (int r = 0; r < 2; ++r) {
         std::printf("--- rank %d (exit %d)\n%s\n", r, results[r].exit_code, results[r].output.c_str());
         EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
@@ -333,8 +364,13 @@ TEST(NcclEp, DispatchCombineRankCodedBitForBit) {
 }
 
 TEST(NcclEp, MoeBlockEp2MatchesOneGpuAndCpu) {
-    run_on_two_gpus([](parallel::NcclCommunicator& comm) { return block_parity(comm, kParityShape, Device::cuda); },
-                    180);
+    run_on_two_gpus(
+        [](parallel::NcclCommunicator& comm) {
+            return block_parity(comm, kParityShape, Device::cuda) +
+                   block_parity(comm, kParityShape, Device::cuda, Skew::own) +
+                   block_parity(comm, kParityShape, Device::cuda, Skew::other);
+        },
+        180);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -454,8 +490,8 @@ std::string bench(parallel::Communicator& comm) {
         std::snprintf(line, sizeof line,
                       "BENCH EP=2 rank %d: dispatch+combine alone %.2f ms (%lld token rows each way for %lld "
                       "expert rows, %.0f GB/s)\n",
-                      comm.rank(), exch, static_cast<long long>(sent),
-                      static_cast<long long>(m.a.routing.num_local), bytes / (exch * 1e-3) / 1e9);
+                      comm.rank(), exch, static_cast<long long>(sent), static_cast<long long>(m.a.routing.num_local),
+                      bytes / (exch * 1e-3) / 1e9);
         out += line;
     }
     comm.barrier();
