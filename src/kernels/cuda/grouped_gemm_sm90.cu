@@ -686,7 +686,6 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
 }  // namespace
 
 void set_grouped_gemm_sm90_reserved_sms(int sms) { g_reserved_sms.store(std::max(sms, 0), std::memory_order_relaxed); }
-int grouped_gemm_sm90_reserved_sms() { return g_reserved_sms.load(std::memory_order_relaxed); }
 
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
     return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;

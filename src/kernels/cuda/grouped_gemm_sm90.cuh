@@ -33,7 +33,6 @@ constexpr int64_t kSm90MaxGroups = 1024;
 // memory), so a kernel on another stream (the EP exchange's copies) cannot start until they end.
 // Reserving n SMs launches them on n fewer; 0 (the default) uses every SM.
 void set_grouped_gemm_sm90_reserved_sms(int sms);
-int grouped_gemm_sm90_reserved_sms();
 
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC);
 bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC);
