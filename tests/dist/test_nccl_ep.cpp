@@ -435,6 +435,15 @@ struct BenchModel {
         ops::zero(dx);
         model::moe_block_backward(dx, g, sc, dy, Tensor(), x, a, w, d);
     }
+    // Median ms of the forward, and of forward + backward.
+    std::pair<double, double> time(const model::MoeDims& d) {
+        const double fwd = median_ms([&] { forward(d); });
+        const double step = median_ms([&] {
+            forward(d);
+            backward(d);
+        });
+        return {fwd, step};
+    }
 };
 
 std::string bench(parallel::Communicator& comm) {
@@ -447,11 +456,7 @@ std::string bench(parallel::Communicator& comm) {
     for (const int64_t chunks : {1, 2, 4, 8}) {  // 1: no pipeline (the plan's buffers depend on it)
         model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, chunks};
         BenchModel m(s, d, El, 42);
-        const double fwd = median_ms([&] { m.forward(d); });
-        const double step = median_ms([&] {
-            m.forward(d);
-            m.backward(d);
-        });
+        const auto [fwd, step] = m.time(d);
         const int64_t rows = m.a.routing.num_local;
         std::snprintf(line, sizeof line,
                       "BENCH EP=2 rank %d chunks %lld: local rows %lld; fwd %.2f ms, fwd+bwd %.2f ms "
@@ -465,11 +470,7 @@ std::string bench(parallel::Communicator& comm) {
         for (const int sms : {0, 8, 16, 24, 32}) {
             model::MoeDims d{s.H, s.I, s.E, s.K, true, &comm, 1, split, sms};
             BenchModel m(s, d, El, 42);
-            const double fwd = median_ms([&] { m.forward(d); });
-            const double step = median_ms([&] {
-                m.forward(d);
-                m.backward(d);
-            });
+            const auto [fwd, step] = m.time(d);
             std::snprintf(line, sizeof line,
                           "BENCH EP=2 rank %d own split %.1f, %2d SMs for the exchange: fwd %.2f ms, fwd+bwd %.2f ms\n",
                           comm.rank(), split, sms, fwd, step);
@@ -498,11 +499,7 @@ std::string bench(parallel::Communicator& comm) {
     {
         model::MoeDims d{s.H, s.I, s.E, s.K, true, nullptr};
         BenchModel m(s, d, s.E, 42);
-        const double fwd = median_ms([&] { m.forward(d); });
-        const double step = median_ms([&] {
-            m.forward(d);
-            m.backward(d);
-        });
+        const auto [fwd, step] = m.time(d);
         std::snprintf(line, sizeof line,
                       "BENCH no EP (one GPU, 16384 tokens, 128 experts): fwd %.2f ms, fwd+bwd %.2f ms (%.0f TFLOP/s)\n",
                       fwd, step, 3 * expert_tflop(s.N * s.K) / (step * 1e-3));
