@@ -6,7 +6,7 @@
 #   SKIP_DIST_TESTS=1  leave out the NCCL tests
 #   SWEEP=1  then the EP overlap's knobs: the EP block benchmark (MF_BENCH=1 test_nccl_ep: own-row
 #            split x SMs left to the exchange) and P2 steps under MOEFORGE_EP_COMM_SMS 0/16/24,
-#            MOEFORGE_PEER_COPY=ce and MOEFORGE_EP_OWN_SPLIT 0.3, then a --phases breakdown
+#            MOEFORGE_PEER_COPY=ce, MOEFORGE_EP_OWN_SPLIT 0.3 and --ep-chunks 2/3, then a --phases breakdown
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
@@ -38,6 +38,8 @@ if [ "${SWEEP:-0}" = 1 ]; then
            MOEFORGE_EP_OWN_SPLIT=0.3; do
     echo "P2 $v: $(export "$v"; p2_step)"
   done
+  for c in 2 3; do echo "P2 --ep-chunks $c: $(p2_step --ep-chunks $c)"; done
+  echo "P2 --ep-chunks 2 MOEFORGE_EP_COMM_SMS=0: $(MOEFORGE_EP_COMM_SMS=0 p2_step --ep-chunks 2)"
   build-gpu/moeforge launch --nproc-per-node 2 -- bench --config "$CFG" --layers 8 --micro-batch 2 --seq-len 4096 \
       --steps 4 --warmup 2 --precision bf16 --ep-size 2 --phases > "$OUT/p2_phases.txt" 2>&1
   grep -E "^ep |fwd moe|bwd moe|fwd head|grad|adamw" "$OUT/p2_phases.txt" | head -40
