@@ -5,8 +5,9 @@
 #   SKIP_GPU_TESTS=1  leave out the single-GPU kernel tests     SKIP_P2=1  leave out the benchmark
 #   SKIP_DIST_TESTS=1  leave out the NCCL tests
 #   SWEEP=1  then the EP overlap's knobs: the EP block benchmark (MF_BENCH=1 test_nccl_ep: own-row
-#            split x SMs left to the exchange) and P2 steps under MOEFORGE_EP_COMM_SMS 0/16/24,
-#            MOEFORGE_PEER_COPY=ce, MOEFORGE_EP_OWN_SPLIT 0.3 and --ep-chunks 2/3, then a --phases breakdown
+#            split x SMs left to the exchange) and P2 steps under the SM-kernel copies
+#            (MOEFORGE_PEER_COPY=sm) with MOEFORGE_EP_COMM_SMS 0/16/24, MOEFORGE_EP_OWN_SPLIT 0.3 and
+#            --ep-chunks 2/3, then a --phases breakdown
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
@@ -34,12 +35,10 @@ if [ "${SWEEP:-0}" = 1 ]; then
         --steps 6 --warmup 2 --precision bf16 --ep-size 2 "$@" 2>> "$OUT/sweep_stderr.log" | grep '^{' | head -1 |
       python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print('step_ms %.2f tps/gpu %.0f peak %.2f loss %.6f' % (d['step_ms'], d['tokens_per_s_per_gpu'], d['peak_gib'], d['last_loss']))"
   }
-  for v in MOEFORGE_EP_COMM_SMS=0 MOEFORGE_EP_COMM_SMS=16 MOEFORGE_EP_COMM_SMS=24 MOEFORGE_PEER_COPY=ce \
-           MOEFORGE_EP_OWN_SPLIT=0.3; do
-    echo "P2 $v: $(export "$v"; p2_step)"
-  done
+  echo "P2 defaults: $(p2_step)"
+  for n in 0 16 24; do echo "P2 MOEFORGE_PEER_COPY=sm MOEFORGE_EP_COMM_SMS=$n: $(MOEFORGE_PEER_COPY=sm MOEFORGE_EP_COMM_SMS=$n p2_step)"; done
+  echo "P2 MOEFORGE_EP_OWN_SPLIT=0.3: $(MOEFORGE_EP_OWN_SPLIT=0.3 p2_step)"
   for c in 2 3; do echo "P2 --ep-chunks $c: $(p2_step --ep-chunks $c)"; done
-  echo "P2 --ep-chunks 2 MOEFORGE_EP_COMM_SMS=0: $(MOEFORGE_EP_COMM_SMS=0 p2_step --ep-chunks 2)"
   build-gpu/moeforge launch --nproc-per-node 2 -- bench --config "$CFG" --layers 8 --micro-batch 2 --seq-len 4096 \
       --steps 4 --warmup 2 --precision bf16 --ep-size 2 --phases > "$OUT/p2_phases.txt" 2>&1
   grep -E "^ep |fwd moe|bwd moe|fwd head|grad|adamw" "$OUT/p2_phases.txt" | head -40

@@ -24,8 +24,8 @@
 // first piece of them is computed while the other ranks' tokens arrive, then the others' rows, whose
 // results are sent back while the second piece computes (EpChunk's parts and own pieces); the
 // weight gradients take both parts' rows of an expert in one pass. While the own pieces compute
-// beside an exchange the grouped GEMMs leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
-// set_grouped_matmul_reserved_sms). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer
+// beside an exchange the grouped GEMMs can leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
+// set_grouped_matmul_reserved_sms; for SM-kernel copies, 0 by default). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer
 // bytes than one bf16 row per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
@@ -87,11 +87,12 @@ struct MoeDims {
     // MOEFORGE_EP_OWN_SPLIT overrides it.
     double ep_own_split = 0.5;
     // SMs the grouped GEMMs leave to the exchange's copy kernels while they compute beside an
-    // exchange (the GPU's grouped GEMMs are persistent and would otherwise hold every SM until they
-    // end: on one H200 a copy queued beside one waited for its end; with 16 SMs left free a 134 MB
-    // copy ran beside it and the GEMM took 11% longer); MOEFORGE_EP_COMM_SMS overrides it. No
-    // effect on the CPU.
-    int ep_comm_sms = 16;
+    // exchange, for the SM-kernel copies (MOEFORGE_PEER_COPY=sm; parallel/peer_exchange.h): the
+    // GPU's grouped GEMMs are persistent and would otherwise hold every SM until they end (on one
+    // H200 a copy queued beside one waited for its end; with 16 SMs left free a 134 MB copy ran
+    // beside it and the GEMM took 11% longer). The default copy engines need none, so 0;
+    // MOEFORGE_EP_COMM_SMS overrides it (16 with MOEFORGE_PEER_COPY=sm). No effect on the CPU.
+    int ep_comm_sms = 0;
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
 };
 

@@ -62,9 +62,17 @@ size_t slot_from_env(size_t requested) {
     return static_cast<size_t>(mb) << 20;
 }
 
+PeerExchange::Copies copies_from_env() {
+    const char* env = std::getenv("MOEFORGE_PEER_COPY");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "ce") == 0) return PeerExchange::Copies::engines;
+    MF_CHECK(std::strcmp(env, "sm") == 0, "MOEFORGE_PEER_COPY: expected 'ce' (copy engines) or 'sm' (SM kernels), got '",
+             env, "'");
+    return PeerExchange::Copies::kernels;
+}
+
 }  // namespace
 
-std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_t slot_bytes) {
+std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_t slot_bytes, Copies copies) {
     const int n = comm.size();
     if (n > kMaxRanks) return nullptr;  // the same answer on every rank: NCCL serves larger groups
     Info mine{};
@@ -97,8 +105,7 @@ std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_
     x->rank_ = comm.rank();
     x->size_ = n;
     x->slot_bytes_ = slot;
-    const char* how = std::getenv("MOEFORGE_PEER_COPY");
-    x->sm_copies_ = how == nullptr || std::strcmp(how, "ce") != 0;
+    x->sm_copies_ = (copies == Copies::from_env ? copies_from_env() : copies) == Copies::kernels;
     x->timeout_ns_ = static_cast<uint64_t>(std::min(comm.timeout_s(), 1e9) * 1e9);
     if (reach) {
         MF_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&x->window_), kFlagBytes + static_cast<size_t>(n - 1) * slot));

@@ -14,13 +14,16 @@
 // peer that is itself waiting (the pairs of round q only need round q − 1 done). The self entry is
 // a local copy. Exchanges on different streams may interleave: the counters order every reuse of
 // a slot. Bytes travel once over NVLink (no NCCL protocol buffers or proxy) plus one local copy out
-// of the slot. The copies are SM kernels (cuda::peer_copy; a round's sends and the self piece in one
-// launch) by default; MOEFORGE_PEER_COPY=ce uses
-// the copy engines instead. Measured on 2 H200s (MF_BENCH=1 test_nccl_ep, 16384 tokens per rank,
-// EP dispatch + combine alone): SM copies 1.41 ms, copy engines 1.52, NCCL send/recv 1.50; in the
-// P2 step the two copy kinds tie and both beat NCCL by 0.5-1 ms (the copy engines get a small
-// share of memory bandwidth while the background AdamW runs: a ZeRO-1 parameter broadcast moved
-// this way took 11.5 ms instead of NCCL's ~4.6, so broadcasts stay on NCCL).
+// of the slot. The copies go to the copy engines by default (cudaMemcpyAsync; they take no SMs from
+// the expert GEMMs computing beside the exchange) or are SM kernels (cuda::peer_copy; a round's
+// sends and the self piece in one launch; MOEFORGE_PEER_COPY=sm). Measured on 2 H200s: EP dispatch
+// + combine alone (MF_BENCH=1 test_nccl_ep, 16384 tokens per rank) SM copies 1.41 ms, copy engines
+// 1.52, NCCL send/recv 1.50; in the P2 step (bench/p2_ab.sh, alternating rounds) copy engines
+// 116.4 ms against SM copies with 16 SMs left to them 117.6 (and 117.9 / 118.8 on another machine),
+// because the SM copies need SMs taken from the GEMMs (MoeDims::ep_comm_sms) while the engines
+// do not. (The copy engines get a small share of memory bandwidth while the background AdamW runs:
+// a ZeRO-1 parameter broadcast moved this way took 11.5 ms instead of NCCL's ~4.6, so broadcasts
+// stay on NCCL.)
 //
 // Waits give up after the communicator's timeout on the device (peer_flags.cuh) and record which
 // peer was late; late_peer() reports it, and NcclCommunicator::synchronize turns it into the
@@ -53,7 +56,11 @@ class PeerExchange {
     // rank's GPU is on the same host as every other's and can map its memory, nullptr on every rank
     // otherwise (or when MOEFORGE_PEER_EXCHANGE=0, or for more than 64 ranks). slot_bytes 0: the
     // default (or the variable).
-    static std::unique_ptr<PeerExchange> create(NcclCommunicator& comm, size_t slot_bytes = 0);
+    // copies: who moves the bytes; Copies::from_env reads MOEFORGE_PEER_COPY (unset or "ce": copy
+    // engines, "sm": SM kernels).
+    enum class Copies { from_env, engines, kernels };
+    static std::unique_ptr<PeerExchange> create(NcclCommunicator& comm, size_t slot_bytes = 0,
+                                                Copies copies = Copies::from_env);
     ~PeerExchange();
     PeerExchange(const PeerExchange&) = delete;
     PeerExchange& operator=(const PeerExchange&) = delete;
@@ -81,7 +88,7 @@ class PeerExchange {
     int rank_ = 0, size_ = 1;
     size_t slot_bytes_ = 0;
     uint64_t timeout_ns_ = 0;
-    bool sm_copies_ = true;  // copies by SM kernels (cuda::peer_copy); MOEFORGE_PEER_COPY=ce: copy engines
+    bool sm_copies_ = false;  // copies by SM kernels (cuda::peer_copy), else by the copy engines
     char* window_ = nullptr;          // this rank's window
     std::vector<char*> peers_;        // every rank's window as mapped here (peers_[rank_] = window_)
     std::vector<uint64_t> sent_, received_;  // rounds sent to / received from each rank so far

@@ -235,32 +235,35 @@ TEST(Nccl, PeerExchangeRoundsAndFallback) {
         if (fewer_than_two_gpus()) return "skip";
         TwoGpuRank world(rank, port, 60);
         auto& comm = world.comm;
-        // 1000-byte slots: every piece above 1000 bytes travels in several rounds.
-        auto x = parallel::PeerExchange::create(comm, 1000);
-        rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
         const size_t sizes[4][2][2] = {
             {{10, 4322}, {3000, 8}},      // uneven rounds both ways
             {{0, 1000}, {0, 0}},          // one direction only, exactly one slot
             {{2, 0}, {1002, 64}},         // nothing from rank 0 to rank 1, 2 rounds back
             {{50000, 12346}, {4, 65536}},
         };
-        cudaStream_t other = nullptr;
-        rank_check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
-        std::vector<BytePlan> plans;
-        std::vector<std::unique_ptr<DeviceVector<uint8_t>>> sends, recvs;
-        for (int round = 0; round < 8; ++round) {  // each shape twice, alternating streams, no wait between
-            plans.push_back(byte_plan(rank, sizes[round % 4], round));
-            const BytePlan& b = plans.back();
-            sends.push_back(std::make_unique<DeviceVector<uint8_t>>(b.send));
-            recvs.push_back(std::make_unique<DeviceVector<uint8_t>>(std::vector<uint8_t>(b.recv_total, 0x55)));
-            x->all_to_all_v(reinterpret_cast<const char*>(sends.back()->ptr), b.sb, b.so,
-                            reinterpret_cast<char*>(recvs.back()->ptr), b.rb, b.ro, round % 2 ? other : nullptr);
+        // 1000-byte slots: every piece above 1000 bytes travels in several rounds. Both copy kinds.
+        using Copies = parallel::PeerExchange::Copies;
+        for (const Copies copies : {Copies::engines, Copies::kernels}) {
+            auto x = parallel::PeerExchange::create(comm, 1000, copies);
+            rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
+            cudaStream_t other = nullptr;
+            rank_check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
+            std::vector<BytePlan> plans;
+            std::vector<std::unique_ptr<DeviceVector<uint8_t>>> sends, recvs;
+            for (int round = 0; round < 8; ++round) {  // each shape twice, alternating streams, no wait between
+                plans.push_back(byte_plan(rank, sizes[round % 4], round));
+                const BytePlan& b = plans.back();
+                sends.push_back(std::make_unique<DeviceVector<uint8_t>>(b.send));
+                recvs.push_back(std::make_unique<DeviceVector<uint8_t>>(std::vector<uint8_t>(b.recv_total, 0x55)));
+                x->all_to_all_v(reinterpret_cast<const char*>(sends.back()->ptr), b.sb, b.so,
+                                reinterpret_cast<char*>(recvs.back()->ptr), b.rb, b.ro, round % 2 ? other : nullptr);
+            }
+            rank_check(cudaDeviceSynchronize() == cudaSuccess, "device");
+            rank_check(x->late_peer() == -1, "no wait gave up");
+            for (int round = 0; round < 8; ++round) check_bytes(plans[round], recvs[round]->host(), rank, round);
+            x.reset();
+            cudaStreamDestroy(other);
         }
-        rank_check(cudaDeviceSynchronize() == cudaSuccess, "device");
-        rank_check(x->late_peer() == -1, "no wait gave up");
-        for (int round = 0; round < 8; ++round) check_bytes(plans[round], recvs[round]->host(), rank, round);
-        x.reset();
-        cudaStreamDestroy(other);
 
         // The communicator's all_to_all_v with the peer exchange switched off goes through NCCL and
         // gives the same bytes (as bf16 elements).

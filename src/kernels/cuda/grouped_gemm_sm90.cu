@@ -358,6 +358,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
         const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
         const int rows_valid = min(kTileM, begin[expert + 1] - row0);
+        if (consumer * 64 >= rows_valid) {
+            // A group's last tile with no rows in this warpgroup's half: no products (the other
+            // warpgroup then has the tensor cores to itself), only the ring's protocol, as below.
+            for (int i = 0; i < slices; ++i, ++g) {
+                ring.wait_full(g);
+                if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+            }
+            continue;
+        }
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
