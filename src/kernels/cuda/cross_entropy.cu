@@ -1,8 +1,7 @@
 // Fused LM head + cross-entropy, CUDA. Per chunk of rows tokens [n0, n0 + rows):
 //   1. logits[rows, V] fp32 (or bf16) = h[chunk] · wᵀ      cublasGemmEx, bf16 in, fp32 accumulation
-//   2. a block per row (one block of 1024 per SM, looping over rows): pass 1 keeps a running (max,
-//      Σ exp) per thread (online softmax over groups of 4 vectors: the group's max first, then one
-//      exp per logit), combined over the block in a fixed order; loss = max + log Σ − logit[target].
+//   2. one block per row: pass 1 keeps a running (max, Σ exp) per thread (online softmax, one exp
+//      per logit), combined over the block in a fixed order; loss = max + log Σ − logit[target].
 //      The per-logit exps are the hardware approximation (__expf: ex2.approx, a few 1e-7 relative
 //      for arguments <= 0, far below a bf16 logit's rounding): 7% off the kernel against the
 //      libm-accurate expf (2.21 -> 2.07 ms per P1 step on an H200, GPU trace).
@@ -26,11 +25,7 @@ namespace mf::cuda {
 
 namespace {
 
-// One block of 1024 per SM, persistent over the chunk's rows: the rows in flight (one per SM, 304 KB
-// each for bf16 logits at V = 151936: ~40 MB on an H200) stay in its 50 MB L2, so pass 2 reads them
-// from L2 rather than HBM. (One block per row, several per SM, kept ~500 rows in flight and read
-// each from HBM twice.)
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512;
 constexpr int32_t kIgnoreIndex = -100;
 
 void check_cublas(cublasStatus_t status, const char* what) {
@@ -49,111 +44,92 @@ __device__ __forceinline__ void combine(float& m, float& s, float other_m, float
     m = new_m;
 }
 
-// Rows r = blockIdx.x, blockIdx.x + gridDim.x, ... of the chunk (a persistent grid: see the launcher).
-// logits: [rows, V] of TL (fp32 or bf16), overwritten by bf16 rows of stride V · sizeof(TL) / 2.
+// blockIdx.x: the row inside the chunk. logits: [rows, V] of TL (fp32 or bf16), overwritten by bf16
+// rows of stride V · sizeof(TL) / 2.
 template <int kVec, typename TL>
 __global__ void __launch_bounds__(kThreads)
-    cross_entropy_rows_kernel(float* losses, TL* logits, const int32_t* targets, int64_t rows, int64_t V,
-                              float grad_scale, bool want_grad) {
+    cross_entropy_rows_kernel(float* losses, TL* logits, const int32_t* targets, int64_t V, float grad_scale,
+                              bool want_grad) {
     __shared__ float shared_m[kThreads / 32];
     __shared__ float shared_s[kThreads / 32];
-    // Pass 1 loads kUnroll vectors before using them (the bytes in flight per SM that keep HBM busy
-    // with one block per SM); a group's max is taken first, so one rescale serves kUnroll · kVec logits.
-    constexpr int kUnroll = 4;
-    const int64_t step = static_cast<int64_t>(blockDim.x) * kVec;
-    const int warp = threadIdx.x / 32;
-    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        TL* x = logits + r * V;
-        bf16* d = reinterpret_cast<bf16*>(x);  // this row's dlogits, over its own logits
-        const int32_t target = targets[r];
-        const bool ignored = target == kIgnoreIndex;
-        const bool valid = target >= 0 && target < V;
+    const int64_t r = blockIdx.x;
+    TL* x = logits + r * V;
+    bf16* d = reinterpret_cast<bf16*>(x);  // this row's dlogits, over its own logits
+    const int32_t target = targets[r];
+    const bool ignored = target == kIgnoreIndex;
+    const bool valid = target >= 0 && target < V;
 
-        if (!valid) {
-            // Ignored (loss 0) or out of range (loss NaN); no gradient. Zeroing the bf16 half of the
-            // row only touches fp32 logits nobody reads.
-            if (threadIdx.x == 0) losses[r] = ignored ? 0.0f : NAN;
-            if (want_grad) {
-                for (int64_t v = threadIdx.x; v < V; v += blockDim.x) d[v] = __ushort_as_bfloat16(0);
-            }
-            continue;  // (block-uniform: every thread skips the row)
-        }
-        const float target_logit = detail::to_f32(x[target]);  // read before any thread writes the row
-
-        // Pass 1: online (max, Σ exp) per thread.
-        float m = -INFINITY, s = 0.0f;
-        for (int64_t v0 = static_cast<int64_t>(threadIdx.x) * kVec; v0 < V; v0 += kUnroll * step) {
-            float f[kUnroll][kVec];
-            float group_max = -INFINITY;
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int64_t v = v0 + u * step;
-                if (v < V) {
-                    detail::load_f32<kVec>(f[u], x + v);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e) f[u][e] = -INFINITY;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) group_max = fmaxf(group_max, f[u][e]);
-            if (group_max > m) {
-                s *= __expf(m - group_max);  // m = -inf, s = 0 at the start: 0 · exp(-inf) = 0
-                m = group_max;
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                for (int e = 0; e < kVec; ++e) s += __expf(f[u][e] - m);  // exp(-inf) = 0 past the row
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other_m = __shfl_xor_sync(detail::kFullMask, m, offset);
-            const float other_s = __shfl_xor_sync(detail::kFullMask, s, offset);
-            combine(m, s, other_m, other_s);
-        }
-        if (threadIdx.x % 32 == 0) {
-            shared_m[warp] = m;
-            shared_s[warp] = s;
-        }
-        __syncthreads();
-        m = shared_m[0];
-        s = shared_s[0];
-        for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) combine(m, s, shared_m[w], shared_s[w]);
-        if (threadIdx.x == 0) losses[r] = m + logf(s) - target_logit;
+    if (!valid) {
+        // Ignored (loss 0) or out of range (loss NaN); no gradient. Zeroing the bf16 half of the row
+        // only touches fp32 logits nobody reads.
+        if (threadIdx.x == 0) losses[r] = ignored ? 0.0f : NAN;
         if (want_grad) {
-            // Pass 2: dlogits in place, tile by tile (see the file comment for why this is race-free;
-            // bf16 logits are rewritten on the very bytes each thread read, so no barrier is needed).
-            const float scale = grad_scale / s;
-            for (int64_t base = 0; base < V; base += step) {
-                const int64_t v = base + static_cast<int64_t>(threadIdx.x) * kVec;
-                float f[kVec];
-                if (v < V) detail::load_f32<kVec>(f, x + v);
-                if constexpr (sizeof(TL) != sizeof(bf16)) __syncthreads();
-                if (v < V) {
+            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) d[v] = __ushort_as_bfloat16(0);
+        }
+        return;
+    }
+    const float target_logit = detail::to_f32(x[target]);  // read before any thread writes the row
+
+    // Pass 1: online (max, Σ exp) per thread.
+    float m = -INFINITY, s = 0.0f;
+    for (int64_t v = static_cast<int64_t>(threadIdx.x) * kVec; v < V; v += static_cast<int64_t>(blockDim.x) * kVec) {
+        float f[kVec];
+        detail::load_f32<kVec>(f, x + v);
 #pragma unroll
-                    for (int e = 0; e < kVec; ++e) {
-                        f[e] = __expf(f[e] - m) * scale;
-                        if (v + e == target) f[e] -= grad_scale;
-                    }
-                    if constexpr (kVec % 4 == 0) {
-#pragma unroll
-                        for (int q = 0; q < kVec; q += 4) {
-                            uint2 raw;
-                            __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
-                            pairs[0] = __floats2bfloat162_rn(f[q], f[q + 1]);
-                            pairs[1] = __floats2bfloat162_rn(f[q + 2], f[q + 3]);
-                            *reinterpret_cast<uint2*>(d + v + q) = raw;
-                        }
-                    } else {
-                        d[v] = __float2bfloat16_rn(f[0]);
-                    }
-                }
+        for (int e = 0; e < kVec; ++e) {
+            if (f[e] > m) {
+                s = s * __expf(m - f[e]) + 1.0f;
+                m = f[e];
+            } else {
+                s += __expf(f[e] - m);
             }
         }
-        __syncthreads();  // shared_m / shared_s are rewritten for the next row
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other_m = __shfl_xor_sync(detail::kFullMask, m, offset);
+        const float other_s = __shfl_xor_sync(detail::kFullMask, s, offset);
+        combine(m, s, other_m, other_s);
+    }
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+        shared_m[warp] = m;
+        shared_s[warp] = s;
+    }
+    __syncthreads();
+    m = shared_m[0];
+    s = shared_s[0];
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) combine(m, s, shared_m[w], shared_s[w]);
+    if (threadIdx.x == 0) losses[r] = m + logf(s) - target_logit;
+    if (!want_grad) return;
+
+    // Pass 2: dlogits in place, tile by tile (see the file comment for why this is race-free).
+    const float scale = grad_scale / s;
+    const int64_t tile = static_cast<int64_t>(blockDim.x) * kVec;
+    for (int64_t base = 0; base < V; base += tile) {
+        const int64_t v = base + static_cast<int64_t>(threadIdx.x) * kVec;
+        float f[kVec];
+        if (v < V) detail::load_f32<kVec>(f, x + v);
+        __syncthreads();
+        if (v < V) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                f[e] = __expf(f[e] - m) * scale;
+                if (v + e == target) f[e] -= grad_scale;
+            }
+            if constexpr (kVec % 4 == 0) {
+#pragma unroll
+                for (int q = 0; q < kVec; q += 4) {
+                    uint2 raw;
+                    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+                    pairs[0] = __floats2bfloat162_rn(f[q], f[q + 1]);
+                    pairs[1] = __floats2bfloat162_rn(f[q + 2], f[q + 3]);
+                    *reinterpret_cast<uint2*>(d + v + q) = raw;
+                }
+            } else {
+                d[v] = __float2bfloat16_rn(f[0]);
+            }
+        }
     }
 }
 
@@ -211,9 +187,6 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
     // V is a multiple of the vector width (scratch is 16-byte aligned).
     const bool vec = V % (wide ? 4 : 8) == 0;
     const cudaDataType_t dw_type = dw_dtype == DType::f32 ? CUDA_R_32F : CUDA_R_16BF;
-    int device = 0, sms = 0;
-    MF_CHECK_CUDA(cudaGetDevice(&device));
-    MF_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         const int64_t rows = std::min(chunk, N - n0);
         const bf16* h_chunk = h + n0 * C;
@@ -223,13 +196,12 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
         const auto rows_kernel = [&](auto* logits) {
             using TL = std::remove_pointer_t<decltype(logits)>;
             constexpr int kVec = sizeof(TL) == 4 ? 4 : 8;
-            const auto grid = static_cast<unsigned>(std::min<int64_t>(rows, sms));
             if (vec)
-                cross_entropy_rows_kernel<kVec, TL><<<grid, kThreads, 0, stream>>>(losses + n0, logits, targets + n0,
-                                                                                   rows, V, grad_scale, want_grad);
+                cross_entropy_rows_kernel<kVec, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
             else
-                cross_entropy_rows_kernel<1, TL><<<grid, kThreads, 0, stream>>>(losses + n0, logits, targets + n0,
-                                                                                rows, V, grad_scale, want_grad);
+                cross_entropy_rows_kernel<1, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
         };
         if (wide) rows_kernel(static_cast<float*>(scratch));
         else rows_kernel(static_cast<bf16*>(scratch));
