@@ -440,8 +440,8 @@ bool sm90_available() {
     return major == 9;
 }
 
-// The sm90 kernels against the CPU under the current tile schedule (set_grouped_gemm_sm90_schedule).
-void sm90_parity() {
+TEST(CudaGroupedGemm, Sm90Parity) {
+    if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
     std::mt19937 rng(21);
     for (const GroupCase& g : sm90_cases()) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_forward_sm90_supported(g.C, g.OC)) << g.label(kSm90, "forward");
@@ -520,23 +520,10 @@ void sm90_parity() {
                  mf::Error);
 }
 
-TEST(CudaGroupedGemm, Sm90Parity) {
-    if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
-    for (const bool dynamic : {false, true}) {
-        SCOPED_TRACE(dynamic ? "dynamic tile schedule" : "static tile schedule");
-        mf::cuda::set_grouped_gemm_sm90_schedule(dynamic);
-        sm90_parity();
-    }
-    mf::cuda::set_grouped_gemm_sm90_schedule(false);
-}
-
 TEST(CudaGroupedGemm, Deterministic) {
-    std::vector<Path> paths = kPaths;
-    if (sm90_available()) paths.push_back(kSm90);
-    for (const Path& p : paths) {
+    for (const Path& p : kPaths) {
         std::mt19937 rng(14);
-        // (sm90: OC a multiple of 256)
-        const GroupCase g{6, 256, p.sm90 ? 256 : 192, {100, 0, 513, 7, 250, 129}};
+        const GroupCase g{6, 256, 192, {100, 0, 513, 7, 250, 129}};
         const int64_t M = g.rows();
         const auto off = g.offsets();
         DeviceBuffer d_dout(M * g.OC * 2), d_inp(M * g.C * 2), d_w(g.E * g.OC * g.C * 2), d_dw(g.E * g.OC * g.C * 4),
@@ -547,10 +534,7 @@ TEST(CudaGroupedGemm, Deterministic) {
         upload_bf16(d_w.as<void>(), random_bf16(rng, g.E * g.OC * g.C));
         std::vector<float> first_dw;
         std::vector<uint16_t> first_out, first_dinp;
-        // sm90: runs 1 and 2 on the dynamic tile schedule (2 after 1 has set its counters back),
-        // 0 and 3 on the static one: the same bits whichever block computes a tile.
-        for (int run = 0; run < 4; ++run) {
-            if (p.sm90) mf::cuda::set_grouped_gemm_sm90_schedule(run == 1 || run == 2);
+        for (int run = 0; run < 3; ++run) {
             MF_CHECK_CUDA(cudaMemset(d_dw.as<void>(), 0, d_dw.bytes()));
             backward_weight(p, d_dw.as<void>(), mf::DType::f32, d_dout.as<bf16>(), d_inp.as<bf16>(),
                             d_off.as<int32_t>(), M, g.E, g.C, g.OC);
@@ -568,7 +552,6 @@ TEST(CudaGroupedGemm, Deterministic) {
             EXPECT_TRUE(first_out == out) << p.name << " run " << run << " forward differs";
             EXPECT_TRUE(first_dinp == dinp) << p.name << " run " << run << " backward input differs";
         }
-        if (p.sm90) mf::cuda::set_grouped_gemm_sm90_schedule(false);
     }
 }
 

@@ -23,10 +23,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
-#include <mutex>
-#include <string_view>
 #include <type_traits>
 
 #include "core/check.h"
@@ -49,7 +45,7 @@ constexpr int kBBytes = kTileN * kSliceK * 2;  // 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kRingBytes = kStages * kStageBytes;  // 192 KB
 constexpr int kAlign = 1024;                       // the swizzle atom: 8 rows of 128 bytes
-constexpr int kBarrierBytes = 2 * kStages * 8 + kStages * 4;  // full and empty barriers, a tile number per stage
+constexpr int kBarrierBytes = 2 * kStages * 8;
 
 size_t smem_bytes(int64_t num_experts) {
     return kAlign + kRingBytes + kBarrierBytes + 3 * static_cast<size_t>(num_experts + 1) * sizeof(int);
@@ -246,7 +242,6 @@ struct Ring {
     unsigned char* base;
     uint64_t* full;
     uint64_t* empty;
-    int* tile_at;  // dynamic schedule: the tile whose first slice stage s holds (-1: no more tiles)
     int* begin;
     int* tile_prefix;
     int* begin2;  // the weight gradient's second row table (when given)
@@ -257,20 +252,6 @@ struct Ring {
         const int s = g % kStages;
         mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(&full[s], kStageBytes);
-        return &full[s];
-    }
-    // Producer, dynamic schedule: acquire for the first slice of `tile`, whose number goes into the
-    // stage before the arrive (its release orders the store before the consumers' acquiring wait);
-    // with_bytes false (tile -1: no more tiles; a tile with no slices) arms no bytes, so the phase
-    // completes with the arrive.
-    __device__ uint64_t* acquire_first(int g, int tile, bool with_bytes = true) const {
-        const int s = g % kStages;
-        mbar_wait(&empty[s], ((g / kStages) & 1) ^ 1);
-        tile_at[s] = tile;
-        if (tile >= 0 && with_bytes)
-            mbar_arrive_expect_tx(&full[s], kStageBytes);
-        else
-            mbar_arrive(&full[s]);
         return &full[s];
     }
     // Consumers: slice g has arrived; slice g is no longer read (one thread per warpgroup).
@@ -286,8 +267,7 @@ __device__ __forceinline__ Ring setup_ring(const int32_t* offsets, const int32_t
     ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
     ring.full = reinterpret_cast<uint64_t*>(ring.base + kRingBytes);
     ring.empty = ring.full + kStages;
-    ring.tile_at = reinterpret_cast<int*>(ring.empty + kStages);
-    ring.begin = ring.tile_at + kStages;
+    ring.begin = reinterpret_cast<int*>(ring.empty + kStages);
     ring.tile_prefix = ring.begin + num_experts + 1;
     ring.begin2 = ring.tile_prefix + num_experts + 1;
     if (threadIdx.x == 0) {
@@ -314,31 +294,6 @@ __device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_exp
     return lo;
 }
 
-// The tile schedule of a persistent launch. Static (sched null): block b takes tiles b, b + grid, ...
-// Dynamic (sched: two ints, zero at launch): the producer takes the next tile from a counter,
-// sched[0], and publishes it in the ring (Ring::acquire_first), so a block that becomes resident
-// late (its SM held by another stream's kernel: an NCCL collective, the optimizer) takes fewer
-// tiles instead of holding the whole product back; the last block out (sched[1] counts them) sets
-// both back to zero for the next launch on the stream (launches on one stream are ordered).
-struct Schedule {
-    int* sched;
-    int num_tiles;
-    // The producer's k-th tile (k = 0, 1, ...); num_tiles or more: none left.
-    __device__ int next(int k) const {
-        return sched != nullptr ? atomicAdd(&sched[0], 1) : static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x);
-    }
-    // The producer, after its last tile.
-    __device__ void finish() const {
-        if (sched == nullptr) return;
-        __threadfence();  // this block's last take of sched[0] before its count in sched[1]
-        if (atomicAdd(&sched[1], 1) == static_cast<int>(gridDim.x) - 1) {
-            __threadfence();
-            atomicExch(&sched[0], 0);
-            atomicExch(&sched[1], 0);
-        }
-    }
-};
-
 // out[r, n] = Σ_k a[r, k] · b_e[n, k] over the rows r of every group e, for the two row products:
 // forward (kBackwardInput false): a = inp [M][K = C], b_e = weight[e] [N = OC][K], K-major;
 // input gradient (true): a = dout [M][K = OC], b_e = weight[e]ᵀ, read from weight[e] [K][N = C] as
@@ -352,8 +307,7 @@ struct Schedule {
 template <bool kBackwardInput>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rows_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                                 bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K,
-                                 int* sched) {
+                                 bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
     const Ring ring = setup_ring(offsets, nullptr, num_experts, num_rows);
     const int* begin = ring.begin;
     const int* tile_prefix = ring.tile_prefix;
@@ -363,24 +317,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int num_tiles = tile_prefix[num_experts] * col_tiles;
     const int slices = K / kSliceK;
     const int warpgroup = tid / 128;
-    const Schedule schedule{sched, num_tiles};
 
     if (warpgroup == 0) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 0) {
             int g = 0;  // the block's slice sequence number
-            for (int k = 0;; ++k) {
-                const int tile = schedule.next(k);
-                if (tile >= num_tiles) {
-                    if (sched != nullptr) ring.acquire_first(g, -1);
-                    break;
-                }
+            for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
                 const int row_tile = tile / col_tiles;
                 const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
                 const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
                 const int n0 = (tile % col_tiles) * kTileN;
                 for (int i = 0; i < slices; ++i, ++g) {
-                    uint64_t* full = i == 0 && sched != nullptr ? ring.acquire_first(g, tile) : ring.acquire(g);
+                    uint64_t* full = ring.acquire(g);
                     unsigned char* stage = ring.stage(g);
                     tma_load_2d(stage, &map_a, full, i * kSliceK, row0);
                     if constexpr (kBackwardInput) {
@@ -393,7 +341,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 }
             }
-            schedule.finish();
         }
         return;
     }
@@ -406,15 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int lane = tid % 32, warp = (tid % 128) / 32;
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
     int g = 0;
-    for (int k = 0;; ++k) {
-        int tile = static_cast<int>(blockIdx.x) + k * static_cast<int>(gridDim.x);
-        if (sched != nullptr) {  // the producer's pick, in the stage of the tile's first slice
-            ring.wait_full(g);
-            tile = ring.tile_at[g % kStages];
-            if (tile < 0) break;
-        } else if (tile >= num_tiles) {
-            break;
-        }
+    for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
         const int row_tile = tile / col_tiles;
         const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
         const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
@@ -510,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_weight_grad_wgmma_kernel(const __grid_constant__ CUtensorMap map_a,
                                      const __grid_constant__ CUtensorMap map_b, TW* dweight, const int32_t* offsets,
                                      const int32_t* offsets2, int num_rows, int num_experts, int OC, int C,
-                                     bool accumulate, double* squares, int* sched) {
+                                     bool accumulate, double* squares) {
     const Ring ring = setup_ring(offsets, offsets2, num_experts, num_rows);
     const int parts = offsets2 != nullptr ? 2 : 1;
     // A group's rows: [t[e], t[e + 1]) of each table t, in table order.
@@ -540,40 +479,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int within = tile % tiles_per_group;
         return TileAt{order[tile / tiles_per_group], (within / c_tiles) * kTileM, (within % c_tiles) * kTileN};
     };
-    // A tile's slices over both parts (0: a group without rows).
-    const auto tile_slices = [&](int e) {
-        int n = 0;
-        for (int part = 0; part < parts; ++part) n += (group_rows(part, e) + kSliceK - 1) / kSliceK;
-        return n;
-    };
-    const Schedule schedule{sched, num_tiles};
     const int warpgroup = tid / 128;
 
     if (warpgroup == 0) {  // producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 0) {
             int g = 0;
-            for (int round = 0;; ++round) {
-                // Static: the snake's tile of the round; dynamic: the counter's next (Schedule).
-                int tile = sched != nullptr ? schedule.next(round) : snake_tile(round, grid);
-                if (sched != nullptr && tile >= num_tiles) {
-                    ring.acquire_first(g, -1);
-                    break;
-                }
-                if (sched == nullptr && round * grid >= num_tiles) break;
+            for (int round = 0; round * grid < num_tiles; ++round) {
+                const int tile = snake_tile(round, grid);
                 if (tile >= num_tiles) continue;
                 const auto [expert, o0, c0] = weight_tile(tile);
-                bool first = sched != nullptr;  // the tile's number still to publish
-                if (first && tile_slices(expert) == 0) {  // published in a stage of its own, no bytes
-                    ring.acquire_first(g++, tile, false);
-                    continue;
-                }
                 for (int part = 0; part < parts; ++part) {
                     const int r_begin = table(part)[expert];
                     const int slices = (group_rows(part, expert) + kSliceK - 1) / kSliceK;
                     for (int i = 0; i < slices; ++i, ++g) {
-                        uint64_t* full = first ? ring.acquire_first(g, tile) : ring.acquire(g);
-                        first = false;
+                        uint64_t* full = ring.acquire(g);
                         unsigned char* stage = ring.stage(g);
                         const int r = r_begin + i * kSliceK;
 #pragma unroll
@@ -585,7 +505,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                     }
                 }
             }
-            schedule.finish();
         }
         return;
     }
@@ -596,25 +515,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
     const int c_lane = 2 * (lane % 4);
     int g = 0;
-    for (int round = 0;; ++round) {
-        int tile = 0;
-        if (sched != nullptr) {  // the producer's pick, in the stage of the tile's first slice
-            ring.wait_full(g);
-            tile = ring.tile_at[g % kStages];
-            if (tile < 0) break;
-        } else {
-            if (round * grid >= num_tiles) break;
-            tile = snake_tile(round, grid);
-            if (tile >= num_tiles) continue;
-        }
+    for (int round = 0; round * grid < num_tiles; ++round) {
+        const int tile = snake_tile(round, grid);
+        if (tile >= num_tiles) continue;
         const auto [expert, o0, c0] = weight_tile(tile);
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-        if (sched != nullptr && tile_slices(expert) == 0) {  // its stage carried only the number
-            if (g > 0 && tid % 128 == 0) ring.release(g - 1);
-            ++g;
-        }
         for (int part = 0; part < parts; ++part) {
             const int rows = group_rows(part, expert), slices = (rows + kSliceK - 1) / kSliceK;
             for (int i = 0; i < slices; ++i, ++g) {
@@ -751,45 +658,6 @@ int sm_count() {
 
 std::atomic<int> g_reserved_sms{0};
 
-// -1: not chosen yet (MOEFORGE_GEMM_SCHEDULE decides at the first launch), 0 static, 1 dynamic.
-std::atomic<int> g_dynamic_schedule{-1};
-
-// The dynamic schedule's counters for launches on `stream` (two ints, zero between launches: each
-// launch sets them back as it ends, and launches on one stream run in order), or null for the static
-// schedule (see set_grouped_gemm_sm90_schedule).
-int* schedule_counters(cudaStream_t stream) {
-    if (g_dynamic_schedule.load(std::memory_order_relaxed) < 0) {
-        const char* env = std::getenv("MOEFORGE_GEMM_SCHEDULE");
-        const std::string_view v = env == nullptr || *env == '\0' ? "static" : env;
-        MF_CHECK(v == "dynamic" || v == "static", "MOEFORGE_GEMM_SCHEDULE: expected 'dynamic' or 'static', got '", v, "'");
-        int unset = -1;
-        g_dynamic_schedule.compare_exchange_strong(unset, v == "dynamic" ? 1 : 0);
-    }
-    if (g_dynamic_schedule.load(std::memory_order_relaxed) == 0) return nullptr;
-    constexpr int kSlots = 64;
-    static std::mutex mu;
-    static int* counters = nullptr;
-    static int counters_device = -1;
-    static std::map<cudaStream_t, int> slot_of;
-    std::lock_guard<std::mutex> lock(mu);
-    int device = 0;
-    MF_CHECK_CUDA(cudaGetDevice(&device));
-    if (counters == nullptr) {
-        counters_device = device;
-        MF_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&counters), kSlots * 2 * sizeof(int)));
-        MF_CHECK_CUDA(cudaMemset(counters, 0, kSlots * 2 * sizeof(int)));
-        MF_CHECK_CUDA(cudaStreamSynchronize(nullptr));  // zero before a launch on any stream reads them
-    }
-    MF_CHECK(device == counters_device, "grouped matmul (sm90): the dynamic schedule serves one device per process");
-    auto it = slot_of.find(stream);
-    if (it == slot_of.end()) {
-        MF_CHECK(static_cast<int>(slot_of.size()) < kSlots, "grouped matmul (sm90): more than ", kSlots,
-                 " streams use the dynamic schedule");
-        it = slot_of.emplace(stream, static_cast<int>(slot_of.size())).first;
-    }
-    return counters + 2 * it->second;
-}
-
 // Blocks of a persistent launch: one per SM, less the SMs reserved for other streams' kernels.
 int persistent_blocks() { return std::max(1, sm_count() - g_reserved_sms.load(std::memory_order_relaxed)); }
 
@@ -820,13 +688,11 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
     MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, out, offsets, static_cast<int>(M),
                                                                       static_cast<int>(E), static_cast<int>(N),
-                                                                      static_cast<int>(K), schedule_counters(stream));
+                                                                      static_cast<int>(K));
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace
-
-void set_grouped_gemm_sm90_schedule(bool dynamic) { g_dynamic_schedule.store(dynamic ? 1 : 0, std::memory_order_relaxed); }
 
 void set_grouped_gemm_sm90_reserved_sms(int sms) { g_reserved_sms.store(std::max(sms, 0), std::memory_order_relaxed); }
 
@@ -890,8 +756,7 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
         MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
         kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
             map_a, map_b, typed, offsets, offsets2, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC),
-            static_cast<int>(C), accumulate, square_sum != nullptr ? static_cast<double*>(squares_scratch) : nullptr,
-            schedule_counters(stream));
+            static_cast<int>(C), accumulate, square_sum != nullptr ? static_cast<double*>(squares_scratch) : nullptr);
     };
     if (dweight_dtype == DType::f32)
         launch(static_cast<float*>(dweight));

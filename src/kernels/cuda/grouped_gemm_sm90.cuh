@@ -29,12 +29,6 @@ namespace mf::cuda {
 // another path.
 constexpr int64_t kSm90MaxGroups = 1024;
 
-// The persistent kernels' tile schedule: static (block b takes tiles b, b + grid, ...) or dynamic
-// (blocks take the next tile from a counter, so one held off its SM by another stream's kernel takes
-// fewer); both give the same bits. Default: MOEFORGE_GEMM_SCHEDULE ("static" or "dynamic"; static
-// when unset), read at the first launch.
-void set_grouped_gemm_sm90_schedule(bool dynamic);
-
 // The kernels are persistent, one block per SM, and a block holds a whole SM (registers, shared
 // memory), so a kernel on another stream (the EP exchange's copies) cannot start until they end.
 // Reserving n SMs launches them on n fewer; 0 (the default) uses every SM.
