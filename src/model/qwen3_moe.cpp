@@ -596,7 +596,8 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         // Recompute what was not kept: the whole layer (full), or the MoE block (moe).
         if (recompute_ == Recompute::full) layer_forward(l, B, T);
         else if (recompute_ == Recompute::moe && L.is_moe) moe_block_forward(la.ffn_out, ws.shared_moe, la.ln2, L.moe, md);
-        // x_out = x_mid + ffn(rmsnorm(x_mid)): d_mid = d_resid + rmsnorm'ᵀ(d_ln) below.
+        // x_out = x_mid + ffn(rmsnorm(x_mid))
+        ops::copy(ws.d_mid, ws.d_resid);
         ops::zero(ws.d_ln);
         if (L.is_moe) {
             // Written rather than added where zero_grads() left them undefined.
@@ -615,14 +616,14 @@ StepStats Qwen3Moe::step(const data::Batch& batch, const LossScales* scales, flo
         } else {
             mlp_block_backward(ws.d_ln, L.g_mlp, ws.mlp_scratch, ws.d_resid, la.ln2, la.mlp, L.mlp);
         }
-        ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd, ws.d_resid);
+        ops::rmsnorm_backward(ws.d_mid, L.g_ln2, ws.d_ln, la.x_mid, L.ln2, la.ln2_rstd);
         mark_layer("bwd ffn", l);
-        // x_mid = x + attention(rmsnorm(x)): d_resid = d_mid + rmsnorm'ᵀ(d_ln) below.
+        // x_mid = x + attention(rmsnorm(x))
+        ops::copy(ws.d_resid, ws.d_mid);
         ops::zero(ws.d_ln);
         attention_block_backward(ws.d_ln, L.g_attn, ws.attn_scratch, ws.d_mid, la.ln1, la.attn, L.attn, ad, B, T,
                                  ws.positions, ws.attention_docs());
-        ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd,
-                              ws.d_mid);
+        ops::rmsnorm_backward(ws.d_resid, L.g_ln1, ws.d_ln, ws.resid[static_cast<size_t>(l)], L.ln1, la.ln1_rstd);
         if (grad_hook_) grad_hook_(l);
         mark_layer("bwd attention", l);
     }

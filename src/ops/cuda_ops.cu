@@ -237,11 +237,10 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
 }
 
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd, const Tensor& dres) {
+                      const Tensor& weight, const Tensor& rstd) {
     const int64_t C = weight.numel(), N = inp.numel() / C;
     const size_t bytes = mf::cuda::rmsnorm_backward_scratch_bytes(N, C);
-    bf16* dx = defined(dinp) ? B(dinp) : nullptr;
-    mf::cuda::rmsnorm_backward(dx, defined(dres) ? B(dres) : dx, defined(dweight) ? dweight.data() : nullptr,
+    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, true, defined(dweight) ? dweight.data() : nullptr,
                                defined(dweight) ? dweight.dtype() : DType::f32, B(dout), B(inp), B(weight), F(rstd), N,
                                C, ctx().get(bytes), bytes, ctx().stream);
 }

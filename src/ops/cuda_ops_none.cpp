@@ -28,7 +28,7 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) { no_cuda(); }
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
-void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd, const Tensor& dres) { no_cuda(); }
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd) { no_cuda(); }
 void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) { no_cuda(); }
 void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) { no_cuda(); }
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }

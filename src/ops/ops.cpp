@@ -292,15 +292,11 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
 }
 
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd, const Tensor& dres) {
+                      const Tensor& weight, const Tensor& rstd) {
     OpScope scope_("rmsnorm_backward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
-    if (dres.data() != nullptr)
-        MF_CHECK(dinp.data() != nullptr && dres.shape() == dinp.shape() && dres.dtype() == dinp.dtype(),
-                 "rmsnorm_backward: dres must match dinp");
-    if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd, &dres}) == Device::cuda)
-        return cuda_impl::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dres);
-    if (dres.data() != nullptr) copy(dinp, dres);  // then += below
+    if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd}) == Device::cuda)
+        return cuda_impl::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
     cpu::rmsnorm_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), f(rstd), N, C);
 }
 

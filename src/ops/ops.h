@@ -42,10 +42,8 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);  // dwte +=
 
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
-// dinp += (or, given dres, dinp = dres + : a residual stream's gradient with no copy into dinp
-// first), dweight +=.
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd, const Tensor& dres = Tensor());
+                      const Tensor& weight, const Tensor& rstd);  // dinp +=, dweight +=
 
 
 // q[B,T,Hq·D], k/v[B,T,Hkv·D] (token-major), doc_ids[B·T]; out[B,T,Hq·D], lse[B,Hq,T] (f32).

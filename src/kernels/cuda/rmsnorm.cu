@@ -4,7 +4,7 @@
 //             kCache vectors of each lane in registers as raw bf16; pass 2 writes
 //             out = weight ⊙ (x · rstd) from those registers (re-reading only what did not fit).
 //   backward  per row: g = dout ⊙ w, x̂ = x · rstd, mean(g ⊙ x̂) by a warp sum, then
-//             dinp = addend + rstd · (g − x̂ · mean) (or without the addend). The weight gradient dout ⊙ x̂ is accumulated
+//             dinp = rstd · (g − x̂ · mean) (= or +=). The weight gradient dout ⊙ x̂ is accumulated
 //             per warp in shared memory [warps, C] (each lane owns fixed columns, rows visited in
 //             ascending order), the warps are added in order into scratch [block, C], and
 //             reduce_partial_rows sums the blocks in order into dweight. No atomics anywhere.
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
 // Dynamic shared memory: [warps, C] fp32 weight-gradient accumulators (only when partial != null).
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
-    rmsnorm_backward_kernel(bf16* dinp, const bf16* addend, float* partial, const bf16* dout, const bf16* inp,
+    rmsnorm_backward_kernel(bf16* dinp, bool accumulate, float* partial, const bf16* dout, const bf16* inp,
                             const bf16* weight, const float* rstd, int64_t N, int C) {
     extern __shared__ float dw_acc[];
     const int lane = threadIdx.x % 32;
@@ -163,8 +163,8 @@ __global__ void __launch_bounds__(kThreads)
         auto emit = [&](int v, const float(&xf)[kVec], const float(&dyf)[kVec]) {
             float w[kVec], out[kVec];
             detail::load_f32<kVec>(w, weight + v * kVec);
-            if (addend != nullptr) {
-                detail::load_f32<kVec>(out, addend + row * C + v * kVec);
+            if (accumulate) {
+                detail::load_f32<kVec>(out, dx + v * kVec);
             } else {
 #pragma unroll
                 for (int k = 0; k < kVec; ++k) out[k] = 0.0f;
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads)
 // launchers
 
 template <int kVec>
-void launch_backward(bf16* dinp, const bf16* addend, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
+void launch_backward(bf16* dinp, bool accumulate, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
                      const float* rstd, int64_t N, int64_t C, cudaStream_t stream) {
     const int warps = backward_warps(C);
     const int64_t blocks = backward_blocks(N, C);
@@ -212,7 +212,7 @@ void launch_backward(bf16* dinp, const bf16* addend, float* partial, const bf16*
     MF_CHECK_CUDA(cudaFuncSetAttribute(rmsnorm_backward_kernel<kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(shared)));
     rmsnorm_backward_kernel<kVec><<<static_cast<unsigned>(blocks), warps * 32, shared, stream>>>(
-        dinp, addend, partial, dout, inp, weight, rstd, N, static_cast<int>(C));
+        dinp, accumulate, partial, dout, inp, weight, rstd, N, static_cast<int>(C));
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -248,7 +248,7 @@ size_t rmsnorm_backward_scratch_bytes(int64_t N, int64_t C) {
     return static_cast<size_t>(backward_blocks(N, C) * C) * sizeof(float);
 }
 
-void rmsnorm_backward(bf16* dinp, const bf16* dinp_addend, void* dweight, DType dweight_dtype, const bf16* dout,
+void rmsnorm_backward(bf16* dinp, bool accumulate_dinp, void* dweight, DType dweight_dtype, const bf16* dout,
                       const bf16* inp, const bf16* weight, const float* rstd, int64_t N, int64_t C, void* scratch,
                       size_t scratch_bytes, cudaStream_t stream) {
     check_shape("rmsnorm_backward", N, C);
@@ -265,10 +265,10 @@ void rmsnorm_backward(bf16* dinp, const bf16* dinp_addend, void* dweight, DType 
         MF_CHECK(aligned_to(16, scratch), "rmsnorm_backward: scratch must be 16-byte aligned");
         partial = static_cast<float*>(scratch);
     }
-    if (C % 8 == 0 && aligned_to(16, dinp, dinp_addend, dout, inp, weight)) {
-        launch_backward<8>(dinp, dinp_addend, partial, dout, inp, weight, rstd, N, C, stream);
+    if (C % 8 == 0 && aligned_to(16, dinp, dout, inp, weight)) {
+        launch_backward<8>(dinp, accumulate_dinp, partial, dout, inp, weight, rstd, N, C, stream);
     } else {
-        launch_backward<1>(dinp, dinp_addend, partial, dout, inp, weight, rstd, N, C, stream);
+        launch_backward<1>(dinp, accumulate_dinp, partial, dout, inp, weight, rstd, N, C, stream);
     }
     if (dweight != nullptr) {
         reduce_partial_rows(dweight, dweight_dtype, partial, backward_blocks(N, C), C, /*accumulate=*/true, stream);
