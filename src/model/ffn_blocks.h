@@ -24,9 +24,10 @@
 // first piece of them is computed while the other ranks' tokens arrive, then the others' rows, whose
 // results are sent back while the second piece computes (EpChunk's parts and own pieces); the
 // weight gradients take both parts' rows of an expert in one pass. While the own pieces compute
-// beside an exchange the grouped GEMMs can leave MoeDims::ep_comm_sms SMs to its copy kernels (ops::
-// set_grouped_matmul_reserved_sms; for SM-kernel copies, 0 by default). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer
-// bytes than one bf16 row per (token, expert) pair both ways.
+// beside an exchange the grouped GEMMs can leave MoeDims::ep_comm_sms SMs to the exchange (ops::
+// set_grouped_matmul_reserved_sms; wanted only when SM kernels copy, 0 by default as the copy
+// engines do). At top-8 over 128 experts and EP=2 this sends ~2.7× fewer bytes than one bf16 row
+// per (token, expert) pair both ways.
 // Backward: output gradients travel the dispatch way (the owner scales them by the weights and
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
 // back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
