@@ -1,47 +1,69 @@
 // moeforge: fine-tune Hugging Face Mixture-of-Experts checkpoints.
+//
+// Dispatches to the subcommands of cli/commands.h. Help comes from the one table of cli/help.cpp:
+// `moeforge help [COMMAND]`, and `--help`/`-h` anywhere in a subcommand's arguments (before a
+// "--"), which prints that entry and runs nothing.
 #include <cstdio>
 #include <cstring>
 #include <exception>
 
 #include "cli/commands.h"
+#include "cli/help.h"
 #include "core/check.h"
 
 namespace {
 
-constexpr const char* kUsage =
-    "usage: moeforge <command> [options]\n"
-    "\n"
-    "commands:\n"
-    "  init      --arch qwen3_moe --preset tiny --seed S --out DIR   random-initialised HF model directory\n"
-    "  info      DIR                                                parameters, FLOPs per token, layer plan\n"
-    "            [--world W --ep-size E --device cuda|cpu --precision bf16|mixed --no-zero1]  (memory per rank)\n"
-    "  eval      --model DIR --data FILE [--json]                   loss of a dataset as one batch\n"
-    "  finetune  RECIPE.yaml [key.sub=value ...]                    train and write an HF directory\n"
-    "  tokenize  --tokenizer DIR [--json | --decode]                encode stdin (or decode a JSON id array)\n"
-    "  bench     --config CONFIG.json [--layers N --micro-batch B --seq-len T --steps S --profile]\n"
-    "            [--ep-size N --ep-chunks C --no-zero1]  (under moeforge launch: EP/DP over the ranks)\n"
-    "                                                               time the training step on synthetic data\n"
-    "  launch    --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P] -- COMMAND ...\n";
+int run_command(const std::string& command, const mf::cli::Args& args) {
+    if (command == "init") return mf::cli::cmd_init(args);
+    if (command == "info") return mf::cli::cmd_info(args);
+    if (command == "eval") return mf::cli::cmd_eval(args);
+    if (command == "finetune") return mf::cli::cmd_finetune(args);
+    if (command == "tokenize") return mf::cli::cmd_tokenize(args);
+    if (command == "bench") return mf::cli::cmd_bench(args);
+    if (command == "launch") return mf::cli::cmd_launch(args);
+    if (command == "plot") return mf::cli::cmd_plot(args);
+    std::fprintf(stderr, "moeforge: unknown command '%s'\n\n%s", command.c_str(), mf::cli::usage_text().c_str());
+    return 2;
+}
+
+// `moeforge help [COMMAND]`.
+int print_help(const mf::cli::Args& args) {
+    if (args.empty()) {
+        std::fputs(mf::cli::usage_text().c_str(), stdout);
+        return 0;
+    }
+    const mf::cli::CommandHelp* entry = mf::cli::find_command(args[0]);
+    if (entry == nullptr) {
+        std::fprintf(stderr, "moeforge help: unknown command '%s'\n\n%s", args[0].c_str(),
+                     mf::cli::usage_text().c_str());
+        return 2;
+    }
+    std::fputs(mf::cli::command_help_text(*entry).c_str(), stdout);
+    return 0;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc < 2 || std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0) {
-        std::fputs(kUsage, argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) {
+        std::fputs(mf::cli::usage_text().c_str(), stderr);
+        return 2;
     }
     const std::string command = argv[1];
     const mf::cli::Args args(argv + 2, argv + argc);
+    if (command == "-h" || command == "--help") return print_help({});
+    if (command == "help") return print_help(args);
+    if (command == "--version" || command == "version") {
+        std::fputs(mf::cli::version_text().c_str(), stdout);
+        return 0;
+    }
+    if (const mf::cli::CommandHelp* entry = mf::cli::find_command(command);
+        entry != nullptr && mf::cli::wants_help(args)) {
+        std::fputs(mf::cli::command_help_text(*entry).c_str(), stdout);
+        return 0;
+    }
     try {
-        if (command == "init") return mf::cli::cmd_init(args);
-        if (command == "info") return mf::cli::cmd_info(args);
-        if (command == "eval") return mf::cli::cmd_eval(args);
-        if (command == "finetune") return mf::cli::cmd_finetune(args);
-        if (command == "tokenize") return mf::cli::cmd_tokenize(args);
-        if (command == "bench") return mf::cli::cmd_bench(args);
-        if (command == "launch") return mf::cli::cmd_launch(args);
-        std::fprintf(stderr, "moeforge: unknown command '%s'\n\n%s", command.c_str(), kUsage);
-        return 2;
+        return run_command(command, args);
     } catch (const mf::Error& e) {
         std::fprintf(stderr, "moeforge %s: error: %s\n", command.c_str(), e.what());
         return 1;
