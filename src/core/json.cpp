@@ -13,19 +13,27 @@ namespace mf::json {
 
 const char* kind_name(Kind kind) {
     switch (kind) {
-        case Kind::null: return "null";
-        case Kind::boolean: return "boolean";
-        case Kind::number: return "number";
-        case Kind::string: return "string";
-        case Kind::array: return "array";
-        case Kind::object: return "object";
+        case Kind::null:
+            return "null";
+        case Kind::boolean:
+            return "boolean";
+        case Kind::number:
+            return "number";
+        case Kind::string:
+            return "string";
+        case Kind::array:
+            return "array";
+        case Kind::object:
+            return "object";
     }
     return "?";
 }
 
 namespace {
 
-[[noreturn]] void wrong_kind(Kind want, Kind have) { fail("expected a JSON ", kind_name(want), ", got ", kind_name(have)); }
+[[noreturn]] void wrong_kind(Kind want, Kind have) {
+    fail("expected a JSON ", kind_name(want), ", got ", kind_name(have));
+}
 
 class Parser {
  public:
@@ -44,7 +52,12 @@ class Parser {
     [[noreturn]] void error(const std::string& what) const {
         size_t line = 1, col = 1;
         for (size_t i = 0; i < pos_ && i < text_.size(); ++i) {
-            if (text_[i] == '\n') { ++line; col = 1; } else { ++col; }
+            if (text_[i] == '\n') {
+                ++line;
+                col = 1;
+            } else {
+                ++col;
+            }
         }
         // Without a source the text is a record its caller locates (a JSONL line): only the column.
         if (source_.empty() && line == 1) fail("column ", col, ": invalid JSON: ", what);
@@ -53,12 +66,16 @@ class Parser {
     }
 
     void skip_ws() {
-        while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r'))
+        while (pos_ < text_.size() &&
+               (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r'))
             ++pos_;
     }
 
     bool consume(std::string_view lit) {
-        if (text_.substr(pos_, lit.size()) == lit) { pos_ += lit.size(); return true; }
+        if (text_.substr(pos_, lit.size()) == lit) {
+            pos_ += lit.size();
+            return true;
+        }
         return false;
     }
 
@@ -88,7 +105,10 @@ class Parser {
         Value::Object obj;
         std::unordered_set<std::string> seen;
         skip_ws();
-        if (pos_ < text_.size() && text_[pos_] == '}') { ++pos_; return Value(std::move(obj)); }
+        if (pos_ < text_.size() && text_[pos_] == '}') {
+            ++pos_;
+            return Value(std::move(obj));
+        }
         while (true) {
             skip_ws();
             if (pos_ >= text_.size() || text_[pos_] != '"') error("expected a string key");
@@ -113,8 +133,14 @@ class Parser {
             Value v = parse_value(depth + 1);
             obj.emplace_back(std::move(key), std::move(v));
             skip_ws();
-            if (pos_ < text_.size() && text_[pos_] == ',') { ++pos_; continue; }
-            if (pos_ < text_.size() && text_[pos_] == '}') { ++pos_; break; }
+            if (pos_ < text_.size() && text_[pos_] == ',') {
+                ++pos_;
+                continue;
+            }
+            if (pos_ < text_.size() && text_[pos_] == '}') {
+                ++pos_;
+                break;
+            }
             error("expected ',' or '}' in object");
         }
         return Value(std::move(obj));
@@ -124,13 +150,22 @@ class Parser {
         ++pos_;  // '['
         Value::Array arr;
         skip_ws();
-        if (pos_ < text_.size() && text_[pos_] == ']') { ++pos_; return Value(std::move(arr)); }
+        if (pos_ < text_.size() && text_[pos_] == ']') {
+            ++pos_;
+            return Value(std::move(arr));
+        }
         while (true) {
             skip_ws();
             arr.push_back(parse_value(depth + 1));
             skip_ws();
-            if (pos_ < text_.size() && text_[pos_] == ',') { ++pos_; continue; }
-            if (pos_ < text_.size() && text_[pos_] == ']') { ++pos_; break; }
+            if (pos_ < text_.size() && text_[pos_] == ',') {
+                ++pos_;
+                continue;
+            }
+            if (pos_ < text_.size() && text_[pos_] == ']') {
+                ++pos_;
+                break;
+            }
             error("expected ',' or ']' in array");
         }
         return Value(std::move(arr));
@@ -142,10 +177,14 @@ class Parser {
         for (int i = 0; i < 4; ++i) {
             const char c = text_[pos_++];
             v <<= 4;
-            if (c >= '0' && c <= '9') v |= c - '0';
-            else if (c >= 'a' && c <= 'f') v |= c - 'a' + 10;
-            else if (c >= 'A' && c <= 'F') v |= c - 'A' + 10;
-            else error("bad hex digit in \\u escape");
+            if (c >= '0' && c <= '9')
+                v |= c - '0';
+            else if (c >= 'a' && c <= 'f')
+                v |= c - 'a' + 10;
+            else if (c >= 'A' && c <= 'F')
+                v |= c - 'A' + 10;
+            else
+                error("bad hex digit in \\u escape");
         }
         return v;
     }
@@ -158,18 +197,37 @@ class Parser {
             const unsigned char c = static_cast<unsigned char>(text_[pos_++]);
             if (c == '"') break;
             if (c < 0x20) error("control character in string");
-            if (c != '\\') { out += static_cast<char>(c); continue; }
+            if (c != '\\') {
+                out += static_cast<char>(c);
+                continue;
+            }
             if (pos_ >= text_.size()) error("unterminated escape");
             const char e = text_[pos_++];
             switch (e) {
-                case '"': out += '"'; break;
-                case '\\': out += '\\'; break;
-                case '/': out += '/'; break;
-                case 'b': out += '\b'; break;
-                case 'f': out += '\f'; break;
-                case 'n': out += '\n'; break;
-                case 'r': out += '\r'; break;
-                case 't': out += '\t'; break;
+                case '"':
+                    out += '"';
+                    break;
+                case '\\':
+                    out += '\\';
+                    break;
+                case '/':
+                    out += '/';
+                    break;
+                case 'b':
+                    out += '\b';
+                    break;
+                case 'f':
+                    out += '\f';
+                    break;
+                case 'n':
+                    out += '\n';
+                    break;
+                case 'r':
+                    out += '\r';
+                    break;
+                case 't':
+                    out += '\t';
+                    break;
                 case 'u': {
                     uint32_t cp = parse_hex4();
                     if (is_high_surrogate(cp)) {
@@ -183,7 +241,8 @@ class Parser {
                     append_utf8(out, cp);
                     break;
                 }
-                default: error(std::string("bad escape '\\") + e + "'");
+                default:
+                    error(std::string("bad escape '\\") + e + "'");
             }
         }
         return out;
@@ -194,8 +253,10 @@ class Parser {
         bool is_int = true;
         if (text_[pos_] == '-') ++pos_;
         if (pos_ >= text_.size() || !isdigit(text_[pos_])) error("bad number");
-        if (text_[pos_] == '0') ++pos_;
-        else while (pos_ < text_.size() && isdigit(text_[pos_])) ++pos_;
+        if (text_[pos_] == '0')
+            ++pos_;
+        else
+            while (pos_ < text_.size() && isdigit(text_[pos_])) ++pos_;
         if (pos_ < text_.size() && text_[pos_] == '.') {
             is_int = false;
             ++pos_;
@@ -283,7 +344,10 @@ const Value* Value::find(std::string_view key) const {
 void Value::set(std::string key, Value v) {
     Object& obj = as_object();
     for (auto& kv : obj)
-        if (kv.first == key) { kv.second = std::move(v); return; }
+        if (kv.first == key) {
+            kv.second = std::move(v);
+            return;
+        }
     obj.emplace_back(std::move(key), std::move(v));
 }
 
@@ -300,13 +364,27 @@ std::string quote(std::string_view s) {
     for (const char ch : s) {
         const unsigned char c = static_cast<unsigned char>(ch);
         switch (c) {
-            case '"': out += "\\\""; break;
-            case '\\': out += "\\\\"; break;
-            case '\n': out += "\\n"; break;
-            case '\r': out += "\\r"; break;
-            case '\t': out += "\\t"; break;
-            case '\b': out += "\\b"; break;
-            case '\f': out += "\\f"; break;
+            case '"':
+                out += "\\\"";
+                break;
+            case '\\':
+                out += "\\\\";
+                break;
+            case '\n':
+                out += "\\n";
+                break;
+            case '\r':
+                out += "\\r";
+                break;
+            case '\t':
+                out += "\\t";
+                break;
+            case '\b':
+                out += "\\b";
+                break;
+            case '\f':
+                out += "\\f";
+                break;
             default:
                 if (c < 0x20) {
                     char buf[8];
@@ -328,11 +406,21 @@ static void newline(std::string& out, int indent, int depth) {
 
 void Value::dump_to(std::string& out, int indent, int depth) const {
     switch (kind_) {
-        case Kind::null: out += "null"; break;
-        case Kind::boolean: out += bool_ ? "true" : "false"; break;
+        case Kind::null:
+            out += "null";
+            break;
+        case Kind::boolean:
+            out += bool_ ? "true" : "false";
+            break;
         case Kind::number: {
-            if (is_int_) { out += std::to_string(int_); break; }
-            if (!std::isfinite(num_)) { out += "null"; break; }  // JSON has no NaN/Inf
+            if (is_int_) {
+                out += std::to_string(int_);
+                break;
+            }
+            if (!std::isfinite(num_)) {
+                out += "null";
+                break;
+            }  // JSON has no NaN/Inf
             char buf[32];
             // %.17g round-trips every double; keep a '.' so it reads back as a float.
             std::snprintf(buf, sizeof buf, "%.17g", num_);
@@ -340,13 +428,18 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
             // Prefer the shortest form that round-trips.
             for (int prec = 6; prec < 17; ++prec) {
                 std::snprintf(buf, sizeof buf, "%.*g", prec, num_);
-                if (std::strtod(buf, nullptr) == num_) { s = buf; break; }
+                if (std::strtod(buf, nullptr) == num_) {
+                    s = buf;
+                    break;
+                }
             }
             if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
             out += s;
             break;
         }
-        case Kind::string: out += quote(str_); break;
+        case Kind::string:
+            out += quote(str_);
+            break;
         case Kind::array: {
             out += '[';
             for (size_t i = 0; i < arr_->size(); ++i) {
@@ -381,6 +474,8 @@ std::string Value::dump(int indent) const {
 }
 
 Value parse(std::string_view text, const std::string& source, int max_depth) {
+    // A UTF-8 byte-order mark (Windows editors write one) is skipped, as Python's utf-8-sig does.
+    if (text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);
     return Parser(text, source, max_depth).parse_document();
 }
 

@@ -50,7 +50,7 @@ class Value {
 
     // Accessors throw mf::Error naming the expected and actual kind when the kind is wrong.
     bool as_bool() const;
-    int64_t as_int() const;   // integer-valued numbers only
+    int64_t as_int() const;  // integer-valued numbers only
     double as_double() const;
     const std::string& as_string() const;
     const Array& as_array() const;
@@ -81,7 +81,7 @@ class Value {
 // Parses `text`; `source` names the file (or "<stdin>") in error messages ("SOURCE:LINE:COL: ...");
 // an empty source is for a record whose caller names file and line itself (a JSONL line: the error
 // then says "column COL: ..."). Duplicate object keys are an error: a config that says two things
-// about one field is ambiguous.
+// about one field is ambiguous. A UTF-8 byte-order mark before the value is skipped.
 Value parse(std::string_view text, const std::string& source, int max_depth = 128);
 
 // Escapes a string as a JSON string literal (with quotes).

@@ -12,6 +12,11 @@
 // stacked in rank order, are therefore exactly the batch one rank with micro_batch * w would see,
 // and every rank's state (epoch, cursor: a position in the shared order) is the same, so a run
 // restores exactly, and the state does not depend on the rank.
+//
+// Single pass (evaluation): the documents once, in order, and no further epoch; the last batch holds
+// only the rows that received a document (its B may be smaller than micro_batch), done() tells
+// when every document was used. stats() counts what next() produced for this rank's rows, and
+// measure_epoch() the packing of one whole epoch (every rank's rows) without moving the loader.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +37,18 @@ struct LoaderShard {
     int64_t world = 1;  // data-parallel ranks
 };
 
+// Rows, real (non-padding) tokens and target tokens of the rows produced.
+struct PackingStats {
+    int64_t rows = 0;
+    int64_t real_tokens = 0;
+    int64_t target_tokens = 0;
+    // real tokens / (rows x seq_len): how much of the rows is documents rather than padding
+    double efficiency(int64_t seq_len) const {
+        return rows > 0 ? static_cast<double>(real_tokens) / (static_cast<double>(rows) * static_cast<double>(seq_len))
+                        : 0.0;
+    }
+};
+
 class Loader {
  public:
     Loader(const std::vector<Document>* docs, int64_t seq_len, int64_t micro_batch, bool packing, bool shuffle,
@@ -40,10 +57,19 @@ class Loader {
     const LoaderState& state() const { return state_; }
     void restore(const LoaderState& s);
 
+    void set_single_pass(bool on) { single_pass_ = on; }
+    bool done() const;  // single pass: every document has been used
+    const PackingStats& stats() const { return stats_; }
+    // The rows of the epoch this loader is in, from its first document to its last, over all ranks.
+    PackingStats measure_epoch() const;
+    int64_t seq_len() const { return seq_len_; }
+
  private:
     const Document& next_doc();
     void build_order();
-    void fill_row(Batch* b, int64_t row);  // row < 0: consume the row's documents without writing them
+    // row < 0: consume the row's documents without writing them. Returns the row's real tokens and
+    // targets (zero tokens: single pass and no document left).
+    PackingStats fill_row(Batch* b, int64_t row);
     const std::vector<Document>* docs_;
     int64_t seq_len_, micro_batch_;
     LoaderShard shard_;
@@ -52,6 +78,8 @@ class Loader {
     int32_t pad_id_;
     std::vector<int64_t> order_;
     LoaderState state_;
+    bool single_pass_ = false;
+    PackingStats stats_;
 };
 
 }  // namespace mf::data

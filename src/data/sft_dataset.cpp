@@ -1,18 +1,16 @@
 // SFT dataset reader: record kinds, auto detection, per-line errors (see sft_dataset.h).
 #include "data/sft_dataset.h"
 
-#include <fstream>
 #include <optional>
 
 #include "core/check.h"
 #include "core/json.h"
 #include "data/batch.h"
+#include "data/line_reader.h"
 
 namespace mf::data {
 
 namespace {
-
-constexpr size_t kMaxLineBytes = 64u << 20;
 
 // An error about the setup (tokenizer, chat template), not the line it showed up on: it stops the
 // read even when bad lines are skipped.
@@ -274,29 +272,26 @@ const char* sft_format_name(SftFormat format) {
 TokenDataset read_sft_jsonl(const std::filesystem::path& file, const text::Tokenizer* tokenizer,
                             const SftOptions& options, SftFormat* detected, text::ChatFormat* chat_format) {
     if (options.vocab_size <= 0) fail(file.string(), ": vocab_size must be positive (got ", options.vocab_size, ")");
-    std::ifstream in(file, std::ios::binary);
-    if (!in) fail(file.string(), ": cannot open dataset");
+    LineReader in(file);
+    const std::string& name = in.name();
     Reader reader(tokenizer, options);
     SftFormat kind = options.format;
     int64_t kind_line = 0;  // the line that decided the kind (0: set by the options)
-    if (kind != SftFormat::auto_detect) reader.prepare(kind, file.string());
+    if (kind != SftFormat::auto_detect) reader.prepare(kind, name);
 
     TokenDataset ds;
     std::string line;
-    int64_t line_no = 0;
     auto bad_line = [&](const Error& e) {
-        const std::string msg = file.string() + ":" + std::to_string(line_no) + ": " + e.what();
+        const std::string msg = name + ":" + std::to_string(in.line_no()) + ": " + e.what();
         if (!options.skip_bad_lines) throw Error(msg);
         if (ds.skipped_lines++ == 0) ds.first_skip_reason = msg;
     };
-    while (std::getline(in, line)) {
-        ++line_no;
-        if (!line.empty() && line.back() == '\r') line.pop_back();
+    while (in.next(line)) {
+        const int64_t line_no = in.line_no();
         if (line.find_first_not_of(" \t") == std::string::npos) continue;
         json::Value v;
         SftFormat line_kind;
         try {
-            if (line.size() > kMaxLineBytes) fail("line longer than ", kMaxLineBytes, " bytes");
             v = json::parse(line, "");  // errors get "FILE:LINE: " below
             line_kind = classify(v);
             if (kind != SftFormat::auto_detect && line_kind != kind) {
@@ -312,19 +307,18 @@ TokenDataset read_sft_jsonl(const std::filesystem::path& file, const text::Token
         if (kind == SftFormat::auto_detect) {
             kind = line_kind;
             kind_line = line_no;
-            reader.prepare(kind, file.string());  // a tokenizer/template problem stops, even in skip mode
+            reader.prepare(kind, name);  // a tokenizer/template problem stops, even in skip mode
         }
         try {
             ds.docs.push_back(reader.convert(kind, v));
         } catch (const SetupError& e) {
-            throw Error(file.string() + ":" + std::to_string(line_no) + ": " + e.what());
+            throw Error(name + ":" + std::to_string(line_no) + ": " + e.what());
         } catch (const Error& e) {
             bad_line(e);
         }
     }
-    if (in.bad()) fail(file.string(), ": read error after line ", line_no);
     if (ds.docs.empty())
-        fail(file.string(), ": no usable records (", ds.skipped_lines, " bad lines skipped",
+        fail(name, ": no usable records (", ds.skipped_lines, " bad lines skipped",
              ds.skipped_lines > 0 ? "; first: " + ds.first_skip_reason : std::string(), ")");
     if (detected != nullptr) *detected = kind;
     if (chat_format != nullptr && reader.chat_format()) *chat_format = *reader.chat_format();

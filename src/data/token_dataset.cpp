@@ -1,16 +1,13 @@
 #include "data/token_dataset.h"
 
-#include <fstream>
-
 #include "core/check.h"
 #include "core/json.h"
 #include "data/batch.h"
+#include "data/line_reader.h"
 
 namespace mf::data {
 
 namespace {
-
-constexpr size_t kMaxLineBytes = 64u << 20;
 
 std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t vocab_size, bool allow_ignore) {
     if (!v.is_array()) fail("field \"", field, "\" must be an array of integers");
@@ -20,7 +17,10 @@ std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t v
         const json::Value& e = v.as_array()[i];
         if (!e.is_int()) fail("field \"", field, "\"[", i, "] is ", e.dump(), ", expected an integer");
         const int64_t id = e.as_int();
-        if (allow_ignore && id == kIgnoreIndex) { out.push_back(kIgnoreIndex); continue; }
+        if (allow_ignore && id == kIgnoreIndex) {
+            out.push_back(kIgnoreIndex);
+            continue;
+        }
         if (id < 0 || id >= vocab_size)
             fail("field \"", field, "\"[", i, "] = ", id, " is outside the vocabulary [0, ", vocab_size, ")",
                  allow_ignore ? " and is not -100" : "");
@@ -52,25 +52,20 @@ Document parse_line(const std::string& line, int64_t vocab_size) {
 }  // namespace
 
 TokenDataset read_token_jsonl(const std::filesystem::path& file, int64_t vocab_size, bool skip_bad_lines) {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) fail(file.string(), ": cannot open dataset");
+    LineReader in(file);
     TokenDataset ds;
     std::string line;
-    int64_t line_no = 0;
-    while (std::getline(in, line)) {
-        ++line_no;
-        if (!line.empty() && line.back() == '\r') line.pop_back();
+    while (in.next(line)) {
         if (line.find_first_not_of(" \t") == std::string::npos) continue;
         try {
-            if (line.size() > kMaxLineBytes) fail("line longer than ", kMaxLineBytes, " bytes");
             ds.docs.push_back(parse_line(line, vocab_size));
         } catch (const Error& e) {
-            const std::string msg = file.string() + ":" + std::to_string(line_no) + ": " + e.what();
+            const std::string msg = in.name() + ":" + std::to_string(in.line_no()) + ": " + e.what();
             if (!skip_bad_lines) throw Error(msg);
             if (ds.skipped_lines++ == 0) ds.first_skip_reason = msg;
         }
     }
-    if (ds.docs.empty()) fail(file.string(), ": no usable documents (", ds.skipped_lines, " bad lines skipped)");
+    if (ds.docs.empty()) fail(in.name(), ": no usable documents (", ds.skipped_lines, " bad lines skipped)");
     return ds;
 }
 

@@ -541,11 +541,10 @@ class Parser {
     }
 
     // An item of a flow sequence or a value of a flow mapping.
-    Value parse_flow_item(Cursor& c, const std::string& path, int depth, bool allow_collections) {
+    Value parse_flow_item(Cursor& c, const std::string& path, int depth) {
         check_depth(depth, c.line);
         const char ch = c.peek();
         if (ch == '[' || ch == '{') {
-            if (!allow_collections) error(c.line, "nested collections inside a flow mapping '{...}' are not supported");
             return ch == '[' ? parse_flow_sequence(c, path, depth) : parse_flow_mapping(c, path, depth);
         }
         if (ch == '"') return Value(parse_double_quoted(c));
@@ -577,7 +576,7 @@ class Parser {
             }  // also accepts a trailing comma, as YAML does
             const std::string item_path = index_path(path, arr.size());
             record(item_path, c.line);
-            arr.push_back(parse_flow_item(c, item_path, depth + 1, true));
+            arr.push_back(parse_flow_item(c, item_path, depth + 1));
             const char next = flow_next(c, ']');
             if (next == ',') {
                 ++c.pos;
@@ -624,7 +623,7 @@ class Parser {
             record(key_path, c.line);
             Value value;
             const char next = flow_next(c, '}');
-            if (next != ',' && next != '}') value = parse_flow_item(c, key_path, depth + 1, false);
+            if (next != ',' && next != '}') value = parse_flow_item(c, key_path, depth + 1);
             obj.as_object().emplace_back(std::move(key), std::move(value));
             const char after = flow_next(c, '}');
             if (after == ',') {

@@ -2,9 +2,9 @@
 //
 // Supported: block mappings nested by indentation (spaces only), block sequences (`- item`, items
 // are scalars, flow collections, mappings or nested sequences), flow sequences `[a, "b", [1, 2]]`
-// and flat flow mappings `{a: 1, b: x}` on one line, plain / 'single' / "double" quoted scalars
-// (double quotes take the escapes \" \\ \/ \n \t \r \uXXXX), comments (`#` at the start of a line
-// or after whitespace, never inside quotes), blank lines, a leading `---`, CRLF line ends.
+// and flow mappings `{a: 1, b: [x, y], c: {d: 2}}` on one line (nested in each other freely), plain / 'single' /
+// "double" quoted scalars (double quotes take the escapes \" \\ \/ \n \t \r \uXXXX), comments (`#` at the start of a
+// line or after whitespace, never inside quotes), blank lines, a leading `---`, CRLF line ends.
 //
 // Plain scalars are typed as in the YAML 1.2 core schema: null/Null/NULL/~/empty -> null,
 // true/false (also True/TRUE...) -> bool, [-+]?[0-9]+ (and 0x.., 0o..) -> int, decimal floats with

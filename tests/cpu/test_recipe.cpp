@@ -297,7 +297,6 @@ TEST(Yaml, Refusals) {
         {"a:\n  b: 1\n   c: 2\n", "t.yaml:3: unexpected indentation"},
         {"a: [1, 2\n", "t.yaml:1: unterminated flow collection"},
         {"z: 0\na: [1, 2 # comment]\n", "t.yaml:2: unterminated flow collection"},
-        {"a: {b: {c: 1}}\n", "t.yaml:1: nested collections inside a flow mapping"},
         {"a: {b:1}\n", "t.yaml:1: expected ': ' after key 'b:1'"},
         {"a: [1,, 2]\n", "t.yaml:1: unexpected ','"},
         {"a: b: c\n", "t.yaml:1: ': ' inside a plain value"},
@@ -541,7 +540,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
             ++num_leaves;
         }
     }
-    EXPECT_EQ(num_leaves, 35u);
+    EXPECT_EQ(num_leaves, mf::train::recipe_key_docs().size());
     const Recipe back = parse_recipe("", "back", overrides);
     EXPECT_EQ(back.to_json().dump(), j.dump());
     EXPECT_EQ(back.optim.no_decay, r.optim.no_decay);
@@ -654,7 +653,7 @@ TEST(Recipe, BadRecipes) {
         {base,
          {"train.micro_batch=0"},
          {"command line ('train.micro_batch=0')", "train.micro_batch: expected an integer in [1, 1048576]"}},
-        {base, {"train.seq_len=100000000"}, {"command line", "train.seq_len: expected an integer in [1, 16777216]"}},
+        {base, {"train.seq_len=100000000"}, {"command line", "train.seq_len: expected an integer in [2, 16777216]"}},
         {base, {"train.log_every=0"}, {"command line", "train.log_every"}},
         {base, {"train.grad_clip=-1"}, {"command line", "train.grad_clip: expected a finite number >= 0"}},
         {base + "optim:\n  warmup_steps: 101\n",
@@ -842,4 +841,162 @@ TEST(Recipe, DistKeys) {
     EXPECT_NE(timeout.find("dist.timeout_s"), std::string::npos) << timeout;
     const std::string typo = error_of([] { parse_recipe(kMinimal, "x.yaml", {"dist.ep=2"}); });
     EXPECT_NE(typo.find("dist.ep_size"), std::string::npos) << typo;
+}
+
+// --- issue 20: keys declared once, new keys, paths, clear errors ------------------------------
+
+TEST(Yaml, FlowCollectionsNestInsideFlowMappings) {
+    const Value v = parse_yaml("optim: {betas: [0.9, 0.95], sub: {c: 1, d: [x, {e: 2}]}}\n", "t.yaml");
+    const Value* optim = v.find("optim");
+    ASSERT_NE(optim, nullptr);
+    ASSERT_TRUE(optim->find("betas")->is_array());
+    EXPECT_EQ(optim->find("betas")->as_array()[1].as_double(), 0.95);
+    EXPECT_EQ(optim->find("sub")->find("c")->as_int(), 1);
+    EXPECT_EQ(optim->find("sub")->find("d")->as_array()[1].find("e")->as_int(), 2);
+    const Recipe r = parse_recipe(std::string(kMinimal) + "optim: {lr: 1e-4, betas: [0.8, 0.9]}\n", "r.yaml", {});
+    EXPECT_EQ(r.optim.beta1, 0.8);
+    EXPECT_EQ(r.optim.beta2, 0.9);
+    EXPECT_EQ(r.optim.lr, 1e-4);
+}
+
+TEST(Recipe, ByteOrderMarkIsSkipped) {
+    const Recipe r = parse_recipe(std::string("\xEF\xBB\xBF") + kMinimal, "bom.yaml", {});
+    EXPECT_EQ(r.model, "/models/tiny");
+}
+
+TEST(Recipe, SeqLenOfOneIsRefusedWithAReason) {
+    const std::string msg = error_of(
+        [] { parse_recipe("model: m\ndata: {train: d}\ntrain: {steps: 1, seq_len: 1}\nout: o\n", "r.yaml", {}); });
+    EXPECT_NE(msg.find("r.yaml:3: train.seq_len: expected an integer in [2, "), std::string::npos) << msg;
+    const std::string eval = error_of([] { parse_recipe(kMinimal, "r.yaml", {"eval.seq_len=1"}); });
+    EXPECT_NE(eval.find("eval.seq_len: expected an integer in [2, "), std::string::npos) << eval;
+}
+
+TEST(Recipe, NonFiniteNumbersAreNamed) {
+    for (const char* o :
+         {"optim.lr=.nan", "optim.lr=.inf", "optim.lr=-.inf", "train.grad_clip=.nan", "dist.timeout_s=.inf"}) {
+        const std::string msg = error_of([&] { parse_recipe(kMinimal, "r.yaml", {o}); });
+        EXPECT_EQ(msg.find("null"), std::string::npos) << o << ": " << msg;
+        const bool named = msg.find("NaN is not allowed") != std::string::npos ||
+                           msg.find("infinities are not allowed") != std::string::npos;
+        EXPECT_TRUE(named) << o << ": " << msg;
+    }
+    const std::string file =
+        error_of([] { parse_recipe(std::string(kMinimal) + "optim:\n  lr: .nan\n", "r.yaml", {}); });
+    EXPECT_NE(file.find("r.yaml:8: optim.lr: expected a finite number >= 0, got NaN"), std::string::npos) << file;
+}
+
+TEST(Recipe, HugeMicroBatchTimesSeqLenIsRefusedNamingBoth) {
+    // Each is in its own range; the product (2^30 tokens) is what would ask for ~800 GB.
+    const std::string msg = error_of([] {
+        parse_recipe(kMinimal, "r.yaml", {"train.micro_batch=65536", "train.seq_len=16384"});
+    });
+    EXPECT_NE(msg.find("train.micro_batch x train.seq_len = 65536 x 16384 = 1073741824 tokens"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("at most 4194304"), std::string::npos) << msg;
+    const std::string eval = error_of([] {
+        parse_recipe(kMinimal, "r.yaml", {"eval.micro_batch=4096", "eval.seq_len=4096"});
+    });
+    EXPECT_NE(eval.find("eval.micro_batch x eval.seq_len"), std::string::npos) << eval;
+    EXPECT_NO_THROW(parse_recipe(kMinimal, "r.yaml", {"train.micro_batch=1024", "train.seq_len=4096"}));
+}
+
+TEST(Recipe, EvalCheckpointLogAndDataKeys) {
+    const Recipe d = parse_recipe(kMinimal, "r.yaml", {"train.micro_batch=3", "train.seq_len=96", "train.log_every=7"});
+    EXPECT_EQ(d.eval.data, "");
+    EXPECT_EQ(d.eval.every, 0);
+    EXPECT_EQ(d.eval.micro_batch, 3);  // follows train.*
+    EXPECT_EQ(d.eval.seq_len, 96);
+    EXPECT_EQ(d.log.every, 7);
+    EXPECT_FALSE(d.log.tensorboard);
+    EXPECT_FALSE(d.checkpoint.keep_best);
+    EXPECT_EQ(d.data.on_empty, "stop");
+    const Recipe r = parse_recipe(std::string(kMinimal) +
+                                      "eval: {data: /d/held.jsonl, every: 5, micro_batch: 2, seq_len: 64}\n"
+                                      "checkpoint: {keep_best: true}\nlog: {tensorboard: true, every: 2}\n",
+                                  "r.yaml", {"data.on_empty=warn"});
+    EXPECT_EQ(r.eval.data, "/d/held.jsonl");
+    EXPECT_EQ(r.eval.every, 5);
+    EXPECT_EQ(r.eval.micro_batch, 2);
+    EXPECT_EQ(r.eval.seq_len, 64);
+    EXPECT_TRUE(r.checkpoint.keep_best);
+    EXPECT_TRUE(r.log.tensorboard);
+    EXPECT_EQ(r.log.every, 2);
+    EXPECT_EQ(r.data.on_empty, "warn");
+    const Value j = r.to_json();
+    EXPECT_EQ(j.find("eval")->find("data")->as_string(), "/d/held.jsonl");
+    EXPECT_EQ(j.find("eval")->find("micro_batch")->as_int(), 2);
+    EXPECT_EQ(j.find("checkpoint")->find("keep_best")->as_bool(), true);
+    EXPECT_EQ(j.find("log")->find("tensorboard")->as_bool(), true);
+    EXPECT_EQ(j.find("data")->find("on_empty")->as_string(), "warn");
+
+    const std::string bad_empty = error_of([] { parse_recipe(kMinimal, "r.yaml", {"data.on_empty=skip"}); });
+    EXPECT_NE(bad_empty.find("data.on_empty: expected one of stop, warn"), std::string::npos) << bad_empty;
+    const std::string no_data = error_of([] { parse_recipe(kMinimal, "r.yaml", {"eval.every=10"}); });
+    EXPECT_NE(no_data.find("eval.every: 10 needs eval.data"), std::string::npos) << no_data;
+    const std::string best = error_of([] { parse_recipe(kMinimal, "r.yaml", {"checkpoint.keep_best=true"}); });
+    EXPECT_NE(best.find("checkpoint.keep_best: true needs evaluation during training"), std::string::npos) << best;
+    const std::string best2 = error_of([] {
+        parse_recipe(kMinimal, "r.yaml", {"eval.data=h.jsonl", "checkpoint.keep_best=true"});
+    });
+    EXPECT_NE(best2.find("eval.every > 0"), std::string::npos) << best2;
+    const std::string stdin_data = error_of([] { parse_recipe(kMinimal, "r.yaml", {"data.train='-'"}); });
+    EXPECT_NE(stdin_data.find("data.train: expected a file"), std::string::npos) << stdin_data;
+    const std::string tb = error_of([] { parse_recipe(kMinimal, "r.yaml", {"log.tensorboard=1"}); });
+    EXPECT_NE(tb.find("log.tensorboard: expected true or false"), std::string::npos) << tb;
+}
+
+TEST(Recipe, RelativePathsResolveFromTheRecipeDirectory) {
+    const auto dir = mf::test::temp_dir("recipe_paths");
+    std::filesystem::create_directories(dir / "sub");
+    mf::test::write_file(dir / "sub" / "r.yaml",
+                         "model: base\ndata: {train: data/t.jsonl}\neval: {data: ../held.jsonl}\n"
+                         "train: {steps: 1}\nout: /abs/out\n");
+    const Recipe r = mf::train::load_recipe(dir / "sub" / "r.yaml", {});
+    const std::filesystem::path base = dir / "sub";
+    EXPECT_EQ(r.model, (base / "base").string());
+    EXPECT_EQ(r.data.train, (base / "data/t.jsonl").string());
+    EXPECT_EQ(r.eval.data, (base / "../held.jsonl").string());
+    EXPECT_EQ(r.out, "/abs/out");  // absolute: as written
+    // Overrides are command-line paths: from the current directory, as written.
+    const Recipe o = mf::train::load_recipe(dir / "sub" / "r.yaml", {"model=m2", "out=o2"});
+    EXPECT_EQ(o.model, "m2");
+    EXPECT_EQ(o.out, "o2");
+    EXPECT_EQ(o.data.train, (base / "data/t.jsonl").string());
+    std::filesystem::remove_all(dir);
+}
+
+TEST(Recipe, KeyDocsCoverEveryKeyOnce) {
+    const auto docs = mf::train::recipe_key_docs();
+    const Recipe r = parse_recipe(kMinimal, "r.yaml", {});
+    const Value j = r.to_json();
+    std::set<std::string> seen;
+    for (const auto& d : docs) {
+        EXPECT_TRUE(seen.insert(d.path).second) << "declared twice: " << d.path;
+        EXPECT_FALSE(d.type.empty()) << d.path;
+        EXPECT_FALSE(d.default_value.empty()) << d.path;
+        EXPECT_FALSE(d.meaning.empty()) << d.path;
+        // Every documented key is accepted as an override and appears in to_json.
+        const size_t dot = d.path.find('.');
+        const Value* v =
+            dot == std::string::npos ? j.find(d.path) : j.find(d.path.substr(0, dot))->find(d.path.substr(dot + 1));
+        EXPECT_NE(v, nullptr) << d.path;
+    }
+    for (const char* key : {"eval.data", "eval.every", "eval.micro_batch", "eval.seq_len", "checkpoint.keep_best",
+                            "log.tensorboard", "log.every", "data.on_empty", "train.log_every"})
+        EXPECT_TRUE(seen.count(key)) << key;
+    for (const auto& d : docs) {
+        if (d.path == "train.seq_len") {
+            EXPECT_EQ(d.default_value, "2048");
+        }
+        if (d.path == "model") {
+            EXPECT_EQ(d.default_value, "(required)");
+        }
+        if (d.path == "eval.micro_batch") {
+            EXPECT_EQ(d.default_value, "train.micro_batch");
+        }
+        if (d.path == "data.on_empty") {
+            EXPECT_EQ(d.type, "one of stop, warn");
+        }
+    }
 }
