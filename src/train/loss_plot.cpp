@@ -216,7 +216,9 @@ std::string render_loss_svg(const MetricsLog& log, const std::string& title) {
     out += "<rect x=\"0\" y=\"0\" width=\"" + num(kWidth) + "\" height=\"" + num(height) + "\" fill=\"white\"/>\n";
     std::string subtitle = std::to_string(log.num_records) + " records, steps " + std::to_string(log.first_step) + "-" +
                            std::to_string(log.last_step);
-    if (log.num_skipped > 0) subtitle += ", " + std::to_string(log.num_skipped) + " updates skipped";
+    if (log.num_skipped > 0)
+        subtitle +=
+            ", " + std::to_string(log.num_skipped) + (log.num_skipped == 1 ? " update" : " updates") + " skipped";
     out += "<text x=\"" + num(kPlotLeft) + "\" y=\"24\" font-size=\"15\">" + escape_xml(title) + "</text>\n";
     out += "<text x=\"" + num(kPlotRight) + "\" y=\"24\" font-size=\"12\" text-anchor=\"end\" fill=\"#555\">" +
            escape_xml(subtitle) + "</text>\n";
