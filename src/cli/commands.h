@@ -16,6 +16,8 @@ int cmd_finetune(const Args& args);
 int cmd_tokenize(const Args& args);
 int cmd_bench(const Args& args);
 int cmd_launch(const Args& args);
+int cmd_recipe(const Args& args);
+int cmd_generate(const Args& args);
 int cmd_plot(const Args& args);
 
 }  // namespace mf::cli
