@@ -21,6 +21,8 @@ int run_command(const std::string& command, const mf::cli::Args& args) {
     if (command == "tokenize") return mf::cli::cmd_tokenize(args);
     if (command == "bench") return mf::cli::cmd_bench(args);
     if (command == "launch") return mf::cli::cmd_launch(args);
+    if (command == "generate") return mf::cli::cmd_generate(args);
+    if (command == "recipe") return mf::cli::cmd_recipe(args);
     if (command == "plot") return mf::cli::cmd_plot(args);
     std::fprintf(stderr, "moeforge: unknown command '%s'\n\n%s", command.c_str(), mf::cli::usage_text().c_str());
     return 2;
