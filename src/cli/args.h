@@ -63,5 +63,9 @@ class ParsedArgs {
 
 // Parses a non-negative integer option value, naming the option when it is not one.
 int64_t parse_int_option(const std::string& value, const char* option);
+// An integer in [min, max]; anything else is an error naming the option and the range.
+int64_t parse_int_option(const std::string& value, const char* option, int64_t min, int64_t max);
+// A finite number in [min, max] (NaN, infinities, "1e30" past max and non-numbers refused by name).
+double parse_number_option(const std::string& value, const char* option, double min, double max);
 
 }  // namespace mf::cli

@@ -11,10 +11,11 @@
 // expert parallelism of --ep-size (default 1: pure data parallelism) and ZeRO-1 over the DP group
 // (--no-zero1 to keep whole AdamW state), exactly as the trainer does; rank 0 prints the line with
 // tokens/s per GPU (one rank's tokens over the step time) and the largest peak memory of any rank.
+// Without a GPU it refuses unless --device cpu is given.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <algorithm>
 #include <random>
 
 #include "cli/args.h"
@@ -28,9 +29,28 @@
 
 namespace mf::cli {
 
+namespace {
+
+// --device auto takes the GPU; without one, bench refuses rather than silently timing the CPU
+// (a BENCHMARKS.md workload there takes tens of GB of host memory and hours): the CPU only when
+// asked for by name.
+Device bench_device(const std::string& dev) {
+    if (dev != "auto" && dev != "cpu" && dev != "cuda")
+        fail("bench: option --device: expected auto, cpu or cuda, got \"", dev, "\"");
+    if (dev == "cpu") return Device::cpu;
+    if (cuda_available()) return Device::cuda;
+    fail("bench: --device ", dev,
+         ", but no CUDA device is available (or this build has no CUDA); bench measures the GPU step. To time "
+         "the CPU reference instead, pass --device cpu explicitly (slow; a full-size config needs tens of GB of "
+         "host memory)");
+}
+
+}  // namespace
+
 int cmd_bench(const Args& args) {
-    const ParsedArgs a(args, {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed", "recompute",
-                        "ep-size", "ep-chunks", "timeout"},
+    const ParsedArgs a(args,
+                       {"config", "layers", "micro-batch", "seq-len", "steps", "warmup", "precision", "device", "seed",
+                        "recompute", "ep-size", "ep-chunks", "timeout"},
                        {"profile", "phases", "no-zero1"}, "bench");
     const std::filesystem::path cfg_file = a.require("config", "bench");
     auto cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()),
@@ -45,9 +65,7 @@ int cmd_bench(const Args& args) {
     const int64_t warmup = parse_int_option(a.get("warmup", "2"), "warmup");
     const std::string precision = a.get("precision", "bf16");
     if (precision != "bf16" && precision != "mixed") fail("bench: --precision must be bf16 or mixed");
-    const std::string dev = a.get("device", "auto");
-    const Device device = dev == "cpu" ? Device::cpu : (cuda_available() ? Device::cuda : Device::cpu);
-    if (dev == "cuda" && device != Device::cuda) fail("bench: --device cuda, but no CUDA device is available");
+    const Device device = bench_device(a.get("device", "auto"));
     const bool mixed = precision == "mixed";
     train::Recipe run;  // the distributed part of a recipe, from the options
     run.source = "bench";
@@ -67,8 +85,10 @@ int cmd_bench(const Args& args) {
     for (const auto& s : m.params().specs()) {
         // Replicated tensors: the same draws on every rank; expert shards: each rank its own.
         const uint64_t sd = (seed++) * 1000003u + (s.is_expert ? static_cast<uint64_t>(s.expert_first) : 0u);
-        if (s.shape.size() == 1) ops::fill_normal(m.param(s.name), sd, 1.0f, 0.0f);  // norms: ones
-        else ops::fill_normal(m.param(s.name), sd, 0.0f, 0.02f);
+        if (s.shape.size() == 1)
+            ops::fill_normal(m.param(s.name), sd, 1.0f, 0.0f);  // norms: ones
+        else
+            ops::fill_normal(m.param(s.name), sd, 0.0f, 0.02f);
     }
     m.set_recompute(model::parse_recompute(a.get("recompute", "none")));
     train::Recipe::Optim optim;
@@ -80,7 +100,8 @@ int cmd_bench(const Args& args) {
     std::mt19937 rng(1234u + static_cast<unsigned>(dist->rank()));
     std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B));
     for (auto& r : rows)
-        for (int64_t t = 0; t < T; ++t) r.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(cfg.vocab_size)));
+        for (int64_t t = 0; t < T; ++t)
+            r.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(cfg.vocab_size)));
     const data::Batch batch = data::make_row_batch(rows, {}, T, 0);
     const int64_t targets = dist->sum_i64(batch.num_targets());
     const model::LossScales scales{1.0 / static_cast<double>(targets),
@@ -129,10 +150,13 @@ int cmd_bench(const Args& args) {
         const auto now = std::chrono::steady_clock::now();
         const double dt = std::chrono::duration<double>(now - last_end).count();
         last_end = now;
-        if (phases) timed += std::chrono::duration<double>(now - span_start).count();
-        else if (i + 1 == warmup + steps && i >= warmup) timed = std::chrono::duration<double>(now - span_start).count();
+        if (phases)
+            timed += std::chrono::duration<double>(now - span_start).count();
+        else if (i + 1 == warmup + steps && i >= warmup)
+            timed = std::chrono::duration<double>(now - span_start).count();
         if (dist->is_main())
-            std::fprintf(stderr, "bench step %lld: %.1f ms, loss %.4f\n", static_cast<long long>(i + 1), dt * 1e3, last_loss);
+            std::fprintf(stderr, "bench step %lld: %.1f ms, loss %.4f\n", static_cast<long long>(i + 1), dt * 1e3,
+                         last_loss);
     }
     const double step_s = timed / static_cast<double>(std::max<int64_t>(steps, 1));
     const double tps = static_cast<double>(B * T) / step_s;
@@ -173,11 +197,12 @@ int cmd_bench(const Args& args) {
     if (a.has("phases") && dist->is_main()) {
         // Rank 0's timeline: when the device reached each mark, the phase's own share, and when the
         // host had enqueued it (host ahead of the device = positive slack).
-        std::fprintf(stderr, "%-24s %10s %10s %10s %10s\n", "phase (rank 0)", "device_ms", "phase_ms", "host_ms", "slack_ms");
+        std::fprintf(stderr, "%-24s %10s %10s %10s %10s\n", "phase (rank 0)", "device_ms", "phase_ms", "host_ms",
+                     "slack_ms");
         double prev = 0;
         for (const auto& p : ops::phase_report()) {
-            std::fprintf(stderr, "%-24s %10.3f %10.3f %10.3f %10.3f\n", p.name.c_str(), p.gpu_ms, p.gpu_ms - prev, p.host_ms,
-                         p.gpu_ms - p.host_ms);
+            std::fprintf(stderr, "%-24s %10.3f %10.3f %10.3f %10.3f\n", p.name.c_str(), p.gpu_ms, p.gpu_ms - prev,
+                         p.host_ms, p.gpu_ms - p.host_ms);
             prev = p.gpu_ms;
         }
     }

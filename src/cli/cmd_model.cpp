@@ -2,32 +2,22 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <optional>
 
 #include "cli/args.h"
-#include "data/batch.h"
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
-#include "text/tokenizer.h"
 #include "io/file.h"
 #include "model/qwen3_moe.h"
+#include "text/tokenizer.h"
+#include "train/evaluate.h"
 #include "train/hf_checkpoint.h"
+#include "train/recipe.h"
 
 namespace mf::cli {
 
 namespace fs = std::filesystem;
-
-int64_t parse_int_option(const std::string& value, const char* option) {
-    size_t used = 0;
-    long long v = -1;
-    try {
-        v = std::stoll(value, &used);
-    } catch (const std::exception&) {
-        used = 0;
-    }
-    if (used != value.size() || v < 0) fail("option --", option, ": expected a non-negative integer, got \"", value, "\"");
-    return v;
-}
 
 namespace {
 
@@ -60,20 +50,24 @@ model::Qwen3MoeConfig tiny_preset() {
 }  // namespace
 
 int cmd_init(const Args& args) {
-    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {}, "init");
+    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {},
+                       "init");
     const std::string arch = a.get("arch", "qwen3_moe");
     if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
     model::Qwen3MoeConfig cfg;
     if (a.has("config")) {
         const fs::path file = a.get("config");
-        cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()), file.string());
+        cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()),
+                                               file.string());
         if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
     } else {
         const std::string preset = a.get("preset", "tiny");
         if (preset != "tiny") fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
         cfg = tiny_preset();
     }
-    if (a.has("vocab-size")) cfg.vocab_size = parse_int_option(a.get("vocab-size"), "vocab-size");
+    // Token ids are int32 (data/batch.h).
+    if (a.has("vocab-size"))
+        cfg.vocab_size = parse_int_option(a.get("vocab-size"), "vocab-size", 1, std::numeric_limits<int32_t>::max());
     const fs::path out = a.require("out", "init");
     // A tokenizer shipped with the model: its files are copied, and its ids must fit the vocabulary.
     const fs::path tokenizer_dir = a.get("tokenizer");
@@ -84,7 +78,8 @@ int cmd_init(const Args& args) {
                  " ids, more than the model's vocab_size ", cfg.vocab_size, " (pass --vocab-size)");
     }
     const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
-    const float std_dev = std::stof(a.get("init-std", "0.02"));
+    // HF's initializer_range is 0.02; past 1 the logits of a deep model overflow float.
+    const float std_dev = static_cast<float>(parse_number_option(a.get("init-std", "0.02"), "init-std", 0.0, 1.0));
     model::Qwen3Moe m(cfg);
     m.init_random(seed, std_dev);
     io::AtomicDir dir(out);
@@ -125,8 +120,10 @@ RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a)
     p.params = mine.total();
     // bytes per element: parameter, gradient, optimizer state (m, v and the fp32 master if any)
     int64_t param_b = 2, grad_b = 2, state_b = 4;
-    if (p.device == "cpu") param_b = 4, grad_b = 4, state_b = 8;
-    else if (p.precision == "mixed") grad_b = 4, state_b = 12;
+    if (p.device == "cpu")
+        param_b = 4, grad_b = 4, state_b = 8;
+    else if (p.precision == "mixed")
+        grad_b = 4, state_b = 12;
     p.param_grad_bytes = p.params * (param_b + grad_b);
     auto owned = [](int64_t n, int64_t ranks) {  // rank 0's chunk of n elements over `ranks`
         if (ranks <= 1) return n;
@@ -134,8 +131,7 @@ RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a)
         return std::min(n, (per + 63) / 64 * 64);
     };
     const int64_t rep = mine.expert_offset(), experts = mine.total() - rep;
-    const int64_t owned_elems =
-        p.zero1 ? owned(rep, p.world) + owned(experts, p.world / p.ep) : mine.total();
+    const int64_t owned_elems = p.zero1 ? owned(rep, p.world) + owned(experts, p.world / p.ep) : mine.total();
     p.optimizer_bytes = owned_elems * state_b;
     return p;
 }
@@ -160,7 +156,8 @@ int cmd_info(const Args& args) {
         v.set("flops_per_token", json::Value(flops));
         v.set("seq_len", T);
         json::Value layers = json::Value::array();
-        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
+        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+            layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
         v.set("layers", std::move(layers));
         json::Value per = json::Value::object();
         per.set("world", plan.world);
@@ -180,11 +177,12 @@ int cmd_info(const Args& args) {
                 static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
     std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
     const double gib = 1024.0 * 1024.0 * 1024.0;
-    std::printf("  per rank (world %lld, EP %lld, %s %s%s): %lld parameters; parameters + gradients %.2f GiB, "
-                "AdamW state %.2f GiB (before activations)\n",
-                static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
-                plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
-                static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
+    std::printf(
+        "  per rank (world %lld, EP %lld, %s %s%s): %lld parameters; parameters + gradients %.2f GiB, "
+        "AdamW state %.2f GiB (before activations)\n",
+        static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
+        plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
+        static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
     std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
                 static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
                 cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);
@@ -203,40 +201,74 @@ int cmd_info(const Args& args) {
     return 0;
 }
 
+namespace {
+
+// eval --device: auto takes the GPU when there is one. On the GPU the model is loaded as the
+// trainer's bf16 policy does (ModelPlacement with bf16 gradients and logits), on the CPU in fp32.
+model::ModelPlacement eval_placement(const std::string& device) {
+    if (device != "auto" && device != "cpu" && device != "cuda")
+        fail("eval: option --device: expected auto, cpu or cuda, got \"", device, "\"");
+    if (device == "cuda" && !cuda_available())
+        fail("eval: --device cuda, but no CUDA device is available (or this build has no CUDA)");
+    const bool gpu = device != "cpu" && cuda_available();
+    return model::ModelPlacement{gpu ? Device::cuda : Device::cpu, gpu ? DType::bf16 : DType::f32, {}};
+}
+
+bool has_tokenizer(const fs::path& model_dir) {
+    std::error_code ec;
+    const bool found = fs::is_regular_file(model_dir / "tokenizer.json", ec);
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
+        fail((model_dir / "tokenizer.json").string(), ": cannot be read: ", ec.message());
+    return found;
+}
+
+}  // namespace
+
 int cmd_eval(const Args& args) {
-    const ParsedArgs a(args, {"model", "data", "format"}, {"json"}, "eval");
+    const ParsedArgs a(args, {"model", "data", "format", "micro-batch", "seq-len", "device"}, {"json", "no-packing"},
+                       "eval");
     const fs::path model_dir = a.require("model", "eval");
-    const fs::path data_file = a.require("data", "eval");
-    auto m = train::load_hf_model(model_dir);
+    const fs::path data_file = a.require("data", "eval");  // "-": standard input
+    train::EvalOptions eo;
+    eo.micro_batch = parse_int_option(a.get("micro-batch", "8"), "micro-batch", 1, int64_t{1} << 20);
+    eo.seq_len = parse_int_option(a.get("seq-len", "2048"), "seq-len", 2, int64_t{1} << 24);
+    eo.packing = !a.has("no-packing");
+    if (eo.micro_batch * eo.seq_len > train::kMaxMicroBatchTokens)
+        fail("eval: --micro-batch x --seq-len = ", eo.micro_batch, " x ", eo.seq_len, " = ",
+             eo.micro_batch * eo.seq_len, " tokens per forward pass; at most ", train::kMaxMicroBatchTokens,
+             " are allowed");
+    const model::ModelPlacement placement = eval_placement(a.get("device", "auto"));
+    auto m = train::load_hf_model(model_dir, nullptr, placement);
     const auto& cfg = m->config();
     std::optional<text::Tokenizer> tokenizer;
-    if (std::filesystem::exists(model_dir / "tokenizer.json")) tokenizer = text::Tokenizer::load(model_dir);
+    if (has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
     data::SftOptions opt;
     opt.format = data::parse_sft_format(a.get("format", "auto"));
     opt.tokenizer_dir = model_dir;
     opt.vocab_size = cfg.vocab_size;
     const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);
-    std::vector<std::vector<int32_t>> ids, labels;
-    int64_t T = 0;
-    for (const auto& d : ds.docs) {
-        ids.push_back(d.input_ids);
-        labels.push_back(d.labels);
-        T = std::max<int64_t>(T, static_cast<int64_t>(d.input_ids.size()));
-    }
-    const data::Batch batch = data::make_row_batch(ids, labels, T, 0);
-    const model::StepStats s = m->step(batch, nullptr);
-    const double ce = s.num_targets > 0 ? s.ce_sum / static_cast<double>(s.num_targets) : 0.0;
-    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
-    const double loss = ce + (add_aux ? cfg.router_aux_loss_coef * s.aux : 0.0);
+    const train::EvalResult r = train::evaluate(*m, ds, eo);
     if (a.has("json")) {
         json::Value v = json::Value::object();
-        v.set("loss", json::Value(loss));
-        v.set("ce_loss", json::Value(ce));
-        v.set("aux_loss", json::Value(s.aux));
-        v.set("tokens", s.num_targets);
+        v.set("loss", json::Value(r.loss));
+        v.set("ce_loss", json::Value(r.ce_loss));
+        v.set("aux_loss", json::Value(r.aux_loss));
+        v.set("tokens", r.targets);
+        v.set("real_tokens", r.tokens);
+        v.set("documents", r.documents);
+        v.set("truncated", r.truncated);
+        v.set("batches", r.batches);
+        v.set("micro_batch", eo.micro_batch);
+        v.set("seq_len", eo.seq_len);
+        v.set("device", device_name(placement.device));
         std::printf("%s\n", v.dump().c_str());
     } else {
-        std::printf("loss %.6f | ce %.6f | aux %.6f | %lld tokens\n", loss, ce, s.aux, static_cast<long long>(s.num_targets));
+        std::printf(
+            "loss %.6f | ce %.6f | aux %.6f | %lld tokens | %lld documents (%lld truncated at seq_len %lld) | "
+            "%lld batches on %s\n",
+            r.loss, r.ce_loss, r.aux_loss, static_cast<long long>(r.targets), static_cast<long long>(r.documents),
+            static_cast<long long>(r.truncated), static_cast<long long>(eo.seq_len), static_cast<long long>(r.batches),
+            device_name(placement.device));
     }
     return 0;
 }

@@ -4,7 +4,7 @@
 //                                                               (a JSON array with --json, else space-separated)
 //   moeforge tokenize --tokenizer DIR --decode [--skip-special] stdin is a JSON array of ids; prints the text
 //
-// stdin must be valid UTF-8 when encoding; a bad id array or an unknown id is an error naming it.
+// stdin (at most 64 MiB) must be valid UTF-8 when encoding; a bad id array or an unknown id is an error naming it.
 #include <cstdio>
 #include <iostream>
 #include <iterator>
@@ -20,11 +20,20 @@ namespace mf::cli {
 
 namespace {
 
+// One text is held whole (and its ids and their printout): the cap keeps that bounded, checked
+// as the input arrives, so an endless stream (/dev/zero) stops at the cap.
+constexpr size_t kMaxStdinBytes = size_t{64} << 20;
+
 std::string read_stdin() {
     std::string text;
     char buf[1 << 16];
     size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, stdin)) > 0) text.append(buf, n);
+    while ((n = std::fread(buf, 1, sizeof buf, stdin)) > 0) {
+        if (text.size() + n > kMaxStdinBytes)
+            fail("tokenize: standard input is longer than ", kMaxStdinBytes,
+                 " bytes; tokenize encodes one text at a time (split the input)");
+        text.append(buf, n);
+    }
     if (std::ferror(stdin)) fail("tokenize: error reading standard input");
     return text;
 }
