@@ -54,7 +54,8 @@ double parse_number_option(const std::string& value, const char* option) {
 }
 
 GenerateArgs parse_generate_args(const Args& args) {
-    const ParsedArgs a(args, {"model", "prompt", "chat-format", "max-new-tokens", "temperature", "top-p", "seed", "device"},
+    const ParsedArgs a(args,
+                       {"model", "prompt", "chat-format", "max-new-tokens", "temperature", "top-p", "seed", "device"},
                        {"chat", "json"}, "generate");
     if (!a.positional().empty()) fail("generate: unexpected argument \"", a.positional()[0], "\"");
     GenerateArgs g;
@@ -80,8 +81,10 @@ GenerateArgs parse_generate_args(const Args& args) {
         fail("generate: option --top-p: expected a number in (0, 1], got ", a.get("top-p"));
     g.options.sampling.seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
     const std::string device = a.get("device", "auto");
-    if (device == "auto") g.device = cuda_available() ? Device::cuda : Device::cpu;
-    else if (device == "cpu") g.device = Device::cpu;
+    if (device == "auto")
+        g.device = cuda_available() ? Device::cuda : Device::cpu;
+    else if (device == "cpu")
+        g.device = Device::cpu;
     else if (device == "cuda") {
         if (!cuda_available())
             fail("generate: --device cuda: no CUDA device here (or moeforge was built without CUDA); use --device cpu");
@@ -219,7 +222,8 @@ int cmd_generate(const Args& args) {
     const model::GenerateResult r = model::generate(*m, prompt, options, [&](int32_t id) { stream.push(id); });
     const std::string text = stream.finish();
     const int64_t decoded = static_cast<int64_t>(r.tokens.size()) - 1;
-    const double decode_rate = decoded > 0 && r.decode_seconds > 0 ? static_cast<double>(decoded) / r.decode_seconds : 0;
+    const double decode_rate =
+        decoded > 0 && r.decode_seconds > 0 ? static_cast<double>(decoded) / r.decode_seconds : 0;
     if (g.json) {
         json::Value v = json::Value::object();
         v.set("model", g.model_dir.string());
@@ -238,7 +242,8 @@ int cmd_generate(const Args& args) {
         std::printf("%s\n", v.dump().c_str());
         return 0;
     }
-    std::fprintf(stderr, "generate: %zu new tokens (stopped at %s) after a %zu-token prompt on %s; prefill %.3f s, "
+    std::fprintf(stderr,
+                 "generate: %zu new tokens (stopped at %s) after a %zu-token prompt on %s; prefill %.3f s, "
                  "decode %.1f tokens/s\n",
                  r.tokens.size(), r.stopped_at_eos ? "EOS" : "--max-new-tokens", prompt.size(), device_name(g.device),
                  r.prefill_seconds, decode_rate);

@@ -28,9 +28,9 @@ struct KvCacheDecoder::Workspace {
     Arena arena;
     int64_t n = 0;  // tokens of the chunk the views below were carved for
     Tensor ids, positions;
-    Tensor x, ln, rstd, block_out;          // [n, H] residual, normed input, its statistics, a block's output
+    Tensor x, ln, rstd, block_out;           // [n, H] residual, normed input, its statistics, a block's output
     Tensor q_raw, k_raw, q, q_rstd, k_rstd;  // attention inputs (k goes straight into the cache)
-    Tensor attn;                            // [n, Hq·D]
+    Tensor attn;                             // [n, Hq·D]
     MoeActs moe;
     MlpActs mlp;
     Tensor logits;  // [1, V] f32
@@ -44,8 +44,7 @@ MoeDims moe_dims(const Qwen3MoeConfig& c) {
 
 }  // namespace
 
-KvCacheDecoder::KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_t max_chunk,
-                               DecodeAttention attention)
+KvCacheDecoder::KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_t max_chunk, DecodeAttention attention)
     : model_(model), max_tokens_(max_tokens), max_chunk_(max_chunk), ws_(std::make_unique<Workspace>()) {
     const Qwen3MoeConfig& c = model.config();
     const Device dev = model.device();
@@ -61,7 +60,8 @@ KvCacheDecoder::KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_
         fail("cached-KV attention has no ", device_name(dev), " kernel");
 
     // The KV cache: one allocation, K then V of every layer.
-    const int64_t L = c.num_hidden_layers, Dkv = c.num_key_value_heads * c.head_dim, Dq = c.num_attention_heads * c.head_dim;
+    const int64_t L = c.num_hidden_layers, Dkv = c.num_key_value_heads * c.head_dim,
+                  Dq = c.num_attention_heads * c.head_dim;
     const size_t per = static_cast<size_t>(shape_numel({max_tokens, Dkv})) * dtype_size(act_);
     cache_ = Buffer(static_cast<size_t>(2 * L) * per, dev);
     cache_.zero();
@@ -161,16 +161,17 @@ void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
         ops::qknorm_rope_forward(q_rows.slice_rows(first, T), k_new, ws.q_rstd, ws.k_rstd, ws.q_raw, ws.k_raw,
                                  w.attn.q_norm, w.attn.k_norm, ws.positions, Hq, Hkv, eps,
                                  static_cast<float>(c.rope_theta));
-        ops::attention_forward(out_rows, lse, q_rows, k_prefix, v_prefix, prefix_docs_.slice_rows(0, T), 1, T, Hq,
-                               Hkv);
+        ops::attention_forward(out_rows, lse, q_rows, k_prefix, v_prefix, prefix_docs_.slice_rows(0, T), 1, T, Hq, Hkv);
         ops::matmul_forward(ws.block_out, out_rows.slice_rows(first, T), w.attn.wo);
     }
     ops::add(ws.x, ws.x, ws.block_out);
 
     // x += ffn(rmsnorm(x)): the training blocks, dropless MoE or dense MLP.
     ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, w.ln2, eps);
-    if (w.is_moe) moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, moe_dims(c));
-    else mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
+    if (w.is_moe)
+        moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, moe_dims(c));
+    else
+        mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
     ops::add(ws.x, ws.x, ws.block_out);
 }
 

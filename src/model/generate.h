@@ -74,7 +74,7 @@ class KvCacheDecoder {
     bool cached_attention_;
     DType act_;
     std::vector<LayerWeights> layers_;
-    Buffer cache_;        // per layer: K [max_tokens, Hkv·D], then V [max_tokens, Hkv·D]
+    Buffer cache_;  // per layer: K [max_tokens, Hkv·D], then V [max_tokens, Hkv·D]
     // prefix_square only: the prefix's queries and outputs [max_tokens, Hq·D], its lse [Hq·max_tokens]
     // (f32) and doc ids [max_tokens] (zeros: one document), carved from one allocation.
     Buffer prefix_buffer_;

@@ -69,6 +69,12 @@ float max_abs(const std::vector<float>& a) {
     return m;
 }
 
+// fp32 against HF's float64 reference: the logits pass through a few layers of fp32 GEMMs, norms
+// and softmaxes, each rounding at ~1e-7 relative; 1e-5 of the logits' scale (about 100 ulps) bounds
+// that with room (measured: 3.7e-6 on logits up to 4.1), far below the fixtures' smallest top-1/top-2
+// gap (1e-2), so a tie never decides a token.
+float hf_tolerance(const std::vector<float>& logits) { return 1e-5f * (1.0f + max_abs(logits)); }
+
 // Logits [T, V] of one forward over `ids` (Qwen3Moe::step, the training path).
 std::vector<float> full_forward_logits(model::Qwen3Moe& m, const std::vector<int32_t>& ids) {
     const data::Batch b = data::make_row_batch({ids}, {}, static_cast<int64_t>(ids.size()), 0);
@@ -89,7 +95,8 @@ std::vector<float> cached_logits(const model::Qwen3Moe& m, const std::vector<int
     size_t c = 0;
     while (pos < T) {
         const int64_t n = std::min(T - pos, c < chunks.size() ? chunks[c++] : int64_t{1});
-        const std::vector<float> l = dec.forward(std::span<const int32_t>(ids.data() + pos, static_cast<size_t>(n)), true);
+        const std::vector<float> l =
+            dec.forward(std::span<const int32_t>(ids.data() + pos, static_cast<size_t>(n)), true);
         out.insert(out.end(), l.begin(), l.end());
         pos += n;
         EXPECT_EQ(dec.length(), pos);
@@ -109,20 +116,25 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnFixtureModel) {
     // HF's float64 forward over the same sequence: our fp32 forward agrees within fp32 rounding.
     const auto hf = rows_of(case_dir("ids") / "expected.safetensors", "full_logits");
     ASSERT_EQ(hf.size(), seq.size());
-    for (size_t t = 0; t < seq.size(); ++t)
-        EXPECT_LT(max_abs_diff(full.data() + t * V, hf[t].data(), V), 2e-4f) << "position " << t;
-    const float scale = max_abs(full);
+    float worst = 0;
+    for (size_t t = 0; t < seq.size(); ++t) {
+        const float d = max_abs_diff(full.data() + t * V, hf[t].data(), V);
+        EXPECT_LT(d, hf_tolerance(full)) << "position " << t;
+        worst = std::max(worst, d);
+    }
+    std::printf("full forward vs HF float64: max |diff| %.3g over logits up to %.3g\n", worst, max_abs(full));
     for (const auto attention : {model::DecodeAttention::cached, model::DecodeAttention::prefix_square}) {
-        for (const std::vector<int64_t>& chunks :
-             {std::vector<int64_t>{10}, std::vector<int64_t>{1}, std::vector<int64_t>{4, 3, 5}, std::vector<int64_t>{30}}) {
+        for (const std::vector<int64_t>& chunks : {std::vector<int64_t>{10}, std::vector<int64_t>{1},
+                                                   std::vector<int64_t>{4, 3, 5}, std::vector<int64_t>{30}}) {
             const std::vector<float> cached = cached_logits(*m, seq, chunks, attention);
             ASSERT_EQ(cached.size(), full.size());
             for (size_t t = 0; t < seq.size(); ++t) {
                 const float d = max_abs_diff(cached.data() + t * V, full.data() + t * V, V);
-                // The CPU kernels compute a row's bits independently of the rows beside it, so the
-                // cached path must equal the full forward exactly; the bound allows fp32 rounding.
-                EXPECT_LE(d, 1e-6f * scale) << "position " << t << ", first chunk " << chunks[0]
-                                            << (attention == model::DecodeAttention::cached ? " (cached)" : " (prefix)");
+                // The CPU kernels compute a row's bits independently of the rows beside it (matmul,
+                // grouped matmul, norms) and the cached attention does the full attention's row
+                // arithmetic, so the cached path equals the full forward bit for bit.
+                EXPECT_EQ(d, 0.0f) << "position " << t << ", first chunk " << chunks[0]
+                                   << (attention == model::DecodeAttention::cached ? " (cached)" : " (prefix)");
             }
         }
     }
@@ -151,11 +163,10 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnRandomModel) {
     std::vector<int32_t> seq;
     for (int i = 0; i < 37; ++i) seq.push_back((i * 31 + 7) % 97);
     const std::vector<float> full = full_forward_logits(m, seq);
-    const float scale = max_abs(full);
     for (const auto attention : {model::DecodeAttention::cached, model::DecodeAttention::prefix_square}) {
         const std::vector<float> cached = cached_logits(m, seq, {17, 2, 5}, attention);
         ASSERT_EQ(cached.size(), full.size());
-        EXPECT_LE(max_abs_diff(cached.data(), full.data(), full.size()), 1e-6f * scale);
+        EXPECT_EQ(max_abs_diff(cached.data(), full.data(), full.size()), 0.0f);
     }
 }
 
@@ -163,8 +174,8 @@ TEST(GenerateKvCache, CacheIsAllocatedOnceAndBounded) {
     auto m = train::load_hf_model(case_dir("ids") / "model");
     const auto& c = m->config();
     model::KvCacheDecoder dec(*m, 12, 4);
-    EXPECT_EQ(dec.cache_bytes(), static_cast<size_t>(c.num_hidden_layers * 2 * 12 * c.num_key_value_heads *
-                                                     c.head_dim) * sizeof(float));
+    EXPECT_EQ(dec.cache_bytes(),
+              static_cast<size_t>(c.num_hidden_layers * 2 * 12 * c.num_key_value_heads * c.head_dim) * sizeof(float));
     EXPECT_TRUE(dec.uses_cached_attention());
     const std::vector<int32_t> four = {1, 2, 3, 4}, five = {1, 2, 3, 4, 5};
     EXPECT_THROW(dec.forward(five), Error);  // more than max_chunk
@@ -196,8 +207,14 @@ void expect_hf_greedy(const std::string& name, model::DecodeAttention attention)
     EXPECT_FALSE(r.stopped_at_eos);
     const auto hf = rows_of(case_dir(name) / "expected.safetensors", "step_logits");
     ASSERT_EQ(r.step_logits.size(), hf.size());
-    for (size_t s = 0; s < hf.size(); ++s)
-        EXPECT_LT(max_abs_diff(r.step_logits[s].data(), hf[s].data(), hf[s].size()), 2e-4f) << name << " step " << s;
+    float worst = 0;
+    for (size_t s = 0; s < hf.size(); ++s) {
+        const float d = max_abs_diff(r.step_logits[s].data(), hf[s].data(), hf[s].size());
+        EXPECT_LT(d, hf_tolerance(r.step_logits[s])) << name << " step " << s;
+        worst = std::max(worst, d);
+    }
+    std::printf("%s: %zu greedy tokens equal HF's; step logits vs HF float64: max |diff| %.3g\n", name.c_str(),
+                r.tokens.size(), worst);
     // With HF's EOS ids: it stops after producing one, and keeps it.
     o.eos_ids = ids_of(e, "eos_token_id");
     o.keep_logits = false;
@@ -270,16 +287,16 @@ TEST(GenerateCli, ChatPromptMatchesHfApplyChatTemplateAndGreedyGenerate) {
 
     // Text mode prints the continuation on stdout and a summary on stderr.
     out.clear();
-    ASSERT_EQ(run_generate("--model " + dir.string() + " --chat --prompt " + shell_quote(prompt) + " --device cpu",
-                           &out),
-              0)
+    ASSERT_EQ(
+        run_generate("--model " + dir.string() + " --chat --prompt " + shell_quote(prompt) + " --device cpu", &out), 0)
         << out;
     EXPECT_NE(out.find(e.find("output_text_with_eos")->as_string()), std::string::npos) << out;
     EXPECT_NE(out.find("stopped at EOS"), std::string::npos) << out;
 
     // Sampling through the CLI is reproducible from the seed.
     std::string a, b;
-    const std::string sample = "--model " + dir.string() + " --prompt hi --max-new-tokens 12 --temperature 1.5 "
+    const std::string sample = "--model " + dir.string() +
+                               " --prompt hi --max-new-tokens 12 --temperature 1.5 "
                                "--top-p 0.9 --seed 11 --device cpu --json";
     ASSERT_EQ(run_generate(sample, &a), 0) << a;
     ASSERT_EQ(run_generate(sample, &b), 0) << b;
@@ -337,10 +354,10 @@ TEST(GenerateSampling, SeedReproducesAndLimitsEqualGreedy) {
     EXPECT_EQ(a.size(), 20u);
     // A different seed gives a different sequence (20 draws over a 128-token vocabulary at T = 1).
     EXPECT_NE(run(1.0, 1.0, 43), a);
-    EXPECT_EQ(run(1e-6, 1.0, 42), greedy);   // temperature -> 0
-    EXPECT_EQ(run(1.0, 1e-9, 42), greedy);   // the nucleus is the argmax alone
+    EXPECT_EQ(run(1e-6, 1.0, 42), greedy);  // temperature -> 0
+    EXPECT_EQ(run(1.0, 1e-9, 42), greedy);  // the nucleus is the argmax alone
     EXPECT_EQ(run(0.7, 1e-9, 99), greedy);
-    EXPECT_EQ(run(0.0, 0.5, 7), greedy);     // temperature 0 is greedy whatever top_p
+    EXPECT_EQ(run(0.0, 0.5, 7), greedy);  // temperature 0 is greedy whatever top_p
     EXPECT_THROW(model::TokenSampler({-1.0, 1.0, 0}), Error);
     EXPECT_THROW(model::TokenSampler({1.0, 0.0, 0}), Error);
     EXPECT_THROW(model::TokenSampler({1.0, 1.5, 0}), Error);
