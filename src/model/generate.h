@@ -11,8 +11,10 @@
 // ops::attention_decode_forward where the device has that op (the CPU: O(t) per token, each row bit
 // for bit the full causal attention's), else ops::attention_forward over the whole prefix with the
 // new queries in its last rows (the other query rows are never read; O(t²) per token).
-// On the CPU the logits of every position equal those of one forward over the whole sequence
-// (Qwen3Moe::step) up to the row-count dependence of the GEMM kernels (tests/cpu/test_generate).
+// On the CPU the logits of every position are bit for bit those of one forward over the whole
+// sequence (Qwen3Moe::step): the CPU kernels compute a row independently of the rows beside it
+// (tests/cpu/test_generate). On the GPU the bf16 path follows the same ops, so it agrees with the
+// training forward to bf16 rounding, not bit for bit (a different attention kernel serves it).
 //
 // Memory: the cache is layers × 2 × max_tokens × kv_heads × head_dim activations, allocated once,
 // plus a workspace for the largest chunk (the prompt); nothing is allocated per token.
