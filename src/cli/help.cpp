@@ -146,6 +146,7 @@ std::vector<CommandHelp> make_table() {
     };
 }
 
+// The options, aligned, then -h/--help.
 void append_wrapped_options(std::string& out, const std::vector<OptionHelp>& options) {
     size_t width = 0;
     std::vector<std::string> heads;
@@ -155,10 +156,13 @@ void append_wrapped_options(std::string& out, const std::vector<OptionHelp>& opt
         width = std::max(width, head.size());
         heads.push_back(std::move(head));
     }
-    for (size_t k = 0; k < options.size(); ++k) {
-        out += "  " + heads[k];
-        out.append(width + 2 - heads[k].size(), ' ');
-        out += options[k].meaning;
+    const std::string help_head = "-h, --help";
+    width = std::max(width, help_head.size());
+    for (size_t k = 0; k <= options.size(); ++k) {
+        const std::string& head = k < options.size() ? heads[k] : help_head;
+        out += "  " + head;
+        out.append(width + 2 - head.size(), ' ');
+        out += k < options.size() ? options[k].meaning : "this text";
         out += '\n';
     }
 }
@@ -203,12 +207,8 @@ std::string command_help_text(const CommandHelp& command) {
     out += command.summary;
     out += ".\n";
     if (command.details[0] != '\0') out += std::string("\n") + command.details + "\n";
-    if (!command.options.empty()) {
-        out += "\noptions:\n";
-        append_wrapped_options(out, command.options);
-    }
-    out += "  -h, --help";
-    out += "  this text\n";
+    out += "\noptions:\n";
+    append_wrapped_options(out, command.options);
     return out;
 }
 
