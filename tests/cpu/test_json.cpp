@@ -16,8 +16,9 @@ TEST(Json, RoundTrip) {
 }
 
 TEST(Json, RejectsMalformed) {
-    const char* bad[] = {"", "{", "[1,]", "{\"a\":1,}", "{\"a\" 1}", "nul", "01", "1.", "\"abc", "\"\\x\"",
-                         "{\"a\":1,\"a\":2}", "[1] 2", "\"\\ud800\"", "-", "1e"};
+    const char* bad[] = {"",   "{",     "[1,]",    "{\"a\":1,}",        "{\"a\" 1}", "nul",         "01",
+                         "1.", "\"abc", "\"\\x\"", "{\"a\":1,\"a\":2}", "[1] 2",     "\"\\ud800\"", "-",
+                         "1e"};
     for (const char* text : bad) {
         EXPECT_THROW(parse(text, "bad.json"), mf::Error) << text;
     }
@@ -47,4 +48,13 @@ TEST(Json, DuplicateKeysInLargeObjects) {
     EXPECT_THROW(parse(big + ",\"k17\":1}", "dup.json"), mf::Error);
     EXPECT_THROW(parse(big + ",\"k19999\":1}", "dup.json"), mf::Error);
     EXPECT_THROW(parse("{\"a\":1,\"b\":2,\"a\":3}", "dup.json"), mf::Error);
+}
+
+TEST(Json, SkipsAUtf8ByteOrderMark) {
+    // As Python's json.load(open(f, encoding="utf-8-sig")): a config saved by a Windows editor.
+    const auto v = parse("\xEF\xBB\xBF{\"hidden_size\": 64}", "config.json");
+    EXPECT_EQ(v.find("hidden_size")->as_int(), 64);
+    EXPECT_EQ(parse("\xEF\xBB\xBF[1]", "t").size(), 1u);
+    // Only at the start: a BOM anywhere else is not JSON.
+    EXPECT_THROW(parse("{\"a\": \xEF\xBB\xBF 1}", "t"), mf::Error);
 }

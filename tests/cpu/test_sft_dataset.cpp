@@ -9,6 +9,7 @@
 #include <set>
 
 #include "core/json.h"
+#include "data/line_reader.h"
 #include "data/loader.h"
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
@@ -413,4 +414,61 @@ TEST(LoaderShardTest, DefaultConstructorIsOneRankAndBadShardsAreRefused) {
     EXPECT_THROW(Loader(&docs, 16, 2, true, false, 0, 0, LoaderShard{2, 2}), mf::Error);
     EXPECT_THROW(Loader(&docs, 16, 2, true, false, 0, 0, LoaderShard{0, 0}), mf::Error);
     EXPECT_THROW(Loader(&docs, 16, 2, true, false, 0, 0, LoaderShard{-1, 2}), mf::Error);
+}
+
+// --- issue 20: what is not a dataset file, bounded lines, BOM --------------------------------
+
+TEST_F(SftTest, ByteOrderMarkOnTheFirstLineIsSkipped) {
+    const std::string line = "{\"input_ids\": [1, 2, 3]}\n";
+    const TokenDataset a = read("\xEF\xBB\xBF" + line + line, options());
+    ASSERT_EQ(a.docs.size(), 2u);
+    EXPECT_EQ(a.docs[0].input_ids, (std::vector<int32_t>{1, 2, 3}));
+    const TokenDataset b = mf::data::read_token_jsonl(write("t.jsonl", "\xEF\xBB\xBF" + line), 100, false);
+    EXPECT_EQ(b.docs.size(), 1u);
+    // Files with a BOM each, concatenated (cat a.jsonl b.jsonl): a record may open with one too.
+    EXPECT_EQ(read(line + "\xEF\xBB\xBF" + line, options()).docs.size(), 2u);
+    // Anywhere else it is not JSON.
+    EXPECT_NE(error_of(line + "{\"input_ids\": \xEF\xBB\xBF[1]}\n", options()).find("data.jsonl:2:"),
+              std::string::npos);
+}
+
+TEST_F(SftTest, DirectoriesAndDevicesAreNamedNotRead) {
+    fs::create_directories(dir_ / "sub");
+    for (const auto& [path, want] : std::vector<std::pair<fs::path, std::string>>{
+             {dir_ / "sub", "sub: is a directory, expected a JSONL file"},
+             {"/dev/zero", "/dev/zero: is a character device, expected a regular JSONL file"},
+             {dir_ / "absent.jsonl", "absent.jsonl: cannot open dataset: No such file or directory"}}) {
+        for (const bool tokens : {false, true}) {
+            std::string msg;
+            try {
+                if (tokens)
+                    mf::data::read_token_jsonl(path, 100, false);
+                else
+                    mf::data::read_sft_jsonl(path, &tok(), options());
+            } catch (const mf::Error& e) {
+                msg = e.what();
+            }
+            EXPECT_NE(msg.find(want), std::string::npos) << path << ": " << msg;
+        }
+    }
+}
+
+TEST_F(SftTest, AnOverlongLineStopsAtTheCap) {
+    // A line one byte over a small cap, then a good one: the reader refuses it by line number.
+    mf::data::LineReader reader(write("long.jsonl", std::string(33, 'x') + "\nok\n"), 32);
+    std::string line;
+    try {
+        reader.next(line);
+        ADD_FAILURE() << "no error for a 33-byte line under a 32-byte cap";
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("long.jsonl:1: line longer than 32 bytes"), std::string::npos) << e.what();
+    }
+    EXPECT_LE(line.size(), 33u);  // never more than the cap (+1 for a "\r\n" end) held
+    mf::data::LineReader exact(write("exact.jsonl", std::string(32, 'y') + "\r\nlast"), 32);
+    ASSERT_TRUE(exact.next(line));
+    EXPECT_EQ(line, std::string(32, 'y'));
+    ASSERT_TRUE(exact.next(line));
+    EXPECT_EQ(line, "last");
+    EXPECT_FALSE(exact.next(line));
+    EXPECT_EQ(exact.line_no(), 2);
 }
