@@ -7,9 +7,12 @@
 // executables such as test workers), with RANK = R*N + local rank, WORLD_SIZE = M*N, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and NCCL_NVLS_ENABLE=0 set. On one node without
 // --master-port (and no MASTER_PORT in the environment) a free loopback port is chosen.
-// SIGINT/SIGTERM are forwarded to every child; when a child fails, the others get SIGTERM (SIGKILL
-// after a grace period). The exit status is the first non-zero one (128 + signal for a child killed
-// by a signal), else 0. Children also die with the launcher (PR_SET_PDEATHSIG).
+// SIGINT/SIGTERM are forwarded to every child, each time one arrives: the first lets the ranks
+// finish their step and save a checkpoint together (core/interrupt.h), so they get
+// kInterruptGraceSeconds before SIGKILL, and a rank that exits with 128 + that signal is stopping
+// as asked, not failing; a second one makes them exit at once. When a child fails, the others get
+// SIGTERM (SIGKILL after kGraceSeconds). The exit status is the first non-zero one (128 + signal for
+// a child killed by a signal), else 0. Children also die with the launcher (PR_SET_PDEATHSIG).
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -35,9 +38,14 @@ namespace mf::cli {
 namespace {
 
 constexpr double kGraceSeconds = 10.0;
+constexpr double kInterruptGraceSeconds = 900.0;  // a step plus a checkpoint of a large model
 volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_signal_count = 0;
 
-void on_signal(int sig) { g_signal = sig; }
+void on_signal(int sig) {
+    g_signal = sig;
+    g_signal_count = g_signal_count + 1;
+}
 
 int parse_count(const std::string& option, const std::string& value, int lo, int hi) {
     if (value.empty() || value.size() > 9 || value.find_first_not_of("0123456789") != std::string::npos)
@@ -187,20 +195,23 @@ int cmd_launch(const Args& args) {
         ++num_running;
     }
 
-    int forwarded = 0;            // the signal already forwarded (0: none)
+    int forwarded = 0;            // how many signals were forwarded
+    int interrupt_signal = 0;     // the first forwarded signal (0: none)
     double kill_deadline = 0;     // when to SIGKILL the survivors (0: not yet stopping)
-    auto stop_all = [&](int sig) {
+    auto stop_all = [&](int sig, double grace) {
         for (int local = 0; local < nproc; ++local)
             if (running[local]) ::kill(pids[local], sig);
-        if (kill_deadline == 0) kill_deadline = now_s() + kGraceSeconds;
+        if (kill_deadline == 0) kill_deadline = now_s() + grace;
     };
     while (num_running > 0) {
-        if (g_signal != 0 && forwarded != g_signal) {
-            forwarded = g_signal;
-            std::fprintf(stderr, "moeforge launch: got signal %d, forwarding it to %d rank(s)\n", forwarded,
-                         num_running);
-            if (result == 0) result = 128 + forwarded;
-            stop_all(forwarded);
+        if (g_signal_count != forwarded) {
+            forwarded = g_signal_count;
+            const int sig = g_signal;
+            if (interrupt_signal == 0) interrupt_signal = sig;
+            std::fprintf(stderr, "moeforge launch: got signal %d, forwarding it to %d rank(s)%s\n", sig, num_running,
+                         forwarded > 1 ? " (again: they stop at once)" : "");
+            if (result == 0) result = 128 + sig;
+            stop_all(sig, kInterruptGraceSeconds);
         }
         if (kill_deadline != 0 && now_s() > kill_deadline) {
             std::fprintf(stderr, "moeforge launch: %d rank(s) still running after %g s; killing them\n", num_running,
@@ -220,11 +231,12 @@ int cmd_launch(const Args& args) {
             running[local] = false;
             --num_running;
             const int code = status_code(status);
+            if (code != 0 && interrupt_signal != 0 && code == 128 + interrupt_signal) continue;  // stopped as asked
             if (code != 0 && result == 0) {
                 result = code;
                 std::fprintf(stderr, "moeforge launch: rank %d (local %d, pid %d) exited with status %d; stopping the other ranks\n",
                              node_rank * nproc + local, local, static_cast<int>(pid), code);
-                stop_all(SIGTERM);
+                stop_all(SIGTERM, kGraceSeconds);
             }
         }
     }

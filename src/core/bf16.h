@@ -6,6 +6,8 @@
 //         to infinity, as IEEE rounding does. bf16 -> fp32 is exact.
 //   f16:  IEEE 754 binary16 (1 sign, 5 exponent, 10 mantissa bits, bias 15). f16 -> fp32 is exact
 //         for every input: normals, subnormals (scaled by 2^-24), +-0, +-inf, NaN (payload kept).
+//         fp32 -> f16 rounds to nearest, ties to even, into subnormals below 2^-14 and to infinity
+//         past 65504 (as IEEE rounding and torch's .half() do); a NaN stays a quiet NaN.
 //
 // Values travel as raw bit patterns (uint16_t), so this header needs no 16-bit float type.
 #pragma once
@@ -51,6 +53,30 @@ inline float f16_to_f32(uint16_t half) {
     }
     mantissa &= 0x3FFu;
     return std::bit_cast<float>(sign | (fp32_exponent << 23) | (mantissa << 13));
+}
+
+inline uint16_t f32_to_f16(float value) {
+    const uint32_t bits = std::bit_cast<uint32_t>(value);
+    const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7FFFFFFFu;
+    if (magnitude > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((magnitude >> 13) & 0x3FFu));  // NaN
+    if (magnitude >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds past 65504: infinity
+    if (magnitude >= 0x38800000u) {
+        // Normal f16: rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits to even;
+        // a carry into the exponent is the correct rounding.
+        const uint32_t lsb = (magnitude >> 13) & 1u;
+        return static_cast<uint16_t>(sign | ((magnitude - 0x38000000u + 0xFFFu + lsb) >> 13));
+    }
+    if (magnitude < 0x33000000u) return sign;  // below half the smallest subnormal (2^-25): +-0
+    // Subnormal f16: value / 2^-24 rounded to an integer, ties to even.
+    const uint32_t exponent = magnitude >> 23;                    // 102 .. 112
+    const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;  // with the implicit bit
+    const uint32_t shift = 126u - exponent;                       // 14 .. 24
+    const uint32_t half = 1u << (shift - 1);
+    const uint32_t rest = mantissa & ((1u << shift) - 1u);
+    uint32_t q = mantissa >> shift;
+    if (rest > half || (rest == half && (q & 1u) != 0)) ++q;
+    return static_cast<uint16_t>(sign | q);
 }
 
 }  // namespace mf

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace mf::io {
 
@@ -61,12 +62,15 @@ class AtomicFileWriter {
     void write(std::string_view bytes) { write(bytes.data(), bytes.size()); }
     void commit();
     const std::filesystem::path& path() const { return path_; }
+    // CRC-32C (io/crc32c.h) of every byte written so far: the file's checksum once committed.
+    uint32_t crc32c() const { return crc_; }
 
  private:
     std::filesystem::path path_;
     std::filesystem::path tmp_path_;
     int fd_ = -1;
     bool committed_ = false;
+    uint32_t crc_ = 0;
 };
 
 // Writes `bytes` to `path` atomically (see AtomicFileWriter).
@@ -102,5 +106,60 @@ class AtomicDir {
     std::filesystem::path tmp_path_;
     bool committed_ = false;
 };
+
+// Writes a set of files into an existing directory and touches nothing else in it. The files are
+// written into a staging directory inside it (DIR/.moeforge-staging-<pid>, so every rename stays on
+// one file system); commit() fsyncs them, renames each onto DIR/<name> (atomic per file: a reader
+// sees the old file or the new one, never a mix of bytes) with the names in `last` moved last, then
+// records the set in DIR/<record_name> and removes the files an earlier record listed that this set
+// lacks (what an earlier commit wrote, e.g. the shards of a model that was sharded differently).
+// A file that neither record names is never removed. Destroyed without commit(), it removes the
+// staging directory and leaves DIR as it was. Only plain files, no subdirectories.
+class StagedFiles {
+ public:
+    StagedFiles(std::filesystem::path dir, std::string record_name);
+    ~StagedFiles();
+    StagedFiles(const StagedFiles&) = delete;
+    StagedFiles& operator=(const StagedFiles&) = delete;
+
+    const std::filesystem::path& staging() const { return staging_; }
+    void commit(const std::vector<std::string>& last = {});
+
+    // The file names the record in `dir` lists (empty when there is none, or it is unreadable).
+    static std::vector<std::string> recorded(const std::filesystem::path& dir, const std::string& record_name);
+
+ private:
+    std::filesystem::path dir_;
+    std::string record_name_;
+    std::filesystem::path staging_;
+    bool committed_ = false;
+};
+
+// An exclusive lock on a directory for the lifetime of the object: the file DIR/.moeforge.lock,
+// flock()ed and holding "pid <p> host <h> since <unix time>". A second DirLock on the same
+// directory (from any process) fails at once, naming the holder. A lock file whose process died is
+// free (the kernel dropped its flock): it is taken over and stale_holder() says whose it was, so the
+// caller can warn. The file is removed on release. NOTE: flock needs a local or lock-aware network
+// file system.
+class DirLock {
+ public:
+    explicit DirLock(const std::filesystem::path& dir);
+    ~DirLock();
+    DirLock(const DirLock&) = delete;
+    DirLock& operator=(const DirLock&) = delete;
+
+    const std::string& stale_holder() const { return stale_holder_; }
+    static constexpr const char* kFileName = ".moeforge.lock";
+
+ private:
+    std::filesystem::path path_;
+    int fd_ = -1;
+    std::string stale_holder_;
+};
+
+// Removes every temporary file and directory this process's atomic writers (AtomicFileWriter,
+// AtomicDir, StagedFiles) have open right now. For an exit that cannot unwind (a second
+// interruption signal, core/interrupt.h); never throws.
+void remove_temporaries() noexcept;
 
 }  // namespace mf::io

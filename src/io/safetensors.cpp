@@ -288,8 +288,8 @@ std::vector<PlannedTensor> plan_tensors(const std::vector<StWriteTensor>& tensor
 }
 
 // Writes the tensors plan[first, last) as one safetensors file.
-void write_planned(const fs::path& file, const std::vector<PlannedTensor>& plan, size_t first, size_t last,
-                   const std::map<std::string, std::string>& metadata) {
+uint32_t write_planned(const fs::path& file, const std::vector<PlannedTensor>& plan, size_t first, size_t last,
+                       const std::map<std::string, std::string>& metadata) {
     json::Value::Object header;
     header.reserve(last - first + 1);
     if (!metadata.empty()) {
@@ -344,6 +344,7 @@ void write_planned(const fs::path& file, const std::vector<PlannedTensor>& plan,
         writer.write(produced.data(), plan[i].nbytes);
     }
     writer.commit();
+    return writer.crc32c();
 }
 
 void remove_if_present(const fs::path& path) {
@@ -573,10 +574,10 @@ void ModelWeights::read_f32_rows(std::string_view name, const Shape& expected, i
 
 // --- writing ------------------------------------------------------------------------------------
 
-void write_safetensors(const fs::path& file, const std::vector<StWriteTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+uint32_t write_safetensors(const fs::path& file, const std::vector<StWriteTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata) {
     const std::vector<PlannedTensor> plan = plan_tensors(tensors, file.string());
-    write_planned(file, plan, 0, plan.size(), metadata);
+    return write_planned(file, plan, 0, plan.size(), metadata);
 }
 
 void write_model_weights(const fs::path& dir, const std::vector<StWriteTensor>& tensors, size_t max_shard_bytes) {

@@ -114,9 +114,10 @@ struct StWriteTensor {
 
 // Writes one safetensors file atomically (file.h), tensors in the given order. Names must be
 // unique, non-empty, valid UTF-8 and not "__metadata__". The header is padded with spaces to a
-// multiple of 8 bytes so the data section starts aligned.
-void write_safetensors(const std::filesystem::path& file, const std::vector<StWriteTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata);
+// multiple of 8 bytes so the data section starts aligned. Returns the file's CRC-32C (io/crc32c.h),
+// computed as it was written.
+uint32_t write_safetensors(const std::filesystem::path& file, const std::vector<StWriteTensor>& tensors,
+                           const std::map<std::string, std::string>& metadata);
 
 // Writes the weights of a model directory (created if missing): model.safetensors when the total
 // data size is at most max_shard_bytes, otherwise model-0000i-of-0000n.safetensors shards (tensors

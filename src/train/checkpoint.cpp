@@ -1,15 +1,18 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <cstring>
 #include <cstdio>
 #include <vector>
 
+#include "io/crc32c.h"
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "train/distributed.h"
+#include "train/lr_schedule.h"
 
 namespace mf::train {
 
@@ -97,6 +100,60 @@ PieceName parse_piece_name(const std::string& s) {
     return p;
 }
 
+// state.json ends with its own checksum: `{..., "state_checksum": "crc32c:X"}` where X is the CRC of
+// the text as it would read without that last member (`{...}` + newline).
+constexpr const char* kStateChecksumKey = ",\n  \"state_checksum\": \"";
+
+std::string with_state_checksum(const std::string& dumped) {
+    const std::string body = dumped + "\n";
+    const uint32_t crc = io::crc32c(0, body.data(), body.size());
+    MF_CHECK(dumped.size() > 2 && dumped.ends_with("\n}"), "state.json must be a non-empty JSON object");
+    return dumped.substr(0, dumped.size() - 2).append(kStateChecksumKey).append(io::crc32c_string(crc)) + "\"\n}\n";
+}
+
+// Verifies the checksum written by with_state_checksum (format 3 and later).
+void verify_state_checksum(const std::string& text, const std::string& where) {
+    const size_t at = text.rfind(kStateChecksumKey);
+    if (at == std::string::npos) fail(where, ": the state's checksum (\"state_checksum\") is missing");
+    const std::string body = text.substr(0, at) + "\n}\n";
+    const std::string want = io::crc32c_string(io::crc32c(0, body.data(), body.size()));
+    const size_t value_at = at + std::strlen(kStateChecksumKey);
+    const std::string stored = text.substr(value_at, text.find('"', value_at) - value_at);
+    if (stored != want)
+        fail(where, ": checksum mismatch (stored ", stored, ", the file's content gives ", want,
+             "): the file is damaged");
+}
+
+// A shard's bytes against the CRC state.json recorded for it.
+void verify_shard_checksum(const fs::path& file, const json::Value& checksums, const std::string& where) {
+    const std::string name = file.filename().string();
+    const json::Value* want = checksums.find(name);
+    if (want == nullptr || !want->is_string())
+        fail(where, ": field \"checksums\" has no entry for ", name);
+    const io::MappedFile map(file);
+    const std::string got = io::crc32c_string(io::crc32c(0, map.data(), map.size()));
+    if (got != want->as_string())
+        fail(file.string(), ": checksum mismatch (state.json records ", want->as_string(), ", the file gives ", got,
+             "): the checkpoint is damaged; resume from an older one (--resume DIR)");
+}
+
+// The schedule is defined by train.steps (lr_schedule.h): a resume whose recipe gives the next step
+// another learning rate than the run that wrote the checkpoint would have used jumps, e.g. back to
+// the peak when train.steps grows under a cosine decay. Refused unless forced.
+void check_schedule(const json::Value& s, const std::string& where, const Recipe& recipe, int64_t step, bool force) {
+    const json::Value* recorded = s.find("next_lr");
+    if (recorded == nullptr || !recorded->is_number() || force || step > recipe.train.steps) return;
+    const double then = recorded->as_double(), now = lr_at(recipe.optim, step, recipe.train.steps);
+    if (std::fabs(now - then) <= 1e-12 + 1e-6 * std::fabs(then)) return;
+    const json::Value* old_train = s.find("recipe") != nullptr ? s.find("recipe")->find("train") : nullptr;
+    const json::Value* old_steps = old_train != nullptr ? old_train->find("steps") : nullptr;
+    fail(where, ": resuming at step ", step, " would change the learning rate of the next step from ", then, " to ",
+         now, " (train.steps ", old_steps != nullptr ? old_steps->dump() : "?", " -> ", recipe.train.steps,
+         "; the ", recipe.optim.schedule,
+         " schedule is defined by train.steps, optim.lr and optim.warmup_steps, so changing them restarts or "
+         "bends the schedule). Keep them as they were, or pass --force-resume to accept the jump");
+}
+
 }  // namespace
 
 void save_checkpoint(const fs::path& root, const CheckpointState& state, model::Qwen3Moe& model, AdamW& adam,
@@ -107,6 +164,7 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     // Rank 0 makes the temporary directory; every rank writes its shard into it; rank 0 adds
     // state.json and renames it into place once all shards are there.
     std::unique_ptr<io::AtomicDir> dir;
+    uint32_t shard_crc = 0;
     if (main) {
         fs::create_directories(root);
         dir = std::make_unique<io::AtomicDir>(final_dir, "shards");
@@ -139,10 +197,13 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
                 at += r.end - r.begin;
             }
         }
-        io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world), tensors,
-                              {{"format", "moeforge"}});
+        shard_crc = io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world),
+                                          tensors, {{"format", "moeforge"}});
     }
-    if (dist != nullptr) dist->barrier();
+    // Rank 0 learns every shard's checksum (each rank fills its slot; a CRC is exact in a double).
+    std::vector<double> crcs(static_cast<size_t>(world), 0.0);
+    crcs[static_cast<size_t>(rank)] = static_cast<double>(shard_crc);
+    if (dist != nullptr) crcs = dist->sum_f64(crcs);
     if (!main) return;
     json::Value s = json::Value::object();
     s.set("magic", kCheckpointMagic);
@@ -152,14 +213,19 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     s.set("config_hash", hex(model.config().hash()));
     s.set("num_params", model.num_params_total());
     s.set("shards", world);
+    json::Value checksums = json::Value::object();
+    for (int64_t r = 0; r < world; ++r)
+        checksums.set(shard_file_name(r, world), io::crc32c_string(static_cast<uint32_t>(crcs[static_cast<size_t>(r)])));
+    s.set("checksums", std::move(checksums));
     s.set("step", state.step);
+    if (state.next_lr >= 0) s.set("next_lr", json::Value(state.next_lr));
     s.set("adam_step", state.adam_step);
     json::Value loader = json::Value::object();
     loader.set("epoch", state.loader.epoch);
     loader.set("cursor", state.loader.cursor);
     s.set("loader", std::move(loader));
     s.set("recipe", state.recipe);
-    io::atomic_write_file(dir->tmp_path() / "state.json", s.dump(2) + "\n");
+    io::atomic_write_file(dir->tmp_path() / "state.json", with_state_checksum(s.dump(2)));
     dir->commit();
     // Prune: the newest `keep` complete checkpoints stay; leftovers of crashed writes go.
     auto all = list_checkpoints(root);
@@ -179,30 +245,44 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
                                 bool force, const CheckpointLayout& layout) {
     const fs::path state_file = dir / "state.json";
     const std::string where = state_file.string();
-    const json::Value s = json::parse(io::read_text_file(state_file, 64u << 20), where);
+    const std::string text = io::read_text_file(state_file, 64u << 20);
+    const json::Value s = json::parse(text, where);
+    if (!s.is_object()) fail(where, ": expected a JSON object");
     auto field = [&](const char* key) -> const json::Value& {
         const json::Value* v = s.find(key);
         if (v == nullptr) fail(where, ": missing field \"", key, "\"");
         return *v;
     };
+    auto int_field = [&](const char* key) {
+        const json::Value& v = field(key);
+        if (!v.is_int()) fail(where, ": field \"", key, "\" must be an integer, got ", v.dump());
+        return v.as_int();
+    };
+    auto string_field = [&](const char* key) -> const std::string& {
+        const json::Value& v = field(key);
+        if (!v.is_string()) fail(where, ": field \"", key, "\" must be a string, got ", v.dump());
+        return v.as_string();
+    };
     if (!field("magic").is_string() || field("magic").as_string() != kCheckpointMagic)
         fail(where, ": not a moeforge training checkpoint (bad magic)");
-    if (!field("format_version").is_int() || field("format_version").as_int() != kCheckpointFormatVersion)
-        fail(where, ": checkpoint format version ", field("format_version").dump(), ", this build reads version ",
+    const int64_t version = int_field("format_version");
+    if (version != kCheckpointFormatVersion && version != 2)
+        fail(where, ": checkpoint format version ", version, ", this build reads versions 2 and ",
              kCheckpointFormatVersion);
-    if (!field("world_size").is_int() || !field("ep_size").is_int())
-        fail(where, ": \"world_size\" and \"ep_size\" must be integers");
-    if (field("config_hash").as_string() != hex(model.config().hash()))
-        fail(where, ": the checkpoint was written for a different model config (hash ", field("config_hash").as_string(),
+    if (version >= 3) verify_state_checksum(text, where);
+    else if (layout.rank == 0)
+        std::printf("resume: %s is a format-2 checkpoint: it carries no checksums, so its files are not verified\n",
+                    dir.string().c_str());
+    const int64_t then_world = int_field("world_size"), then_ep = int_field("ep_size");
+    if (string_field("config_hash") != hex(model.config().hash()))
+        fail(where, ": the checkpoint was written for a different model config (hash ", string_field("config_hash"),
              ", this model ", hex(model.config().hash()), ")");
-    if (field("num_params").as_int() != model.num_params_total())
-        fail(where, ": checkpoint has ", field("num_params").as_int(), " parameters, the model ",
-             model.num_params_total());
-    if ((field("world_size").as_int() != layout.world_size || field("ep_size").as_int() != layout.ep_size) &&
-        layout.rank == 0)
+    if (int_field("num_params") != model.num_params_total())
+        fail(where, ": checkpoint has ", int_field("num_params"), " parameters, the model ", model.num_params_total());
+    if ((then_world != layout.world_size || then_ep != layout.ep_size) && layout.rank == 0)
         std::printf("resume: checkpoint written at world size %lld (EP %lld), continuing at world size %lld (EP %lld); "
                     "the global batch is now %lld rows per micro-step\n",
-                    static_cast<long long>(field("world_size").as_int()), static_cast<long long>(field("ep_size").as_int()),
+                    static_cast<long long>(then_world), static_cast<long long>(then_ep),
                     static_cast<long long>(layout.world_size), static_cast<long long>(layout.ep_size),
                     static_cast<long long>(layout.world_size * recipe.train.micro_batch));
 
@@ -221,16 +301,18 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
              "); resuming would not continue the same run. Pass --force-resume to resume anyway");
 
     CheckpointState state;
-    state.step = field("step").as_int();
-    state.adam_step = field("adam_step").as_int();
+    state.step = int_field("step");
+    state.adam_step = int_field("adam_step");
     const json::Value& loader = field("loader");
-    if (!loader.is_object() || loader.find("epoch") == nullptr || loader.find("cursor") == nullptr)
-        fail(where, ": field \"loader\" must hold epoch and cursor");
+    if (!loader.is_object() || loader.find("epoch") == nullptr || loader.find("cursor") == nullptr ||
+        !loader.find("epoch")->is_int() || !loader.find("cursor")->is_int())
+        fail(where, ": field \"loader\" must hold the integers epoch and cursor");
     state.loader.epoch = loader.find("epoch")->as_int();
     state.loader.cursor = loader.find("cursor")->as_int();
     if (state.step < 0 || state.adam_step < 0 || state.loader.epoch < 0 || state.loader.cursor < 0)
         fail(where, ": negative step or loader position");
     state.recipe = then;
+    check_schedule(s, where, recipe, state.step, force);
 
     // Every shard's pieces are indexed and checked against the whole model (each tensor tiled
     // exactly, no gap, no overlap, nothing unknown) before anything is restored; this rank then
@@ -239,8 +321,14 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
     if (!shards_field.is_int() || shards_field.as_int() < 1 || shards_field.as_int() > (int64_t{1} << 20))
         fail(where, ": field \"shards\" must be a positive integer");
     const int64_t num_shards = shards_field.as_int();
+    const json::Value* checksums = version >= 3 ? &field("checksums") : nullptr;
+    if (checksums != nullptr && !checksums->is_object()) fail(where, ": field \"checksums\" must be an object");
     std::vector<io::SafetensorsFile> files;
-    for (int64_t r = 0; r < num_shards; ++r) files.push_back(io::SafetensorsFile::open(dir / shard_file_name(r, num_shards)));
+    for (int64_t r = 0; r < num_shards; ++r) {
+        const fs::path shard = dir / shard_file_name(r, num_shards);
+        if (checksums != nullptr) verify_shard_checksum(shard, *checksums, where);
+        files.push_back(io::SafetensorsFile::open(shard));
+    }
     const model::ParamTable full = model::qwen3_moe_param_table(model.config());
     struct Piece {
         int64_t offset, length;

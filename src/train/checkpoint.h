@@ -9,8 +9,10 @@
 //                        replicated ones only from EP rank 0's group), so no rank ever gathers the
 //                        model, and together the shards tile every tensor exactly once.
 //   state.json           magic, format version, world and EP size it was written at, the number of
-//                        shards, config hash, step, AdamW step, data-loader state (epoch, cursor), the
-//                        seed, and the recipe
+//                        shards and each one's CRC-32C (computed as it was written), config hash,
+//                        step, AdamW step, the learning rate of the next step, data-loader state
+//                        (epoch, cursor), the seed, the recipe, and last its own CRC-32C
+//                        ("state_checksum", over the text before it)
 // Loading indexes every shard's pieces, checks that they tile each tensor of the model exactly (no
 // gap, no overlap, nothing unknown, F32), and each rank copies out the parts it holds from the
 // memory-mapped files. The loader state is a position in the document order every rank shares. So
@@ -21,7 +23,11 @@
 // newest `keep` checkpoints are kept.
 // Everything a step depends on is in here, so a resumed run is bitwise identical to an
 // uninterrupted one on the same world size; at another world size the run continues from the same
-// document with a global batch of the new size.
+// document with a global batch of the new size. Every shard's checksum and state.json's own are
+// verified on load: a flipped byte is an error naming the file, never a silently different run.
+// The learning-rate schedule is defined by train.steps: a resume whose recipe would make the next
+// step's learning rate differ from the one the checkpoint recorded (more steps under a cosine or
+// linear decay, another lr or warmup) is refused with both rates unless forced.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +44,7 @@
 namespace mf::train {
 
 constexpr const char* kCheckpointMagic = "moeforge-training-checkpoint";
-constexpr int64_t kCheckpointFormatVersion = 2;
+constexpr int64_t kCheckpointFormatVersion = 3;  // 3: checksums, next_lr; 2 still loads (unverified)
 
 class DistContext;
 
@@ -54,6 +60,7 @@ struct CheckpointState {
     int64_t adam_step = 0;
     data::LoaderState loader;
     json::Value recipe;
+    double next_lr = -1;  // the learning rate of step `step` + 1 under the writing run's schedule (< 0: unknown)
 };
 
 // Writes OUT/checkpoints/step-<step> and prunes to the newest `keep`. In a multi-process run every

@@ -148,6 +148,24 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
     return m;
 }
 
+io::StDType export_dtype(const model::Qwen3MoeConfig& cfg) {
+    if (cfg.dtype == "bfloat16") return io::StDType::BF16;
+    if (cfg.dtype == "float16") return io::StDType::F16;
+    return io::StDType::F32;
+}
+
+uint64_t export_bytes(const model::Qwen3MoeConfig& cfg) {
+    return static_cast<uint64_t>(model::qwen3_moe_param_table(cfg).total()) *
+           static_cast<uint64_t>(io::st_dtype_size(export_dtype(cfg)));
+}
+
+bool is_weight_file_name(const std::string& name) {
+    if (name == "model.safetensors" || name == "model.safetensors.index.json") return true;
+    // model-00001-of-00003.safetensors
+    return name.size() == 32 && name.rfind("model-", 0) == 0 && name.ends_with(".safetensors") &&
+           name.substr(11, 4) == "-of-";
+}
+
 void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
                    size_t max_shard_bytes) {
     MF_CHECK(!m.expert_shard().sharded(), "save_hf_model: this model holds one expert shard; gather the full "
@@ -171,9 +189,7 @@ void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const 
 void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const ParamSource& source,
                    const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
     json::Value config = raw_config != nullptr ? *raw_config : cfg.to_json();
-    io::StDType dtype = io::StDType::F32;
-    if (cfg.dtype == "bfloat16") dtype = io::StDType::BF16;
-    else if (cfg.dtype == "float16") fail("writing float16 checkpoints is not supported; set dtype to bfloat16 or float32");
+    const io::StDType dtype = export_dtype(cfg);
     const model::ParamTable table = model::qwen3_moe_param_table(cfg);
 
     // Each tensor is produced when the writer reaches it (in this order): fetched as f32 from the
@@ -191,7 +207,10 @@ void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const 
             f32.resize(static_cast<size_t>(n));
             source(offset, n, f32.data());
             auto* o = static_cast<uint16_t*>(out);
-            for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(f32[static_cast<size_t>(i)]);
+            if (dtype == io::StDType::BF16)
+                for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(f32[static_cast<size_t>(i)]);
+            else
+                for (int64_t i = 0; i < n; ++i) o[i] = f32_to_f16(f32[static_cast<size_t>(i)]);
         };
         tensors.push_back(std::move(w));
     }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/json.h"
+#include "io/safetensors.h"
 #include "model/qwen3_moe.h"
 
 namespace mf::train {
@@ -49,6 +50,18 @@ using ParamSource = std::function<void(int64_t offset, int64_t n, float* out)>;
 void save_hf_model(const std::filesystem::path& dir, const model::Qwen3MoeConfig& cfg, const ParamSource& source,
                    const json::Value* raw_config, const std::filesystem::path& tokenizer_dir,
                    size_t max_shard_bytes = size_t{5} << 30);
+
+// The dtype the export writes (the config's torch_dtype: float32, bfloat16 or float16) and the bytes
+// of weights that makes, for checking free space before training.
+io::StDType export_dtype(const model::Qwen3MoeConfig& cfg);
+uint64_t export_bytes(const model::Qwen3MoeConfig& cfg);
+
+// An export into a directory writes through io::StagedFiles with this record, so a later export into
+// the same directory knows which files it may replace or remove (train/output_dir.h).
+constexpr const char* kExportRecord = ".moeforge-export.json";
+
+// model.safetensors, model.safetensors.index.json, model-NNNNN-of-MMMMM.safetensors.
+bool is_weight_file_name(const std::string& name);
 
 // Tokenizer and generation files copied along with a model.
 const std::vector<std::string>& tokenizer_file_names();

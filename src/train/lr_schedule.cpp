@@ -12,7 +12,7 @@ namespace mf::train {
 
 double lr_multiplier(const Recipe::Optim& optim, int64_t step, int64_t total_steps) {
     MF_CHECK(total_steps >= 1, "lr schedule: total_steps must be >= 1, got ", total_steps);
-    MF_CHECK(step >= 0 && step < total_steps, "lr schedule: step ", step, " outside [0, ", total_steps, ")");
+    MF_CHECK(step >= 0 && step <= total_steps, "lr schedule: step ", step, " outside [0, ", total_steps, "]");
     MF_CHECK(optim.warmup_steps >= 0, "lr schedule: negative warmup_steps ", optim.warmup_steps);
     const int64_t warmup = optim.warmup_steps;
     if (step < warmup) return static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, warmup));

@@ -22,7 +22,10 @@
 
 namespace mf::train {
 
-// The multiplier above; requires total_steps >= 1 and 0 <= step < total_steps.
+// The multiplier above; requires total_steps >= 1 and 0 <= step <= total_steps. Step T is never
+// taken; its value (where the schedule ends: min_lr_ratio for cosine and linear) is what a
+// checkpoint at the last step records as its next rate, so extending a finished run is compared
+// against it (train/checkpoint.h).
 double lr_multiplier(const Recipe::Optim& optim, int64_t step, int64_t total_steps);
 
 // The learning rate used by optimizer step `step`: optim.lr * lr_multiplier(...).

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -7,8 +8,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "core/check.h"
+#include "core/interrupt.h"
 #include "data/loader.h"
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
@@ -20,6 +23,7 @@
 #include "train/hf_checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/optimizer.h"
+#include "train/output_dir.h"
 
 namespace mf::train {
 
@@ -66,257 +70,429 @@ data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir,
 
 namespace {
 
-void print_progress(int64_t step, int64_t total, bool tty) {
-    if (!tty) return;
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(total, 1));
-    std::printf("\r[%.*s%*s] %lld/%lld", filled, "##############################", kWidth - filled, "",
-                static_cast<long long>(step), static_cast<long long>(total));
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// "1h02m", "3m07s", "12s".
+std::string duration_str(double s) {
+    if (!std::isfinite(s) || s < 0) return "?";
+    const long long t = static_cast<long long>(s + 0.5);
+    char buf[32];
+    if (t >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", t / 3600, (t / 60) % 60);
+    else if (t >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", t / 60, t % 60);
+    else std::snprintf(buf, sizeof buf, "%llds", t);
+    return buf;
+}
+
+// Everything a run holds from setup to export.
+struct Run {
+    const Recipe& recipe;
+    Device device = Device::cpu;
+    bool mixed = false;
+    std::unique_ptr<DistContext> dist;
+    bool is_main = true;
+    bool logs = true;  // this rank prints
+    std::string who;   // "[rank R] " when every rank prints
+    fs::path model_dir, out, ckpt_root;
+    json::Value raw_config;
+    std::unique_ptr<io::DirLock> lock;  // rank 0: OUT, for the whole run
+    std::unique_ptr<model::Qwen3Moe> model;
+    data::TokenDataset dataset;
+    std::unique_ptr<data::Loader> loader;
+    std::unique_ptr<AdamW> optimizer;
+    CheckpointLayout layout;
+    int64_t first_step = 0;
+    int64_t last_saved_step = -1;
+    std::ofstream metrics_file;  // rank 0
+    size_t device_mem0 = 0;      // device memory in use before the model (cuda)
+    double state_bytes = 0;      // this rank's parameters, gradients and AdamW state
+    double peak_mem_gib = 0;
+    bool tty = false;
+    explicit Run(const Recipe& r) : recipe(r) {}
+};
+
+// Runs `check` on rank 0 and makes every rank agree on its outcome: when it throws there, rank 0
+// rethrows and the others stop too, instead of waiting for rank 0 in the next collective.
+void on_main_agreed(Run& run, const std::function<void()>& check) {
+    std::exception_ptr error;
+    if (run.is_main) {
+        try {
+            check();
+        } catch (...) {
+            error = std::current_exception();
+        }
+    }
+    if (run.dist->distributed() && run.dist->sum_i64(error ? 1 : 0) > 0 && !error)
+        fail("rank 0 refused the run (its log says why)");
+    if (error) std::rethrow_exception(error);
+}
+
+// The checkpoint a resume starts from; an error when there is none (a resume that silently started
+// over would train from step 0 and replace the finished model).
+std::optional<fs::path> resume_checkpoint(const ResumeOptions& resume, const fs::path& ckpt_root) {
+    if (resume.from.empty()) return std::nullopt;
+    if (resume.from == "auto") {
+        std::optional<fs::path> dir = latest_checkpoint(ckpt_root);
+        if (!dir)
+            fail("--resume: no checkpoint under ", ckpt_root.string(),
+                 " (nothing to resume; run without --resume to start a new run)");
+        return dir;
+    }
+    const fs::path dir = resume.from;
+    if (!fs::is_regular_file(dir / "state.json"))
+        fail("--resume ", dir.string(), ": not a training checkpoint directory (no state.json in it)");
+    return dir;
+}
+
+// With OUT locked, no other run is writing there: temporaries of ours that a killed run left (a
+// staging directory, a half-written metrics.jsonl or recipe.json) go.
+void sweep_temporaries(const fs::path& out) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(out, ec)) {
+        const std::string name = entry.path().filename().string();
+        bool ours = name.rfind(".moeforge-staging-", 0) == 0;
+        for (const char* file : {"metrics.jsonl", "recipe.json", kExportRecord})
+            ours = ours || name.rfind(std::string(file) + ".tmp-", 0) == 0;
+        if (ours) fs::remove_all(entry.path(), ec);
+    }
+}
+
+// Rank 0: OUT checked (train/output_dir.h) and locked before anything is loaded or written.
+void claim_output_dir(Run& run, const model::Qwen3MoeConfig& cfg, const ResumeOptions& resume) {
+    const Recipe& r = run.recipe;
+    on_main_agreed(run, [&] {
+        OutputCheck check;
+        check.model_dir = run.model_dir;
+        check.inputs = {fs::path(r.data.train)};
+        check.export_bytes = export_bytes(cfg);
+        if (r.checkpoint.every > 0)
+            check.checkpoint_bytes = static_cast<uint64_t>(r.checkpoint.keep + 1) *
+                                     static_cast<uint64_t>(model::qwen3_moe_param_table(cfg).total()) * 12u;
+        run.out = check_output_dir(r.out, check);
+        if (resume.from == "auto" && !fs::is_directory(run.out))
+            fail("--resume: ", r.out, " does not exist, so there is no checkpoint to resume from");
+        std::error_code ec;
+        fs::create_directories(run.out, ec);
+        if (ec) fail("out ", r.out, ": cannot create the directory: ", ec.message());
+        run.lock = std::make_unique<io::DirLock>(run.out);
+        if (!run.lock->stale_holder().empty())
+            std::fprintf(stderr, "warning: %s/%s was left by a run that no longer holds it (%s); taking it over\n",
+                         run.out.string().c_str(), io::DirLock::kFileName, run.lock->stale_holder().c_str());
+        sweep_temporaries(run.out);
+    });
+    if (!run.is_main) run.out = r.out;  // every rank sees OUT (a shared file system); rank 0 alone writes it
+    run.ckpt_root = run.out / "checkpoints";
+}
+
+// metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
+void open_metrics(Run& run) {
+    const fs::path file = run.out / "metrics.jsonl";
+    std::string kept;
+    if (run.first_step > 0 && fs::exists(file)) {
+        const std::string old = io::read_text_file(file, size_t{1} << 30);
+        size_t pos = 0;
+        while (pos < old.size()) {
+            size_t end = old.find('\n', pos);
+            if (end == std::string::npos) break;  // a torn last line is dropped
+            const std::string line = old.substr(pos, end - pos);
+            pos = end + 1;
+            try {
+                const json::Value v = json::parse(line, "metrics.jsonl");
+                if (v.find("step") != nullptr && v.find("step")->as_int() <= run.first_step) kept += line + "\n";
+            } catch (const Error&) {
+            }
+        }
+    }
+    io::atomic_write_file(file, kept);
+    run.metrics_file.open(file, std::ios::app);
+    if (!run.metrics_file) fail(file.string(), ": cannot open for writing");
+}
+
+void setup(Run& run, const ResumeOptions& resume) {
+    const Recipe& recipe = run.recipe;
+    run.device = resolve_device(recipe);
+    run.mixed = recipe.precision == "mixed";
+    // Before the model: on cuda the NCCL communicator selects this rank's GPU.
+    run.dist = DistContext::from_environment(recipe, run.device);
+    DistContext& dist = *run.dist;
+    run.is_main = dist.is_main();
+    // Who prints: rank 0, or with dist.log_ranks = all every rank, each line led by its rank.
+    run.logs = run.is_main || recipe.dist.log_ranks == "all";
+    run.who = dist.distributed() && recipe.dist.log_ranks == "all" ? "[rank " + std::to_string(dist.rank()) + "] " : "";
+    run.model_dir = recipe.model;
+    const model::Qwen3MoeConfig cfg = read_hf_config(run.model_dir);
+    if (dist.ep_size() > 1 && (cfg.num_experts == 0 || cfg.num_experts % dist.ep_size() != 0))
+        fail(recipe.source, ": dist.ep_size = ", dist.ep_size(), " must divide the model's ", cfg.num_experts,
+             " experts");
+    claim_output_dir(run, cfg, resume);
+    const std::optional<fs::path> ckpt = resume_checkpoint(resume, run.ckpt_root);
+
+    if (run.device == Device::cuda) run.device_mem0 = device_memory_used();
+    model::ModelPlacement placement{run.device, run.device == Device::cuda && !run.mixed ? DType::bf16 : DType::f32,
+                                    dist.expert_shard()};
+    run.model = load_hf_model(run.model_dir, &run.raw_config, placement);
+    model::Qwen3Moe& model = *run.model;
+    model.set_recompute(model::parse_recompute(recipe.train.recompute));
+    if (dist.ep_size() > 1) model.set_expert_parallel(dist.ep_group(), recipe.dist.ep_chunks);
+    dist.gather_embedding_grads(model);
+
+    run.dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size);
+    run.loader = std::make_unique<data::Loader>(&run.dataset.docs, recipe.train.seq_len, recipe.train.micro_batch,
+                                                recipe.data.packing, recipe.data.shuffle,
+                                                static_cast<uint64_t>(recipe.seed), 0,
+                                                data::LoaderShard{dist.rank(), dist.world_size()});
+    run.layout = CheckpointLayout{dist.world_size(), dist.ep_size(), dist.rank()};
+    run.optimizer = std::make_unique<AdamW>(model, recipe.optim, run.mixed,
+                                            recipe.dist.shard_optimizer ? dist.group(Group::world) : nullptr,
+                                            recipe.dist.shard_optimizer ? dist.dp_group() : nullptr);
+    if (ckpt) {
+        const CheckpointState st = load_checkpoint(*ckpt, recipe, model, *run.optimizer, resume.force, run.layout);
+        if (st.step > recipe.train.steps)
+            fail(ckpt->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
+        run.loader->restore(st.loader);
+        run.first_step = st.step;
+        run.last_saved_step = st.step;
+        if (run.logs)
+            std::printf("%sresumed from %s (step %lld)\n", run.who.c_str(), ckpt->string().c_str(),
+                        static_cast<long long>(st.step));
+    }
+    // Only rank 0 writes files; the other ranks' metrics_file stays closed.
+    if (run.is_main) {
+        io::atomic_write_file(run.out / "recipe.json", recipe.to_json().dump(2) + "\n");
+        open_metrics(run);
+    }
+    // This rank's bytes of parameters, gradients and optimizer state (EP shard, ZeRO-1 chunk).
+    run.state_bytes = static_cast<double>(model.num_params()) *
+                          static_cast<double>(dtype_size(model.param_dtype()) + dtype_size(model.grad_dtype())) +
+                      static_cast<double>(run.optimizer->state_bytes());
+    run.tty = run.is_main && isatty(fileno(stdout)) != 0;
+}
+
+void print_start(const Run& run) {
+    const Recipe& recipe = run.recipe;
+    const model::Qwen3Moe& model = *run.model;
+    if (run.is_main)
+        std::printf(
+            "moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | "
+            "%s%s%s\n",
+            run.model_dir.string().c_str(), static_cast<long long>(model.num_params_total()),
+            static_cast<long long>(model.num_active_params()), static_cast<long long>(recipe.train.steps),
+            static_cast<long long>(recipe.train.micro_batch), static_cast<long long>(recipe.train.seq_len),
+            static_cast<long long>(recipe.train.grad_accum), device_name(run.device),
+            run.dist->distributed() ? " | " : "", run.dist->describe().c_str());
+    if (run.logs && run.dist->distributed())
+        std::printf("%sthis rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n", run.who.c_str(),
+                    static_cast<long long>(model.num_params()),
+                    run.dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
+                    static_cast<double>(run.optimizer->state_bytes()) / (1024.0 * 1024.0),
+                    recipe.dist.shard_optimizer ? " (ZeRO-1 shard)" : "");
+}
+
+// The measured peak: on a GPU the device memory this run holds (the arenas' high-water mark plus
+// cuBLAS/cuDNN workspaces: what `bench` reports); on the CPU the parameters, gradients, AdamW state
+// and the activation arena's high-water mark.
+double peak_mem_gib(Run& run) {
+    double bytes = run.state_bytes + static_cast<double>(run.model->activation_bytes());
+    if (run.device == Device::cuda) bytes = static_cast<double>(device_memory_used() - run.device_mem0);
+    run.peak_mem_gib = std::max(run.peak_mem_gib, bytes / (1024.0 * 1024.0 * 1024.0));
+    return run.peak_mem_gib;
+}
+
+void save_run_checkpoint(Run& run, int64_t step) {
+    CheckpointState st;
+    st.step = step;
+    st.adam_step = run.optimizer->step_count();
+    st.loader = run.loader->state();
+    st.recipe = run.recipe.to_json();
+    st.next_lr = lr_at(run.recipe.optim, step, run.recipe.train.steps);
+    save_checkpoint(run.ckpt_root, st, *run.model, *run.optimizer, run.recipe.checkpoint.keep, run.layout,
+                    run.dist.get());
+    run.last_saved_step = step;
+    if (run.logs)
+        std::printf("%scheckpoint saved: %s/step-%08lld\n", run.who.c_str(), run.ckpt_root.string().c_str(),
+                    static_cast<long long>(step));
+}
+
+// One optimizer step: grad_accum micro-batches, each built as it is consumed. The loss is HF's over
+// the union of every rank's micro-batches: CE summed everywhere over the global target count, aux
+// the mean over all grad_accum x world micro-batches. The target count must be known before the
+// first backward, so a copy of the loader counts the step's targets first. `stop` is this rank's
+// interruption request in, and whether any rank asked for one out (every rank then stops after
+// this same step).
+StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
+    const Recipe& recipe = run.recipe;
+    model::Qwen3Moe& model = *run.model;
+    DistContext& dist = *run.dist;
+    const auto& cfg = model.config();
+    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
+    const auto t0 = Clock::now();
+    int64_t local_targets = 0;
+    {
+        data::Loader counter = *run.loader;
+        for (int64_t a = 0; a < recipe.train.grad_accum; ++a) local_targets += counter.next().num_targets();
+    }
+    const int64_t targets = dist.sum_i64(local_targets);
+    const double num_micro = static_cast<double>(recipe.train.grad_accum) * static_cast<double>(dist.world_size());
+    model::LossScales scales;
+    scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
+    scales.aux = add_aux ? cfg.router_aux_loss_coef / num_micro : 0.0;
+    double local_ce = 0, local_aux = 0, local_tokens = 0;
+    for (int64_t a = 0; a < recipe.train.grad_accum; ++a) {
+        const data::Batch batch = run.loader->next();
+        local_tokens += static_cast<double>(batch.num_real_tokens());
+        // The gradient reduction overlaps the last micro-batch's backward (train/distributed.h).
+        if (a + 1 == recipe.train.grad_accum) dist.begin_grad_sync(model);
+        const model::StepStats s = model.step(batch, &scales);
+        local_ce += s.ce_sum;
+        local_aux += s.aux;
+    }
+    dist.finish_grad_sync(model);
+    const double local_sums[4] = {local_ce, local_aux, local_tokens, *stop ? 1.0 : 0.0};
+    const std::vector<double> sums = dist.sum_f64(local_sums);
+    *stop = sums[3] > 0;
+    StepMetrics m;
+    m.step = step + 1;
+    m.ce_loss = targets > 0 ? sums[0] / static_cast<double>(targets) : 0.0;
+    m.aux_loss = sums[1] / num_micro;
+    m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
+    m.tokens = static_cast<int64_t>(sums[2]);
+    // The gradients are identical on every rank, so this global norm is too.
+    m.grad_norm = grad_norm(model, &dist);
+    m.lr = lr_at(recipe.optim, step, recipe.train.steps);
+    *skipped = false;
+    if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
+        const std::string where = !std::isfinite(m.loss)
+                                      ? "loss " + std::to_string(m.loss) + ", first in " + model.locate_nonfinite_activation()
+                                      : "gradient norm, first in the gradient of " + model.locate_nonfinite_gradient();
+        if (recipe.train.on_nonfinite == "stop") {
+            if (run.is_main) run.metrics_file << m.to_json().dump() << "\n" << std::flush;
+            fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
+        }
+        if (run.logs)
+            std::printf("%sstep %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n", run.who.c_str(),
+                        static_cast<long long>(m.step), where.c_str());
+        *skipped = true;
+    } else {
+        run.optimizer->step(m.lr, clip_coefficient(m.grad_norm, recipe.train.grad_clip));
+    }
+    model.zero_grads();
+    const double dt = seconds_since(t0);
+    m.tokens_per_s = dt > 0 ? static_cast<double>(m.tokens) / dt : 0.0;
+    m.peak_mem_gib = peak_mem_gib(run);
+    return m;
+}
+
+// A log line per train.log_every steps; on a terminal one status line (elapsed, ETA, loss, tokens/s)
+// rewritten in place between them.
+void report_step(Run& run, const StepMetrics& m, Clock::time_point loop_start) {
+    const Recipe& recipe = run.recipe;
+    if (!run.logs) return;
+    const double elapsed = seconds_since(loop_start);
+    const double done = static_cast<double>(m.step - run.first_step);
+    const double eta = done > 0 ? elapsed / done * static_cast<double>(recipe.train.steps - m.step) : 0.0;
+    if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
+        if (run.tty) std::printf("\r\033[K");
+        std::printf(
+            "%sstep %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | %.2f GiB | "
+            "%s elapsed, ETA %s\n",
+            run.who.c_str(), static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss,
+            m.ce_loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, m.peak_mem_gib, duration_str(elapsed).c_str(),
+            duration_str(eta).c_str());
+    } else if (run.tty) {
+        std::printf("\r\033[Kstep %lld/%lld | loss %.4f | %.0f tok/s | %s elapsed, ETA %s",
+                    static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss,
+                    m.tokens_per_s, duration_str(elapsed).c_str(), duration_str(eta).c_str());
+    }
     std::fflush(stdout);
+}
+
+// Returns the signal that stopped the run early (0: it ran to train.steps).
+int train_loop(Run& run, TrainSummary& summary) {
+    const Recipe& recipe = run.recipe;
+    const auto loop_start = Clock::now();
+    for (int64_t step = run.first_step; step < recipe.train.steps; ++step) {
+        bool stop = interrupt::requested_signal() != 0, skipped = false;
+        const StepMetrics m = train_step(run, step, &stop, &skipped);
+        if (step == run.first_step) summary.first_loss = m.loss;
+        summary.last_loss = m.loss;
+        if (run.is_main) {  // every rank's m is the same; rank 0 records it
+            json::Value line = m.to_json();
+            if (skipped) line.set("skipped", true);
+            run.metrics_file << line.dump() << "\n" << std::flush;
+        }
+        if (recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) save_run_checkpoint(run, m.step);
+        report_step(run, m, loop_start);
+        if (stop) {
+            if (run.last_saved_step != m.step) save_run_checkpoint(run, m.step);
+            summary.steps = m.step;
+            // Any rank's signal stops every rank; a rank that got none reports SIGTERM (what
+            // launchers and SLURM send).
+            const int sig = interrupt::requested_signal();
+            return sig != 0 ? sig : SIGTERM;
+        }
+    }
+    if (run.tty) std::printf("\r\033[K");
+    summary.steps = recipe.train.steps;
+    return 0;
+}
+
+// Rank 0 writes the export into OUT (its own files only, io::StagedFiles); under EP its EP group's
+// ranks hand over their experts tensor by tensor as the writer reaches them
+// (DistContext::export_source / serve_export).
+void export_run(Run& run, TrainSummary& summary) {
+    model::Qwen3Moe& model = *run.model;
+    DistContext& dist = *run.dist;
+    std::vector<float> local_params;
+    if (run.is_main || dist.serves_export()) {
+        local_params.resize(static_cast<size_t>(model.num_params()));
+        model.get_params_to_host(local_params.data());
+    }
+    if (!run.is_main) {
+        if (dist.serves_export()) dist.serve_export(model, local_params);
+        // Returning only after rank 0 has written keeps every rank's exit status meaningful (a
+        // failed export on rank 0 makes this barrier fail here too).
+        dist.barrier();
+        return;
+    }
+    run.metrics_file.close();
+    if (run.dataset.skipped_lines > 0)
+        std::printf("skipped %lld bad dataset lines; first: %s\n", static_cast<long long>(run.dataset.skipped_lines),
+                    run.dataset.first_skip_reason.c_str());
+    {
+        io::StagedFiles staged(run.out, kExportRecord);
+        save_hf_model(staged.staging(), model.config(), dist.export_source(model, local_params), &run.raw_config,
+                      run.model_dir);
+        staged.commit({"config.json"});
+    }
+    dist.barrier();
+    summary.out_dir = run.out.string();
 }
 
 }  // namespace
 
 TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
-    const auto t_start = std::chrono::steady_clock::now();
-    const Device device = resolve_device(recipe);
-    const bool mixed = recipe.precision == "mixed";
-    // Before the model: on cuda the NCCL communicator selects this rank's GPU.
-    const std::unique_ptr<DistContext> dist = DistContext::from_environment(recipe, device);
-    const bool is_main = dist->is_main();
-    // Who prints: rank 0, or with dist.log_ranks = all every rank, each line led by its rank.
-    const bool logs = is_main || recipe.dist.log_ranks == "all";
-    const std::string who =
-        dist->distributed() && recipe.dist.log_ranks == "all" ? "[rank " + std::to_string(dist->rank()) + "] " : "";
-    model::ModelPlacement placement{device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32,
-                                    dist->expert_shard()};
-    const fs::path model_dir = recipe.model;
-    json::Value raw_config;
-    if (dist->ep_size() > 1) {
-        const model::Qwen3MoeConfig c = read_hf_config(model_dir);
-        if (c.num_experts == 0 || c.num_experts % dist->ep_size() != 0)
-            fail(recipe.source, ": dist.ep_size = ", dist->ep_size(), " must divide the model's ", c.num_experts,
-                 " experts");
-    }
-    auto model = load_hf_model(model_dir, &raw_config, placement);
-    model->set_recompute(model::parse_recompute(recipe.train.recompute));
-    const auto& cfg = model->config();
-    if (dist->ep_size() > 1) model->set_expert_parallel(dist->ep_group(), recipe.dist.ep_chunks);
-    dist->gather_embedding_grads(*model);
-
-    const data::TokenDataset dataset = read_dataset(recipe, model_dir, cfg.vocab_size);
-    data::Loader loader(&dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing,
-                        recipe.data.shuffle, static_cast<uint64_t>(recipe.seed), 0,
-                        data::LoaderShard{dist->rank(), dist->world_size()});
-    const CheckpointLayout layout{dist->world_size(), dist->ep_size(), dist->rank()};
-
-    const fs::path out = recipe.out;
-    if (is_main) {
-        fs::create_directories(out);
-        io::atomic_write_file(out / "recipe.json", recipe.to_json().dump(2) + "\n");
-    }
-    AdamW optimizer(*model, recipe.optim, mixed, recipe.dist.shard_optimizer ? dist->group(Group::world) : nullptr,
-                    recipe.dist.shard_optimizer ? dist->dp_group() : nullptr);
-    const fs::path ckpt_root = out / "checkpoints";
-    int64_t first_step = 0;
-    if (!resume.from.empty()) {
-        std::optional<fs::path> dir;
-        if (resume.from == "auto") dir = latest_checkpoint(ckpt_root);
-        else dir = fs::path(resume.from);
-        if (!dir) {
-            if (logs)
-                std::printf("%sresume: no checkpoint under %s, starting from step 0\n", who.c_str(),
-                            ckpt_root.string().c_str());
-        } else {
-            const CheckpointState st = load_checkpoint(*dir, recipe, *model, optimizer, resume.force, layout);
-            if (st.step > recipe.train.steps)
-                fail(dir->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
-            loader.restore(st.loader);
-            first_step = st.step;
-            if (logs)
-                std::printf("%sresumed from %s (step %lld)\n", who.c_str(), dir->string().c_str(),
-                            static_cast<long long>(st.step));
-        }
-    }
-    // metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
-    // Only rank 0 writes files; the other ranks' metrics_file stays closed.
-    std::ofstream metrics_file;
-    if (is_main) {
-        std::string kept;
-        if (first_step > 0 && fs::exists(out / "metrics.jsonl")) {
-            const std::string old = io::read_text_file(out / "metrics.jsonl", size_t{1} << 30);
-            size_t pos = 0;
-            while (pos < old.size()) {
-                size_t end = old.find('\n', pos);
-                if (end == std::string::npos) break;  // a torn last line is dropped
-                const std::string line = old.substr(pos, end - pos);
-                pos = end + 1;
-                try {
-                    const json::Value v = json::parse(line, "metrics.jsonl");
-                    if (v.find("step") != nullptr && v.find("step")->as_int() <= first_step) kept += line + "\n";
-                } catch (const Error&) {
-                }
-            }
-        }
-        io::atomic_write_file(out / "metrics.jsonl", kept);
-        metrics_file.open(out / "metrics.jsonl", std::ios::app);
-        if (!metrics_file) fail(out.string(), "/metrics.jsonl: cannot open for writing");
-    }
-
-    // This rank's bytes of parameters, gradients and optimizer state (EP shard, ZeRO-1 chunk).
-    const double state_bytes =
-        static_cast<double>(model->num_params()) * static_cast<double>(dtype_size(model->param_dtype()) +
-                                                                       dtype_size(model->grad_dtype())) +
-        static_cast<double>(optimizer.state_bytes());
-    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
-    const bool tty = is_main && isatty(fileno(stdout)) != 0;
-    if (is_main)
-        std::printf(
-            "moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | "
-            "%s%s%s\n",
-            model_dir.string().c_str(), static_cast<long long>(model->num_params_total()),
-            static_cast<long long>(model->num_active_params()),
-            static_cast<long long>(recipe.train.steps), static_cast<long long>(recipe.train.micro_batch),
-            static_cast<long long>(recipe.train.seq_len), static_cast<long long>(recipe.train.grad_accum),
-            device_name(device), dist->distributed() ? " | " : "", dist->describe().c_str());
-
-    if (logs && dist->distributed())
-        std::printf("%sthis rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n", who.c_str(),
-                    static_cast<long long>(model->num_params()),
-                    dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
-                    static_cast<double>(optimizer.state_bytes()) / (1024.0 * 1024.0),
-                    recipe.dist.shard_optimizer ? " (ZeRO-1 shard)" : "");
+    const auto t_start = Clock::now();
+    Run run(recipe);
+    setup(run, resume);
+    print_start(run);
     TrainSummary summary;
-    summary.out_dir = out.string();
-    for (int64_t step = first_step; step < recipe.train.steps; ++step) {
-        const auto t0 = std::chrono::steady_clock::now();
-        std::vector<data::Batch> micro;
-        int64_t local_targets = 0, local_tokens = 0;
-        for (int64_t a = 0; a < recipe.train.grad_accum; ++a) {
-            micro.push_back(loader.next());
-            local_targets += micro.back().num_targets();
-            local_tokens += micro.back().num_real_tokens();
-        }
-        // The loss is HF's over the union of every rank's micro-batches: CE summed everywhere over
-        // the global target count, aux the mean over all grad_accum x world micro-batches.
-        const int64_t targets = dist->sum_i64(local_targets);
-        const double num_micro = static_cast<double>(micro.size()) * static_cast<double>(dist->world_size());
-        model::LossScales scales;
-        scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
-        scales.aux = add_aux ? cfg.router_aux_loss_coef / num_micro : 0.0;
-        double local_ce = 0, local_aux = 0;
-        for (size_t i = 0; i < micro.size(); ++i) {
-            // The gradient reduction overlaps the last micro-batch's backward (train/distributed.h).
-            if (i + 1 == micro.size()) dist->begin_grad_sync(*model);
-            const model::StepStats s = model->step(micro[i], &scales);
-            local_ce += s.ce_sum;
-            local_aux += s.aux;
-        }
-        dist->finish_grad_sync(*model);
-        const double local_sums[3] = {local_ce, local_aux, static_cast<double>(local_tokens)};
-        const std::vector<double> sums = dist->sum_f64(local_sums);
-        const double ce_sum = sums[0], aux_sum = sums[1];
-        const int64_t tokens = static_cast<int64_t>(sums[2]);
-        StepMetrics m;
-        m.step = step + 1;
-        m.ce_loss = targets > 0 ? ce_sum / static_cast<double>(targets) : 0.0;
-        m.aux_loss = aux_sum / num_micro;
-        m.loss = m.ce_loss + (add_aux ? cfg.router_aux_loss_coef * m.aux_loss : 0.0);
-        // The gradients are identical on every rank, so this global norm is too.
-        m.grad_norm = grad_norm(*model, dist.get());
-        m.lr = lr_at(recipe.optim, step, recipe.train.steps);
-        bool skipped = false;
-        if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
-            const std::string where = !std::isfinite(m.loss) ? "loss " + std::to_string(m.loss) + ", first in " +
-                                                                   model->locate_nonfinite_activation()
-                                                             : "gradient norm, first in the gradient of " +
-                                                                   model->locate_nonfinite_gradient();
-            if (recipe.train.on_nonfinite == "stop") {
-                if (is_main) metrics_file << m.to_json().dump() << "\n";
-                fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
-            }
-            if (logs)
-                std::printf("%sstep %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n", who.c_str(),
-                            static_cast<long long>(m.step), where.c_str());
-            skipped = true;
-        } else {
-            optimizer.step(m.lr, clip_coefficient(m.grad_norm, recipe.train.grad_clip));
-        }
-        model->zero_grads();
-        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        m.tokens = tokens;
-        m.tokens_per_s = dt > 0 ? static_cast<double>(tokens) / dt : 0.0;
-        // params + grads + AdamW state (per the policy) + the activation arena's high-water mark.
-        m.peak_mem_gib = (state_bytes + static_cast<double>(model->activation_bytes())) / (1024.0 * 1024.0 * 1024.0);
-        if (step == first_step) summary.first_loss = m.loss;
-        summary.last_loss = m.loss;
-        if (is_main) {  // every rank's m is the same; rank 0 records it
-            json::Value line = m.to_json();
-            if (skipped) line.set("skipped", true);
-            metrics_file << line.dump() << "\n";
-            metrics_file.flush();
-        }
-        if (recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) {
-            CheckpointState st;
-            st.step = m.step;
-            st.adam_step = optimizer.step_count();
-            st.loader = loader.state();
-            st.recipe = recipe.to_json();
-            save_checkpoint(ckpt_root, st, *model, optimizer, recipe.checkpoint.keep, layout, dist.get());
-        }
-        if (!logs) continue;
-        if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
-            if (tty) std::printf("\r\033[K");
-            std::printf("%sstep %4lld/%lld | loss %.4f | ce %.4f | aux %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | "
-                        "%.2f GiB\n",
-                        who.c_str(), static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss,
-                        m.ce_loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, m.peak_mem_gib);
-        }
-        print_progress(m.step, recipe.train.steps, tty);
-    }
-    if (tty) std::printf("\r\033[K");
-    summary.steps = recipe.train.steps;
-    // Rank 0 writes the export; under EP its EP group's ranks hand over their experts tensor by
-    // tensor as the writer reaches them (DistContext::export_source / serve_export).
-    std::vector<float> local_params;
-    if (is_main || dist->serves_export()) {
-        local_params.resize(static_cast<size_t>(model->num_params()));
-        model->get_params_to_host(local_params.data());
-    }
-    if (!is_main) {
-        if (dist->serves_export()) dist->serve_export(*model, local_params);
-        // Returning only after rank 0 has written keeps every rank's exit status meaningful (a
-        // failed export on rank 0 makes this barrier fail here too).
-        dist->barrier();
-        summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    summary.out_dir = run.out.string();
+    summary.interrupted_by = train_loop(run, summary);
+    if (summary.interrupted_by != 0) {
+        if (run.tty) std::printf("\r\033[K");
+        summary.seconds = seconds_since(t_start);
+        if (run.logs)
+            std::printf("%sstopped by %s after step %lld: checkpoint saved; continue with --resume\n", run.who.c_str(),
+                        interrupt::signal_name(summary.interrupted_by), static_cast<long long>(summary.steps));
+        std::fflush(stdout);
         return summary;
     }
-    metrics_file.close();
-    if (dataset.skipped_lines > 0)
-        std::printf("skipped %lld bad dataset lines; first: %s\n", static_cast<long long>(dataset.skipped_lines),
-                    dataset.first_skip_reason.c_str());
-
-    // Export: everything into a temporary sibling directory, then one rename into place.
-    {
-        io::AtomicDir dir(out);
-        save_hf_model(dir.tmp_path(), cfg, dist->export_source(*model, local_params), &raw_config, model_dir);
-        for (const char* name : {"metrics.jsonl", "recipe.json"})
-            io::atomic_write_file(dir.tmp_path() / name, io::read_text_file(out / name, size_t{1} << 30));
-        // Checkpoints move along as hard links: until the commit the old OUT still has them.
-        if (fs::is_directory(ckpt_root)) {
-            for (const auto& ckpt : fs::directory_iterator(ckpt_root)) {
-                if (!ckpt.is_directory() || ckpt.path().filename().string().find(".tmp-") != std::string::npos) continue;
-                const fs::path dst = dir.tmp_path() / "checkpoints" / ckpt.path().filename();
-                fs::create_directories(dst);
-                for (const auto& f : fs::directory_iterator(ckpt.path())) fs::create_hard_link(f.path(), dst / f.path().filename());
-            }
-        }
-        dir.commit();
-    }
-    dist->barrier();
-    summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-    std::printf("wrote %s (HF model directory) in %.1f s; loss %.4f -> %.4f\n", out.string().c_str(), summary.seconds,
-                summary.first_loss, summary.last_loss);
+    export_run(run, summary);
+    summary.seconds = seconds_since(t_start);
+    if (run.is_main)
+        std::printf("wrote %s (HF model directory) in %.1f s; loss %.4f -> %.4f\n", run.out.string().c_str(),
+                    summary.seconds, summary.first_loss, summary.last_loss);
     return summary;
 }
 

@@ -4,10 +4,20 @@
 // its micro-batches: Σ CE / Σ counted targets (+ router_aux_loss_coef × mean aux when the config
 // asks HF to add it, output_router_logits), so grad_accum × micro_batch behaves like one big
 // batch. Then: clip by the global norm, AdamW at the scheduled lr, zero the gradients.
-// Metrics go to OUT/metrics.jsonl (one object per step) and a log line per train.log_every
-// steps; at the end the model, config, tokenizer files, metrics and recipe are written to OUT as
-// one directory, atomically (io::AtomicDir). With checkpoint.every, a resumable training
-// checkpoint is written under OUT/checkpoints (train/checkpoint.h) and `resume` continues from one.
+// Metrics go to OUT/metrics.jsonl (one object per step, flushed as written) and a log line per
+// train.log_every steps (on a terminal, a status line with elapsed time and ETA between them).
+//
+// Nothing a user has is ever lost (train/output_dir.h): OUT is checked before step 1 (not the
+// model, the data, `.`, nothing unwritable or too small, no foreign weights) and locked for the
+// whole run (io::DirLock: a second run on it refuses at once, naming the holder). At the end the
+// model, config and tokenizer files are written into OUT through io::StagedFiles: only the export's
+// own files change, each atomically, and nothing else in OUT is touched. With checkpoint.every, a
+// resumable training checkpoint is written under OUT/checkpoints (train/checkpoint.h); `--resume`
+// continues from one and is an error when there is none.
+// Interruption (core/interrupt.h): after a SIGINT/SIGTERM the current step finishes, a checkpoint
+// is written (whatever checkpoint.every says), the run returns `interrupted_by` (the CLI exits with
+// 128 + signal) and a resume continues bitwise as if never stopped. Every rank of a multi-process
+// run stops after the same step: each step's sums carry every rank's request.
 // A NaN/Inf loss or gradient is caught in its step: train.on_nonfinite = stop ends the run with
 // the step and the first layer or tensor where it appeared; skip drops that update.
 //
@@ -51,10 +61,12 @@ struct TrainSummary {
     double first_loss = 0, last_loss = 0;
     double seconds = 0;
     std::string out_dir;
+    int interrupted_by = 0;  // the signal that stopped the run after `steps` (0: it finished and exported)
 };
 
 struct ResumeOptions {
-    std::string from;    // "" = fresh run; "auto" = newest checkpoint under OUT/checkpoints; else a checkpoint dir
+    std::string from;    // "" = fresh run; "auto" = newest checkpoint under OUT/checkpoints (there must be one);
+                         // else a checkpoint directory
     bool force = false;  // resume even if the recipe changed in a way that matters
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/json.h"
+#include "io/crc32c.h"
 #include "io/safetensors.h"
 #include "test_util.h"
 
@@ -39,7 +40,7 @@ class CheckpointErrors : public ::testing::Test {
     static std::string finetune_cmd(const std::string& out, const std::string& extra) {
         return test::moeforge_binary() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" +
                (dir_ / "base").string() + " data.train=" + repo() + "/demo/data/tokens.jsonl out=" +
-               (dir_ / out).string() + " train.seq_len=32 train.micro_batch=2 device=cpu optim.warmup_steps=0 " + extra;
+               (dir_ / out).string() + " train.seq_len=32 train.micro_batch=2 device=cpu optim.warmup_steps=0 optim.schedule=constant " + extra;
     }
     // A copy of the good checkpoint to damage.
     static fs::path copy(const std::string& name) {
@@ -72,11 +73,24 @@ class CheckpointErrors : public ::testing::Test {
         std::vector<float> extra(64, 1.0f);
         edit(tensors, extra);
         io::write_safetensors(ckpt / kShard, tensors, {{"format", "moeforge"}});
+        edit_state(ckpt, "format_version", json::Value(int64_t{3}));  // re-seals the shard's new checksum
     }
+    // Sets one field of state.json and re-seals the checkpoint by the format's rule (checkpoint.h):
+    // the shard's CRC-32C in "checksums", and last "state_checksum", the CRC of the text before it.
+    // So these cases reach the validation behind the checksums.
     static void edit_state(const fs::path& ckpt, const std::string& key, const json::Value& value) {
         json::Value s = json::parse(test::read_file(ckpt / "state.json"), "state.json");
+        std::erase_if(s.as_object(), [](const auto& kv) { return kv.first == "state_checksum"; });
+        if (fs::exists(ckpt / kShard)) {
+            const std::string shard = test::read_file(ckpt / kShard);
+            json::Value sums = json::Value::object();
+            sums.set(kShard, io::crc32c_string(io::crc32c(0, shard.data(), shard.size())));
+            s.set("checksums", sums);
+        }
         s.set(key, value);
-        test::write_file(ckpt / "state.json", s.dump(2));
+        const std::string dumped = s.dump(2), body = dumped + "\n";
+        test::write_file(ckpt / "state.json", dumped.substr(0, dumped.size() - 2) + ",\n  \"state_checksum\": \"" +
+                                                  io::crc32c_string(io::crc32c(0, body.data(), body.size())) + "\"\n}\n");
     }
     static fs::path dir_, good_;
 };
@@ -189,6 +203,16 @@ TEST_F(CheckpointErrors, BadStateIsNamed) {
     edit_state(c, "config_hash", json::Value("0123456789abcdef"));
     out = resume_fails(c);
     EXPECT_NE(out.find("different model config"), std::string::npos) << out;
+
+    // A field of the wrong type is named with the file (was "expected a JSON string, got number").
+    c = copy("config_type");
+    edit_state(c, "config_hash", json::Value(int64_t{5}));
+    out = resume_fails(c);
+    EXPECT_NE(out.find("state.json: field \"config_hash\" must be a string, got 5"), std::string::npos) << out;
+    c = copy("step_type");
+    edit_state(c, "step", json::Value("two"));
+    out = resume_fails(c);
+    EXPECT_NE(out.find("state.json: field \"step\" must be an integer"), std::string::npos) << out;
 
     c = copy("loader");
     json::Value loader = json::Value::object();

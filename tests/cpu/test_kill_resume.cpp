@@ -30,7 +30,19 @@ std::vector<std::string> finetune_args(const fs::path& base, const fs::path& out
     return {test::moeforge_binary(), "finetune", repo() + "/demo/tiny_tokens.yaml", "model=" + base.string(),
             "data.train=" + repo() + "/demo/data/tokens.jsonl", "out=" + out.string(), "train.steps=40",
             "train.seq_len=32", "train.micro_batch=2", "train.log_every=1000", "checkpoint.every=1",
-            "checkpoint.keep=2", "--resume", "auto"};
+            "checkpoint.keep=2"};
+}
+
+// What a restart script does: --resume once a checkpoint exists (without one, --resume is an error).
+std::vector<std::string> restart_args(const fs::path& base, const fs::path& out) {
+    std::vector<std::string> args = finetune_args(base, out);
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(out / "checkpoints", ec))
+        if (e.path().filename().string().rfind("step-", 0) == 0 && e.path().filename().string().size() == 13) {
+            args.push_back("--resume");
+            break;
+        }
+    return args;
 }
 
 pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
@@ -86,7 +98,7 @@ TEST(KillResume, SurvivesSigkillAnywhere) {
         int lives = 0;
         while (true) {
             ASSERT_LT(++lives, 2000) << "no progress";
-            const pid_t pid = spawn(finetune_args(dir / "base", run), log);
+            const pid_t pid = spawn(restart_args(dir / "base", run), log);
             ASSERT_GT(pid, 0);
             // Most lives are short (inside start-up, steps and checkpoint writes); some run longer.
             // On a slow machine (a sanitizer build sharing two busy cores) start-up alone can outlast
