@@ -2,6 +2,7 @@
 // Unknown options and missing values are errors naming the option.
 #pragma once
 
+#include <filesystem>
 #include <map>
 #include <set>
 #include <string>
@@ -60,6 +61,20 @@ class ParsedArgs {
     std::set<std::string> flags_;
     std::vector<std::string> positional_;
 };
+
+// Runs a subcommand's body, turning a std::filesystem error about a user's path (a name too long,
+// a component that cannot be searched, ...) into an mf::Error naming the command, the path and the
+// problem, instead of an "internal error".
+template <typename Body>
+int with_path_errors(const char* command, Body&& body) {
+    try {
+        return body();
+    } catch (const std::filesystem::filesystem_error& e) {
+        std::string paths = e.path1().string();
+        if (!e.path2().empty()) paths += " -> " + e.path2().string();
+        fail(command, ": ", paths, ": ", e.code().message());
+    }
+}
 
 // Parses a non-negative integer option value, naming the option when it is not one.
 int64_t parse_int_option(const std::string& value, const char* option);

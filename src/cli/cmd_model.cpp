@@ -50,45 +50,49 @@ model::Qwen3MoeConfig tiny_preset() {
 }  // namespace
 
 int cmd_init(const Args& args) {
-    const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {},
-                       "init");
-    const std::string arch = a.get("arch", "qwen3_moe");
-    if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
-    model::Qwen3MoeConfig cfg;
-    if (a.has("config")) {
-        const fs::path file = a.get("config");
-        cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()),
-                                               file.string());
-        if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
-    } else {
-        const std::string preset = a.get("preset", "tiny");
-        if (preset != "tiny") fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
-        cfg = tiny_preset();
-    }
-    // Token ids are int32 (data/batch.h).
-    if (a.has("vocab-size"))
-        cfg.vocab_size = parse_int_option(a.get("vocab-size"), "vocab-size", 1, std::numeric_limits<int32_t>::max());
-    const fs::path out = a.require("out", "init");
-    // A tokenizer shipped with the model: its files are copied, and its ids must fit the vocabulary.
-    const fs::path tokenizer_dir = a.get("tokenizer");
-    if (!tokenizer_dir.empty()) {
-        const text::Tokenizer tok = text::Tokenizer::load(tokenizer_dir);
-        if (static_cast<int64_t>(tok.vocab_size()) > cfg.vocab_size)
-            fail("init: the tokenizer in ", tokenizer_dir.string(), " has ", tok.vocab_size(),
-                 " ids, more than the model's vocab_size ", cfg.vocab_size, " (pass --vocab-size)");
-    }
-    const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
-    // HF's initializer_range is 0.02; past 1 the logits of a deep model overflow float.
-    const float std_dev = static_cast<float>(parse_number_option(a.get("init-std", "0.02"), "init-std", 0.0, 1.0));
-    model::Qwen3Moe m(cfg);
-    m.init_random(seed, std_dev);
-    io::AtomicDir dir(out);
-    train::save_hf_model(dir.tmp_path(), m, nullptr, tokenizer_dir);
-    dir.commit();
-    std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
-                static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
-                static_cast<unsigned long long>(seed));
-    return 0;
+    return with_path_errors("init", [&] {
+        const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {},
+                           "init");
+        const std::string arch = a.get("arch", "qwen3_moe");
+        if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
+        model::Qwen3MoeConfig cfg;
+        if (a.has("config")) {
+            const fs::path file = a.get("config");
+            cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()),
+                                                   file.string());
+            if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
+        } else {
+            const std::string preset = a.get("preset", "tiny");
+            if (preset != "tiny")
+                fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
+            cfg = tiny_preset();
+        }
+        // Token ids are int32 (data/batch.h).
+        if (a.has("vocab-size"))
+            cfg.vocab_size =
+                parse_int_option(a.get("vocab-size"), "vocab-size", 1, std::numeric_limits<int32_t>::max());
+        const fs::path out = a.require("out", "init");
+        // A tokenizer shipped with the model: its files are copied, and its ids must fit the vocabulary.
+        const fs::path tokenizer_dir = a.get("tokenizer");
+        if (!tokenizer_dir.empty()) {
+            const text::Tokenizer tok = text::Tokenizer::load(tokenizer_dir);
+            if (static_cast<int64_t>(tok.vocab_size()) > cfg.vocab_size)
+                fail("init: the tokenizer in ", tokenizer_dir.string(), " has ", tok.vocab_size(),
+                     " ids, more than the model's vocab_size ", cfg.vocab_size, " (pass --vocab-size)");
+        }
+        const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
+        // HF's initializer_range is 0.02; past 1 the logits of a deep model overflow float.
+        const float std_dev = static_cast<float>(parse_number_option(a.get("init-std", "0.02"), "init-std", 0.0, 1.0));
+        model::Qwen3Moe m(cfg);
+        m.init_random(seed, std_dev);
+        io::AtomicDir dir(out);
+        train::save_hf_model(dir.tmp_path(), m, nullptr, tokenizer_dir);
+        dir.commit();
+        std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
+                    static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
+                    static_cast<unsigned long long>(seed));
+        return 0;
+    });
 }
 
 namespace {
@@ -139,66 +143,69 @@ RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a)
 }  // namespace
 
 int cmd_info(const Args& args) {
-    const ParsedArgs a(args, {"seq-len", "world", "ep-size", "device", "precision"}, {"json", "no-zero1"}, "info");
-    if (a.positional().size() != 1) fail("info: expected one model directory");
-    const fs::path dir = a.positional()[0];
-    const model::Qwen3MoeConfig cfg = train::read_hf_config(dir);
-    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
-    const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
-    const int64_t total = table.total(), active = model::qwen3_moe_active_params(cfg, table);
-    const double flops = model::qwen3_moe_flops_per_token(cfg, T);
-    const RankPlan plan = plan_rank_memory(cfg, a);
-    if (a.has("json")) {
-        json::Value v = json::Value::object();
-        v.set("model_type", "qwen3_moe");
-        v.set("params", total);
-        v.set("active_params", active);
-        v.set("flops_per_token", json::Value(flops));
-        v.set("seq_len", T);
-        json::Value layers = json::Value::array();
-        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
-            layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
-        v.set("layers", std::move(layers));
-        json::Value per = json::Value::object();
-        per.set("world", plan.world);
-        per.set("ep_size", plan.ep);
-        per.set("device", plan.device);
-        per.set("precision", plan.precision);
-        per.set("zero1", plan.zero1);
-        per.set("params", plan.params);
-        per.set("param_grad_bytes", plan.param_grad_bytes);
-        per.set("optimizer_bytes", plan.optimizer_bytes);
-        v.set("per_rank", std::move(per));
-        std::printf("%s\n", v.dump().c_str());
+    return with_path_errors("info", [&] {
+        const ParsedArgs a(args, {"seq-len", "world", "ep-size", "device", "precision"}, {"json", "no-zero1"}, "info");
+        if (a.positional().size() != 1) fail("info: expected one model directory");
+        const fs::path dir = a.positional()[0];
+        const model::Qwen3MoeConfig cfg = train::read_hf_config(dir);
+        const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+        const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
+        const int64_t total = table.total(), active = model::qwen3_moe_active_params(cfg, table);
+        const double flops = model::qwen3_moe_flops_per_token(cfg, T);
+        const RankPlan plan = plan_rank_memory(cfg, a);
+        if (a.has("json")) {
+            json::Value v = json::Value::object();
+            v.set("model_type", "qwen3_moe");
+            v.set("params", total);
+            v.set("active_params", active);
+            v.set("flops_per_token", json::Value(flops));
+            v.set("seq_len", T);
+            json::Value layers = json::Value::array();
+            for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+                layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
+            v.set("layers", std::move(layers));
+            json::Value per = json::Value::object();
+            per.set("world", plan.world);
+            per.set("ep_size", plan.ep);
+            per.set("device", plan.device);
+            per.set("precision", plan.precision);
+            per.set("zero1", plan.zero1);
+            per.set("params", plan.params);
+            per.set("param_grad_bytes", plan.param_grad_bytes);
+            per.set("optimizer_bytes", plan.optimizer_bytes);
+            v.set("per_rank", std::move(per));
+            std::printf("%s\n", v.dump().c_str());
+            return 0;
+        }
+        std::printf("%s: qwen3_moe\n", dir.string().c_str());
+        std::printf("  parameters       %lld total, %lld active per token (%.1f%%)\n", static_cast<long long>(total),
+                    static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
+        std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
+        const double gib = 1024.0 * 1024.0 * 1024.0;
+        std::printf(
+            "  per rank (world %lld, EP %lld, %s %s%s): %lld parameters; parameters + gradients %.2f GiB, "
+            "AdamW state %.2f GiB (before activations)\n",
+            static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
+            plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
+            static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
+        std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
+                    static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
+                    cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);
+        std::printf("  layer plan:\n");
+        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+            std::printf("    %3lld  attention (%lld q heads, %lld kv heads, dim %lld, qk-norm, rope)  +  ",
+                        static_cast<long long>(l), static_cast<long long>(cfg.num_attention_heads),
+                        static_cast<long long>(cfg.num_key_value_heads), static_cast<long long>(cfg.head_dim));
+            if (cfg.is_moe_layer(l))
+                std::printf("moe (%lld experts, top-%lld%s, expert dim %lld)\n",
+                            static_cast<long long>(cfg.num_experts), static_cast<long long>(cfg.num_experts_per_tok),
+                            cfg.norm_topk_prob ? " renormalised" : "",
+                            static_cast<long long>(cfg.moe_intermediate_size));
+            else
+                std::printf("dense mlp (dim %lld)\n", static_cast<long long>(cfg.intermediate_size));
+        }
         return 0;
-    }
-    std::printf("%s: qwen3_moe\n", dir.string().c_str());
-    std::printf("  parameters       %lld total, %lld active per token (%.1f%%)\n", static_cast<long long>(total),
-                static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
-    std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
-    const double gib = 1024.0 * 1024.0 * 1024.0;
-    std::printf(
-        "  per rank (world %lld, EP %lld, %s %s%s): %lld parameters; parameters + gradients %.2f GiB, "
-        "AdamW state %.2f GiB (before activations)\n",
-        static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
-        plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
-        static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
-    std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
-                static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
-                cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);
-    std::printf("  layer plan:\n");
-    for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-        std::printf("    %3lld  attention (%lld q heads, %lld kv heads, dim %lld, qk-norm, rope)  +  ",
-                    static_cast<long long>(l), static_cast<long long>(cfg.num_attention_heads),
-                    static_cast<long long>(cfg.num_key_value_heads), static_cast<long long>(cfg.head_dim));
-        if (cfg.is_moe_layer(l))
-            std::printf("moe (%lld experts, top-%lld%s, expert dim %lld)\n", static_cast<long long>(cfg.num_experts),
-                        static_cast<long long>(cfg.num_experts_per_tok), cfg.norm_topk_prob ? " renormalised" : "",
-                        static_cast<long long>(cfg.moe_intermediate_size));
-        else
-            std::printf("dense mlp (dim %lld)\n", static_cast<long long>(cfg.intermediate_size));
-    }
-    return 0;
+    });
 }
 
 namespace {
@@ -225,52 +232,54 @@ bool has_tokenizer(const fs::path& model_dir) {
 }  // namespace
 
 int cmd_eval(const Args& args) {
-    const ParsedArgs a(args, {"model", "data", "format", "micro-batch", "seq-len", "device"}, {"json", "no-packing"},
-                       "eval");
-    const fs::path model_dir = a.require("model", "eval");
-    const fs::path data_file = a.require("data", "eval");  // "-": standard input
-    train::EvalOptions eo;
-    eo.micro_batch = parse_int_option(a.get("micro-batch", "8"), "micro-batch", 1, int64_t{1} << 20);
-    eo.seq_len = parse_int_option(a.get("seq-len", "2048"), "seq-len", 2, int64_t{1} << 24);
-    eo.packing = !a.has("no-packing");
-    if (eo.micro_batch * eo.seq_len > train::kMaxMicroBatchTokens)
-        fail("eval: --micro-batch x --seq-len = ", eo.micro_batch, " x ", eo.seq_len, " = ",
-             eo.micro_batch * eo.seq_len, " tokens per forward pass; at most ", train::kMaxMicroBatchTokens,
-             " are allowed");
-    const model::ModelPlacement placement = eval_placement(a.get("device", "auto"));
-    auto m = train::load_hf_model(model_dir, nullptr, placement);
-    const auto& cfg = m->config();
-    std::optional<text::Tokenizer> tokenizer;
-    if (has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
-    data::SftOptions opt;
-    opt.format = data::parse_sft_format(a.get("format", "auto"));
-    opt.tokenizer_dir = model_dir;
-    opt.vocab_size = cfg.vocab_size;
-    const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);
-    const train::EvalResult r = train::evaluate(*m, ds, eo);
-    if (a.has("json")) {
-        json::Value v = json::Value::object();
-        v.set("loss", json::Value(r.loss));
-        v.set("ce_loss", json::Value(r.ce_loss));
-        v.set("aux_loss", json::Value(r.aux_loss));
-        v.set("tokens", r.targets);
-        v.set("real_tokens", r.tokens);
-        v.set("documents", r.documents);
-        v.set("truncated", r.truncated);
-        v.set("batches", r.batches);
-        v.set("micro_batch", eo.micro_batch);
-        v.set("seq_len", eo.seq_len);
-        v.set("device", device_name(placement.device));
-        std::printf("%s\n", v.dump().c_str());
-    } else {
-        std::printf(
-            "loss %.6f | ce %.6f | aux %.6f | %lld tokens | %lld documents (%lld truncated at seq_len %lld) | "
-            "%lld batches on %s\n",
-            r.loss, r.ce_loss, r.aux_loss, static_cast<long long>(r.targets), static_cast<long long>(r.documents),
-            static_cast<long long>(r.truncated), static_cast<long long>(eo.seq_len), static_cast<long long>(r.batches),
-            device_name(placement.device));
-    }
-    return 0;
+    return with_path_errors("eval", [&] {
+        const ParsedArgs a(args, {"model", "data", "format", "micro-batch", "seq-len", "device"},
+                           {"json", "no-packing"}, "eval");
+        const fs::path model_dir = a.require("model", "eval");
+        const fs::path data_file = a.require("data", "eval");  // "-": standard input
+        train::EvalOptions eo;
+        eo.micro_batch = parse_int_option(a.get("micro-batch", "8"), "micro-batch", 1, int64_t{1} << 20);
+        eo.seq_len = parse_int_option(a.get("seq-len", "2048"), "seq-len", 2, int64_t{1} << 24);
+        eo.packing = !a.has("no-packing");
+        if (eo.micro_batch * eo.seq_len > train::kMaxMicroBatchTokens)
+            fail("eval: --micro-batch x --seq-len = ", eo.micro_batch, " x ", eo.seq_len, " = ",
+                 eo.micro_batch * eo.seq_len, " tokens per forward pass; at most ", train::kMaxMicroBatchTokens,
+                 " are allowed");
+        const model::ModelPlacement placement = eval_placement(a.get("device", "auto"));
+        auto m = train::load_hf_model(model_dir, nullptr, placement);
+        const auto& cfg = m->config();
+        std::optional<text::Tokenizer> tokenizer;
+        if (has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
+        data::SftOptions opt;
+        opt.format = data::parse_sft_format(a.get("format", "auto"));
+        opt.tokenizer_dir = model_dir;
+        opt.vocab_size = cfg.vocab_size;
+        const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);
+        const train::EvalResult r = train::evaluate(*m, ds, eo);
+        if (a.has("json")) {
+            json::Value v = json::Value::object();
+            v.set("loss", json::Value(r.loss));
+            v.set("ce_loss", json::Value(r.ce_loss));
+            v.set("aux_loss", json::Value(r.aux_loss));
+            v.set("tokens", r.targets);
+            v.set("real_tokens", r.tokens);
+            v.set("documents", r.documents);
+            v.set("truncated", r.truncated);
+            v.set("batches", r.batches);
+            v.set("micro_batch", eo.micro_batch);
+            v.set("seq_len", eo.seq_len);
+            v.set("device", device_name(placement.device));
+            std::printf("%s\n", v.dump().c_str());
+        } else {
+            std::printf(
+                "loss %.6f | ce %.6f | aux %.6f | %lld tokens | %lld documents (%lld truncated at seq_len %lld) | "
+                "%lld batches on %s\n",
+                r.loss, r.ce_loss, r.aux_loss, static_cast<long long>(r.targets), static_cast<long long>(r.documents),
+                static_cast<long long>(r.truncated), static_cast<long long>(eo.seq_len),
+                static_cast<long long>(r.batches), device_name(placement.device));
+        }
+        return 0;
+    });
 }
 
 }  // namespace mf::cli

@@ -46,42 +46,45 @@ void write_stdout(const std::string& s) {
 }  // namespace
 
 int cmd_tokenize(const Args& args) {
-    const ParsedArgs a(args, {"tokenizer"}, {"json", "decode", "special", "skip-special"}, "tokenize");
-    if (!a.positional().empty()) fail("tokenize: unexpected argument \"", a.positional()[0], "\"");
-    const text::Tokenizer tok = text::Tokenizer::load(a.require("tokenizer", "tokenize"));
-    const std::string input = read_stdin();
+    return with_path_errors("tokenize", [&] {
+        const ParsedArgs a(args, {"tokenizer"}, {"json", "decode", "special", "skip-special"}, "tokenize");
+        if (!a.positional().empty()) fail("tokenize: unexpected argument \"", a.positional()[0], "\"");
+        const text::Tokenizer tok = text::Tokenizer::load(a.require("tokenizer", "tokenize"));
+        const std::string input = read_stdin();
 
-    if (a.has("decode")) {
-        if (a.has("special") || a.has("json")) fail("tokenize: --decode does not take --special or --json");
-        const json::Value v = json::parse(input, "<stdin>");
-        if (!v.is_array())
-            fail("tokenize --decode: <stdin>: expected a JSON array of token ids, got a ", json::kind_name(v.kind()));
-        std::vector<int32_t> ids;
-        ids.reserve(v.size());
-        for (size_t k = 0; k < v.size(); ++k) {
-            const json::Value& e = v.as_array()[k];
-            if (!e.is_int() || e.as_int() < 0 || e.as_int() > INT32_MAX)
-                fail("tokenize --decode: <stdin>: element ", k, " is not a token id: ", e.dump());
-            ids.push_back(static_cast<int32_t>(e.as_int()));
+        if (a.has("decode")) {
+            if (a.has("special") || a.has("json")) fail("tokenize: --decode does not take --special or --json");
+            const json::Value v = json::parse(input, "<stdin>");
+            if (!v.is_array())
+                fail("tokenize --decode: <stdin>: expected a JSON array of token ids, got a ",
+                     json::kind_name(v.kind()));
+            std::vector<int32_t> ids;
+            ids.reserve(v.size());
+            for (size_t k = 0; k < v.size(); ++k) {
+                const json::Value& e = v.as_array()[k];
+                if (!e.is_int() || e.as_int() < 0 || e.as_int() > INT32_MAX)
+                    fail("tokenize --decode: <stdin>: element ", k, " is not a token id: ", e.dump());
+                ids.push_back(static_cast<int32_t>(e.as_int()));
+            }
+            write_stdout(tok.decode(ids, a.has("skip-special")));
+            return 0;
         }
-        write_stdout(tok.decode(ids, a.has("skip-special")));
-        return 0;
-    }
-    if (a.has("skip-special")) fail("tokenize: --skip-special only applies with --decode");
+        if (a.has("skip-special")) fail("tokenize: --skip-special only applies with --decode");
 
-    const std::vector<int32_t> ids = tok.encode(input, a.has("special"));
-    std::string out;
-    out.reserve(ids.size() * 7 + 2);
-    const bool as_json = a.has("json");
-    if (as_json) out += '[';
-    for (size_t k = 0; k < ids.size(); ++k) {
-        if (k > 0) out += as_json ? ", " : " ";
-        out += std::to_string(ids[k]);
-    }
-    if (as_json) out += ']';
-    out += '\n';
-    write_stdout(out);
-    return 0;
+        const std::vector<int32_t> ids = tok.encode(input, a.has("special"));
+        std::string out;
+        out.reserve(ids.size() * 7 + 2);
+        const bool as_json = a.has("json");
+        if (as_json) out += '[';
+        for (size_t k = 0; k < ids.size(); ++k) {
+            if (k > 0) out += as_json ? ", " : " ";
+            out += std::to_string(ids[k]);
+        }
+        if (as_json) out += ']';
+        out += '\n';
+        write_stdout(out);
+        return 0;
+    });
 }
 
 }  // namespace mf::cli

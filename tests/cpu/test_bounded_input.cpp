@@ -146,3 +146,19 @@ TEST_F(Bounded, InitRefusesBadStdAndVocabNamingTheRange) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_F(Bounded, FilesystemErrorsOnUserPathsAreNamed) {
+    const std::string too_long = std::string(300, 'a') + "/m";  // a component over NAME_MAX
+    for (const std::string& args : {"eval --model " + too_long + " --data x.jsonl",
+                                    "tokenize --tokenizer " + too_long + " < /dev/null", "info " + too_long}) {
+        std::string out;
+        EXPECT_EQ(run(args, &out), 1) << args << "\n" << out;
+        EXPECT_EQ(out.find("internal error"), std::string::npos) << args << "\n" << out;
+        EXPECT_NE(out.find(std::string(300, 'a')), std::string::npos) << args << "\n" << out;
+        EXPECT_NE(out.find("File name too long"), std::string::npos) << args << "\n" << out;
+    }
+}
+
+}  // namespace
