@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "core/check.h"
+#include "io/file.h"
 #include "text/regex.h"
 #include "text/unicode.h"
 
@@ -543,14 +544,11 @@ std::optional<std::string> special_token_name(const json::Value& cfg, const char
     fail(file, ": ", key, ": expected a token string or {\"content\": ...}, got ", v->dump());
 }
 
-std::string read_text_file(const std::filesystem::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail(path.string(), ": cannot open");
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    if (in.bad()) fail(path.string(), ": read error");
-    return ss.str();
-}
+// Tokenizer files are regular files of bounded size (the largest HF tokenizer.json files are tens of
+// MB): a FIFO or /dev/zero put in their place is refused, never waited on or read without end.
+constexpr size_t kMaxTokenizerFileBytes = size_t{512} << 20;
+
+std::string read_text_file(const std::filesystem::path& path) { return io::read_text_file(path, kMaxTokenizerFileBytes); }
 
 }  // namespace
 

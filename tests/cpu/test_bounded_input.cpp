@@ -162,3 +162,24 @@ TEST_F(Bounded, FilesystemErrorsOnUserPathsAreNamed) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST_F(Bounded, TokenizerFilesThatAreFifosOrDevicesAreRefused) {
+    const fs::path tok = dir_ / "tok_fifo";
+    fs::create_directories(tok);
+    fs::remove(tok / "tokenizer.json");
+    ASSERT_EQ(::mkfifo((tok / "tokenizer.json").c_str(), 0600), 0);
+    std::string out;
+    EXPECT_EQ(run("tokenize --tokenizer " + tok.string() + " < /dev/null", &out, 10), 1) << "124 = it blocked\n" << out;
+    EXPECT_NE(out.find("tokenizer.json is not a regular file"), std::string::npos) << out;
+    const fs::path dev = dir_ / "tok_dev";
+    fs::create_directories(dev);
+    fs::remove(dev / "tokenizer.json");
+    fs::create_symlink("/dev/zero", dev / "tokenizer.json");
+    std::string zero;
+    EXPECT_EQ(run("tokenize --tokenizer " + dev.string() + " < /dev/null", &zero, 10, kMemLimit), 1) << zero;
+    EXPECT_NE(zero.find("tokenizer.json is not a regular file"), std::string::npos) << zero;
+}
+
+}  // namespace
