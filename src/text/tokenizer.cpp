@@ -548,7 +548,9 @@ std::optional<std::string> special_token_name(const json::Value& cfg, const char
 // MB): a FIFO or /dev/zero put in their place is refused, never waited on or read without end.
 constexpr size_t kMaxTokenizerFileBytes = size_t{512} << 20;
 
-std::string read_text_file(const std::filesystem::path& path) { return io::read_text_file(path, kMaxTokenizerFileBytes); }
+std::string read_text_file(const std::filesystem::path& path) {
+    return io::read_text_file(path, kMaxTokenizerFileBytes);
+}
 
 }  // namespace
 
