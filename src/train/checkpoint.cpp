@@ -219,6 +219,10 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     s.set("checksums", std::move(checksums));
     s.set("step", state.step);
     if (state.next_lr >= 0) s.set("next_lr", json::Value(state.next_lr));
+    if (state.best_step >= 0) {
+        s.set("best_step", state.best_step);
+        s.set("best_val_loss", json::Value(state.best_val_loss));
+    }
     s.set("adam_step", state.adam_step);
     json::Value loader = json::Value::object();
     loader.set("epoch", state.loader.epoch);
@@ -229,7 +233,8 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     dir->commit();
     // Prune: the newest `keep` complete checkpoints stay; leftovers of crashed writes go.
     auto all = list_checkpoints(root);
-    for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) fs::remove_all(all[i].second);
+    for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i)
+        if (all[i].first != state.best_step) fs::remove_all(all[i].second);
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(root, ec))
         if (entry.path().filename().string().find(".tmp-") != std::string::npos) fs::remove_all(entry.path(), ec);
@@ -312,6 +317,13 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
     if (state.step < 0 || state.adam_step < 0 || state.loader.epoch < 0 || state.loader.cursor < 0)
         fail(where, ": negative step or loader position");
     state.recipe = then;
+    if (const json::Value* best = s.find("best_step"); best != nullptr) {
+        const json::Value* loss = s.find("best_val_loss");
+        if (!best->is_int() || loss == nullptr || !loss->is_number())
+            fail(where, ": fields \"best_step\" and \"best_val_loss\" must be an integer and a number");
+        state.best_step = best->as_int();
+        state.best_val_loss = loss->as_double();
+    }
     check_schedule(s, where, recipe, state.step, force);
 
     // Every shard's pieces are indexed and checked against the whole model (each tensor tiled

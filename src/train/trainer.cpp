@@ -19,11 +19,14 @@
 #include "io/file.h"
 #include "model/qwen3_moe.h"
 #include "train/checkpoint.h"
+#include "data/dataset_summary.h"
 #include "train/distributed.h"
+#include "train/evaluate.h"
 #include "train/hf_checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/optimizer.h"
 #include "train/output_dir.h"
+#include "train/tensorboard.h"
 
 namespace mf::train {
 
@@ -54,7 +57,8 @@ Device resolve_device(const Recipe& r) {
 
 }  // namespace
 
-data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir, int64_t vocab_size) {
+data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir, int64_t vocab_size,
+                                const std::string& file) {
     // The tokenizer comes with the model directory; token-id data needs none.
     std::optional<text::Tokenizer> tokenizer;
     if (fs::exists(model_dir / "tokenizer.json")) tokenizer = text::Tokenizer::load(model_dir);
@@ -65,7 +69,7 @@ data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir,
     opt.loss_on = text::parse_loss_on(recipe.data.loss_on);
     opt.skip_bad_lines = recipe.data.on_error == "skip";
     opt.vocab_size = vocab_size;
-    return data::read_sft_jsonl(recipe.data.train, tokenizer ? &*tokenizer : nullptr, opt);
+    return data::read_sft_jsonl(file.empty() ? recipe.data.train : file, tokenizer ? &*tokenizer : nullptr, opt);
 }
 
 namespace {
@@ -99,6 +103,8 @@ struct Run {
     std::unique_ptr<io::DirLock> lock;  // rank 0: OUT, for the whole run
     std::unique_ptr<model::Qwen3Moe> model;
     data::TokenDataset dataset;
+    data::DatasetSummary data_summary;
+    data::TokenDataset eval_dataset;  // eval.data, when set
     std::unique_ptr<data::Loader> loader;
     std::unique_ptr<AdamW> optimizer;
     CheckpointLayout layout;
@@ -108,6 +114,9 @@ struct Run {
     size_t device_mem0 = 0;      // device memory in use before the model (cuda)
     double state_bytes = 0;      // this rank's parameters, gradients and AdamW state
     double peak_mem_gib = 0;
+    double best_val_loss = 0;  // checkpoint.keep_best: the best evaluation so far, at best_step (-1: none)
+    int64_t best_step = -1;
+    std::optional<TensorBoardWriter> tensorboard;  // rank 0, log.tensorboard
     bool tty = false;
     explicit Run(const Recipe& r) : recipe(r) {}
 };
@@ -238,10 +247,14 @@ void setup(Run& run, const ResumeOptions& resume) {
     dist.gather_embedding_grads(model);
 
     run.dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size);
+    run.data_summary = data::prepare_documents(run.dataset, recipe.train.seq_len, recipe.data.train);
     run.loader = std::make_unique<data::Loader>(&run.dataset.docs, recipe.train.seq_len, recipe.train.micro_batch,
                                                 recipe.data.packing, recipe.data.shuffle,
                                                 static_cast<uint64_t>(recipe.seed), 0,
                                                 data::LoaderShard{dist.rank(), dist.world_size()});
+    run.data_summary.packing = run.loader->measure_epoch();
+    if (!recipe.eval.data.empty())
+        run.eval_dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size, recipe.eval.data);
     run.layout = CheckpointLayout{dist.world_size(), dist.ep_size(), dist.rank()};
     run.optimizer = std::make_unique<AdamW>(model, recipe.optim, run.mixed,
                                             recipe.dist.shard_optimizer ? dist.group(Group::world) : nullptr,
@@ -253,6 +266,8 @@ void setup(Run& run, const ResumeOptions& resume) {
         run.loader->restore(st.loader);
         run.first_step = st.step;
         run.last_saved_step = st.step;
+        run.best_step = st.best_step;
+        run.best_val_loss = st.best_val_loss;
         if (run.logs)
             std::printf("%sresumed from %s (step %lld)\n", run.who.c_str(), ckpt->string().c_str(),
                         static_cast<long long>(st.step));
@@ -261,6 +276,7 @@ void setup(Run& run, const ResumeOptions& resume) {
     if (run.is_main) {
         io::atomic_write_file(run.out / "recipe.json", recipe.to_json().dump(2) + "\n");
         open_metrics(run);
+        if (recipe.log.tensorboard) run.tensorboard.emplace(run.out / "tensorboard");
     }
     // This rank's bytes of parameters, gradients and optimizer state (EP shard, ZeRO-1 chunk).
     run.state_bytes = static_cast<double>(model.num_params()) *
@@ -281,6 +297,17 @@ void print_start(const Run& run) {
             static_cast<long long>(recipe.train.micro_batch), static_cast<long long>(recipe.train.seq_len),
             static_cast<long long>(recipe.train.grad_accum), device_name(run.device),
             run.dist->distributed() ? " | " : "", run.dist->describe().c_str());
+    if (run.is_main) {
+        std::printf("%s\n", run.data_summary.describe().c_str());
+        if (recipe.train.grad_accum > 1)
+            std::printf("each step: %lld micro-batches of %lld x %lld tokens%s\n",
+                        static_cast<long long>(recipe.train.grad_accum), static_cast<long long>(recipe.train.micro_batch),
+                        static_cast<long long>(recipe.train.seq_len),
+                        run.dist->distributed() ? " per rank" : "");
+        if (!recipe.eval.data.empty())
+            std::printf("eval: %s every %lld steps (%zu records)\n", recipe.eval.data.c_str(),
+                        static_cast<long long>(recipe.eval.every), run.eval_dataset.docs.size());
+    }
     if (run.logs && run.dist->distributed())
         std::printf("%sthis rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n", run.who.c_str(),
                     static_cast<long long>(model.num_params()),
@@ -305,6 +332,8 @@ void save_run_checkpoint(Run& run, int64_t step) {
     st.adam_step = run.optimizer->step_count();
     st.loader = run.loader->state();
     st.recipe = run.recipe.to_json();
+    st.best_step = run.best_step;
+    st.best_val_loss = run.best_val_loss;
     st.next_lr = lr_at(run.recipe.optim, step, run.recipe.train.steps);
     save_checkpoint(run.ckpt_root, st, *run.model, *run.optimizer, run.recipe.checkpoint.keep, run.layout,
                     run.dist.get());
@@ -333,6 +362,13 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
         for (int64_t a = 0; a < recipe.train.grad_accum; ++a) local_targets += counter.next().num_targets();
     }
     const int64_t targets = dist.sum_i64(local_targets);
+    if (targets == 0) {
+        const std::string what = "step " + std::to_string(step + 1) +
+                                 " has no target token: every label of its micro-batches is masked or cut at "
+                                 "train.seq_len, so its loss would read 0 and teach nothing";
+        if (recipe.data.on_empty == "stop") fail(what, " (data.on_empty: stop; raise train.seq_len or check data.loss_on)");
+        if (run.logs) std::printf("%swarning: %s (data.on_empty: warn)\n", run.who.c_str(), what.c_str());
+    }
     const double num_micro = static_cast<double>(recipe.train.grad_accum) * static_cast<double>(dist.world_size());
     model::LossScales scales;
     scales.ce = targets > 0 ? 1.0 / static_cast<double>(targets) : 0.0;
@@ -407,6 +443,49 @@ void report_step(Run& run, const StepMetrics& m, Clock::time_point loop_start) {
     std::fflush(stdout);
 }
 
+// The held-out loss (eval.data) every eval.every steps and at the last step, on every rank (the
+// forward passes of an EP model are collective); -1 when none is due.
+double maybe_evaluate(Run& run, int64_t step) {
+    const Recipe& recipe = run.recipe;
+    if (recipe.eval.every <= 0 || (step % recipe.eval.every != 0 && step != recipe.train.steps)) return -1;
+    EvalOptions opt;
+    opt.micro_batch = recipe.eval.micro_batch;
+    opt.seq_len = recipe.eval.seq_len;
+    opt.packing = recipe.data.packing;
+    const EvalResult r = evaluate(*run.model, run.eval_dataset, opt);
+    if (run.logs)
+        std::printf("%seval at step %lld: loss %.4f | ce %.4f | %lld target tokens in %lld batches\n", run.who.c_str(),
+                    static_cast<long long>(step), r.loss, r.ce_loss, static_cast<long long>(r.targets),
+                    static_cast<long long>(r.batches));
+    return r.loss;
+}
+
+void log_tensorboard(Run& run, const StepMetrics& m, double val_loss) {
+    if (!run.tensorboard) return;
+    const bool due = m.step % run.recipe.log.every == 0 || m.step == run.recipe.train.steps || val_loss >= 0;
+    if (!due) return;
+    TensorBoardWriter& tb = *run.tensorboard;
+    tb.scalar("train/loss", m.step, m.loss);
+    tb.scalar("train/ce_loss", m.step, m.ce_loss);
+    tb.scalar("train/aux_loss", m.step, m.aux_loss);
+    tb.scalar("train/grad_norm", m.step, m.grad_norm);
+    tb.scalar("train/lr", m.step, m.lr);
+    tb.scalar("train/tokens_per_s", m.step, m.tokens_per_s);
+    tb.scalar("train/peak_mem_gib", m.step, m.peak_mem_gib);
+    if (val_loss >= 0) tb.scalar("val/loss", m.step, val_loss);
+    tb.flush();
+}
+
+// checkpoint.keep_best: a better evaluation makes this step's checkpoint the best one, which
+// pruning keeps (train/checkpoint.h).
+bool improves_best(Run& run, int64_t step, double val_loss) {
+    if (!run.recipe.checkpoint.keep_best || val_loss < 0) return false;
+    if (run.best_step >= 0 && !(val_loss < run.best_val_loss)) return false;
+    run.best_step = step;
+    run.best_val_loss = val_loss;
+    return true;
+}
+
 // Returns the signal that stopped the run early (0: it ran to train.steps).
 int train_loop(Run& run, TrainSummary& summary) {
     const Recipe& recipe = run.recipe;
@@ -416,12 +495,21 @@ int train_loop(Run& run, TrainSummary& summary) {
         const StepMetrics m = train_step(run, step, &stop, &skipped);
         if (step == run.first_step) summary.first_loss = m.loss;
         summary.last_loss = m.loss;
+        const double val_loss = maybe_evaluate(run, m.step);
         if (run.is_main) {  // every rank's m is the same; rank 0 records it
             json::Value line = m.to_json();
             if (skipped) line.set("skipped", true);
+            if (val_loss >= 0) line.set("val_loss", json::Value(val_loss));
             run.metrics_file << line.dump() << "\n" << std::flush;
         }
-        if (recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) save_run_checkpoint(run, m.step);
+        log_tensorboard(run, m, val_loss);
+        const bool best = improves_best(run, m.step, val_loss);
+        if ((recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) || best) {
+            save_run_checkpoint(run, m.step);
+            if (best && run.logs)
+                std::printf("%sbest eval loss so far (%.4f): step %lld's checkpoint is kept\n", run.who.c_str(), val_loss,
+                            static_cast<long long>(m.step));
+        }
         report_step(run, m, loop_start);
         if (stop) {
             if (run.last_saved_step != m.step) save_run_checkpoint(run, m.step);

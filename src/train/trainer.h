@@ -14,6 +14,11 @@
 // own files change, each atomically, and nothing else in OUT is touched. With checkpoint.every, a
 // resumable training checkpoint is written under OUT/checkpoints (train/checkpoint.h); `--resume`
 // continues from one and is an error when there is none.
+// Before step 1 the dataset summary (records, truncated, dropped, packing) is printed; a step with
+// no target token at all stops the run (data.on_empty: stop) or warns. With eval.data and
+// eval.every, the held-out loss (train/evaluate.h) is computed every eval.every steps and at the
+// end, logged and written as val_loss; checkpoint.keep_best keeps the best one's checkpoint.
+// log.tensorboard writes the step scalars as TensorBoard event files under OUT/tensorboard.
 // Interruption (core/interrupt.h): after a SIGINT/SIGTERM the current step finishes, a checkpoint
 // is written (whatever checkpoint.every says), the run returns `interrupted_by` (the CLI exits with
 // 128 + signal) and a resume continues bitwise as if never stopped. Every rank of a multi-process
@@ -72,8 +77,10 @@ struct ResumeOptions {
 
 TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume = {});
 
-// The recipe's training data as documents: JSONL of messages, prompt/completion, text or token
-// ids (data.format), tokenised with the tokenizer in `model_dir` when there is one.
-data::TokenDataset read_dataset(const Recipe& recipe, const std::filesystem::path& model_dir, int64_t vocab_size);
+// The recipe's training data (or `file`, e.g. eval.data, in the same format) as documents: JSONL of
+// messages, prompt/completion, text or token ids (data.format), tokenised with the tokenizer in
+// `model_dir` when there is one.
+data::TokenDataset read_dataset(const Recipe& recipe, const std::filesystem::path& model_dir, int64_t vocab_size,
+                                const std::string& file = "");
 
 }  // namespace mf::train
