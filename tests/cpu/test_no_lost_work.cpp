@@ -23,9 +23,8 @@
 #include "io/crc32c.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "process_util.h"
 #include "test_util.h"
-
-extern char** environ;
 
 namespace fs = std::filesystem;
 using namespace mf;
@@ -284,38 +283,10 @@ TEST(Crc32c, KnownValuesAndRunningSums) {
 
 // --- signals ---------------------------------------------------------------------------------------
 
-pid_t spawn_shell(const std::string& cmd, const fs::path& log) {
-    const std::string line = "exec " + cmd + " > " + log.string() + " 2>&1";
-    const char* argv[] = {"/bin/sh", "-c", line.c_str(), nullptr};
-    pid_t pid = -1;
-    return posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char* const*>(argv), environ) == 0 ? pid : -1;
-}
-
-size_t count_lines(const fs::path& f) {
-    const std::string s = test::read_file(f);
-    return static_cast<size_t>(std::count(s.begin(), s.end(), '\n'));
-}
-
-// Waits (bounded) until `done` holds; false on timeout.
-bool wait_for(const std::function<bool()>& done, double seconds) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    while (std::chrono::steady_clock::now() < until) {
-        if (done()) return true;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return done();
-}
-
-// Exit status of `pid`, waiting at most `seconds` (SIGKILL and -1 after that).
-int wait_exit(pid_t pid, double seconds) {
-    int status = 0;
-    if (!wait_for([&] { return waitpid(pid, &status, WNOHANG) == pid; }, seconds)) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
-        return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
+using test::count_lines;
+using test::spawn_shell;
+using test::wait_exit;
+using test::wait_for;
 
 std::vector<std::string> metrics_without_timing(const fs::path& file) {
     std::vector<std::string> out;

@@ -34,6 +34,7 @@
 #include "dist_test_util.h"
 #include "train_test_util.h"
 #include "io/safetensors.h"
+#include "process_util.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -170,6 +171,44 @@ TEST_F(DpTrain, CheckpointRecordsTheWorldSizeAndResumesBitwise) {
             EXPECT_EQ(resumed[i].find(key)->dump(), full[i + 5].find(key)->dump()) << "step " << i + 6 << " " << key;
     EXPECT_EQ(test::read_file(dir_ / "ckpt_resumed" / "model.safetensors"),
               test::read_file(dir_ / "ckpt" / "model.safetensors"));
+}
+
+// SIGTERM to `moeforge launch` (what SLURM preemption sends): every rank finishes the same step,
+// together they write one checkpoint (checkpoint.every is 0), the launcher exits 143, and the run
+// resumed by two ranks equals the uninterrupted one bit for bit.
+TEST_F(DpTrain, SigtermStopsEveryRankAfterTheSameStepAndResumesBitwise) {
+    const std::string args = "train.micro_batch=2 train.steps=80 checkpoint.every=0 train.log_every=1";
+    finetune("sig_ref", 2, args);
+    const fs::path out = dir_ / "sig";
+    const fs::path log = dir_ / "sig.log";
+    const pid_t pid = test::spawn_shell(bin() + " launch --nproc-per-node 2 -- " + finetune_args("sig", args), log);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(test::wait_for([&] { return test::count_lines(out / "metrics.jsonl") >= 3; }, 120))
+        << test::read_file(log);
+    kill(pid, SIGTERM);
+    const int code = test::wait_exit(pid, 120);
+    const std::string text = test::read_file(log);
+    ASSERT_EQ(code, 143) << text;
+    const size_t done = test::count_lines(out / "metrics.jsonl");
+    ASSERT_LT(done, 80u) << text;
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%08zu", done);
+    const fs::path ckpt = out / "checkpoints" / name;
+    EXPECT_TRUE(fs::exists(ckpt / "shard-00000-of-00002.safetensors")) << text;
+    EXPECT_TRUE(fs::exists(ckpt / "shard-00001-of-00002.safetensors")) << text;
+    EXPECT_EQ(text.find("exited with status"), std::string::npos) << "a stopping rank is not a failure: " << text;
+    std::string resumed_log;
+    ASSERT_EQ(test::run_command(bin() + " launch --nproc-per-node 2 -- " + finetune_args("sig", args) + " --resume",
+                                &resumed_log),
+              0)
+        << resumed_log;
+    const auto ref = read_metrics(dir_ / "sig_ref" / "metrics.jsonl");
+    const auto got = read_metrics(out / "metrics.jsonl");
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i)
+        for (const char* key : {"step", "loss", "ce_loss", "aux_loss", "grad_norm", "lr", "tokens"})
+            EXPECT_EQ(got[i].find(key)->dump(), ref[i].find(key)->dump()) << "step " << i + 1 << " " << key;
+    EXPECT_TRUE(test::read_file(out / "model.safetensors") == test::read_file(dir_ / "sig_ref" / "model.safetensors"));
 }
 
 // A checkpoint written under EP=2 holds the whole model (both ranks' experts gathered) and equals the
