@@ -474,8 +474,10 @@ std::string Value::dump(int indent) const {
 }
 
 Value parse(std::string_view text, const std::string& source, int max_depth) {
-    // A UTF-8 byte-order mark (Windows editors write one) is skipped, as Python's utf-8-sig does.
-    if (text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);
+    // A UTF-8 byte-order mark (Windows editors write one) at the start of a file is skipped, as
+    // Python's utf-8-sig does; a record (no source) is not a file's start, and its caller (a JSONL
+    // reader) skips the mark of the first line only.
+    if (!source.empty() && text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);
     return Parser(text, source, max_depth).parse_document();
 }
 

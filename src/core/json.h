@@ -81,7 +81,8 @@ class Value {
 // Parses `text`; `source` names the file (or "<stdin>") in error messages ("SOURCE:LINE:COL: ...");
 // an empty source is for a record whose caller names file and line itself (a JSONL line: the error
 // then says "column COL: ..."). Duplicate object keys are an error: a config that says two things
-// about one field is ambiguous. A UTF-8 byte-order mark before the value is skipped.
+// about one field is ambiguous. A UTF-8 byte-order mark at the start of a document with a source (a
+// file) is skipped; in a record (empty source) it is an error.
 Value parse(std::string_view text, const std::string& source, int max_depth = 128);
 
 // Escapes a string as a JSON string literal (with quotes).

@@ -55,6 +55,8 @@ TEST(Json, SkipsAUtf8ByteOrderMark) {
     const auto v = parse("\xEF\xBB\xBF{\"hidden_size\": 64}", "config.json");
     EXPECT_EQ(v.find("hidden_size")->as_int(), 64);
     EXPECT_EQ(parse("\xEF\xBB\xBF[1]", "t").size(), 1u);
+    // A record (no source: a JSONL line, whose reader handles the file's start) does not skip one.
+    EXPECT_THROW(parse("\xEF\xBB\xBF[1]", ""), mf::Error);
     // Only at the start: a BOM anywhere else is not JSON.
     EXPECT_THROW(parse("{\"a\": \xEF\xBB\xBF 1}", "t"), mf::Error);
 }

@@ -813,7 +813,7 @@ TEST(LrSchedule, ConstantAndEdges) {
     // Warm-up as long as training: all steps are warm-up steps s / T.
     for (int64_t s = 0; s < 8; ++s) EXPECT_NEAR(lr_multiplier(schedule("linear", 8), s, 8), s / 8.0, 1e-15);
     // Out-of-range steps are a programming error, reported as such.
-    EXPECT_THROW(lr_at(o, 10, 10), mf::Error);
+    EXPECT_THROW(lr_at(o, 11, 10), mf::Error);  // step T itself is where the schedule ends (lr_schedule.h)
     EXPECT_THROW(lr_at(o, -1, 10), mf::Error);
     EXPECT_THROW(lr_at(o, 0, 0), mf::Error);
     EXPECT_THROW(lr_at(schedule("step", 0), 0, 10), mf::Error);
