@@ -554,6 +554,9 @@ void check_relations(const Converter& conv, Recipe& r) {
     if (r.data.train == "-")
         fail(conv.origin("data.train"), ": data.train: expected a file; '-' (standard input) cannot be read by every ",
              "rank and again for each epoch");
+    if (r.eval.data == "-")
+        fail(conv.origin("eval.data"), ": eval.data: expected a file; '-' (standard input) cannot be read by every ",
+             "rank and again for each evaluation");
     if (!conv.has("eval.micro_batch")) r.eval.micro_batch = r.train.micro_batch;
     if (!conv.has("eval.seq_len")) r.eval.seq_len = r.train.seq_len;
     if (!conv.has("log.every")) r.log.every = r.train.log_every;

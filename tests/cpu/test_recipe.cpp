@@ -942,6 +942,8 @@ TEST(Recipe, EvalCheckpointLogAndDataKeys) {
     EXPECT_NE(best2.find("eval.every > 0"), std::string::npos) << best2;
     const std::string stdin_data = error_of([] { parse_recipe(kMinimal, "r.yaml", {"data.train='-'"}); });
     EXPECT_NE(stdin_data.find("data.train: expected a file"), std::string::npos) << stdin_data;
+    const std::string stdin_eval = error_of([] { parse_recipe(kMinimal, "r.yaml", {"eval.data='-'"}); });
+    EXPECT_NE(stdin_eval.find("eval.data: expected a file"), std::string::npos) << stdin_eval;
     const std::string tb = error_of([] { parse_recipe(kMinimal, "r.yaml", {"log.tensorboard=1"}); });
     EXPECT_NE(tb.find("log.tensorboard: expected true or false"), std::string::npos) << tb;
 }
