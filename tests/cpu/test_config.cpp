@@ -45,9 +45,10 @@ TEST(Config, BothSpellings) {
     json::Value a = base_config();
     const auto ca = model::Qwen3MoeConfig::from_json(a, "a");
     json::Value b = base_config();
-    b.as_object().erase(std::remove_if(b.as_object().begin(), b.as_object().end(),
-                                       [](const auto& kv) { return kv.first == "num_experts" || kv.first == "rope_theta"; }),
-                        b.as_object().end());
+    b.as_object().erase(
+        std::remove_if(b.as_object().begin(), b.as_object().end(),
+                       [](const auto& kv) { return kv.first == "num_experts" || kv.first == "rope_theta"; }),
+        b.as_object().end());
     b.set("num_local_experts", 4);
     json::Value rope = json::Value::object();
     rope.set("rope_theta", json::Value(10000.0));
@@ -60,10 +61,11 @@ TEST(Config, BothSpellings) {
     EXPECT_FALSE(ca.is_moe_layer(0));
     EXPECT_TRUE(ca.is_moe_layer(1));
     // The shared benchmark config (Hub spelling) loads and has 30.5B parameters.
-    const fs::path shared = fs::path(test::fixtures_dir()) / ".." / ".." / ".." / "shared" / "configs" / "qwen3-30b-a3b.json";
+    const fs::path shared =
+        fs::path(test::fixtures_dir()) / ".." / ".." / ".." / "shared" / "configs" / "qwen3-30b-a3b.json";
     if (fs::exists(shared)) {
-        const auto c = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(shared, 1 << 20), shared.string()),
-                                                        shared.string());
+        const auto c = model::Qwen3MoeConfig::from_json(
+            json::parse(io::read_text_file(shared, 1 << 20), shared.string()), shared.string());
         const auto table = model::qwen3_moe_param_table(c);
         EXPECT_NEAR(static_cast<double>(table.total()), 30.53e9, 0.01e9);
         EXPECT_NEAR(model::qwen3_moe_flops_per_token(c, 4096), 23.1e9, 0.1e9);
@@ -97,7 +99,8 @@ TEST(Config, RejectsBadValues) {
         {"attention_bias", json::Value(true), false, "\"attention_bias\" = true is not supported"},
         {"use_sliding_window", json::Value(true), false, "sliding-window attention"},
         {"hidden_act", json::Value("gelu"), false, "only \"silu\" is supported"},
-        {"rope_scaling", json::parse(R"({"rope_type": "yarn", "factor": 4})", "x"), false, "rope type \"yarn\" is not supported"},
+        {"rope_scaling", json::parse(R"({"rope_type": "yarn", "factor": 4})", "x"), false,
+         "rope type \"yarn\" is not supported"},
         {"rope_parameters", json::parse(R"({"rope_theta": 1e6, "rope_type": "default", "factor": 2})", "x"), false,
          "\"rope_parameters.factor\" is not supported"},
         {"num_local_experts", json::Value(8), false, "\"num_experts\" and \"num_local_experts\" disagree"},
@@ -179,7 +182,9 @@ TEST_F(BadModelDir, MissingTensor) {
 
 TEST_F(BadModelDir, ExtraTensor) {
     static std::vector<float> extra(8, 1.0f);
-    rewrite([](auto& t, auto&) { t.push_back({"model.layers.1.mlp.experts.4.up_proj.weight", io::StDType::F32, {2, 4}, extra.data()}); });
+    rewrite([](auto& t, auto&) {
+        t.push_back({"model.layers.1.mlp.experts.4.up_proj.weight", io::StDType::F32, {2, 4}, extra.data()});
+    });
     const std::string msg = load_error();
     EXPECT_NE(msg.find("\"model.layers.1.mlp.experts.4.up_proj.weight\" is not a parameter"), std::string::npos) << msg;
 }
@@ -234,3 +239,12 @@ TEST_F(BadModelDir, SaveLoadRoundTripIsExact) {
 }
 
 }  // namespace
+
+// A config.json saved with a UTF-8 byte-order mark (Windows editors) loads as transformers'
+// json.load of the text does after utf-8-sig decoding.
+TEST_F(BadModelDir, ConfigWithAByteOrderMarkLoads) {
+    const std::string text = test::read_file(dir_ / "config.json");
+    test::write_file(dir_ / "config.json", "\xEF\xBB\xBF" + text);
+    EXPECT_EQ(load_error(), "");
+    EXPECT_EQ(train::read_hf_config(dir_).hidden_size, cfg_.hidden_size);
+}
