@@ -6,16 +6,20 @@ ifeq ($(CI),true)
 CMAKE_FLAGS += -DMOEFORGE_WERROR=ON
 endif
 
-.PHONY: deps build demo test test-gpu format clean
+.PHONY: deps configure build demo test test-gpu format clean
 
 deps:
 	@bash scripts/install-deps.sh
 
-build: deps
+configure: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) > $(BUILD).cmake.log 2>&1 || (cat $(BUILD).cmake.log; exit 1)
+
+build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-demo: build
+# The demo needs the binary alone (no tests, no benchmarks).
+demo: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target moeforge
 	@bash scripts/demo.sh $(BUILD)
 
 test: build

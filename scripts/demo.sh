@@ -14,4 +14,6 @@ mkdir -p runs/demo
 echo "before: $("$BIN" eval --model runs/demo/base --data demo/data/chat_heldout.jsonl)"
 "$BIN" finetune demo/tiny_chat.yaml device=cpu
 echo "after:  $("$BIN" eval --model runs/demo/finetuned --data demo/data/chat_heldout.jsonl)"
+"$BIN" plot runs/demo/finetuned   # runs/demo/finetuned/loss.svg: loss, validation loss, lr, grad norm
+echo "sample: $("$BIN" generate --model runs/demo/finetuned --chat --prompt "What is 2 + 3?" --max-new-tokens 24 2>/dev/null | head -c 200)"
 echo "The fine-tuned HF model directory (config, safetensors, tokenizer, metrics.jsonl) is runs/demo/finetuned."

@@ -13,6 +13,7 @@
 #include "text/tokenizer.h"
 #include "train/evaluate.h"
 #include "train/hf_checkpoint.h"
+#include "train/output_dir.h"
 #include "train/recipe.h"
 
 namespace mf::cli {
@@ -83,11 +84,22 @@ int cmd_init(const Args& args) {
         const uint64_t seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
         // HF's initializer_range is 0.02; past 1 the logits of a deep model overflow float.
         const float std_dev = static_cast<float>(parse_number_option(a.get("init-std", "0.02"), "init-std", 0.0, 1.0));
+        // OUT gets the model's files and nothing else changes there (train/output_dir.h), as for an export.
+        train::OutputCheck check;
+        check.field = "init: --out";
+        if (!tokenizer_dir.empty()) check.inputs.push_back(tokenizer_dir);
+        if (a.has("config")) check.inputs.push_back(a.get("config"));
+        check.export_bytes = train::export_bytes(cfg);
+        const fs::path real_out = train::check_output_dir(out, check);
         model::Qwen3Moe m(cfg);
         m.init_random(seed, std_dev);
-        io::AtomicDir dir(out);
-        train::save_hf_model(dir.tmp_path(), m, nullptr, tokenizer_dir);
-        dir.commit();
+        std::error_code ec;
+        fs::create_directories(real_out, ec);
+        if (ec) fail("init: --out ", out.string(), ": cannot create the directory: ", ec.message());
+        const io::DirLock lock(real_out);
+        io::StagedFiles staged(real_out, train::kExportRecord);
+        train::save_hf_model(staged.staging(), m, nullptr, tokenizer_dir);
+        staged.commit({"config.json"});
         std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
                     static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
                     static_cast<unsigned long long>(seed));

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 
 #include "cli/commands.h"
 #include "cli/help.h"
@@ -68,6 +69,11 @@ int main(int argc, char** argv) {
         return run_command(command, args);
     } catch (const mf::Error& e) {
         std::fprintf(stderr, "moeforge %s: error: %s\n", command.c_str(), e.what());
+        return 1;
+    } catch (const std::filesystem::filesystem_error& e) {
+        // A path the user gave that the file system refused: name it and the reason.
+        std::fprintf(stderr, "moeforge %s: error: %s: %s\n", command.c_str(), e.path1().string().c_str(),
+                     e.code().message().c_str());
         return 1;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "moeforge %s: internal error: %s\n", command.c_str(), e.what());

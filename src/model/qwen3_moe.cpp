@@ -1,5 +1,7 @@
 #include "model/qwen3_moe.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -356,7 +358,15 @@ void Qwen3Moe::plan(int64_t B, int64_t T) {
         // Replay the allocation sequence on a measuring arena, then allocate exactly that much.
         ws.arena = Arena::measuring(placement_.device);
         allocate_step(B, T);
-        ws.arena = Arena(ws.arena.high_water(), placement_.device);
+        const size_t need = ws.arena.high_water();
+        // A batch shape the host cannot hold is named, not left to the allocator's bare byte count.
+        const double host = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+        if (placement_.device == Device::cpu && host > 0 && static_cast<double>(need) > host)
+            fail("a micro-batch of ", B, " x ", T, " tokens needs ", static_cast<double>(need) / 1073741824.0,
+                 " GiB of activations, more than the ", host / 1073741824.0,
+                 " GiB of memory of this machine: lower the micro-batch size or the sequence length "
+                 "(train.micro_batch / train.seq_len, eval.* or --micro-batch / --seq-len)");
+        ws.arena = Arena(need, placement_.device);
         ws.B = B;
         ws.T = T;
     }

@@ -93,6 +93,28 @@ TEST_F(NoLostWork, ExportKeepsWhatItDidNotWrite) {
     EXPECT_TRUE(fs::exists(out / "sub" / "data.bin"));
 }
 
+TEST_F(NoLostWork, InitWritesOnlyItsOwnFiles) {
+    const fs::path out = dir_ / "init_out";
+    fs::create_directories(out / "sub");
+    test::write_file(out / "NOTES.txt", "mine\n");
+    std::string log;
+    const std::string init = test::moeforge_binary() + " init --preset tiny --seed 4 --out ";
+    ASSERT_EQ(run(init + out.string(), &log), 0) << log;
+    EXPECT_EQ(test::read_file(out / "NOTES.txt"), "mine\n");
+    EXPECT_TRUE(fs::is_directory(out / "sub"));
+    EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+    // Again into the same directory (its own earlier files are replaced), and never over a tokenizer it reads.
+    ASSERT_EQ(run(init + out.string(), &log), 0) << log;
+    EXPECT_EQ(test::read_file(out / "NOTES.txt"), "mine\n");
+    fs::copy(repo() + "/demo/tokenizer", dir_ / "tok", fs::copy_options::recursive);
+    const std::vector<std::string> tok_files = tree(dir_ / "tok");
+    EXPECT_NE(run(init + (dir_ / "tok").string() + " --tokenizer " + (dir_ / "tok").string(), &log), 0);
+    EXPECT_NE(log.find("contains the input"), std::string::npos) << log;
+    EXPECT_EQ(tree(dir_ / "tok"), tok_files);
+    EXPECT_NE(run("cd " + out.string() + " && " + init + ".", &log), 0);
+    EXPECT_NE(log.find("current directory"), std::string::npos) << log;
+}
+
 TEST_F(NoLostWork, OutputOverlappingModelOrDataIsRefusedBeforeTraining) {
     std::string log;
     const std::vector<std::string> before = tree(base());
