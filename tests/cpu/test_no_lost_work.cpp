@@ -93,6 +93,18 @@ TEST_F(NoLostWork, ExportKeepsWhatItDidNotWrite) {
     EXPECT_TRUE(fs::exists(out / "sub" / "data.bin"));
 }
 
+TEST_F(NoLostWork, BatchBeyondTheMachinesMemoryIsNamed) {
+    // Under the recipe's token cap, but far beyond any CI machine's memory (~100 GiB of activations).
+    std::string log;
+    EXPECT_NE(run(finetune(base(), (dir_ / "huge").string(), "train.steps=1") +
+                      " train.micro_batch=1024 train.seq_len=4096",
+                  &log),
+              0);
+    EXPECT_NE(log.find("a micro-batch of 1024 x 4096 tokens needs"), std::string::npos) << log;
+    EXPECT_NE(log.find("train.micro_batch"), std::string::npos) << log;
+    EXPECT_EQ(log.find("out of host memory"), std::string::npos) << log;
+}
+
 TEST_F(NoLostWork, InitWritesOnlyItsOwnFiles) {
     const fs::path out = dir_ / "init_out";
     fs::create_directories(out / "sub");
