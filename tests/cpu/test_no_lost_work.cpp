@@ -94,7 +94,10 @@ TEST_F(NoLostWork, ExportKeepsWhatItDidNotWrite) {
 }
 
 TEST_F(NoLostWork, BatchBeyondTheMachinesMemoryIsNamed) {
-    // Under the recipe's token cap, but far beyond any CI machine's memory (~100 GiB of activations).
+    // Under the recipe's token cap, but beyond this machine's memory: ~100 GiB of activations.
+    const double host_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE)) /
+                            (1024.0 * 1024.0 * 1024.0);
+    if (host_gib > 90) GTEST_SKIP() << "this machine has " << host_gib << " GiB: the 100 GiB batch would fit";
     std::string log;
     EXPECT_NE(run(finetune(base(), (dir_ / "huge").string(), "train.steps=1") +
                       " train.micro_batch=1024 train.seq_len=4096",
