@@ -1,6 +1,4 @@
 // `finetune RECIPE [key.sub=value ...] [--resume [DIR|auto]] [--force-resume]`
-#include <cstdio>
-
 #include "cli/args.h"
 #include "core/interrupt.h"
 #include "io/file.h"
@@ -10,8 +8,6 @@
 namespace mf::cli {
 
 int cmd_finetune(const Args& args) {
-    // Log lines reach a redirected stdout as they are written (a killed run keeps its log).
-    std::setvbuf(stdout, nullptr, _IOLBF, 0);
     std::vector<std::string> rest;
     train::ResumeOptions resume;
     for (size_t i = 0; i < args.size(); ++i) {

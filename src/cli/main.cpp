@@ -48,6 +48,8 @@ int print_help(const mf::cli::Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // Lines reach a redirected stdout as they are written: a killed run keeps its log.
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
     if (argc < 2) {
         std::fputs(mf::cli::usage_text().c_str(), stderr);
         return 2;

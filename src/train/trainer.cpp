@@ -173,7 +173,7 @@ void claim_output_dir(Run& run, const model::Qwen3MoeConfig& cfg, const ResumeOp
     on_main_agreed(run, [&] {
         OutputCheck check;
         check.model_dir = run.model_dir;
-        check.inputs = {fs::path(r.data.train)};
+        check.inputs = {fs::path(r.data.train), fs::path(r.eval.data)};
         check.export_bytes = export_bytes(cfg);
         if (r.checkpoint.every > 0)
             check.checkpoint_bytes = static_cast<uint64_t>(r.checkpoint.keep + 1) *
