@@ -312,7 +312,8 @@ constexpr size_t kMaxRecordBytes = 1u << 20;
 
 // A name a record may hold: one path component, not hidden, not "." or "..".
 bool plain_file_name(const std::string& name) {
-    return !name.empty() && name[0] != '.' && name.find('/') == std::string::npos && name.find('\0') == std::string::npos;
+    return !name.empty() && name[0] != '.' && name.find('/') == std::string::npos &&
+           name.find('\0') == std::string::npos;
 }
 
 }  // namespace
@@ -404,6 +405,11 @@ DirLock::DirLock(const fs::path& dir) : path_(dir / kFileName) {
             char buf[256] = {};
             const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
             ::close(fd);
+            if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) {
+                // A file system without locks (some network mounts): run unlocked, and say so.
+                unlocked_reason_ = std::strerror(err);
+                return;
+            }
             if (err == EWOULDBLOCK) {
                 std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "another process";
                 while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
@@ -412,7 +418,8 @@ DirLock::DirLock(const fs::path& dir) : path_(dir / kFileName) {
             }
             fail("cannot lock ", path_.string(), ": ", std::strerror(err));
         }
-        struct stat held {}, named {};
+        struct stat held {
+        }, named{};
         if (::fstat(fd, &held) != 0 || ::stat(path_.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
             held.st_dev != named.st_dev) {
             ::close(fd);
@@ -441,7 +448,7 @@ DirLock::DirLock(const fs::path& dir) : path_(dir / kFileName) {
 }
 
 DirLock::~DirLock() {
-    if (fd_ < 0) return;
+    if (fd_ < 0) return;      // never locked (unlocked_reason_), or moved from
     ::unlink(path_.c_str());  // while still held: no one can lock the name we are removing
     ::close(fd_);
 }

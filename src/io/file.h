@@ -140,7 +140,7 @@ class StagedFiles {
 // directory (from any process) fails at once, naming the holder. A lock file whose process died is
 // free (the kernel dropped its flock): it is taken over and stale_holder() says whose it was, so the
 // caller can warn. The file is removed on release. NOTE: flock needs a local or lock-aware network
-// file system.
+// file system; where locking is unsupported the object holds nothing and unlocked_reason() says why.
 class DirLock {
  public:
     explicit DirLock(const std::filesystem::path& dir);
@@ -149,12 +149,16 @@ class DirLock {
     DirLock& operator=(const DirLock&) = delete;
 
     const std::string& stale_holder() const { return stale_holder_; }
+    // Non-empty when the file system cannot lock at all (ENOLCK, EOPNOTSUPP): the run goes on
+    // unlocked and the caller warns with this reason.
+    const std::string& unlocked_reason() const { return unlocked_reason_; }
     static constexpr const char* kFileName = ".moeforge.lock";
 
  private:
     std::filesystem::path path_;
     int fd_ = -1;
     std::string stale_holder_;
+    std::string unlocked_reason_;
 };
 
 // Removes every temporary file and directory this process's atomic writers (AtomicFileWriter,

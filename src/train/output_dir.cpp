@@ -86,6 +86,12 @@ fs::path check_output_dir(const fs::path& out, const OutputCheck& check) {
         const std::vector<std::string> ours = io::StagedFiles::recorded(real, kExportRecord);
         for (const auto& entry : fs::directory_iterator(real, ec)) {
             const std::string name = entry.path().filename().string();
+            const bool ours_by_name = name == "config.json" || name == "metrics.jsonl" || name == "recipe.json" ||
+                                      is_weight_file_name(name) ||
+                                      std::find(tokenizer_file_names().begin(), tokenizer_file_names().end(), name) !=
+                                          tokenizer_file_names().end();
+            if (ours_by_name && fs::is_directory(entry.symlink_status(ec)))
+                fail(named, " holds a directory named ", name, ", where the export writes that file; move it away");
             if (!is_weight_file_name(name)) continue;
             if (std::find(ours.begin(), ours.end(), name) == ours.end())
                 fail(named, " holds ", name, ", model weights that no moeforge export wrote there (no ", kExportRecord,

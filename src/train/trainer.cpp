@@ -12,14 +12,14 @@
 
 #include "core/check.h"
 #include "core/interrupt.h"
+#include "data/dataset_summary.h"
 #include "data/loader.h"
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
-#include "text/tokenizer.h"
 #include "io/file.h"
 #include "model/qwen3_moe.h"
+#include "text/tokenizer.h"
 #include "train/checkpoint.h"
-#include "data/dataset_summary.h"
 #include "train/distributed.h"
 #include "train/evaluate.h"
 #include "train/hf_checkpoint.h"
@@ -51,7 +51,8 @@ namespace {
 Device resolve_device(const Recipe& r) {
     if (r.device == "cpu") return Device::cpu;
     if (cuda_available()) return Device::cuda;
-    if (r.device == "cuda") fail(r.source, ": device: cuda, but no CUDA device is available (or this build has no CUDA)");
+    if (r.device == "cuda")
+        fail(r.source, ": device: cuda, but no CUDA device is available (or this build has no CUDA)");
     return Device::cpu;
 }
 
@@ -83,9 +84,12 @@ std::string duration_str(double s) {
     if (!std::isfinite(s) || s < 0) return "?";
     const long long t = static_cast<long long>(s + 0.5);
     char buf[32];
-    if (t >= 3600) std::snprintf(buf, sizeof buf, "%lldh%02lldm", t / 3600, (t / 60) % 60);
-    else if (t >= 60) std::snprintf(buf, sizeof buf, "%lldm%02llds", t / 60, t % 60);
-    else std::snprintf(buf, sizeof buf, "%llds", t);
+    if (t >= 3600)
+        std::snprintf(buf, sizeof buf, "%lldh%02lldm", t / 3600, (t / 60) % 60);
+    else if (t >= 60)
+        std::snprintf(buf, sizeof buf, "%lldm%02llds", t / 60, t % 60);
+    else
+        std::snprintf(buf, sizeof buf, "%llds", t);
     return buf;
 }
 
@@ -188,6 +192,9 @@ void claim_output_dir(Run& run, const model::Qwen3MoeConfig& cfg, const ResumeOp
         if (!run.lock->stale_holder().empty())
             std::fprintf(stderr, "warning: %s/%s was left by a run that no longer holds it (%s); taking it over\n",
                          run.out.string().c_str(), io::DirLock::kFileName, run.lock->stale_holder().c_str());
+        if (!run.lock->unlocked_reason().empty())
+            std::fprintf(stderr, "warning: %s cannot be locked (%s): nothing stops a second run from using it\n",
+                         run.out.string().c_str(), run.lock->unlocked_reason().c_str());
         sweep_temporaries(run.out);
     });
     if (!run.is_main) run.out = r.out;  // every rank sees OUT (a shared file system); rank 0 alone writes it
@@ -248,10 +255,9 @@ void setup(Run& run, const ResumeOptions& resume) {
 
     run.dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size);
     run.data_summary = data::prepare_documents(run.dataset, recipe.train.seq_len, recipe.data.train);
-    run.loader = std::make_unique<data::Loader>(&run.dataset.docs, recipe.train.seq_len, recipe.train.micro_batch,
-                                                recipe.data.packing, recipe.data.shuffle,
-                                                static_cast<uint64_t>(recipe.seed), 0,
-                                                data::LoaderShard{dist.rank(), dist.world_size()});
+    run.loader = std::make_unique<data::Loader>(
+        &run.dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing, recipe.data.shuffle,
+        static_cast<uint64_t>(recipe.seed), 0, data::LoaderShard{dist.rank(), dist.world_size()});
     run.data_summary.packing = run.loader->measure_epoch();
     if (!recipe.eval.data.empty())
         run.eval_dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size, recipe.eval.data);
@@ -301,8 +307,8 @@ void print_start(const Run& run) {
         std::printf("%s\n", run.data_summary.describe().c_str());
         if (recipe.train.grad_accum > 1)
             std::printf("each step: %lld micro-batches of %lld x %lld tokens%s\n",
-                        static_cast<long long>(recipe.train.grad_accum), static_cast<long long>(recipe.train.micro_batch),
-                        static_cast<long long>(recipe.train.seq_len),
+                        static_cast<long long>(recipe.train.grad_accum),
+                        static_cast<long long>(recipe.train.micro_batch), static_cast<long long>(recipe.train.seq_len),
                         run.dist->distributed() ? " per rank" : "");
         if (!recipe.eval.data.empty())
             std::printf("eval: %s every %lld steps (%zu records)\n", recipe.eval.data.c_str(),
@@ -366,7 +372,8 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
         const std::string what = "step " + std::to_string(step + 1) +
                                  " has no target token: every label of its micro-batches is masked or cut at "
                                  "train.seq_len, so its loss would read 0 and teach nothing";
-        if (recipe.data.on_empty == "stop") fail(what, " (data.on_empty: stop; raise train.seq_len or check data.loss_on)");
+        if (recipe.data.on_empty == "stop")
+            fail(what, " (data.on_empty: stop; raise train.seq_len or check data.loss_on)");
         if (run.logs) std::printf("%swarning: %s (data.on_empty: warn)\n", run.who.c_str(), what.c_str());
     }
     const double num_micro = static_cast<double>(recipe.train.grad_accum) * static_cast<double>(dist.world_size());
@@ -398,9 +405,10 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
     m.lr = lr_at(recipe.optim, step, recipe.train.steps);
     *skipped = false;
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
-        const std::string where = !std::isfinite(m.loss)
-                                      ? "loss " + std::to_string(m.loss) + ", first in " + model.locate_nonfinite_activation()
-                                      : "gradient norm, first in the gradient of " + model.locate_nonfinite_gradient();
+        const std::string where =
+            !std::isfinite(m.loss)
+                ? "loss " + std::to_string(m.loss) + ", first in " + model.locate_nonfinite_activation()
+                : "gradient norm, first in the gradient of " + model.locate_nonfinite_gradient();
         if (recipe.train.on_nonfinite == "stop") {
             if (run.is_main) run.metrics_file << m.to_json().dump() << "\n" << std::flush;
             fail("step ", m.step, ": non-finite ", where, " (train.on_nonfinite: stop)");
@@ -437,8 +445,8 @@ void report_step(Run& run, const StepMetrics& m, Clock::time_point loop_start) {
             duration_str(eta).c_str());
     } else if (run.tty) {
         std::printf("\r\033[Kstep %lld/%lld | loss %.4f | %.0f tok/s | %s elapsed, ETA %s",
-                    static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss,
-                    m.tokens_per_s, duration_str(elapsed).c_str(), duration_str(eta).c_str());
+                    static_cast<long long>(m.step), static_cast<long long>(recipe.train.steps), m.loss, m.tokens_per_s,
+                    duration_str(elapsed).c_str(), duration_str(eta).c_str());
     }
     std::fflush(stdout);
 }
@@ -507,8 +515,8 @@ int train_loop(Run& run, TrainSummary& summary) {
         if ((recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) || best) {
             save_run_checkpoint(run, m.step);
             if (best && run.logs)
-                std::printf("%sbest eval loss so far (%.4f): step %lld's checkpoint is kept\n", run.who.c_str(), val_loss,
-                            static_cast<long long>(m.step));
+                std::printf("%sbest eval loss so far (%.4f): step %lld's checkpoint is kept\n", run.who.c_str(),
+                            val_loss, static_cast<long long>(m.step));
         }
         report_step(run, m, loop_start);
         if (stop) {

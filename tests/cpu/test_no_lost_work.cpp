@@ -99,10 +99,10 @@ TEST_F(NoLostWork, BatchBeyondTheMachinesMemoryIsNamed) {
                             (1024.0 * 1024.0 * 1024.0);
     if (host_gib > 90) GTEST_SKIP() << "this machine has " << host_gib << " GiB: the 100 GiB batch would fit";
     std::string log;
-    EXPECT_NE(run(finetune(base(), (dir_ / "huge").string(), "train.steps=1") +
-                      " train.micro_batch=1024 train.seq_len=4096",
-                  &log),
-              0);
+    EXPECT_NE(
+        run(finetune(base(), (dir_ / "huge").string(), "train.steps=1") + " train.micro_batch=1024 train.seq_len=4096",
+            &log),
+        0);
     EXPECT_NE(log.find("a micro-batch of 1024 x 4096 tokens needs"), std::string::npos) << log;
     EXPECT_NE(log.find("train.micro_batch"), std::string::npos) << log;
     EXPECT_EQ(log.find("out of host memory"), std::string::npos) << log;
@@ -175,6 +175,16 @@ TEST_F(NoLostWork, SymlinkedOutputWritesIntoItsTarget) {
     EXPECT_TRUE(fs::is_symlink(dir_ / "out_link"));
     EXPECT_TRUE(fs::exists(target / "model.safetensors"));
     EXPECT_EQ(test::read_file(target / "NOTES.txt"), "kept\n");
+}
+
+TEST_F(NoLostWork, DirectoryInThePlaceOfAnExportFileIsRefusedBeforeTraining) {
+    const fs::path out = dir_ / "dir_in_the_way";
+    fs::create_directories(out / "config.json");
+    std::string log;
+    EXPECT_NE(run(finetune(base(), out.string(), "train.steps=1"), &log), 0);
+    EXPECT_NE(log.find("a directory named config.json"), std::string::npos) << log;
+    EXPECT_EQ(log.find("step "), std::string::npos) << "refused before step 1: " << log;
+    EXPECT_TRUE(fs::is_directory(out / "config.json"));
 }
 
 TEST_F(NoLostWork, ForeignWeightsInOutputAreRefused) {
