@@ -118,8 +118,8 @@ struct Run {
     size_t device_mem0 = 0;      // device memory in use before the model (cuda)
     double state_bytes = 0;      // this rank's parameters, gradients and AdamW state
     double peak_mem_gib = 0;
-    double best_val_loss = 0;  // checkpoint.keep_best: the best evaluation so far, at best_step (-1: none)
-    int64_t best_step = -1;
+    double best_val_loss = 0;  // checkpoint.keep_best: the best evaluation so far,
+    int64_t best_step = -1;    // at this step (-1: none yet)
     std::optional<TensorBoardWriter> tensorboard;  // rank 0, log.tensorboard
     bool tty = false;
     explicit Run(const Recipe& r) : recipe(r) {}
