@@ -61,7 +61,10 @@ std::vector<CommandHelp> make_table() {
          "RECIPE.yaml [key.sub=value ...] [--resume [DIR|auto]] [--force-resume]",
          "train a model from a recipe and write an HF model directory",
          "Reads the recipe (`moeforge recipe --explain` lists its keys), applies the key=value overrides,\n"
-         "trains, and writes the model, metrics.jsonl and recipe.json into the recipe's `out` directory.",
+         "trains, and writes the model, metrics.jsonl and recipe.json into the recipe's `out` directory,\n"
+         "touching no other file there; `out` is checked and locked before step 1.\n"
+         "SIGINT/SIGTERM: the step finishes, a checkpoint is saved, exit 130/143 (--resume continues);\n"
+         "a second signal, a second or more later, stops at once.",
          {{"resume", "[DIR|auto]",
            "continue from a training checkpoint: DIR, or auto (the default) for the newest under OUT/checkpoints; "
            "an error when there is none"},
