@@ -19,6 +19,7 @@
 #include <random>
 
 #include "cli/args.h"
+#include "core/device_choice.h"
 #include "core/json.h"
 #include "data/batch.h"
 #include "io/file.h"
@@ -35,10 +36,8 @@ namespace {
 // (a BENCHMARKS.md workload there takes tens of GB of host memory and hours): the CPU only when
 // asked for by name.
 Device bench_device(const std::string& dev) {
-    if (dev != "auto" && dev != "cpu" && dev != "cuda")
-        fail("bench: option --device: expected auto, cpu or cuda, got \"", dev, "\"");
-    if (dev == "cpu") return Device::cpu;
-    if (cuda_available()) return Device::cuda;
+    const Device d = dev == "cuda" ? Device::cuda : pick_device(dev, "bench: --device");
+    if (d == Device::cuda ? cuda_available() : dev == "cpu") return d;
     fail("bench: --device ", dev,
          ", but no CUDA device is available (or this build has no CUDA); bench measures the GPU step. To time "
          "the CPU reference instead, pass --device cpu explicitly (slow; a full-size config needs tens of GB of "

@@ -22,6 +22,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/check.h"
+#include "core/device_choice.h"
 #include "core/json.h"
 #include "core/tensor.h"
 #include "io/file.h"
@@ -80,18 +81,7 @@ GenerateArgs parse_generate_args(const Args& args) {
     if (!(g.options.sampling.top_p > 0 && g.options.sampling.top_p <= 1))
         fail("generate: option --top-p: expected a number in (0, 1], got ", a.get("top-p"));
     g.options.sampling.seed = static_cast<uint64_t>(parse_int_option(a.get("seed", "0"), "seed"));
-    const std::string device = a.get("device", "auto");
-    if (device == "auto")
-        g.device = cuda_available() ? Device::cuda : Device::cpu;
-    else if (device == "cpu")
-        g.device = Device::cpu;
-    else if (device == "cuda") {
-        if (!cuda_available())
-            fail("generate: --device cuda: no CUDA device here (or moeforge was built without CUDA); use --device cpu");
-        g.device = Device::cuda;
-    } else {
-        fail("generate: option --device: expected auto, cpu or cuda, got \"", device, "\"");
-    }
+    g.device = pick_device(a.get("device", "auto"), "generate: --device");
     return g;
 }
 

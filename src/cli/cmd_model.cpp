@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "cli/args.h"
+#include "core/device_choice.h"
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
 #include "io/file.h"
@@ -225,11 +226,7 @@ namespace {
 // eval --device: auto takes the GPU when there is one. On the GPU the model is loaded as the
 // trainer's bf16 policy does (ModelPlacement with bf16 gradients and logits), on the CPU in fp32.
 model::ModelPlacement eval_placement(const std::string& device) {
-    if (device != "auto" && device != "cpu" && device != "cuda")
-        fail("eval: option --device: expected auto, cpu or cuda, got \"", device, "\"");
-    if (device == "cuda" && !cuda_available())
-        fail("eval: --device cuda, but no CUDA device is available (or this build has no CUDA)");
-    const bool gpu = device != "cpu" && cuda_available();
+    const bool gpu = pick_device(device, "eval: --device") == Device::cuda;
     return model::ModelPlacement{gpu ? Device::cuda : Device::cpu, gpu ? DType::bf16 : DType::f32, {}};
 }
 

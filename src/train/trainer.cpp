@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "core/device_choice.h"
 #include "core/interrupt.h"
 #include "data/dataset_summary.h"
 #include "data/loader.h"
@@ -48,13 +49,7 @@ json::Value StepMetrics::to_json() const {
 
 namespace {
 
-Device resolve_device(const Recipe& r) {
-    if (r.device == "cpu") return Device::cpu;
-    if (cuda_available()) return Device::cuda;
-    if (r.device == "cuda")
-        fail(r.source, ": device: cuda, but no CUDA device is available (or this build has no CUDA)");
-    return Device::cpu;
-}
+Device resolve_device(const Recipe& r) { return pick_device(r.device, r.source + ": device:"); }
 
 }  // namespace
 
@@ -118,8 +113,8 @@ struct Run {
     size_t device_mem0 = 0;      // device memory in use before the model (cuda)
     double state_bytes = 0;      // this rank's parameters, gradients and AdamW state
     double peak_mem_gib = 0;
-    double best_val_loss = 0;  // checkpoint.keep_best: the best evaluation so far,
-    int64_t best_step = -1;    // at this step (-1: none yet)
+    double best_val_loss = 0;                      // checkpoint.keep_best: the best evaluation so far,
+    int64_t best_step = -1;                        // at this step (-1: none yet)
     std::optional<TensorBoardWriter> tensorboard;  // rank 0, log.tensorboard
     bool tty = false;
     explicit Run(const Recipe& r) : recipe(r) {}
