@@ -322,7 +322,7 @@ StagedFiles::StagedFiles(fs::path dir, std::string record_name)
     : dir_(std::move(dir)), record_name_(std::move(record_name)) {
     std::error_code ec;
     if (!fs::is_directory(dir_, ec)) fail("cannot write into ", dir_.string(), ": not a directory");
-    staging_ = dir_ / (".moeforge-staging-" + std::to_string(::getpid()));
+    staging_ = dir_ / (kStagingPrefix + std::to_string(::getpid()));
     add_temporary(staging_);
     fs::remove_all(staging_, ec);
     if (ec) fail("cannot remove stale ", staging_.string(), ": ", ec.message());

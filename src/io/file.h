@@ -124,6 +124,8 @@ class StagedFiles {
 
     const std::filesystem::path& staging() const { return staging_; }
     void commit(const std::vector<std::string>& last = {});
+    // The staging directory's name is this prefix and the writer's pid.
+    static constexpr const char* kStagingPrefix = ".moeforge-staging-";
 
     // The file names the record in `dir` lists (empty when there is none, or it is unreadable).
     static std::vector<std::string> recorded(const std::filesystem::path& dir, const std::string& record_name);

@@ -159,7 +159,7 @@ void sweep_temporaries(const fs::path& out) {
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(out, ec)) {
         const std::string name = entry.path().filename().string();
-        bool ours = name.rfind(".moeforge-staging-", 0) == 0;
+        bool ours = name.rfind(io::StagedFiles::kStagingPrefix, 0) == 0;
         for (const char* file : {"metrics.jsonl", "recipe.json", kExportRecord})
             ours = ours || name.rfind(std::string(file) + ".tmp-", 0) == 0;
         if (ours) fs::remove_all(entry.path(), ec);
