@@ -33,6 +33,7 @@
 #include "core/check.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/grouped_matmul.h"
@@ -42,6 +43,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/sigmoid_gate.h"
 #include "kernels/cpu/swiglu.h"
 
 namespace {
@@ -223,6 +225,56 @@ TEST(Matmul, BackwardMatchesTripleLoop) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// bias
+
+TEST(Bias, ForwardAndColumnSumsMatchReference) {
+    std::mt19937 rng(30);
+    for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 1}, {1, 7}, {5, 3}, {37, 19}, {300, 64}}) {
+        const std::string name = "bias N=" + std::to_string(N) + " C=" + std::to_string(C);
+        const FloatVec x = random_vec(rng, N * C, -2.0f, 2.0f), b = random_vec(rng, C);
+        FloatVec out = x;
+        add_bias(out.data(), b.data(), N, C);
+        // One fp32 addition per element: exact against the same addition done here.
+        for (int64_t n = 0; n < N; ++n)
+            for (int64_t c = 0; c < C; ++c) ASSERT_EQ(out[n * C + c], x[n * C + c] + b[c]) << name;
+
+        // dbias += Σ_n dout[n, :]: against the sum in double (truth) and a plain fp32 running sum.
+        const FloatVec dout = random_vec(rng, N * C), db0 = random_vec(rng, C);
+        FloatVec db = db0;
+        bias_backward(db.data(), dout.data(), N, C);
+        DoubleVec ref64(C);
+        FloatVec naive32(C);
+        for (int64_t c = 0; c < C; ++c) {
+            double sum64 = 0.0;
+            float sum32 = 0.0f;
+            for (int64_t n = 0; n < N; ++n) {
+                sum64 += dout[n * C + c];
+                sum32 += dout[n * C + c];
+            }
+            ref64[c] = db0[c] + sum64;
+            naive32[c] = db0[c] + sum32;
+        }
+        expect_within_rule(name + " dbias", db, ref64, naive32);
+    }
+}
+
+TEST(Bias, GradientFiniteDifference) {
+    std::mt19937 rng(31);
+    const int64_t N = 6, C = 9;
+    FloatVec x = random_vec(rng, N * C), b = random_vec(rng, C), r = random_vec(rng, N * C);
+    const FloatVec db0 = random_vec(rng, C);
+    FloatVec db = db0;
+    bias_backward(db.data(), r.data(), N, C);
+    check_grad("bias dbias", b, minus(db, db0), [&] {
+        FloatVec out = x;
+        add_bias(out.data(), b.data(), N, C);
+        return project(out, r);
+    });
+    EXPECT_THROW(add_bias(x.data(), b.data(), -1, C), mf::Error);
+    EXPECT_THROW(bias_backward(db.data(), r.data(), N, -1), mf::Error);
+}
+
+// ---------------------------------------------------------------------------------------------
 // embedding
 
 TEST(Embedding, ForwardAndBackward) {
@@ -381,6 +433,100 @@ TEST(Rope, GradientFiniteDifference) {
         rope_forward(y.data(), pos.data(), N, H, D, theta);
         return project(y, r);
     });
+}
+
+// Partial rotary (HF partial_rotary_factor), in double and float: the first R dims of each head
+// rotate with inv_freq over R, the rest are copied.
+template <typename T>
+std::vector<T> ref_partial_rope(const FloatVec& x, const std::vector<int32_t>& pos, int64_t N, int64_t H, int64_t D,
+                                int64_t R, float theta, T sign) {
+    std::vector<T> out = cast_vec<T>(x);
+    const int64_t half = R / 2;
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t i = 0; i < half; ++i) {
+            const T inv_freq = T(1) / std::pow(static_cast<T>(theta), static_cast<T>(2 * i) / static_cast<T>(R));
+            const T angle = static_cast<T>(pos[n]) * inv_freq;
+            const T c = std::cos(angle), s = sign * std::sin(angle);
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t base = (n * H + h) * D;
+                const T a = x[base + i], b = x[base + i + half];
+                out[base + i] = a * c - b * s;
+                out[base + i + half] = b * c + a * s;
+            }
+        }
+    }
+    return out;
+}
+
+struct PartialRopeCase {
+    int64_t N, H, D, R;
+};
+
+TEST(Rope, PartialRotaryMatchesReference) {
+    std::mt19937 rng(32);
+    const float theta = 10000.0f;
+    for (const PartialRopeCase& s : {PartialRopeCase{7, 3, 10, 4}, PartialRopeCase{5, 2, 64, 16},
+                                     PartialRopeCase{1, 1, 7, 2}, PartialRopeCase{9, 4, 12, 12}}) {
+        const std::string name = "rope D=" + std::to_string(s.D) + " R=" + std::to_string(s.R);
+        const FloatVec x = random_vec(rng, s.N * s.H * s.D);
+        std::vector<int32_t> pos(static_cast<size_t>(s.N));
+        for (auto& p : pos) p = static_cast<int32_t>(rng() % 2048);
+        pos[0] = 0;
+        for (const float sign : {1.0f, -1.0f}) {
+            FloatVec y = x;
+            if (sign > 0)
+                rope_forward(y.data(), pos.data(), s.N, s.H, s.D, s.R, theta);
+            else
+                rope_backward(y.data(), pos.data(), s.N, s.H, s.D, s.R, theta);
+            const std::string what = name + (sign > 0 ? " forward" : " backward");
+            expect_within_rule(what, y, ref_partial_rope<double>(x, pos, s.N, s.H, s.D, s.R, theta, 1.0 * sign),
+                               ref_partial_rope<float>(x, pos, s.N, s.H, s.D, s.R, theta, sign));
+            // The pass-through dims are the input's bits; position 0 is the identity.
+            for (int64_t nh = 0; nh < s.N * s.H; ++nh)
+                for (int64_t d = s.R; d < s.D; ++d) ASSERT_EQ(y[nh * s.D + d], x[nh * s.D + d]) << what;
+            for (int64_t i = 0; i < s.H * s.D; ++i) ASSERT_EQ(y[i], x[i]) << what;
+        }
+    }
+}
+
+TEST(Rope, FullRotaryDimIsTheWholeHeadRope) {
+    // rotary_dim == head_dim is the whole-head rope the QK-norm path uses, bit for bit.
+    std::mt19937 rng(33);
+    const int64_t N = 11, H = 3, D = 64;
+    const float theta = 1000000.0f;
+    const FloatVec x = random_vec(rng, N * H * D);
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    for (auto& p : pos) p = static_cast<int32_t>(rng() % 65536);
+    FloatVec full = x, partial = x;
+    rope_forward(full.data(), pos.data(), N, H, D, theta);
+    rope_forward(partial.data(), pos.data(), N, H, D, D, theta);
+    expect_bitwise_equal("rope forward rotary_dim = D", partial, full);
+    rope_backward(full.data(), pos.data(), N, H, D, theta);
+    rope_backward(partial.data(), pos.data(), N, H, D, D, theta);
+    expect_bitwise_equal("rope backward rotary_dim = D", partial, full);
+}
+
+TEST(Rope, PartialRotaryGradientFiniteDifference) {
+    std::mt19937 rng(34);
+    const float theta = 500.0f;
+    for (const PartialRopeCase& s : {PartialRopeCase{5, 2, 10, 6}, PartialRopeCase{4, 3, 8, 8}}) {
+        FloatVec x = random_vec(rng, s.N * s.H * s.D), r = random_vec(rng, s.N * s.H * s.D);
+        const std::vector<int32_t> pos = {3, 0, 9, 2, 11};
+        FloatVec dx = r;
+        rope_backward(dx.data(), pos.data(), s.N, s.H, s.D, s.R, theta);
+        check_grad("rope dx D=" + std::to_string(s.D) + " R=" + std::to_string(s.R), x, dx, [&] {
+            FloatVec y = x;
+            rope_forward(y.data(), pos.data(), s.N, s.H, s.D, s.R, theta);
+            return project(y, r);
+        });
+    }
+}
+
+TEST(Rope, RejectsBadRotaryDim) {
+    FloatVec x(2 * 8, 0.0f);
+    const std::vector<int32_t> pos = {0, 1};
+    for (const int64_t R : {int64_t{0}, int64_t{3}, int64_t{10}, int64_t{-2}})
+        EXPECT_THROW(rope_forward(x.data(), pos.data(), 2, 1, 8, R, 1e4f), mf::Error) << "rotary_dim " << R;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -556,6 +702,80 @@ TEST(SwiGlu, ForwardAndGradients) {
         swiglu_forward(o.data(), inp.data(), N, I);
         return project(o, r);
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// sigmoid gate
+
+template <typename T>
+T ref_sigmoid(float g) {
+    return T(1) / (T(1) + std::exp(-static_cast<T>(g)));
+}
+
+TEST(SigmoidGate, ForwardAndBackwardMatchReference) {
+    std::mt19937 rng(35);
+    for (auto [N, H] : {std::pair<int64_t, int64_t>{1, 1}, {1, 9}, {6, 13}, {40, 64}, {3, 300}}) {
+        const std::string name = "sigmoid gate N=" + std::to_string(N) + " H=" + std::to_string(H);
+        const FloatVec y0 = random_vec(rng, N * H), value = random_vec(rng, N * H, -2.0f, 2.0f);
+        FloatVec g = random_vec(rng, N, -4.0f, 4.0f);
+        g[0] = N > 1 ? -90.0f : 0.5f;  // exp(−g) overflows: s = 0
+        if (N > 2) g[1] = 90.0f;       // s = 1, s · (1 − s) = 0
+        FloatVec y = y0;
+        sigmoid_gate_forward(y.data(), value.data(), g.data(), N, H);
+        DoubleVec y64(N * H);
+        FloatVec y32(N * H);
+        for (int64_t n = 0; n < N; ++n) {
+            for (int64_t h = 0; h < H; ++h) {
+                y64[n * H + h] = y0[n * H + h] + ref_sigmoid<double>(g[n]) * value[n * H + h];
+                y32[n * H + h] = y0[n * H + h] + ref_sigmoid<float>(g[n]) * value[n * H + h];
+            }
+        }
+        expect_within_rule(name + " forward", y, y64, y32);
+
+        const FloatVec dy = random_vec(rng, N * H);
+        FloatVec dvalue(N * H, std::numeric_limits<float>::quiet_NaN()), dg(N, std::numeric_limits<float>::quiet_NaN());
+        sigmoid_gate_backward(dvalue.data(), dg.data(), dy.data(), value.data(), g.data(), N, H);
+        DoubleVec dv64(N * H), dg64(N);
+        FloatVec dv32(N * H), dg32(N);
+        for (int64_t n = 0; n < N; ++n) {
+            const double s64 = ref_sigmoid<double>(g[n]);
+            const float s32 = ref_sigmoid<float>(g[n]);
+            double dot64 = 0.0;
+            float dot32 = 0.0f;
+            for (int64_t h = 0; h < H; ++h) {
+                dv64[n * H + h] = s64 * dy[n * H + h];
+                dv32[n * H + h] = s32 * dy[n * H + h];
+                dot64 += static_cast<double>(dy[n * H + h]) * value[n * H + h];
+                dot32 += dy[n * H + h] * value[n * H + h];
+            }
+            dg64[n] = s64 * (1.0 - s64) * dot64;
+            dg32[n] = s32 * (1.0f - s32) * dot32;
+        }
+        expect_within_rule(name + " dvalue", dvalue, dv64, dv32);
+        expect_within_rule(name + " dgate_logits", dg, dg64, dg32);
+
+        // dvalue may alias dy: the same bits.
+        FloatVec inplace = dy, dg2(N);
+        sigmoid_gate_backward(inplace.data(), dg2.data(), inplace.data(), value.data(), g.data(), N, H);
+        expect_bitwise_equal(name + " dvalue in place", inplace, dvalue);
+        expect_bitwise_equal(name + " dgate_logits in place", dg2, dg);
+    }
+}
+
+TEST(SigmoidGate, GradientsFiniteDifference) {
+    std::mt19937 rng(36);
+    const int64_t N = 5, H = 11;
+    FloatVec y0 = random_vec(rng, N * H), value = random_vec(rng, N * H), g = random_vec(rng, N, -2.0f, 2.0f);
+    const FloatVec r = random_vec(rng, N * H);
+    FloatVec dvalue(N * H), dg(N);
+    sigmoid_gate_backward(dvalue.data(), dg.data(), r.data(), value.data(), g.data(), N, H);
+    auto loss = [&] {
+        FloatVec y = y0;
+        sigmoid_gate_forward(y.data(), value.data(), g.data(), N, H);
+        return project(y, r);
+    };
+    check_grad("sigmoid gate dvalue", value, dvalue, loss);
+    check_grad("sigmoid gate dgate_logits", g, dg, loss);
 }
 
 // ---------------------------------------------------------------------------------------------

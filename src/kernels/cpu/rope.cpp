@@ -1,10 +1,12 @@
 // Rotary position embedding, HF "rotate_half" layout, fp32 CPU reference.
-// inv_freq[i] = 1 / θ^(2i/D), computed in fp32 exactly as HF writes it
-// (1.0 / (base ** (arange(0, D, 2).float() / D))); the angle of pair i at position p is the fp32
-// product (float)p · inv_freq[i] and its cos/sin are fp32. Within each head, element i < D/2 pairs
-// with element i + D/2 (both use the same angle):
-//   forward   y[i] = x[i]·cos − x[i+D/2]·sin      y[i+D/2] = x[i+D/2]·cos + x[i]·sin
+// Of each head of D, the first R = rotary_dim dims rotate (R = D: the whole head). inv_freq[i] =
+// 1 / θ^(2i/R), computed in fp32 exactly as HF writes it (1.0 / (base ** (arange(0, R, 2).float() /
+// R)), with R = int(D · partial_rotary_factor)); the angle of pair i at position p is the fp32
+// product (float)p · inv_freq[i] and its cos/sin are fp32. Element i < R/2 pairs with element
+// i + R/2 (both use the same angle):
+//   forward   y[i] = x[i]·cos − x[i+R/2]·sin      y[i+R/2] = x[i+R/2]·cos + x[i]·sin
 //   backward  the transposed rotation (angle → −angle), applied to the gradient in place.
+// Dims [R, D) are not touched (HF concatenates them back unrotated, so their gradient passes too).
 // The cos/sin row is computed once per token and shared by all its heads.
 #include "kernels/cpu/rope.h"
 
@@ -18,14 +20,15 @@ namespace mf::cpu {
 namespace {
 
 // sign = +1 rotates by +angle (forward), −1 by −angle (backward).
-void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta, float sign) {
-    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads, " D=", D,
-             " (D must be even)");
+void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, int64_t R, float theta,
+                 float sign) {
+    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && R > 0 && R % 2 == 0 && R <= D, "rope: bad shape N=", N,
+             " heads=", num_heads, " D=", D, " rotary_dim=", R, " (rotary_dim must be even and in [2, D])");
     MF_CHECK(theta > 0.0f, "rope: theta must be positive, got ", theta);
-    const int64_t half = D / 2;
+    const int64_t half = R / 2;
     std::vector<float> inv_freq(static_cast<size_t>(half));
     for (int64_t i = 0; i < half; ++i) {
-        inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+        inv_freq[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(R));
     }
     std::vector<float> cos_row(static_cast<size_t>(half));
     std::vector<float> sin_row(static_cast<size_t>(half));
@@ -52,12 +55,22 @@ void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t num_head
 
 }  // namespace
 
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, int64_t rotary_dim,
+                  float theta) {
+    rope_rotate(x, positions, N, num_heads, D, rotary_dim, theta, 1.0f);
+}
+
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, int64_t rotary_dim,
+                   float theta) {
+    rope_rotate(dx, positions, N, num_heads, D, rotary_dim, theta, -1.0f);
+}
+
 void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta) {
-    rope_rotate(x, positions, N, num_heads, D, theta, 1.0f);
+    rope_rotate(x, positions, N, num_heads, D, D, theta, 1.0f);
 }
 
 void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta) {
-    rope_rotate(dx, positions, N, num_heads, D, theta, -1.0f);
+    rope_rotate(dx, positions, N, num_heads, D, D, theta, -1.0f);
 }
 
 }  // namespace mf::cpu

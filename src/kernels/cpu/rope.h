@@ -1,5 +1,6 @@
-// Rotary position embedding, HF "rotate_half" layout: within each head of dim D, element i
-// (i < D/2) pairs with element i + D/2, rotated by angle pos · θ^(-2i/D).
+// Rotary position embedding, HF "rotate_half" layout: within each head of dim D, the first
+// rotary_dim dims (R, even, <= D) rotate, element i (i < R/2) pairing with element i + R/2 at angle
+// pos · θ^(-2i/R); dims [R, D) pass through unchanged (HF's partial_rotary_factor = R / D).
 #pragma once
 
 #include <cstdint>
@@ -7,8 +8,14 @@
 namespace mf::cpu {
 
 // In place on x[N, num_heads, D]; positions[N]. inv_freq is computed in fp32 as HF does.
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, int64_t rotary_dim,
+                  float theta);
+// In place on dx[N, num_heads, D]: the inverse (transposed) rotation; pass-through dims unchanged.
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, int64_t rotary_dim,
+                   float theta);
+
+// The whole head rotates (rotary_dim = D).
 void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta);
-// In place on dx[N, num_heads, D]: the inverse (transposed) rotation.
 void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_heads, int64_t D, float theta);
 
 }  // namespace mf::cpu
