@@ -1,21 +1,27 @@
 // GPU parity of the dense memory-bound kernels against their CPU references (kernels/cpu), fed the
-// same bf16-rounded inputs: casts, embedding, RMSNorm, fused QK-norm + RoPE, SwiGLU. Shapes cover
-// the 16-byte vector paths, the element paths (sizes that are not multiples of 8, misaligned
-// pointers), rows longer than the register cache, and in-place use. Tolerances: test_cuda_common.h.
+// same bf16-rounded inputs: casts, embedding, RMSNorm, fused QK-norm + RoPE, RoPE alone (partial
+// rotary), row bias, SwiGLU, the sigmoid gate. Shapes cover the 16-byte vector paths, the element
+// paths (sizes that are not multiples of 8, odd sizes, misaligned pointers), single rows, rows
+// longer than the register cache, and in-place use; the ops with reductions run twice and must give
+// the same bits. Tolerances: test_cuda_common.h.
 // MF_BENCH=1 adds bandwidth figures at Qwen3-30B-A3B shapes (16384 tokens, hidden 2048,
 // heads 32/4 of dim 128, expert dim 768).
 #include <gtest/gtest.h>
 
 #include <numeric>
 
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cpu/sigmoid_gate.h"
 #include "kernels/cpu/swiglu.h"
+#include "kernels/cuda/bias.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
+#include "kernels/cuda/sigmoid_gate.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "test_cuda_common.h"
 
@@ -410,6 +416,210 @@ TEST(CudaRopeQknorm, BackwardMatchesCpu) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// RoPE alone (partial rotary)
+
+struct PartialRopeCase {
+    int64_t N, Hq, Hkv, D, R;
+    float theta;
+};
+
+// 16-byte vectors where R/2 and D − R are multiples of 8 (the first three, the 2500-token one and
+// the last), single elements otherwise (R/2 = 18, 10, 12; D odd); no key heads; one token.
+const PartialRopeCase kPartialRopeCases[] = {
+    {19, 4, 2, 128, 64, 1e6f},   {9, 64, 8, 128, 128, 1e6f}, {4, 2, 1, 96, 48, 1e4f}, {7, 3, 1, 36, 36, 1e4f},
+    {1, 1, 1, 80, 20, 1e4f},     {6, 3, 2, 72, 24, 1e6f},    {5, 2, 1, 9, 4, 1e4f},   {3, 5, 0, 64, 32, 1e4f},
+    {2500, 8, 2, 128, 32, 1e6f}, {11, 4, 4, 256, 256, 1e6f}};
+
+std::string rope_name(const char* what, const PartialRopeCase& s) {
+    return std::string(what) + " N=" + std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" +
+           std::to_string(s.Hkv) + " D=" + std::to_string(s.D) + " R=" + std::to_string(s.R);
+}
+
+// The dims [R, D) of every head of x [rows, D].
+std::vector<float> pass_through(const std::vector<float>& x, int64_t D, int64_t R) {
+    std::vector<float> out;
+    for (size_t row = 0; row < x.size() / static_cast<size_t>(D); ++row)
+        out.insert(out.end(), x.begin() + static_cast<int64_t>(row) * D + R,
+                   x.begin() + static_cast<int64_t>(row + 1) * D);
+    return out;
+}
+
+// Forward (sign +1) or backward (sign −1) of RoPE alone on the GPU against the CPU kernel, out of
+// place and in place; pass-through dims exact; a second run gives the same bits.
+void check_rope_alone(const PartialRopeCase& s, bool forward, std::mt19937& rng) {
+    const size_t nq = static_cast<size_t>(s.N * s.Hq * s.D), nk = static_cast<size_t>(s.N * s.Hkv * s.D);
+    const std::vector<float> q = random_bf16(rng, nq, -3.0f, 3.0f), k = random_bf16(rng, nk, -3.0f, 3.0f);
+    std::vector<int32_t> pos(static_cast<size_t>(s.N));
+    for (auto& p : pos) p = static_cast<int32_t>(rng() % 8192);
+    std::vector<float> q_ref = q, k_ref = k;
+    auto cpu = forward ? static_cast<void (*)(float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float)>(
+                             mf::cpu::rope_forward)
+                       : static_cast<void (*)(float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float)>(
+                             mf::cpu::rope_backward);
+    cpu(q_ref.data(), pos.data(), s.N, s.Hq, s.D, s.R, s.theta);
+    cpu(k_ref.data(), pos.data(), s.N, s.Hkv, s.D, s.R, s.theta);
+    auto gpu = forward ? mf::cuda::rope_forward : mf::cuda::rope_backward;
+
+    DeviceBuffer d_pos = device_copy(pos);
+    for (const bool in_place : {false, true}) {
+        const std::string name = rope_name(forward ? "rope fwd" : "rope bwd", s) + (in_place ? " in-place" : "");
+        std::vector<float> runs[2][2];  // [run][q, k]
+        for (auto& run : runs) {
+            DeviceBuffer d_q = device_bf16(q), d_k = device_bf16(k), d_qo(nq * 2), d_ko(nk * 2);
+            d_qo.poison();
+            d_ko.poison();
+            bf16* qo = in_place ? d_q.as<bf16>() : d_qo.as<bf16>();
+            bf16* ko = in_place ? d_k.as<bf16>() : d_ko.as<bf16>();
+            gpu(qo, ko, d_q.as<bf16>(), d_k.as<bf16>(), d_pos.as<int32_t>(), s.N, s.Hq, s.Hkv, s.D, s.R, s.theta,
+                nullptr);
+            device_sync();
+            run[0] = download_bf16(qo, nq);
+            run[1] = download_bf16(ko, nk);
+        }
+        expect_close_bf16(runs[0][0], q_ref, name + " q");
+        expect_close_bf16(runs[0][1], k_ref, name + " k");
+        expect_exact(pass_through(runs[0][0], s.D, s.R), pass_through(q, s.D, s.R), name + " q pass-through");
+        expect_exact(pass_through(runs[0][1], s.D, s.R), pass_through(k, s.D, s.R), name + " k pass-through");
+        expect_exact(runs[1][0], runs[0][0], name + " q rerun");
+        expect_exact(runs[1][1], runs[0][1], name + " k rerun");
+    }
+}
+
+TEST(CudaRope, ForwardMatchesCpu) {
+    std::mt19937 rng(12);
+    for (const PartialRopeCase& s : kPartialRopeCases) check_rope_alone(s, true, rng);
+}
+
+TEST(CudaRope, BackwardMatchesCpu) {
+    std::mt19937 rng(13);
+    for (const PartialRopeCase& s : kPartialRopeCases) check_rope_alone(s, false, rng);
+}
+
+TEST(CudaRope, FullRotaryEqualsTheQknormKernelsRotation) {
+    // With unit norm weights and inputs already of unit RMS per head, QK-norm + RoPE is a rotation
+    // of (almost) the input: the whole-head RoPE alone must agree with it to the bf16 rule.
+    std::mt19937 rng(14);
+    const int64_t N = 13, Hq = 4, Hkv = 2, D = 128;
+    const float theta = 1e6f;
+    const size_t nq = static_cast<size_t>(N * Hq * D), nk = static_cast<size_t>(N * Hkv * D);
+    const std::vector<float> q = random_bf16(rng, nq, -2.0f, 2.0f), k = random_bf16(rng, nk, -2.0f, 2.0f);
+    std::vector<int32_t> pos(static_cast<size_t>(N));
+    for (auto& p : pos) p = static_cast<int32_t>(rng() % 4096);
+    std::vector<float> qn(nq), kn(nk), q_rstd(static_cast<size_t>(N * Hq)), k_rstd(static_cast<size_t>(N * Hkv));
+    const std::vector<float> ones(static_cast<size_t>(D), 1.0f);
+    mf::cpu::rmsnorm_forward(qn.data(), q_rstd.data(), q.data(), ones.data(), N * Hq, D, 0.0f);
+    mf::cpu::rmsnorm_forward(kn.data(), k_rstd.data(), k.data(), ones.data(), N * Hkv, D, 0.0f);
+    qn = round_bf16(qn);
+    kn = round_bf16(kn);
+    DeviceBuffer d_q = device_bf16(qn), d_k = device_bf16(kn), d_w = device_bf16(ones), d_pos = device_copy(pos);
+    DeviceBuffer d_q1(nq * 2), d_k1(nk * 2), d_q2(nq * 2), d_k2(nk * 2), d_qr(q_rstd.size() * 4),
+        d_kr(k_rstd.size() * 4);
+    mf::cuda::rope_forward(d_q1.as<bf16>(), d_k1.as<bf16>(), d_q.as<bf16>(), d_k.as<bf16>(), d_pos.as<int32_t>(), N, Hq,
+                           Hkv, D, D, theta, nullptr);
+    mf::cuda::rope_qknorm_forward(d_q2.as<bf16>(), d_k2.as<bf16>(), d_qr.as<float>(), d_kr.as<float>(), d_q.as<bf16>(),
+                                  d_k.as<bf16>(), d_w.as<bf16>(), d_w.as<bf16>(), d_pos.as<int32_t>(), N, Hq, Hkv, D,
+                                  theta, 0.0f, nullptr);
+    device_sync();
+    expect_close_bf16(download_bf16(d_q1.as<void>(), nq), download_bf16(d_q2.as<void>(), nq), "rope vs qknorm q");
+    expect_close_bf16(download_bf16(d_k1.as<void>(), nk), download_bf16(d_k2.as<void>(), nk), "rope vs qknorm k");
+}
+
+TEST(CudaRope, RejectsBadRotaryDim) {
+    DeviceBuffer buf(4096), pos(64);
+    for (const int64_t R : {int64_t{0}, int64_t{3}, int64_t{66}, int64_t{-2}})
+        EXPECT_THROW(mf::cuda::rope_forward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(),
+                                            pos.as<int32_t>(), 2, 1, 1, 64, R, 1e4f, nullptr),
+                     mf::Error)
+            << "rotary_dim " << R;
+    EXPECT_THROW(mf::cuda::rope_backward(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(),
+                                         pos.as<int32_t>(), 2, 1, 1, 512, 512, 1e4f, nullptr),
+                 mf::Error)
+        << "rotary_dim above 256";
+}
+
+// ---------------------------------------------------------------------------------------------
+// bias
+
+struct BiasCase {
+    int64_t N, C, offset;
+};
+
+// Vector paths (C % 8 == 0, aligned), element paths (C odd or not a multiple of 8, or offset 1:
+// misaligned), single rows, many row blocks (5000 rows; 4097: the last row block is empty).
+const BiasCase kBiasCases[] = {{33, 2048, 0}, {7, 100, 0}, {1, 8, 0},     {1, 1, 0},    {300, 72, 0},
+                               {5000, 24, 0}, {17, 64, 1}, {4097, 40, 0}, {9, 4099, 0}, {64, 7, 0}};
+
+TEST(CudaBias, ForwardIsTheRoundedFp32Sum) {
+    std::mt19937 rng(15);
+    for (const BiasCase& s : kBiasCases) {
+        const std::string name =
+            "add_bias N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) + " offset=" + std::to_string(s.offset);
+        const size_t n = static_cast<size_t>(s.N * s.C);
+        const std::vector<float> x = random_bf16(rng, n, -4.0f, 4.0f), b = random_bf16(rng, static_cast<size_t>(s.C));
+        std::vector<float> ref = x;
+        mf::cpu::add_bias(ref.data(), b.data(), s.N, s.C);
+        DeviceBuffer d_x((n + 1) * 2), d_b((b.size() + 1) * 2);
+        upload_bf16(d_x.as<bf16>(s.offset), x);
+        upload_bf16(d_b.as<bf16>(s.offset), b);
+        mf::cuda::add_bias(d_x.as<bf16>(s.offset), d_b.as<bf16>(s.offset), s.N, s.C, nullptr);
+        device_sync();
+        // One fp32 addition of two bf16 values, rounded once: exactly the CPU sum rounded to bf16.
+        expect_exact(download_bf16(d_x.as<bf16>(s.offset), n), round_bf16(ref), name);
+    }
+}
+
+TEST(CudaBias, BackwardMatchesCpuAndIsDeterministic) {
+    std::mt19937 rng(16);
+    for (const BiasCase& s : kBiasCases) {
+        for (const DType dtype : {DType::f32, DType::bf16}) {
+            const bool f32 = dtype == DType::f32;
+            const std::string name = std::string("bias_backward ") + mf::dtype_name(dtype) +
+                                     " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) +
+                                     " offset=" + std::to_string(s.offset);
+            const size_t n = static_cast<size_t>(s.N * s.C);
+            const std::vector<float> dout = random_bf16(rng, n);
+            std::vector<float> db0 = random_f32(rng, static_cast<size_t>(s.C));
+            if (!f32) db0 = round_bf16(db0);
+            std::vector<float> ref = db0;
+            mf::cpu::bias_backward(ref.data(), dout.data(), s.N, s.C);
+
+            DeviceBuffer d_dout((n + 1) * 2), d_db((db0.size() + 1) * 4);
+            upload_bf16(d_dout.as<bf16>(s.offset), dout);
+            const size_t scratch_bytes = mf::cuda::bias_backward_scratch_bytes(s.N, s.C);
+            DeviceBuffer scratch(scratch_bytes);
+            void* db = static_cast<char*>(d_db.as<void>()) + s.offset * mf::dtype_size(dtype);
+            std::vector<float> results[2];
+            for (auto& result : results) {
+                upload_grad(db, db0, f32);
+                scratch.poison();
+                mf::cuda::bias_backward(db, dtype, d_dout.as<bf16>(s.offset), s.N, s.C, scratch.as<void>(),
+                                        scratch_bytes, nullptr);
+                device_sync();
+                result = download_grad(db, db0.size(), f32);
+            }
+            if (f32)
+                expect_reduction(results[0], ref, ref, name);
+            else
+                expect_reduction_bf16_out(results[0], ref, name);
+            expect_exact(results[1], results[0], name + " rerun");
+        }
+    }
+}
+
+TEST(CudaBias, RejectsBadArguments) {
+    DeviceBuffer buf(4096);
+    EXPECT_THROW(mf::cuda::add_bias(buf.as<bf16>(), buf.as<bf16>(), -1, 8, nullptr), mf::Error);
+    EXPECT_THROW(
+        mf::cuda::bias_backward(buf.as<void>(), DType::f32, buf.as<bf16>(), 100, 8, buf.as<void>(), 16, nullptr),
+        mf::Error)
+        << "scratch too small";
+    EXPECT_THROW(
+        mf::cuda::bias_backward(buf.as<void>(), DType::i32, buf.as<bf16>(), 4, 8, buf.as<void>(), 4096, nullptr),
+        mf::Error)
+        << "integer dbias";
+}
+
+// ---------------------------------------------------------------------------------------------
 // SwiGLU
 
 TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
@@ -435,6 +645,57 @@ TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
             device_sync();
             if (!in_place) expect_close_bf16(download_bf16(d_out.as<void>(), n_out), out_ref, name + " fwd");
             expect_close_bf16(download_bf16(dinp, n_in), dinp_ref, name + (in_place ? " bwd in-place" : " bwd"));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// sigmoid gate
+
+TEST(CudaSigmoidGate, ForwardAndBackwardMatchCpu) {
+    std::mt19937 rng(17);
+    for (const BiasCase& s : kBiasCases) {  // the same ragged rows: N × H
+        const std::string shape =
+            " N=" + std::to_string(s.N) + " H=" + std::to_string(s.C) + " offset=" + std::to_string(s.offset);
+        const size_t n = static_cast<size_t>(s.N * s.C), rows = static_cast<size_t>(s.N);
+        const std::vector<float> y0 = random_bf16(rng, n), value = random_bf16(rng, n, -2.0f, 2.0f);
+        const std::vector<float> dy = random_bf16(rng, n);
+        std::vector<float> g = random_bf16(rng, rows, -6.0f, 6.0f);
+        if (rows > 2) {
+            g[0] = -100.0f;  // expf(100) = inf: s = 0
+            g[1] = 100.0f;   // s = 1: s · (1 − s) = 0
+        }
+        std::vector<float> y_ref = y0, dvalue_ref(n), dg_ref(rows);
+        mf::cpu::sigmoid_gate_forward(y_ref.data(), value.data(), g.data(), s.N, s.C);
+        mf::cpu::sigmoid_gate_backward(dvalue_ref.data(), dg_ref.data(), dy.data(), value.data(), g.data(), s.N, s.C);
+
+        DeviceBuffer d_y((n + 1) * 2), d_value((n + 1) * 2), d_dy((n + 1) * 2), d_dvalue((n + 1) * 2);
+        DeviceBuffer d_g = device_bf16(g), d_dg(rows * 2);
+        upload_bf16(d_y.as<bf16>(s.offset), y0);
+        upload_bf16(d_value.as<bf16>(s.offset), value);
+        mf::cuda::sigmoid_gate_forward(d_y.as<bf16>(s.offset), d_value.as<bf16>(s.offset), d_g.as<bf16>(), s.N, s.C,
+                                       nullptr);
+        device_sync();
+        expect_close_bf16(download_bf16(d_y.as<bf16>(s.offset), n), y_ref, "sigmoid gate fwd" + shape);
+
+        for (const bool in_place : {false, true}) {  // in place: dvalue aliases dy
+            const std::string name = std::string("sigmoid gate bwd") + (in_place ? " in-place" : "") + shape;
+            std::vector<float> dvalue[2], dg[2];
+            for (int run = 0; run < 2; ++run) {
+                upload_bf16(d_dy.as<bf16>(s.offset), dy);
+                d_dvalue.poison();
+                d_dg.poison();
+                bf16* dv = in_place ? d_dy.as<bf16>(s.offset) : d_dvalue.as<bf16>(s.offset);
+                mf::cuda::sigmoid_gate_backward(dv, d_dg.as<bf16>(), d_dy.as<bf16>(s.offset),
+                                                d_value.as<bf16>(s.offset), d_g.as<bf16>(), s.N, s.C, nullptr);
+                device_sync();
+                dvalue[run] = download_bf16(dv, n);
+                dg[run] = download_bf16(d_dg.as<void>(), rows);
+            }
+            expect_close_bf16(dvalue[0], dvalue_ref, name + " dvalue");
+            expect_reduction_bf16_out(dg[0], dg_ref, name + " dgate_logits");
+            expect_exact(dvalue[1], dvalue[0], name + " dvalue rerun");
+            expect_exact(dg[1], dg[0], name + " dgate_logits rerun");
         }
     }
 }

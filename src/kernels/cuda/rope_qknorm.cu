@@ -13,6 +13,11 @@
 // blocks in order. The backward grid depends on N only, so the result is bitwise reproducible.
 // No atomics. Every lane of a warp runs the same number of head iterations (idle groups pass zeros
 // through the shuffles), so the full-mask shuffles are always converged.
+// RoPE alone (rope_forward / rope_backward, no norm, partial rotary): the same token loop, angle row
+// (R/2 angles of inv_freq over R = rotary_dim) and vector loads; with no per-head reduction the
+// block's threads take the token's (head, pair chunk) items in a flat stride, each rotating its pair
+// chunk (backward: by −angle, the transposed rotation) and, out of place, copying the pass-through
+// chunks of dims [R, D). Elementwise, hence deterministic.
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -38,11 +43,12 @@ struct InvFreq {
 template <int kVec>
 constexpr int kPerLane = kVec == 8 ? 1 : 4;
 
-InvFreq make_inv_freq(int64_t D, float theta) {
-    // Exactly as kernels/cpu/rope.cpp: 1 / pow(theta, (float)(2i) / (float)D) in fp32.
+// The R/2 frequencies of R rotated dims (R = D with the norm).
+InvFreq make_inv_freq(int64_t R, float theta) {
+    // Exactly as kernels/cpu/rope.cpp: 1 / pow(theta, (float)(2i) / (float)R) in fp32.
     InvFreq f{};
-    for (int64_t i = 0; i < D / 2; ++i) {
-        f.v[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+    for (int64_t i = 0; i < R / 2; ++i) {
+        f.v[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(R));
     }
     return f;
 }
@@ -142,6 +148,55 @@ __global__ void __launch_bounds__(kThreads)
                     detail::store_f32<kVec>(y + half + c * kVec, y_hi);
                 }
             }
+        }
+    }
+}
+
+// RoPE without the norm. Shared memory: cos[R/2], sin[R/2]. sign = +1 rotates by +angle (forward),
+// −1 by −angle (backward). x and y may be the same buffers (in place): every element is read and
+// written by one thread, the pass-through dims then not copied.
+template <int kVec>
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions, InvFreq inv_freq,
+                int64_t N, int Hq, int Hkv, int D, int R, float sign) {
+    extern __shared__ float smem[];
+    const int half = R / 2;
+    float* cos_s = smem;
+    float* sin_s = smem + half;
+    const int pair_chunks = half / kVec;
+    const int pass_chunks = (D - R) / kVec;
+    const int H = Hq + Hkv;
+
+    for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
+        fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
+        for (int item = threadIdx.x; item < H * pair_chunks; item += blockDim.x) {
+            const int h = item / pair_chunks;
+            const int c = item - h * pair_chunks;
+            const bool is_q = h < Hq;
+            const int64_t head_row = is_q ? token * Hq + h : token * Hkv + (h - Hq);
+            const bf16* x = (is_q ? q : k) + head_row * D;
+            bf16* y = (is_q ? q_out : k_out) + head_row * D;
+            float a[kVec], b[kVec], y_lo[kVec], y_hi[kVec];
+            detail::load_f32<kVec>(a, x + c * kVec);
+            detail::load_f32<kVec>(b, x + half + c * kVec);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+                const int i = c * kVec + e;
+                const float s = sign * sin_s[i];
+                y_lo[e] = a[e] * cos_s[i] + (-b[e]) * s;
+                y_hi[e] = b[e] * cos_s[i] + a[e] * s;
+            }
+            detail::store_f32<kVec>(y + c * kVec, y_lo);
+            detail::store_f32<kVec>(y + half + c * kVec, y_hi);
+        }
+        for (int item = threadIdx.x; item < H * pass_chunks; item += blockDim.x) {
+            const int h = item / pass_chunks;
+            const int p = item - h * pass_chunks;
+            const bool is_q = h < Hq;
+            const int64_t head_row = is_q ? token * Hq + h : token * Hkv + (h - Hq);
+            const bf16* x = (is_q ? q : k) + head_row * D + R + p * kVec;
+            bf16* y = (is_q ? q_out : k_out) + head_row * D + R + p * kVec;
+            if (x != y) *reinterpret_cast<detail::Bf16Raw<kVec>*>(y) = detail::load_raw<kVec>(x);
         }
     }
 }
@@ -264,11 +319,45 @@ void check_shape(const char* op, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, 
     MF_CHECK(theta > 0.0f, op, ": theta must be positive, got ", theta);
 }
 
+// 16-byte vectors serve a rotated span of D dims when its halves are whole vectors and every buffer
+// is 16-byte aligned.
 bool use_vectors(int64_t D, std::initializer_list<const void*> ptrs) {
     if ((D / 2) % 8 != 0) return false;
     for (const void* p : ptrs)
         if (!aligned_to(16, p)) return false;
     return true;
+}
+
+void check_rope_shape(const char* op, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, float theta) {
+    MF_CHECK(N >= 0 && Hq >= 0 && Hkv >= 0 && D > 0, op, ": bad shape N=", N, " Hq=", Hq, " Hkv=", Hkv, " D=", D);
+    MF_CHECK(R > 0 && R % 2 == 0 && R <= D && R <= kMaxHeadDim, op, ": rotary_dim = ", R,
+             " must be even and in [2, min(D = ", D, ", ", kMaxHeadDim, ")]");
+    MF_CHECK(Hq + Hkv <= 65536, op, ": too many heads (", Hq, " + ", Hkv, ")");
+    MF_CHECK(theta > 0.0f, op, ": theta must be positive, got ", theta);
+}
+
+// RoPE alone, forward (sign +1) or backward (sign −1).
+void launch_rope(const char* op, bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions,
+                 int64_t N, int64_t Hq, int64_t Hkv, int64_t D, int64_t R, float theta, float sign,
+                 cudaStream_t stream) {
+    check_rope_shape(op, N, Hq, Hkv, D, R, theta);
+    if (N == 0 || Hq + Hkv == 0) return;
+    MF_CHECK(positions != nullptr, op, ": null positions");
+    MF_CHECK(Hq == 0 || (q_out != nullptr && q != nullptr), op, ": null query buffer");
+    MF_CHECK(Hkv == 0 || (k_out != nullptr && k != nullptr), op, ": null key buffer");
+    const InvFreq inv_freq = make_inv_freq(R, theta);
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, 1 << 20));
+    const size_t shared = static_cast<size_t>(R) * sizeof(float);
+    if ((D - R) % 8 == 0 && use_vectors(R, {q_out, k_out, q, k})) {
+        rope_kernel<8><<<blocks, kThreads, shared, stream>>>(q_out, k_out, q, k, positions, inv_freq, N,
+                                                             static_cast<int>(Hq), static_cast<int>(Hkv),
+                                                             static_cast<int>(D), static_cast<int>(R), sign);
+    } else {
+        rope_kernel<1><<<blocks, kThreads, shared, stream>>>(q_out, k_out, q, k, positions, inv_freq, N,
+                                                             static_cast<int>(Hq), static_cast<int>(Hkv),
+                                                             static_cast<int>(D), static_cast<int>(R), sign);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace
@@ -304,6 +393,16 @@ void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd,
             static_cast<int>(Hkv), static_cast<int>(D), G, eps);
     }
     MF_CHECK_CUDA(cudaGetLastError());
+}
+
+void rope_forward(bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions, int64_t N,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t rotary_dim, float theta, cudaStream_t stream) {
+    launch_rope("rope_forward", q_out, k_out, q, k, positions, N, Hq, Hkv, D, rotary_dim, theta, 1.0f, stream);
+}
+
+void rope_backward(bf16* dq, bf16* dk, const bf16* dq_out, const bf16* dk_out, const int32_t* positions, int64_t N,
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t rotary_dim, float theta, cudaStream_t stream) {
+    launch_rope("rope_backward", dq, dk, dq_out, dk_out, positions, N, Hq, Hkv, D, rotary_dim, theta, -1.0f, stream);
 }
 
 size_t rope_qknorm_backward_scratch_bytes(int64_t N, int64_t D) {

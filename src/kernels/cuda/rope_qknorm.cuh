@@ -4,6 +4,9 @@
 //   y[i] = n[i]·cos − n[i+D/2]·sin,  y[i+D/2] = n[i+D/2]·cos + n[i]·sin   (i < D/2)
 //   angle = (float)position · inv_freq[i],  inv_freq[i] = 1 / θ^(2i/D) in fp32 as kernels/cpu/rope.h
 // CPU reference and spec: kernels/cpu/rmsnorm.h (per head, C = D) followed by kernels/cpu/rope.h.
+// Also RoPE alone (no norm), with partial rotary: of each head only the first R = rotary_dim dims
+// rotate (pairs i, i + R/2, inv_freq[i] = 1 / θ^(2i/R)), dims [R, D) pass through; spec
+// kernels/cpu/rope.h.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +26,15 @@ namespace mf::cuda {
 void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
                          const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
                          int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream);
+
+// RoPE alone: q_out [N, Hq, D] = rope(q), k_out [N, Hkv, D] = rope(k) (bf16, written; may alias q and
+// k: in place). R = rotary_dim even, R <= D, R <= 256. positions [N] int32.
+void rope_forward(bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions, int64_t N,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t rotary_dim, float theta, cudaStream_t stream);
+// Its transpose: dq [N, Hq, D], dk [N, Hkv, D] (bf16, written; may alias dq_out, dk_out) = the
+// inverse rotation of the output gradients dq_out, dk_out on the first R dims, a copy on the rest.
+void rope_backward(bf16* dq, bf16* dk, const bf16* dq_out, const bf16* dk_out, const int32_t* positions, int64_t N,
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t rotary_dim, float theta, cudaStream_t stream);
 
 // Bytes of scratch rope_qknorm_backward needs (per-block weight-gradient partial sums).
 size_t rope_qknorm_backward_scratch_bytes(int64_t N, int64_t D);
