@@ -16,6 +16,7 @@
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attention_cudnn.cuh"
+#include "kernels/cuda/bias.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -30,6 +31,7 @@
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
 #include "kernels/cuda/router.cuh"
+#include "kernels/cuda/sigmoid_gate.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "ops/cuda_ops.h"
 
@@ -88,6 +90,7 @@ bf16* B(const Tensor& t) {
     MF_CHECK(t.dtype() == DType::bf16, "expected a bf16 tensor, got ", dtype_name(t.dtype()));
     return static_cast<bf16*>(t.data());
 }
+bf16* B_or_null(const Tensor& t) { return defined(t) ? B(t) : nullptr; }
 float* F(const Tensor& t) { return defined(t) ? t.ptr<float>() : nullptr; }
 int32_t* I(const Tensor& t) { return defined(t) ? t.ptr<int32_t>() : nullptr; }
 int64_t rows(const Tensor& t) { return t.numel() / t.dim(-1); }
@@ -220,6 +223,16 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
         mf::cuda::matmul_backward_weight(ctx().gemm, dweight.data(), dweight.dtype(), g, B(inp), N, C, OC, ctx().stream);
 }
 
+void add_bias(const Tensor& out, const Tensor& bias) {
+    mf::cuda::add_bias(B(out), B(bias), rows(out), bias.numel(), ctx().stream);
+}
+
+void bias_backward(const Tensor& dbias, const Tensor& dout) {
+    const int64_t N = rows(dout), C = dbias.numel();
+    const size_t bytes = mf::cuda::bias_backward_scratch_bytes(N, C);
+    mf::cuda::bias_backward(dbias.data(), dbias.dtype(), B(dout), N, C, ctx().get(bytes), bytes, ctx().stream);
+}
+
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
     mf::cuda::embedding_forward(B(out), I(ids), B(wte), ids.numel(), wte.dim(0), wte.dim(-1), ctx().stream);
 }
@@ -266,6 +279,20 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                                    ctx().stream);
 }
 
+// RoPE alone: q or k may be undefined when its head count is 0.
+void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) {
+    mf::cuda::rope_forward(B_or_null(q), B_or_null(k), B_or_null(q_raw), B_or_null(k_raw), I(positions),
+                           positions.numel(), num_heads, num_kv_heads, head_dim, rotary_dim, theta, ctx().stream);
+}
+
+void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk,
+                   const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t rotary_dim, float theta) {
+    mf::cuda::rope_backward(B_or_null(dq_raw), B_or_null(dk_raw), B_or_null(dq), B_or_null(dk), I(positions),
+                            positions.numel(), num_heads, num_kv_heads, head_dim, rotary_dim, theta, ctx().stream);
+}
+
 // The plain causal mask (doc_ids undefined) goes to cuDNN's fused engines where they serve the
 // shape; packed documents, and shapes cuDNN refuses, to the kernels of attention.cu.
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -300,6 +327,16 @@ void swiglu_forward(const Tensor& out, const Tensor& inp) {
 
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
     mf::cuda::swiglu_backward(B(dinp), B(dout), B(inp), rows(dout), dout.dim(-1), ctx().stream);
+}
+
+void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) {
+    mf::cuda::sigmoid_gate_forward(B(y), B(value), B(gate_logits), rows(value), value.dim(-1), ctx().stream);
+}
+
+void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value,
+                           const Tensor& gate_logits) {
+    mf::cuda::sigmoid_gate_backward(B(dvalue), B(dgate_logits), B(dy), B(value), B(gate_logits), rows(value),
+                                    value.dim(-1), ctx().stream);
 }
 
 void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,

@@ -32,6 +32,8 @@ std::vector<double> mark_times_ms(int count);
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight, bool accumulate_dinp);
+void add_bias(const Tensor& out, const Tensor& bias);
+void bias_backward(const Tensor& dbias, const Tensor& dout);
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
@@ -44,6 +46,11 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                           const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw,
                           const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
                           const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta);
+void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta);
+void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk,
+                   const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t rotary_dim, float theta);
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
@@ -52,6 +59,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
 void swiglu_forward(const Tensor& out, const Tensor& inp);
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);
+void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits);
+void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value,
+                           const Tensor& gate_logits);
 void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,
                     bool norm_topk_prob);
 void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,

@@ -25,16 +25,22 @@ void wait_background(int64_t ticket) { no_cuda(); }
 std::vector<double> mark_times_ms(int count) { no_cuda(); }
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) { no_cuda(); }
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, bool accumulate_dinp) { no_cuda(); }
+void add_bias(const Tensor& out, const Tensor& bias) { no_cuda(); }
+void bias_backward(const Tensor& dbias, const Tensor& dout) { no_cuda(); }
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) { no_cuda(); }
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd) { no_cuda(); }
 void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) { no_cuda(); }
 void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) { no_cuda(); }
+void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) { no_cuda(); }
+void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) { no_cuda(); }
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
 void swiglu_forward(const Tensor& out, const Tensor& inp) { no_cuda(); }
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) { no_cuda(); }
+void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) { no_cuda(); }
+void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value, const Tensor& gate_logits) { no_cuda(); }
 void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits, bool norm_topk_prob) { no_cuda(); }
 void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs, const Tensor& topk_idx, bool norm_topk_prob) { no_cuda(); }
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs, const Tensor& mask) { no_cuda(); }

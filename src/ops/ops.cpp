@@ -16,6 +16,7 @@
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bias.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/ep_tokens.h"
@@ -26,6 +27,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/sigmoid_gate.h"
 #include "kernels/cpu/swiglu.h"
 #include "ops/cuda_ops.h"
 
@@ -269,6 +271,24 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
     cpu::matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), N, C, OC);
 }
 
+void add_bias(const Tensor& out, const Tensor& bias) {
+    OpScope scope_("add_bias");
+    const int64_t C = bias.numel();
+    MF_CHECK(C >= 1 && out.ndim() >= 1 && out.dim(-1) == C, "add_bias: out ", shape_str(out.shape()),
+             " does not have rows of the bias's ", C, " >= 1 elements");
+    if (device_of({&out, &bias}) == Device::cuda) return cuda_impl::add_bias(out, bias);
+    cpu::add_bias(f(out), f(bias), rows(out), C);
+}
+
+void bias_backward(const Tensor& dbias, const Tensor& dout) {
+    OpScope scope_("bias_backward");
+    const int64_t C = dbias.numel();
+    MF_CHECK(C >= 1 && dout.ndim() >= 1 && dout.dim(-1) == C, "bias_backward: dout ", shape_str(dout.shape()),
+             " does not have rows of the bias's ", C, " >= 1 elements");
+    if (device_of({&dbias, &dout}) == Device::cuda) return cuda_impl::bias_backward(dbias, dout);
+    cpu::bias_backward(f(dbias), f(dout), rows(dout), C);
+}
+
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
     OpScope scope_("embedding_forward");
     MF_CHECK(out.numel() == ids.numel() * wte.dim(-1), "embedding shapes");
@@ -335,6 +355,53 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
     cpu::rmsnorm_backward(f(dk_raw), f(dk_weight), f(dk), f(k_raw), f(k_weight), f(k_rstd), N * num_kv_heads, D);
 }
 
+namespace {
+// q[N, Hq·D], k[N, Hkv·D] and their partners of the same sizes (the raw projections or gradients);
+// an even rotary_dim in [2, D].
+void check_rope_shapes(const char* op, const Tensor& q, const Tensor& k, const Tensor& q_other, const Tensor& k_other,
+                       int64_t N, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim) {
+    MF_CHECK(num_heads >= 0 && num_kv_heads >= 0 && head_dim >= 1, op, ": ", num_heads, "/", num_kv_heads,
+             " heads of dim ", head_dim);
+    MF_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, op, ": rotary_dim ", rotary_dim,
+             " must be even and in [2, head_dim = ", head_dim, "]");
+    MF_CHECK(q.numel() == N * num_heads * head_dim && q_other.numel() == q.numel(), op, ": q ", shape_str(q.shape()),
+             " and ", shape_str(q_other.shape()), " must hold N·Hq·D = ", N * num_heads * head_dim,
+             " elements (N = ", N, " positions)");
+    MF_CHECK(k.numel() == N * num_kv_heads * head_dim && k_other.numel() == k.numel(), op, ": k ",
+             shape_str(k.shape()), " and ", shape_str(k_other.shape()), " must hold N·Hkv·D = ",
+             N * num_kv_heads * head_dim, " elements (N = ", N, " positions)");
+}
+}  // namespace
+
+void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) {
+    OpScope scope_("rope_forward");
+    const int64_t N = positions.numel();
+    check_rope_shapes("rope_forward", q, k, q_raw, k_raw, N, num_heads, num_kv_heads, head_dim, rotary_dim);
+    if (device_of({&q, &k, &q_raw, &k_raw, &positions}) == Device::cuda)
+        return cuda_impl::rope_forward(q, k, q_raw, k_raw, positions, num_heads, num_kv_heads, head_dim, rotary_dim,
+                                       theta);
+    if (q.data() != q_raw.data()) copy(q, q_raw);  // the CPU kernel rotates in place
+    if (k.data() != k_raw.data()) copy(k, k_raw);
+    cpu::rope_forward(f(q), i32(positions), N, num_heads, head_dim, rotary_dim, theta);
+    cpu::rope_forward(f(k), i32(positions), N, num_kv_heads, head_dim, rotary_dim, theta);
+}
+
+void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk,
+                   const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t rotary_dim, float theta) {
+    OpScope scope_("rope_backward");
+    const int64_t N = positions.numel();
+    check_rope_shapes("rope_backward", dq_raw, dk_raw, dq, dk, N, num_heads, num_kv_heads, head_dim, rotary_dim);
+    if (device_of({&dq_raw, &dk_raw, &dq, &dk, &positions}) == Device::cuda)
+        return cuda_impl::rope_backward(dq_raw, dk_raw, dq, dk, positions, num_heads, num_kv_heads, head_dim,
+                                        rotary_dim, theta);
+    if (dq_raw.data() != dq.data()) copy(dq_raw, dq);  // the CPU kernel rotates in place
+    if (dk_raw.data() != dk.data()) copy(dk_raw, dk);
+    cpu::rope_backward(f(dq_raw), i32(positions), N, num_heads, head_dim, rotary_dim, theta);
+    cpu::rope_backward(f(dk_raw), i32(positions), N, num_kv_heads, head_dim, rotary_dim, theta);
+}
+
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) {
     OpScope scope_("attention_forward");
@@ -370,6 +437,43 @@ void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) 
     const int64_t I = dout.dim(-1), N = rows(dout);
     if (device_of({&dinp, &dout, &inp}) == Device::cuda) return cuda_impl::swiglu_backward(dinp, dout, inp);
     cpu::swiglu_backward(f(dinp), f(dout), f(inp), N, I);
+}
+
+namespace {
+// value[N, H] with H >= 1 and the tensors of the gate sharing its shape; gate logits [N] or [N, 1].
+// Returns {N, H}.
+std::pair<int64_t, int64_t> check_sigmoid_gate(const char* op, const Tensor& value,
+                                               std::initializer_list<const Tensor*> like_value,
+                                               std::initializer_list<const Tensor*> per_row) {
+    const int64_t H = value.ndim() >= 1 ? value.dim(-1) : 0;
+    MF_CHECK(H >= 1, op, ": value ", shape_str(value.shape()), " does not have rows of >= 1 elements");
+    const int64_t N = rows(value);
+    for (const Tensor* t : like_value)
+        MF_CHECK(t->numel() == value.numel() && t->ndim() >= 1 && t->dim(-1) == H, op, ": ", shape_str(t->shape()),
+                 " differs from value ", shape_str(value.shape()));
+    for (const Tensor* t : per_row)
+        MF_CHECK(t->numel() == N && (t->ndim() <= 1 || t->dim(-1) == 1), op, ": gate logits ",
+                 shape_str(t->shape()), " must be [N] or [N, 1] with N = ", N, " (value)");
+    return {N, H};
+}
+}  // namespace
+
+void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) {
+    OpScope scope_("sigmoid_gate_forward");
+    const auto [N, H] = check_sigmoid_gate("sigmoid_gate_forward", value, {&y}, {&gate_logits});
+    if (device_of({&y, &value, &gate_logits}) == Device::cuda)
+        return cuda_impl::sigmoid_gate_forward(y, value, gate_logits);
+    cpu::sigmoid_gate_forward(f(y), f(value), f(gate_logits), N, H);
+}
+
+void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value,
+                           const Tensor& gate_logits) {
+    OpScope scope_("sigmoid_gate_backward");
+    const auto [N, H] =
+        check_sigmoid_gate("sigmoid_gate_backward", value, {&dvalue, &dy}, {&dgate_logits, &gate_logits});
+    if (device_of({&dvalue, &dgate_logits, &dy, &value, &gate_logits}) == Device::cuda)
+        return cuda_impl::sigmoid_gate_backward(dvalue, dgate_logits, dy, value, gate_logits);
+    cpu::sigmoid_gate_backward(f(dvalue), f(dgate_logits), f(dy), f(value), f(gate_logits), N, H);
 }
 
 // --- MoE -------------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight);
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                      const Tensor& weight, bool accumulate_dinp = true);
 
+// out[N, C] += bias[C], in place (out: activations, bias: a parameter; N = out.numel() / C).
+void add_bias(const Tensor& out, const Tensor& bias);
+// dbias[C] += Σ_n dout[n, c] (dout [N, C]); the column sums in fp32 in a fixed order, then added once.
+void bias_backward(const Tensor& dbias, const Tensor& dout);
+
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);  // dwte +=
 
@@ -59,6 +64,18 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                           const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
                           const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta);
 
+// RoPE alone (no norm), HF rotate_half layout with partial rotary: of each head of head_dim D only
+// the first rotary_dim R dims (even, <= D) rotate, pair (i, i + R/2) at angle pos · θ^(-2i/R) (fp32,
+// as HF computes inv_freq), and dims [R, D) pass through (R = D: the whole head). q_raw[N, Hq·D],
+// k_raw[N, Hkv·D] -> q, k (written; may alias q_raw, k_raw: in place); positions[N] i32.
+void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta);
+// The transposed rotation: dq_raw, dk_raw (written; may alias dq, dk) from the gradients dq, dk at
+// q and k; the pass-through dims are copied.
+void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk,
+                   const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t rotary_dim, float theta);
+
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q,
@@ -67,6 +84,15 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 
 void swiglu_forward(const Tensor& out, const Tensor& inp);   // inp[N, 2I] -> out[N, I]
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
+
+// A row gated by the sigmoid of one logit (Qwen2-MoE's shared_expert_gate): y[N, H] += s · value[N, H]
+// with s = σ(gate_logits[n]) in fp32; gate_logits [N] or [N, 1] in the activation dtype (the output
+// of matmul_forward with a [1, H] weight).
+void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits);
+// dvalue[N, H] = s · dy (written; may alias dy); dgate_logits[N] = s · (1 − s) · Σ_h dy · value
+// (written, activation dtype; the row sum in fp32 in a fixed order).
+void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value,
+                           const Tensor& gate_logits);
 
 // --- MoE -------------------------------------------------------------------------------------------
 // logits[N,E] (f32) -> probs[N,E] f32, topk_idx[N,K] i32, topk_weight[N,K] f32.
