@@ -23,7 +23,8 @@
 #include "core/json.h"
 #include "data/batch.h"
 #include "io/file.h"
-#include "model/qwen3_moe.h"
+#include "model/arch/architecture.h"
+#include "model/causal_lm.h"
 #include "ops/ops.h"
 #include "train/distributed.h"
 #include "train/optimizer.h"
@@ -53,12 +54,13 @@ int cmd_bench(const Args& args) {
                             "seed", "recompute", "ep-size", "ep-chunks", "timeout"},
                            {"profile", "phases", "no-zero1"}, "bench");
         const std::filesystem::path cfg_file = a.require("config", "bench");
-        auto cfg = model::Qwen3MoeConfig::from_json(
-            json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string()), cfg_file.string());
-        if (a.has("layers")) {
-            cfg.num_hidden_layers = parse_int_option(a.get("layers"), "layers");
-            cfg.mlp_only_layers.clear();
+        json::Value config = json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string());
+        if (a.has("layers") && config.is_object()) {
+            // The first N layers of the geometry (dense layers by index dropped: every layer as the rule says).
+            config.set("num_hidden_layers", parse_int_option(a.get("layers"), "layers"));
+            if (config.find("mlp_only_layers") != nullptr) config.set("mlp_only_layers", json::Value::array());
         }
+        const model::ModelSpec cfg = model::parse_model_config(config, cfg_file.string());
         const int64_t B = parse_int_option(a.get("micro-batch", "2"), "micro-batch");
         const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
         const int64_t steps = parse_int_option(a.get("steps", "5"), "steps");
@@ -74,11 +76,11 @@ int cmd_bench(const Args& args) {
         if (run.dist.ep_chunks < 1 || run.dist.ep_chunks > 64) fail("bench: --ep-chunks must be in [1, 64]");
         run.dist.timeout_s = static_cast<double>(parse_int_option(a.get("timeout", "300"), "timeout"));
         const auto dist = train::DistContext::from_environment(run, device);  // before the model: picks the GPU
-        if (cfg.num_experts % run.dist.ep_size != 0)
-            fail("bench: --ep-size ", run.dist.ep_size, " must divide the ", cfg.num_experts, " experts");
+        if (cfg.num_experts() % run.dist.ep_size != 0)
+            fail("bench: --ep-size ", run.dist.ep_size, " must divide the ", cfg.num_experts(), " experts");
 
         const size_t mem0 = device_memory_used();
-        model::Qwen3Moe m(cfg,
+        model::CausalLM m(cfg,
                           {device, device == Device::cuda && !mixed ? DType::bf16 : DType::f32, dist->expert_shard()});
         if (dist->ep_size() > 1) m.set_expert_parallel(dist->ep_group(), run.dist.ep_chunks);
         dist->gather_embedding_grads(m);
@@ -86,8 +88,8 @@ int cmd_bench(const Args& args) {
         for (const auto& s : m.params().specs()) {
             // Replicated tensors: the same draws on every rank; expert shards: each rank its own.
             const uint64_t sd = (seed++) * 1000003u + (s.is_expert ? static_cast<uint64_t>(s.expert_first) : 0u);
-            if (s.shape.size() == 1)
-                ops::fill_normal(m.param(s.name), sd, 1.0f, 0.0f);  // norms: ones
+            if (s.role == model::ParamRole::norm || s.role == model::ParamRole::bias)  // norms: ones; biases: zeros
+                ops::fill_normal(m.param(s.name), sd, s.role == model::ParamRole::norm ? 1.0f : 0.0f, 0.0f);
             else
                 ops::fill_normal(m.param(s.name), sd, 0.0f, 0.02f);
         }
@@ -173,7 +175,7 @@ int cmd_bench(const Args& args) {
         v.set("device", device_name(device));
         v.set("precision", precision);
         v.set("recompute", a.get("recompute", "none"));
-        v.set("layers", cfg.num_hidden_layers);
+        v.set("layers", cfg.num_layers());
         v.set("micro_batch", B);
         v.set("seq_len", T);
         v.set("params", m.num_params_total());

@@ -181,7 +181,7 @@ json::Value id_array(const std::vector<int32_t>& ids) {
 int cmd_generate(const Args& args) {
     const GenerateArgs g = parse_generate_args(args);
     json::Value raw_config;
-    const model::Qwen3MoeConfig cfg = train::read_hf_config(g.model_dir, &raw_config);
+    const model::ModelSpec cfg = train::read_hf_config(g.model_dir, &raw_config);
     if (!fs::exists(g.model_dir / "tokenizer.json"))
         fail("generate: --model ", g.model_dir.string(),
              " has no tokenizer.json (generate needs the model's tokenizer in its directory)");

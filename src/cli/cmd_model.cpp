@@ -10,7 +10,8 @@
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
 #include "io/file.h"
-#include "model/qwen3_moe.h"
+#include "model/arch/architecture.h"
+#include "model/causal_lm.h"
 #include "text/tokenizer.h"
 #include "train/evaluate.h"
 #include "train/hf_checkpoint.h"
@@ -23,56 +24,33 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The demo/test model: every feature of the architecture, small enough to train on a laptop CPU.
-model::Qwen3MoeConfig tiny_preset() {
-    model::Qwen3MoeConfig c;
-    c.vocab_size = 2048;
-    c.hidden_size = 64;
-    c.intermediate_size = 128;
-    c.moe_intermediate_size = 64;
-    c.num_hidden_layers = 4;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 16;
-    c.num_experts = 8;
-    c.num_experts_per_tok = 2;
-    c.decoder_sparse_step = 1;
-    c.mlp_only_layers = {0};
-    c.norm_topk_prob = true;
-    c.tie_word_embeddings = false;
-    c.output_router_logits = true;
-    c.rms_norm_eps = 1e-6;
-    c.rope_theta = 10000.0;
-    c.router_aux_loss_coef = 0.01;
-    c.max_position_embeddings = 4096;
-    c.dtype = "float32";
-    return c;
-}
-
 }  // namespace
 
 int cmd_init(const Args& args) {
     return with_path_errors("init", [&] {
         const ParsedArgs a(args, {"arch", "preset", "config", "seed", "out", "vocab-size", "init-std", "tokenizer"}, {},
                            "init");
-        const std::string arch = a.get("arch", "qwen3_moe");
-        if (arch != "qwen3_moe") fail("init: unknown --arch \"", arch, "\" (supported: qwen3_moe)");
-        model::Qwen3MoeConfig cfg;
+        json::Value config;
+        std::string source;
         if (a.has("config")) {
             const fs::path file = a.get("config");
-            cfg = model::Qwen3MoeConfig::from_json(json::parse(io::read_text_file(file, 4u << 20), file.string()),
-                                                   file.string());
-            if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
+            source = file.string();
+            config = json::parse(io::read_text_file(file, 4u << 20), source);
+            if (a.has("arch")) fail("init: pass --arch or --config, not both (the config names its model_type)");
         } else {
+            const std::string arch = a.get("arch", "qwen3_moe");
             const std::string preset = a.get("preset", "tiny");
-            if (preset != "tiny")
-                fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
-            cfg = tiny_preset();
+            if (preset != "tiny") fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
+            source = "init: --arch " + arch + " --preset " + preset;
+            config = model::find_architecture(arch, "init: --arch").tiny_preset();
         }
         // Token ids are int32 (data/batch.h).
-        if (a.has("vocab-size"))
-            cfg.vocab_size =
-                parse_int_option(a.get("vocab-size"), "vocab-size", 1, std::numeric_limits<int32_t>::max());
+        if (a.has("vocab-size") && config.is_object())
+            config.set("vocab_size", parse_int_option(a.get("vocab-size"), "vocab-size", 1,
+                                                      std::numeric_limits<int32_t>::max()));
+        model::ModelSpec cfg = model::parse_model_config(config, source);
+        // A new model is written in float32, or bfloat16 where the config asks for it.
+        if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
         const fs::path out = a.require("out", "init");
         // A tokenizer shipped with the model: its files are copied, and its ids must fit the vocabulary.
         const fs::path tokenizer_dir = a.get("tokenizer");
@@ -92,7 +70,7 @@ int cmd_init(const Args& args) {
         if (a.has("config")) check.inputs.push_back(a.get("config"));
         check.export_bytes = train::export_bytes(cfg);
         const fs::path real_out = train::check_output_dir(out, check);
-        model::Qwen3Moe m(cfg);
+        model::CausalLM m(cfg);
         m.init_random(seed, std_dev);
         std::error_code ec;
         fs::create_directories(real_out, ec);
@@ -101,8 +79,8 @@ int cmd_init(const Args& args) {
         io::StagedFiles staged(real_out, train::kExportRecord);
         train::save_hf_model(staged.staging(), m, nullptr, tokenizer_dir);
         staged.commit({"config.json"});
-        std::printf("wrote %s: qwen3_moe, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
-                    static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
+        std::printf("wrote %s: %s, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
+                    cfg.model_type.c_str(), static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
                     static_cast<unsigned long long>(seed));
         return 0;
     });
@@ -121,7 +99,7 @@ struct RankPlan {
     int64_t params = 0, param_grad_bytes = 0, optimizer_bytes = 0;
 };
 
-RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a) {
+RankPlan plan_rank_memory(const model::ModelSpec& cfg, const ParsedArgs& a) {
     RankPlan p;
     p.world = parse_int_option(a.get("world", "1"), "world");
     p.ep = parse_int_option(a.get("ep-size", "1"), "ep-size");
@@ -129,11 +107,11 @@ RankPlan plan_rank_memory(const model::Qwen3MoeConfig& cfg, const ParsedArgs& a)
     p.precision = a.get("precision", "bf16");
     p.zero1 = !a.has("no-zero1");
     if (p.world < 1 || p.ep < 1 || p.world % p.ep != 0) fail("info: --ep-size must divide --world");
-    if (p.ep > 1 && (cfg.num_experts == 0 || cfg.num_experts % p.ep != 0))
-        fail("info: --ep-size ", p.ep, " must divide the ", cfg.num_experts, " experts");
+    if (p.ep > 1 && (cfg.num_experts() == 0 || cfg.num_experts() % p.ep != 0))
+        fail("info: --ep-size ", p.ep, " must divide the ", cfg.num_experts(), " experts");
     if (p.device != "cpu" && p.device != "cuda") fail("info: --device must be cpu or cuda");
     if (p.precision != "bf16" && p.precision != "mixed") fail("info: --precision must be bf16 or mixed");
-    const model::ParamTable mine = model::qwen3_moe_param_table(cfg, model::ExpertShard{0, p.ep});
+    const model::ParamTable mine = model::model_param_table(cfg, model::ExpertShard{0, p.ep});
     p.params = mine.total();
     // bytes per element: parameter, gradient, optimizer state (m, v and the fp32 master if any)
     int64_t param_b = 2, grad_b = 2, state_b = 4;
@@ -160,21 +138,21 @@ int cmd_info(const Args& args) {
         const ParsedArgs a(args, {"seq-len", "world", "ep-size", "device", "precision"}, {"json", "no-zero1"}, "info");
         if (a.positional().size() != 1) fail("info: expected one model directory");
         const fs::path dir = a.positional()[0];
-        const model::Qwen3MoeConfig cfg = train::read_hf_config(dir);
-        const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+        const model::ModelSpec cfg = train::read_hf_config(dir);
+        const model::ParamTable table = model::model_param_table(cfg);
         const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
-        const int64_t total = table.total(), active = model::qwen3_moe_active_params(cfg, table);
-        const double flops = model::qwen3_moe_flops_per_token(cfg, T);
+        const int64_t total = table.total(), active = model::model_active_params(cfg, table);
+        const double flops = model::model_flops_per_token(cfg, T);
         const RankPlan plan = plan_rank_memory(cfg, a);
         if (a.has("json")) {
             json::Value v = json::Value::object();
-            v.set("model_type", "qwen3_moe");
+            v.set("model_type", cfg.model_type);
             v.set("params", total);
             v.set("active_params", active);
             v.set("flops_per_token", json::Value(flops));
             v.set("seq_len", T);
             json::Value layers = json::Value::array();
-            for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+            for (int64_t l = 0; l < cfg.num_layers(); ++l)
                 layers.push_back(json::Value(cfg.is_moe_layer(l) ? "moe" : "dense"));
             v.set("layers", std::move(layers));
             json::Value per = json::Value::object();
@@ -190,7 +168,7 @@ int cmd_info(const Args& args) {
             std::printf("%s\n", v.dump().c_str());
             return 0;
         }
-        std::printf("%s: qwen3_moe\n", dir.string().c_str());
+        std::printf("%s: %s\n", dir.string().c_str(), cfg.model_type.c_str());
         std::printf("  parameters       %lld total, %lld active per token (%.1f%%)\n", static_cast<long long>(total),
                     static_cast<long long>(active), 100.0 * static_cast<double>(active) / static_cast<double>(total));
         std::printf("  FLOPs per token  %.4g (training, seq_len %lld)\n", flops, static_cast<long long>(T));
@@ -201,21 +179,15 @@ int cmd_info(const Args& args) {
             static_cast<long long>(plan.world), static_cast<long long>(plan.ep), plan.device.c_str(),
             plan.precision.c_str(), plan.zero1 ? ", ZeRO-1" : "", static_cast<long long>(plan.params),
             static_cast<double>(plan.param_grad_bytes) / gib, static_cast<double>(plan.optimizer_bytes) / gib);
-        std::printf("  hidden %lld, vocab %lld, %s embeddings, rope theta %g, rms eps %g\n",
+        std::printf("  hidden %lld, vocab %lld, %s embeddings, final rms eps %g\n",
                     static_cast<long long>(cfg.hidden_size), static_cast<long long>(cfg.vocab_size),
-                    cfg.tie_word_embeddings ? "tied" : "untied", cfg.rope_theta, cfg.rms_norm_eps);
+                    cfg.tie_word_embeddings ? "tied" : "untied", cfg.final_norm_eps);
         std::printf("  layer plan:\n");
-        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
-            std::printf("    %3lld  attention (%lld q heads, %lld kv heads, dim %lld, qk-norm, rope)  +  ",
-                        static_cast<long long>(l), static_cast<long long>(cfg.num_attention_heads),
-                        static_cast<long long>(cfg.num_key_value_heads), static_cast<long long>(cfg.head_dim));
-            if (cfg.is_moe_layer(l))
-                std::printf("moe (%lld experts, top-%lld%s, expert dim %lld)\n",
-                            static_cast<long long>(cfg.num_experts), static_cast<long long>(cfg.num_experts_per_tok),
-                            cfg.norm_topk_prob ? " renormalised" : "",
-                            static_cast<long long>(cfg.moe_intermediate_size));
-            else
-                std::printf("dense mlp (dim %lld)\n", static_cast<long long>(cfg.intermediate_size));
+        for (int64_t l = 0; l < cfg.num_layers(); ++l) {
+            std::string line;
+            for (const model::Branch& b : cfg.layers[static_cast<size_t>(l)].branches)
+                line += (line.empty() ? "" : "  +  ") + model::describe_branch(b);
+            std::printf("    %3lld  %s\n", static_cast<long long>(l), line.c_str());
         }
         return 0;
     });
@@ -256,7 +228,7 @@ int cmd_eval(const Args& args) {
                  " are allowed");
         const model::ModelPlacement placement = eval_placement(a.get("device", "auto"));
         auto m = train::load_hf_model(model_dir, nullptr, placement);
-        const auto& cfg = m->config();
+        const auto& cfg = m->spec();
         std::optional<text::Tokenizer> tokenizer;
         if (has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
         data::SftOptions opt;

@@ -24,6 +24,22 @@ void MlpScratch::alloc(Arena& arena, int64_t N, int64_t I, DType act) {
     da = arena.alloc(act, {N, I});
 }
 
+void declare_mlp_params(ParamTable& table, const std::string& p, int64_t H, int64_t I) {
+    // gate_proj then up_proj, adjacent: together the fused [2I, H] gate_up matrix.
+    table.add(p + "gate_proj.weight", {I, H}, ParamRole::weight);
+    table.add(p + "up_proj.weight", {I, H}, ParamRole::weight);
+    table.add(p + "down_proj.weight", {H, I}, ParamRole::weight);
+}
+
+MlpWeights mlp_weights(const ParamLookup& at, const std::string& p, int64_t H, int64_t I) {
+    const Tensor gate = at(p + "gate_proj.weight");
+    const Tensor up = at(p + "up_proj.weight");
+    MF_CHECK(static_cast<const char*>(up.data()) ==
+                 static_cast<const char*>(gate.data()) + gate.numel() * static_cast<int64_t>(dtype_size(gate.dtype())),
+             p, "gate_proj and up_proj are not adjacent");
+    return MlpWeights{Tensor(gate.data(), gate.dtype(), {2 * I, H}, gate.device()), at(p + "down_proj.weight")};
+}
+
 void mlp_block_forward(const Tensor& y, MlpActs& acts, const Tensor& x, const MlpWeights& w) {
     ops::matmul_forward(acts.h, x, w.gate_up);
     ops::swiglu_forward(acts.a, acts.h);
@@ -38,7 +54,71 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& g, MlpScratch& s, co
     ops::matmul_backward(dx, g.gate_up, s.dh, x, w.gate_up);
 }
 
+// --- shared expert -------------------------------------------------------------------------------
+
+SharedExpertWeights shared_expert_weights(const ParamLookup& at, const std::string& p, const MoeBranch& moe,
+                                          int64_t H) {
+    SharedExpertWeights w;
+    w.mlp = mlp_weights(at, p + "shared_expert.", H, moe.shared_intermediate);
+    if (moe.shared_gate) w.gate = at(p + "shared_expert_gate.weight");
+    return w;
+}
+
+void SharedExpertActs::alloc(Arena& arena, int64_t N, int64_t H, int64_t I, DType act) {
+    mlp.alloc(arena, N, I, act);
+    out = arena.alloc(act, {N, H});
+    gate_logits = arena.alloc(act, {N, 1});
+}
+
+void SharedExpertScratch::alloc(Arena& arena, int64_t N, int64_t H, int64_t I, DType act) {
+    mlp.alloc(arena, N, I, act);
+    dout = arena.alloc(act, {N, H});
+    dgate_logits = arena.alloc(act, {N, 1});
+}
+
+void shared_expert_forward(const Tensor& y, SharedExpertActs& a, const Tensor& x, const SharedExpertWeights& w) {
+    mlp_block_forward(a.out, a.mlp, x, w.mlp);
+    if (w.gate.data() == nullptr) {
+        ops::add(y, y, a.out);
+        return;
+    }
+    ops::matmul_forward(a.gate_logits, x, w.gate);
+    ops::sigmoid_gate_forward(y, a.out, a.gate_logits);
+}
+
+void shared_expert_backward(const Tensor& dx, const SharedExpertWeights& g, SharedExpertScratch& s, const Tensor& dy,
+                            const Tensor& x, const SharedExpertActs& a, const SharedExpertWeights& w) {
+    const bool gated = w.gate.data() != nullptr;
+    if (gated) {
+        ops::sigmoid_gate_backward(s.dout, s.dgate_logits, dy, a.out, a.gate_logits);
+        ops::matmul_backward(dx, g.gate, s.dgate_logits, x, w.gate);
+    }
+    mlp_block_backward(dx, g.mlp, s.mlp, gated ? s.dout : dy, x, a.mlp, w.mlp);
+}
+
 // --- dropless MoE ---------------------------------------------------------------------------------
+
+void declare_moe_params(ParamTable& table, const std::string& lp, const std::string& module, const MoeBranch& m,
+                        int64_t H, ExpertShard shard) {
+    const std::string p = lp + module + ".";
+    const std::string disk = lp + (m.disk_module.empty() ? module : m.disk_module) + ".";
+    const int64_t E = m.num_experts, I = m.intermediate;
+    ParamStorage router;
+    if (disk != p) router.disk_name = disk + "gate.weight";
+    table.add(p + "gate.weight", {E, H}, ParamRole::weight, {}, router);
+    const std::string experts = disk + "experts.{}.";
+    table.add(p + "experts.gate_up_proj", {E, 2 * I, H}, ParamRole::expert, shard,
+              {"", {experts + m.disk_gate + ".weight", experts + m.disk_up + ".weight"}});
+    table.add(p + "experts.down_proj", {E, H, I}, ParamRole::expert, shard, {"", {experts + m.disk_down + ".weight"}});
+    if (m.shared_intermediate > 0) {
+        declare_mlp_params(table, p + "shared_expert.", H, m.shared_intermediate);
+        if (m.shared_gate) table.add(p + "shared_expert_gate.weight", {1, H}, ParamRole::weight);
+    }
+}
+
+MoeWeights moe_weights(const ParamLookup& at, const std::string& p) {
+    return MoeWeights{at(p + "gate.weight"), at(p + "experts.gate_up_proj"), at(p + "experts.down_proj")};
+}
 
 std::vector<Tensor> EpRowStore::carve(const std::vector<Part>& parts, Device dev) {
     auto padded = [](size_t n) { return (n + 255) / 256 * 256; };

@@ -1,7 +1,11 @@
-// The two feed-forward blocks of Qwen3-MoE.
+// The feed-forward blocks: the dense MLP, the dropless MoE and the shared expert.
 //
-// Dense MLP (mlp_only_layers / decoder_sparse_step):  y = (silu(x·Wgᵀ) ⊙ x·Wuᵀ)·Wdᵀ, with Wg and Wu
+// Dense MLP (a dense layer, and the shared expert):  y = (silu(x·Wgᵀ) ⊙ x·Wuᵀ)·Wdᵀ, with Wg and Wu
 // adjacent in the parameter buffer so they act as one fused [2I, H] matrix.
+//
+// Shared expert (Qwen2-MoE): every token also passes through one MLP of its own width, added to the
+// routed output, gated per token by sigmoid(x·w_gateᵀ) (w_gate [1, H]) when the branch has the gate:
+//   y += sigmoid(x·w_gateᵀ) ⊙ mlp_shared(x)
 //
 // Dropless MoE:  router logits = x·Wrᵀ; fp32 softmax; top-k (optionally renormalised); the N·K
 // token-expert pairs are grouped by expert (every token kept, no capacity); per expert
@@ -45,17 +49,26 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/param_table.h"
+#include "model/spec.h"
 #include "parallel/communicator.h"
 
 namespace mf::model {
 
+using ParamLookup = std::function<Tensor(const std::string&)>;  // a parameter (or its gradient) by name
+
 struct MlpWeights {
     Tensor gate_up, down;  // [2I, H] (gate rows then up rows), [H, I]
 };
+// gate_proj, up_proj, down_proj under `prefix` ("model.layers.0.mlp."), and the fused view of them.
+void declare_mlp_params(ParamTable& table, const std::string& prefix, int64_t hidden, int64_t intermediate);
+MlpWeights mlp_weights(const ParamLookup& at, const std::string& prefix, int64_t hidden, int64_t intermediate);
 
 struct MlpActs {
     Tensor h, a;  // [N, 2I], [N, I]
@@ -169,6 +182,38 @@ class EpRowStore {
 struct MoeWeights {
     Tensor router, gate_up, down;  // [E, H], [E', 2I, H], [E', H, I]; E' = E / EP size (E without EP)
 };
+// The MoE branch's parameters in module `module` of the layer (`layer_prefix` "model.layers.3."):
+// the router `gate.weight`, the stacked experts `experts.gate_up_proj` and `experts.down_proj` (stored
+// per expert as the branch's disk names say), and the shared expert (`shared_expert.*`,
+// `shared_expert_gate.weight`) where it has one.
+void declare_moe_params(ParamTable& table, const std::string& layer_prefix, const std::string& module,
+                        const MoeBranch& moe, int64_t hidden, ExpertShard shard);
+MoeWeights moe_weights(const ParamLookup& at, const std::string& prefix);
+
+struct SharedExpertWeights {
+    MlpWeights mlp;
+    Tensor gate;  // [1, H], or undefined (no gate)
+};
+SharedExpertWeights shared_expert_weights(const ParamLookup& at, const std::string& prefix, const MoeBranch& moe,
+                                          int64_t hidden);
+
+struct SharedExpertActs {
+    MlpActs mlp;
+    Tensor out;          // [N, H] the shared expert's output, before the gate
+    Tensor gate_logits;  // [N, 1]
+    void alloc(Arena& arena, int64_t N, int64_t hidden, int64_t intermediate, DType act);
+};
+struct SharedExpertScratch {
+    MlpScratch mlp;
+    Tensor dout, dgate_logits;
+    void alloc(Arena& arena, int64_t N, int64_t hidden, int64_t intermediate, DType act);
+};
+// y += [sigmoid(x·w_gateᵀ) ⊙] mlp_shared(x)
+void shared_expert_forward(const Tensor& y, SharedExpertActs& acts, const Tensor& x, const SharedExpertWeights& w);
+// dx and the parameter gradients +=.
+void shared_expert_backward(const Tensor& dx, const SharedExpertWeights& grads, SharedExpertScratch& s,
+                            const Tensor& dy, const Tensor& x, const SharedExpertActs& acts,
+                            const SharedExpertWeights& w);
 
 struct MoeActs {
     Tensor logits, probs;          // [N, E]

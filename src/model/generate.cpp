@@ -15,11 +15,17 @@ namespace mf::model {
 
 // --- weights and workspace --------------------------------------------------------------------------
 
-struct KvCacheDecoder::LayerWeights {
-    bool is_moe = false;
-    Tensor ln1, ln2;
+// One branch of a layer: its norm and op weights (views of the model's parameters), and for attention
+// the layer's KV cache.
+struct KvCacheDecoder::BranchWeights {
+    const Branch* spec = nullptr;
+    Tensor norm;
+    AttentionDims ad{};
     AttentionWeights attn;
     MoeWeights moe;
+    MoeDims md{};
+    bool has_shared = false;
+    SharedExpertWeights shared;
     MlpWeights mlp;
     Tensor k_cache, v_cache;  // [max_tokens, Hkv·D]
 };
@@ -32,22 +38,16 @@ struct KvCacheDecoder::Workspace {
     Tensor q_raw, k_raw, q, q_rstd, k_rstd;  // attention inputs (k goes straight into the cache)
     Tensor attn;                             // [n, Hq·D]
     MoeActs moe;
+    SharedExpertActs shared;
     MlpActs mlp;
     Tensor logits;  // [1, V] f32
 };
 
-namespace {
-
-MoeDims moe_dims(const Qwen3MoeConfig& c) {
-    return {c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob};
-}
-
-}  // namespace
-
-KvCacheDecoder::KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_t max_chunk, DecodeAttention attention)
+KvCacheDecoder::KvCacheDecoder(const CausalLM& model, int64_t max_tokens, int64_t max_chunk, DecodeAttention attention)
     : model_(model), max_tokens_(max_tokens), max_chunk_(max_chunk), ws_(std::make_unique<Workspace>()) {
-    const Qwen3MoeConfig& c = model.config();
+    const ModelSpec& spec = model.spec();
     const Device dev = model.device();
+    const int64_t H = spec.hidden_size;
     MF_CHECK(max_chunk >= 1 && max_tokens >= max_chunk, "KvCacheDecoder: max_tokens ", max_tokens, ", max_chunk ",
              max_chunk);
     if (model.expert_shard().sharded())
@@ -59,44 +59,60 @@ KvCacheDecoder::KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_
     if (cached_attention_ && !ops::attention_decode_supported(dev))
         fail("cached-KV attention has no ", device_name(dev), " kernel");
 
-    // The KV cache: one allocation, K then V of every layer.
-    const int64_t L = c.num_hidden_layers, Dkv = c.num_key_value_heads * c.head_dim,
-                  Dq = c.num_attention_heads * c.head_dim;
+    // Every attention branch has the same shape here (the workspace is planned from the first).
+    int64_t num_attention = 0;
+    for (const LayerSpec& layer : spec.layers)
+        for (const Branch& b : layer.branches)
+            if (b.kind == BranchKind::attention) {
+                const AttentionDims d = attention_dims(b.attention, H);
+                if (num_attention++ == 0) dims_ = d;
+                MF_CHECK(d.num_heads == dims_.num_heads && d.num_kv_heads == dims_.num_kv_heads &&
+                             d.head_dim == dims_.head_dim && d.qk_norm == dims_.qk_norm,
+                         "generation: attention layers of different shapes are not supported");
+            }
+    // The KV cache: one allocation, K then V of every attention branch.
+    const int64_t Dkv = dims_.num_kv_heads * dims_.head_dim, Dq = dims_.num_heads * dims_.head_dim;
     const size_t per = static_cast<size_t>(shape_numel({max_tokens, Dkv})) * dtype_size(act_);
-    cache_ = Buffer(static_cast<size_t>(2 * L) * per, dev);
+    cache_ = Buffer(std::max<size_t>(static_cast<size_t>(2 * num_attention) * per, 256), dev);
     cache_.zero();
-    for (int64_t l = 0; l < L; ++l) {
+    const ParamLookup at = [&model](const std::string& name) { return model.param(name); };
+    int64_t cache_idx = 0;
+    for (int64_t l = 0; l < spec.num_layers(); ++l) {
         const std::string p = "model.layers." + std::to_string(l) + ".";
-        LayerWeights w;
-        w.is_moe = c.is_moe_layer(l);
-        w.ln1 = model.param(p + "input_layernorm.weight");
-        w.ln2 = model.param(p + "post_attention_layernorm.weight");
-        w.attn = {model.param(p + "self_attn.q_proj.weight"), model.param(p + "self_attn.k_proj.weight"),
-                  model.param(p + "self_attn.v_proj.weight"), model.param(p + "self_attn.o_proj.weight"),
-                  model.param(p + "self_attn.q_norm.weight"), model.param(p + "self_attn.k_norm.weight")};
-        if (w.is_moe) {
-            w.moe = {model.param(p + "mlp.gate.weight"), model.param(p + "mlp.experts.gate_up_proj"),
-                     model.param(p + "mlp.experts.down_proj")};
-        } else {
-            // gate_proj and up_proj are adjacent in the parameter buffer: one fused [2I, H] view.
-            const Tensor gate = model.param(p + "mlp.gate_proj.weight");
-            w.mlp = {Tensor(gate.data(), gate.dtype(), {2 * c.intermediate_size, c.hidden_size}, gate.device()),
-                     model.param(p + "mlp.down_proj.weight")};
+        std::vector<BranchWeights> layer;
+        for (const Branch& b : spec.layers[static_cast<size_t>(l)].branches) {
+            BranchWeights w;
+            w.spec = &b;
+            w.norm = model.param(p + b.norm + ".weight");
+            const std::string m = p + b.module + ".";
+            if (b.kind == BranchKind::attention) {
+                w.ad = attention_dims(b.attention, H);
+                w.attn = attention_weights(at, m, w.ad);
+                w.k_cache = cache_.as(act_, {max_tokens, Dkv}, static_cast<size_t>(2 * cache_idx) * per);
+                w.v_cache = cache_.as(act_, {max_tokens, Dkv}, static_cast<size_t>(2 * cache_idx + 1) * per);
+                ++cache_idx;
+            } else if (b.kind == BranchKind::moe) {
+                w.moe = moe_weights(at, m);
+                w.md = MoeDims{H, b.moe.intermediate, b.moe.num_experts, b.moe.top_k, b.moe.norm_topk_prob};
+                w.has_shared = b.moe.shared_intermediate > 0;
+                if (w.has_shared) w.shared = shared_expert_weights(at, m, b.moe, H);
+            } else {
+                w.mlp = mlp_weights(at, m, H, b.mlp.intermediate);
+            }
+            layer.push_back(w);
         }
-        w.k_cache = cache_.as(act_, {max_tokens, Dkv}, static_cast<size_t>(2 * l) * per);
-        w.v_cache = cache_.as(act_, {max_tokens, Dkv}, static_cast<size_t>(2 * l + 1) * per);
-        layers_.push_back(w);
+        layers_.push_back(std::move(layer));
     }
-    if (!cached_attention_) {
+    if (!cached_attention_ && num_attention > 0) {
         // A doc-id tensor (one document) keeps attention_forward on one kernel for every prefix length.
         auto up = [](size_t b) { return (b + 255) / 256 * 256; };
         const size_t rows = up(static_cast<size_t>(shape_numel({max_tokens, Dq})) * dtype_size(act_));
-        const size_t lse = up(static_cast<size_t>(c.num_attention_heads * max_tokens) * sizeof(float));
+        const size_t lse = up(static_cast<size_t>(dims_.num_heads * max_tokens) * sizeof(float));
         prefix_buffer_ = Buffer(2 * rows + lse + up(static_cast<size_t>(max_tokens) * sizeof(int32_t)), dev);
         prefix_buffer_.zero();
         prefix_q_ = prefix_buffer_.as(act_, {max_tokens, Dq});
         prefix_out_ = prefix_buffer_.as(act_, {max_tokens, Dq}, rows);
-        prefix_lse_ = prefix_buffer_.as(DType::f32, {c.num_attention_heads * max_tokens}, 2 * rows);
+        prefix_lse_ = prefix_buffer_.as(DType::f32, {dims_.num_heads * max_tokens}, 2 * rows);
         prefix_docs_ = prefix_buffer_.as(DType::i32, {max_tokens}, 2 * rows + lse);
     }
     Arena measure = Arena::measuring(dev);
@@ -109,8 +125,8 @@ KvCacheDecoder::~KvCacheDecoder() = default;
 size_t KvCacheDecoder::cache_bytes() const { return cache_.nbytes(); }
 
 void KvCacheDecoder::allocate(Arena& A, int64_t n) {
-    const Qwen3MoeConfig& c = model_.config();
-    const int64_t H = c.hidden_size, Dq = c.num_attention_heads * c.head_dim, Dkv = c.num_key_value_heads * c.head_dim;
+    const ModelSpec& spec = model_.spec();
+    const int64_t H = spec.hidden_size, Dq = dims_.num_heads * dims_.head_dim, Dkv = dims_.num_kv_heads * dims_.head_dim;
     Workspace& ws = *ws_;
     ws.n = n;
     ws.ids = A.alloc(DType::i32, {n});
@@ -119,38 +135,39 @@ void KvCacheDecoder::allocate(Arena& A, int64_t n) {
     ws.ln = A.alloc(act_, {n, H});
     ws.rstd = A.alloc(DType::f32, {n});
     ws.block_out = A.alloc(act_, {n, H});
+    const bool per_head = dims_.qk_norm == QkNorm::per_head;
     ws.q_raw = A.alloc(act_, {n, Dq});
     ws.k_raw = A.alloc(act_, {n, Dkv});
     ws.q = A.alloc(act_, {n, Dq});
-    ws.q_rstd = A.alloc(DType::f32, {n * c.num_attention_heads});
-    ws.k_rstd = A.alloc(DType::f32, {n * c.num_key_value_heads});
+    ws.q_rstd = A.alloc(DType::f32, {n * (per_head ? dims_.num_heads : 1)});
+    ws.k_rstd = A.alloc(DType::f32, {n * (per_head ? dims_.num_kv_heads : 1)});
     ws.attn = A.alloc(act_, {n, Dq});
-    bool any_moe = false, any_dense = false;
-    for (const LayerWeights& w : layers_) (w.is_moe ? any_moe : any_dense) = true;
-    if (any_moe) ws.moe.alloc(A, moe_dims(c), n, act_);
-    if (any_dense) ws.mlp.alloc(A, n, c.intermediate_size, act_);
-    ws.logits = A.alloc(DType::f32, {1, c.vocab_size});
+    const BranchWeights *moe = nullptr, *mlp = nullptr;
+    for (const auto& layer : layers_)
+        for (const BranchWeights& w : layer) {
+            if (w.spec->kind == BranchKind::moe && moe == nullptr) moe = &w;
+            if (w.spec->kind == BranchKind::mlp && (mlp == nullptr || w.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
+                mlp = &w;
+        }
+    if (moe != nullptr) {
+        ws.moe.alloc(A, moe->md, n, act_);
+        if (moe->has_shared) ws.shared.alloc(A, n, H, moe->spec->moe.shared_intermediate, act_);
+    }
+    if (mlp != nullptr) ws.mlp.alloc(A, n, mlp->spec->mlp.intermediate, act_);
+    ws.logits = A.alloc(DType::f32, {1, spec.vocab_size});
 }
 
 // --- the forward ------------------------------------------------------------------------------------
 
-void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
-    const Qwen3MoeConfig& c = model_.config();
-    const LayerWeights& w = layers_[l];
+// x += o_proj(attention(q, cached k, cached v)), as attention_block_forward computes it.
+void KvCacheDecoder::attention_forward(const BranchWeights& w, int64_t n) {
     Workspace& ws = *ws_;
-    const int64_t first = length_, T = first + n, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
-    const float eps = static_cast<float>(c.rms_norm_eps);
-
-    // x += o_proj(attention(q, cached k, cached v)), as attention_block_forward computes it.
-    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, w.ln1, eps);
+    const int64_t first = length_, T = first + n, Hq = w.ad.num_heads, Hkv = w.ad.num_kv_heads;
     const Tensor k_new = w.k_cache.slice_rows(first, T), v_new = w.v_cache.slice_rows(first, T);
-    ops::matmul_forward(ws.q_raw, ws.ln, w.attn.wq);
-    ops::matmul_forward(ws.k_raw, ws.ln, w.attn.wk);
-    ops::matmul_forward(v_new, ws.ln, w.attn.wv);
     const Tensor k_prefix = w.k_cache.slice_rows(0, T), v_prefix = w.v_cache.slice_rows(0, T);
     if (cached_attention_) {
-        ops::qknorm_rope_forward(ws.q, k_new, ws.q_rstd, ws.k_rstd, ws.q_raw, ws.k_raw, w.attn.q_norm, w.attn.k_norm,
-                                 ws.positions, Hq, Hkv, eps, static_cast<float>(c.rope_theta));
+        attention_qkv_forward(ws.q, k_new, v_new, ws.q_raw, ws.k_raw, ws.q_rstd, ws.k_rstd, ws.ln, w.attn, w.ad,
+                              ws.positions);
         ops::attention_decode_forward(ws.attn, ws.q, k_prefix, v_prefix, first, Hq, Hkv);
         ops::matmul_forward(ws.block_out, ws.attn, w.attn.wo);
     } else {
@@ -158,32 +175,40 @@ void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
         // (or zero) queries whose outputs are never read.
         const Tensor q_rows = prefix_q_.slice_rows(0, T), out_rows = prefix_out_.slice_rows(0, T);
         const Tensor lse(prefix_lse_.data(), DType::f32, {Hq * T}, prefix_lse_.device());
-        ops::qknorm_rope_forward(q_rows.slice_rows(first, T), k_new, ws.q_rstd, ws.k_rstd, ws.q_raw, ws.k_raw,
-                                 w.attn.q_norm, w.attn.k_norm, ws.positions, Hq, Hkv, eps,
-                                 static_cast<float>(c.rope_theta));
+        attention_qkv_forward(q_rows.slice_rows(first, T), k_new, v_new, ws.q_raw, ws.k_raw, ws.q_rstd, ws.k_rstd,
+                              ws.ln, w.attn, w.ad, ws.positions);
         ops::attention_forward(out_rows, lse, q_rows, k_prefix, v_prefix, prefix_docs_.slice_rows(0, T), 1, T, Hq, Hkv);
         ops::matmul_forward(ws.block_out, out_rows.slice_rows(first, T), w.attn.wo);
     }
-    ops::add(ws.x, ws.x, ws.block_out);
+    if (w.ad.o_bias) ops::add_bias(ws.block_out, w.attn.bo);
+}
 
-    // x += ffn(rmsnorm(x)): the training blocks, dropless MoE or dense MLP.
-    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, w.ln2, eps);
-    if (w.is_moe)
-        moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, moe_dims(c));
-    else
-        mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
-    ops::add(ws.x, ws.x, ws.block_out);
+void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
+    Workspace& ws = *ws_;
+    // x += op(rmsnorm(x)) for each branch: attention over the cache, or the training FFN blocks.
+    for (const BranchWeights& w : layers_[l]) {
+        ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, w.norm, static_cast<float>(w.spec->norm_eps));
+        switch (w.spec->kind) {
+            case BranchKind::attention: attention_forward(w, n); break;
+            case BranchKind::mlp: mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp); break;
+            case BranchKind::moe:
+                moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, w.md);
+                if (w.has_shared) shared_expert_forward(ws.block_out, ws.shared, ws.ln, w.shared);
+                break;
+        }
+        ops::add(ws.x, ws.x, ws.block_out);
+    }
 }
 
 std::vector<float> KvCacheDecoder::forward(std::span<const int32_t> ids, bool all_rows) {
-    const Qwen3MoeConfig& c = model_.config();
+    const ModelSpec& spec = model_.spec();
     const int64_t n = static_cast<int64_t>(ids.size());
     MF_CHECK(n >= 1 && n <= max_chunk_, "KvCacheDecoder::forward: ", n, " tokens, at most ", max_chunk_, " per call");
     if (length_ + n > max_tokens_)
         fail("generation: position ", length_ + n - 1, " is past the KV cache's ", max_tokens_, " positions");
     for (int64_t i = 0; i < n; ++i)
-        if (ids[static_cast<size_t>(i)] < 0 || ids[static_cast<size_t>(i)] >= c.vocab_size)
-            fail("token id ", ids[static_cast<size_t>(i)], " is outside the model's vocabulary [0, ", c.vocab_size,
+        if (ids[static_cast<size_t>(i)] < 0 || ids[static_cast<size_t>(i)] >= spec.vocab_size)
+            fail("token id ", ids[static_cast<size_t>(i)], " is outside the model's vocabulary [0, ", spec.vocab_size,
                  ")");
     Workspace& ws = *ws_;
     ws.arena.reset();
@@ -193,13 +218,17 @@ std::vector<float> KvCacheDecoder::forward(std::span<const int32_t> ids, bool al
     ops::copy_from_host(ws.ids, ids.data());
     ops::copy_from_host(ws.positions, positions.data());
 
-    ops::embedding_forward(ws.x, ws.ids, model_.param("model.embed_tokens.weight"));
+    const ParamTable& table = model_.params();
+    const ParamSpec* head_spec = table.find_role(ParamRole::head);
+    const std::string& embed = table.find_role(ParamRole::embedding)->name;
+    ops::embedding_forward(ws.x, ws.ids, model_.param(embed));
     for (size_t l = 0; l < layers_.size(); ++l) layer_forward(l, n);
     length_ += n;
 
-    const Tensor head = model_.param(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, model_.param("model.norm.weight"), static_cast<float>(c.rms_norm_eps));
-    const int64_t first_row = all_rows ? 0 : n - 1, V = c.vocab_size;
+    const Tensor head = model_.param(head_spec != nullptr ? head_spec->name : embed);
+    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, model_.param("model.norm.weight"),
+                         static_cast<float>(spec.final_norm_eps));
+    const int64_t first_row = all_rows ? 0 : n - 1, V = spec.vocab_size;
     std::vector<float> logits(static_cast<size_t>((n - first_row) * V));
     for (int64_t r = first_row; r < n; ++r) {
         ops::matmul_forward(ws.logits, ws.ln.slice_rows(r, r + 1), head);
@@ -261,9 +290,9 @@ int32_t TokenSampler::next(std::span<const float> logits) {
 
 // --- the loop ---------------------------------------------------------------------------------------
 
-GenerateResult generate(const Qwen3Moe& model, std::span<const int32_t> prompt, const GenerateOptions& o,
+GenerateResult generate(const CausalLM& model, std::span<const int32_t> prompt, const GenerateOptions& o,
                         const std::function<void(int32_t)>& on_token) {
-    const Qwen3MoeConfig& c = model.config();
+    const ModelSpec& c = model.spec();
     if (prompt.empty()) fail("generation: the prompt has no tokens");
     if (o.max_new_tokens < 0) fail("generation: max_new_tokens must not be negative, got ", o.max_new_tokens);
     const int64_t n = static_cast<int64_t>(prompt.size()), total = n + o.max_new_tokens;

@@ -1,4 +1,4 @@
-// Text generation with a KV cache, for sanity-checking a (fine-tuned) Qwen3-MoE.
+// Text generation with a KV cache, for sanity-checking a (fine-tuned) model of any supported family.
 //
 //   prefill:  the prompt's n tokens in one forward at positions 0 .. n-1, each layer writing its
 //             keys (after QK-norm and RoPE) and values into the cache;
@@ -12,7 +12,7 @@
 // for bit the full causal attention's), else ops::attention_forward over the whole prefix with the
 // new queries in its last rows (the other query rows are never read; O(t²) per token).
 // On the CPU the logits of every position are bit for bit those of one forward over the whole
-// sequence (Qwen3Moe::step): the CPU kernels compute a row independently of the rows beside it
+// sequence (CausalLM::step): the CPU kernels compute a row independently of the rows beside it
 // (tests/cpu/test_generate). On the GPU the bf16 path follows the same ops, so it agrees with the
 // training forward to bf16 rounding, not bit for bit (a different attention kernel serves it).
 //
@@ -34,7 +34,8 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "model/qwen3_moe.h"
+#include "model/attention_block.h"
+#include "model/causal_lm.h"
 
 namespace mf::model {
 
@@ -49,7 +50,7 @@ class KvCacheDecoder {
     // max_tokens: positions the cache holds (prompt + new tokens); max_chunk: the most tokens one
     // forward() takes (the prompt's length). The model must hold every expert (no EP shard) and
     // must outlive the decoder.
-    KvCacheDecoder(const Qwen3Moe& model, int64_t max_tokens, int64_t max_chunk,
+    KvCacheDecoder(const CausalLM& model, int64_t max_tokens, int64_t max_chunk,
                    DecodeAttention attention = DecodeAttention::automatic);
     ~KvCacheDecoder();
     KvCacheDecoder(const KvCacheDecoder&) = delete;
@@ -66,17 +67,19 @@ class KvCacheDecoder {
     void reset() { length_ = 0; }
 
  private:
-    struct LayerWeights;
+    struct BranchWeights;
     struct Workspace;
     void allocate(Arena& arena, int64_t n);  // the chunk's activations for n tokens
     void layer_forward(size_t l, int64_t n);
+    void attention_forward(const BranchWeights& w, int64_t n);
 
-    const Qwen3Moe& model_;
+    const CausalLM& model_;
     int64_t max_tokens_, max_chunk_, length_ = 0;
     bool cached_attention_;
     DType act_;
-    std::vector<LayerWeights> layers_;
-    Buffer cache_;  // per layer: K [max_tokens, Hkv·D], then V [max_tokens, Hkv·D]
+    AttentionDims dims_{};  // of every attention branch
+    std::vector<std::vector<BranchWeights>> layers_;
+    Buffer cache_;  // per attention branch: K [max_tokens, Hkv·D], then V [max_tokens, Hkv·D]
     // prefix_square only: the prefix's queries and outputs [max_tokens, Hq·D], its lse [Hq·max_tokens]
     // (f32) and doc ids [max_tokens] (zeros: one document), carved from one allocation.
     Buffer prefix_buffer_;
@@ -123,7 +126,7 @@ struct GenerateResult {
 // Generates up to max_new_tokens after `prompt` (non-empty, ids inside the vocabulary, prompt +
 // max_new_tokens within max_position_embeddings when the config sets it). on_token, when given, is
 // called with each new token as soon as it is chosen.
-GenerateResult generate(const Qwen3Moe& model, std::span<const int32_t> prompt, const GenerateOptions& options,
+GenerateResult generate(const CausalLM& model, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
 
 }  // namespace mf::model

@@ -10,10 +10,27 @@ Shape ParamSpec::global_shape() const {
     return s;
 }
 
-const ParamSpec& ParamTable::add(std::string name, Shape shape, bool is_expert, ExpertShard shard) {
+const char* param_role_name(ParamRole role) {
+    switch (role) {
+        case ParamRole::embedding: return "embedding";
+        case ParamRole::head: return "head";
+        case ParamRole::norm: return "norm";
+        case ParamRole::bias: return "bias";
+        case ParamRole::weight: return "weight";
+        case ParamRole::expert: return "expert";
+    }
+    return "?";
+}
+
+const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, ExpertShard shard,
+                                 ParamStorage storage) {
     MF_CHECK(find(name) == nullptr, "duplicate parameter ", name);
+    const bool is_expert = role == ParamRole::expert;
+    MF_CHECK(is_expert || storage.expert_pieces.empty(), "per-expert storage for ", name, ", which is not stacked");
     ParamSpec spec;
     spec.name = std::move(name);
+    spec.role = role;
+    spec.storage = std::move(storage);
     spec.is_expert = is_expert;
     constexpr std::string_view kLayers = "model.layers.";
     if (spec.name.starts_with(kLayers)) {
@@ -44,6 +61,12 @@ const ParamSpec& ParamTable::add(std::string name, Shape shape, bool is_expert, 
     }
     specs_.push_back(std::move(spec));
     return specs_.back();
+}
+
+const ParamSpec* ParamTable::find_role(ParamRole role) const {
+    for (const auto& s : specs_)
+        if (s.role == role && s.layer < 0) return &s;
+    return nullptr;
 }
 
 const ParamSpec* ParamTable::find(std::string_view name) const {

@@ -11,6 +11,10 @@
 // [expert_offset(), total()) the experts. Under expert parallelism (ExpertShard) a rank's table
 // holds only its E/S experts: stacked specs have shape [E/S, ...] and say which global experts
 // they hold (expert_first); the replicated region is the same on every rank.
+//
+// Each parameter has a role (what initialisation, data parallelism and the optimizer's stages key on,
+// never its name) and says how HF checkpoints store it (ParamStorage), which is all the checkpoint
+// reader and writer (train/hf_checkpoint.h) know of an architecture.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +33,24 @@ struct ExpertShard {
     bool sharded() const { return size > 1; }
 };
 
+// What a parameter is. `expert`: stacked expert weights [E, ...] (split over EP ranks).
+enum class ParamRole { embedding, head, norm, bias, weight, expert };
+const char* param_role_name(ParamRole role);
+
+// How an HF checkpoint stores a parameter. By default one tensor of the same name and shape. A
+// renamed module stores it under `disk_name`. Stacked experts are stored one tensor per expert and
+// piece: `expert_pieces` names each piece with "{}" where the expert's index goes, and the pieces
+// are stacked along the rows in order (gate_up [E, 2I, H] = per expert gate_proj [I, H] then
+// up_proj [I, H]). The stacked engine name itself (HF v5's in-memory spelling) is read as well.
+struct ParamStorage {
+    std::string disk_name;
+    std::vector<std::string> expert_pieces;
+};
+
 struct ParamSpec {
     std::string name;
+    ParamRole role = ParamRole::weight;
+    ParamStorage storage;
     Shape shape;  // the local shape (stacked experts: [E/S, ...])
     int64_t offset = 0;  // in elements, into the flat buffer
     int64_t numel = 0;
@@ -40,13 +60,18 @@ struct ParamSpec {
     int64_t layer = -1;        // N for "model.layers.N.*", else -1
     // The shape over all ranks (== shape unless the experts are sharded).
     Shape global_shape() const;
+    // The name HF checkpoints store it under (storage.disk_name, or name).
+    const std::string& disk_name() const { return storage.disk_name.empty() ? name : storage.disk_name; }
 };
 
 class ParamTable {
  public:
     // Appends a parameter; offsets keep the two regions above (experts after everything else).
     // For an expert parameter `shape` is the GLOBAL [E, ...] shape, and `shard` picks the local rows.
-    const ParamSpec& add(std::string name, Shape shape, bool is_expert = false, ExpertShard shard = {});
+    const ParamSpec& add(std::string name, Shape shape, ParamRole role, ExpertShard shard = {},
+                         ParamStorage storage = {});
+    // The parameter of a role outside the layers (the embedding, the untied head), or null.
+    const ParamSpec* find_role(ParamRole role) const;
     const ParamSpec* find(std::string_view name) const;
     const ParamSpec& get(std::string_view name) const;  // throws naming the parameter
     const std::vector<ParamSpec>& specs() const { return specs_; }

@@ -156,7 +156,7 @@ void check_schedule(const json::Value& s, const std::string& where, const Recipe
 
 }  // namespace
 
-void save_checkpoint(const fs::path& root, const CheckpointState& state, model::Qwen3Moe& model, AdamW& adam,
+void save_checkpoint(const fs::path& root, const CheckpointState& state, model::CausalLM& model, AdamW& adam,
                      int64_t keep, const CheckpointLayout& layout, DistContext* dist) {
     const bool main = dist == nullptr || dist->is_main();
     const int64_t world = dist != nullptr ? dist->world_size() : 1, rank = dist != nullptr ? dist->rank() : 0;
@@ -210,7 +210,7 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     s.set("format_version", kCheckpointFormatVersion);
     s.set("world_size", layout.world_size);
     s.set("ep_size", layout.ep_size);
-    s.set("config_hash", hex(model.config().hash()));
+    s.set("config_hash", hex(model.spec().hash()));
     s.set("num_params", model.num_params_total());
     s.set("shards", world);
     json::Value checksums = json::Value::object();
@@ -246,7 +246,7 @@ std::optional<fs::path> latest_checkpoint(const fs::path& root) {
     return all.back().second;
 }
 
-CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model::Qwen3Moe& model, AdamW& adam,
+CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model::CausalLM& model, AdamW& adam,
                                 bool force, const CheckpointLayout& layout) {
     const fs::path state_file = dir / "state.json";
     const std::string where = state_file.string();
@@ -279,9 +279,9 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         std::printf("resume: %s is a format-2 checkpoint: it carries no checksums, so its files are not verified\n",
                     dir.string().c_str());
     const int64_t then_world = int_field("world_size"), then_ep = int_field("ep_size");
-    if (string_field("config_hash") != hex(model.config().hash()))
+    if (string_field("config_hash") != hex(model.spec().hash()))
         fail(where, ": the checkpoint was written for a different model config (hash ", string_field("config_hash"),
-             ", this model ", hex(model.config().hash()), ")");
+             ", this model ", hex(model.spec().hash()), ")");
     if (int_field("num_params") != model.num_params_total())
         fail(where, ": checkpoint has ", int_field("num_params"), " parameters, the model ", model.num_params_total());
     if ((then_world != layout.world_size || then_ep != layout.ep_size) && layout.rank == 0)
@@ -341,7 +341,7 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         if (checksums != nullptr) verify_shard_checksum(shard, *checksums, where);
         files.push_back(io::SafetensorsFile::open(shard));
     }
-    const model::ParamTable full = model::qwen3_moe_param_table(model.config());
+    const model::ParamTable full = model::model_param_table(model.spec());
     struct Piece {
         int64_t offset, length;
         const uint8_t* data;

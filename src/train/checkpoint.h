@@ -37,7 +37,7 @@
 
 #include "core/json.h"
 #include "data/loader.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "train/optimizer.h"
 #include "train/recipe.h"
 
@@ -67,7 +67,7 @@ struct CheckpointState {
 
 // Writes OUT/checkpoints/step-<step> and prunes to the newest `keep` (and state.best_step's). In a multi-process run every
 // rank calls it and writes its shard; rank 0 completes the directory.
-void save_checkpoint(const std::filesystem::path& root, const CheckpointState& state, model::Qwen3Moe& model,
+void save_checkpoint(const std::filesystem::path& root, const CheckpointState& state, model::CausalLM& model,
                      AdamW& adam, int64_t keep, const CheckpointLayout& layout = {}, DistContext* dist = nullptr);
 
 // The newest complete checkpoint under root, if any.
@@ -76,7 +76,7 @@ std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::pa
 // Validates (magic, version, config hash, every tensor's name, dtype and shape, the recipe keys a
 // resume must not change unless `force`) and restores this rank's model parameters and AdamW
 // state; returns the state. Every rank calls it.
-CheckpointState load_checkpoint(const std::filesystem::path& dir, const Recipe& recipe, model::Qwen3Moe& model,
+CheckpointState load_checkpoint(const std::filesystem::path& dir, const Recipe& recipe, model::CausalLM& model,
                                 AdamW& adam, bool force, const CheckpointLayout& layout = {});
 
 }  // namespace mf::train

@@ -120,7 +120,7 @@ int64_t DistContext::sum_i64(int64_t value) {
 
 // Starts the reduction of the given specs' gradients (merged into contiguous ranges per region):
 // the replicated region over the world, the expert region over the DP group (the world without EP).
-void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& which) {
+void DistContext::reduce_specs(model::CausalLM& model, const std::vector<size_t>& which) {
     const auto& specs = model.params().specs();
     const DType dt = model.grad_dtype();
     char* base = static_cast<char*>(model.grads_tensor_in_backward().data());
@@ -142,13 +142,13 @@ void DistContext::reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>
     }
 }
 
-void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
+void DistContext::begin_grad_sync(model::CausalLM& model) {
     const auto& specs = model.params().specs();
     const bool dist = distributed();
     if (dist) reduced_.assign(specs.size(), false);
     if (!squares_done_.empty()) squares_done_.assign(specs.size(), false);  // sums of an earlier step are stale
     // Gradients final as the backward stores them have their square sums formed then: the stacked
-    // expert ones by the MoE blocks' weight-gradient GEMMs (Qwen3Moe::set_grad_square_sums), the
+    // expert ones by the MoE blocks' weight-gradient GEMMs (CausalLM::set_grad_square_sums), the
     // others by start_square_sums as their block finishes.
     std::vector<bool> experts(specs.size());
     for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert && final_in_backward(specs[i]);
@@ -159,28 +159,28 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
         for (size_t i = 0; i < filled.size(); ++i)
             if (filled[i]) squares_done_[i] = true;
     }
-    // The specs each hook call completes: layer l's by name, the head's and the embedding's.
-    const int64_t L = model.config().num_hidden_layers;
+    // The specs each hook call completes: layer l's, the head's and the embedding's (by role).
+    const int64_t L = model.spec().num_layers();
     std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(L));
     std::vector<size_t> head, embedding;
     for (size_t i = 0; i < specs.size(); ++i) {
-        const std::string& n = specs[i].name;
-        if (dist && embedding_gathered_ && n == "model.embed_tokens.weight") {
+        const bool is_embedding = specs[i].role == model::ParamRole::embedding;
+        if (dist && embedding_gathered_ && is_embedding) {
             reduced_[i] = true;  // complete on every rank already (gather_embedding_grads)
             continue;
         }
         if (specs[i].layer >= 0) {
             by_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
-        } else if (n == "model.embed_tokens.weight") {
+        } else if (is_embedding) {
             embedding.push_back(i);
         } else {
-            head.push_back(i);  // model.norm.weight, lm_head.weight
+            head.push_back(i);  // the final norm, the untied head
         }
     }
     model.set_grad_hook([this, &model, dist, by_layer, head, embedding](int64_t id) {
-        const bool with_head = id == model::Qwen3Moe::kGradsHead || id == model::Qwen3Moe::kGradsEmbeddingAndHead;
+        const bool with_head = id == model::CausalLM::kGradsHead || id == model::CausalLM::kGradsEmbeddingAndHead;
         const bool with_embedding =
-            id == model::Qwen3Moe::kGradsEmbedding || id == model::Qwen3Moe::kGradsEmbeddingAndHead;
+            id == model::CausalLM::kGradsEmbedding || id == model::CausalLM::kGradsEmbeddingAndHead;
         if (dist) {
             if (id >= 0) reduce_specs(model, by_layer[static_cast<size_t>(id)]);
             if (with_head) reduce_specs(model, head);
@@ -192,7 +192,7 @@ void DistContext::begin_grad_sync(model::Qwen3Moe& model) {
     });
 }
 
-void DistContext::finish_grad_sync(model::Qwen3Moe& model) {
+void DistContext::finish_grad_sync(model::CausalLM& model) {
     model.set_grad_hook({});
     model.set_grad_square_sums(Tensor(), {});
     if (!distributed()) return;
@@ -205,8 +205,8 @@ void DistContext::finish_grad_sync(model::Qwen3Moe& model) {
     reduced_.clear();
 }
 
-void DistContext::gather_embedding_grads(model::Qwen3Moe& model) {
-    if (!distributed() || model.config().tie_word_embeddings) return;
+void DistContext::gather_embedding_grads(model::CausalLM& model) {
+    if (!distributed() || model.spec().tie_word_embeddings) return;
     parallel::Communicator* world = impl_->world.get();
     model.set_embedding_row_gather(
         [world](const Tensor& all, const Tensor& mine) {
@@ -225,14 +225,14 @@ bool DistContext::final_in_backward(const model::ParamSpec& spec) const {
     return spec.is_expert && ep_size() > 1 && impl_->groups.dp && impl_->groups.dp->size() == 1;
 }
 
-void DistContext::ensure_square_sums(const model::Qwen3Moe& model) {
+void DistContext::ensure_square_sums(const model::CausalLM& model) {
     const size_t n = model.params().specs().size();
     if (squares_done_.size() == n) return;
     squares_done_.assign(n, false);
     square_sums_ = Buffer(n * sizeof(double), model.device());
 }
 
-void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& which) {
+void DistContext::start_square_sums(model::CausalLM& model, const std::vector<size_t>& which) {
     const auto& specs = model.params().specs();
     std::vector<size_t> todo;
     for (const size_t i : which)
@@ -245,7 +245,7 @@ void DistContext::start_square_sums(model::Qwen3Moe& model, const std::vector<si
     for (const size_t i : todo) squares_done_[i] = true;
 }
 
-std::vector<double> DistContext::gradient_square_sums(model::Qwen3Moe& model) {
+std::vector<double> DistContext::gradient_square_sums(model::CausalLM& model) {
     const auto& specs = model.params().specs();
     if (squares_done_.size() != specs.size()) return train::gradient_square_sums(model);
     if (squares_ticket_ != 0) ops::wait_background(model.device(), squares_ticket_);
@@ -294,7 +294,7 @@ bool DistContext::serves_export() const {
     return layout_.ep_size > 1 && layout_.dp_rank(rank_) == 0 && rank_ != 0;
 }
 
-train::ParamSource DistContext::export_source(const model::Qwen3Moe& model, const std::vector<float>& local) {
+train::ParamSource DistContext::export_source(const model::CausalLM& model, const std::vector<float>& local) {
     const model::ParamTable& mine = model.params();
     MF_CHECK(static_cast<int64_t>(local.size()) == mine.total(), "export_source: ", local.size(),
              " values, the model holds ", mine.total());
@@ -309,7 +309,7 @@ train::ParamSource DistContext::export_source(const model::Qwen3Moe& model, cons
         std::vector<float> values;
     };
     auto cache = std::make_shared<Cache>();
-    auto full = std::make_shared<model::ParamTable>(model::qwen3_moe_param_table(model.config()));
+    auto full = std::make_shared<model::ParamTable>(model::model_param_table(model.spec()));
     parallel::Communicator* ep = ep_group();
     const Device device = device_;
     return [&model, &local, cache, full, ep, device](int64_t offset, int64_t n, float* out) {
@@ -334,7 +334,7 @@ train::ParamSource DistContext::export_source(const model::Qwen3Moe& model, cons
     };
 }
 
-void DistContext::serve_export(const model::Qwen3Moe& model, const std::vector<float>& local) {
+void DistContext::serve_export(const model::CausalLM& model, const std::vector<float>& local) {
     MF_CHECK(serves_export(), "serve_export: rank ", rank_, " takes no part in the export");
     MF_CHECK(static_cast<int64_t>(local.size()) == model.params().total(), "serve_export: ", local.size(),
              " values, the model holds ", model.params().total());

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "train/hf_checkpoint.h"
 #include "parallel/communicator.h"
 #include "train/recipe.h"
@@ -74,27 +74,27 @@ class DistContext {
     // expert regions hold different experts). On return every rank of a DP group holds the same
     // gradient buffer, and the replicated region is the same everywhere. The reduction overlaps the
     // backward: begin_grad_sync installs the model's grad
-    // hook (Qwen3Moe::set_grad_hook) so that the next step() starts each layer's reductions as soon
+    // hook (CausalLM::set_grad_hook) so that the next step() starts each layer's reductions as soon
     // as its backward is enqueued (all_reduce_sum_async: on NCCL a side stream overlapping the
     // backward of the layers below); finish_grad_sync reduces whatever was not started, waits for
     // all, and removes the hook. Call them around the LAST micro-batch of an optimizer step (the
     // gradients must be complete sums over the micro-batches before they are reduced). In a single
     // process there is nothing to reduce, and the hook only starts the square sums (below).
-    void begin_grad_sync(model::Qwen3Moe& model);
-    void finish_grad_sync(model::Qwen3Moe& model);
+    void begin_grad_sync(model::CausalLM& model);
+    void finish_grad_sync(model::CausalLM& model);
     // For a distributed run with untied embeddings: the model gathers every rank's embedding-gradient
-    // rows over the world (Qwen3Moe::set_embedding_row_gather), so each micro-batch's embedding gradient
+    // rows over the world (CausalLM::set_embedding_row_gather), so each micro-batch's embedding gradient
     // is complete and the same on every rank, and the grad sync leaves it out (N·H values per rank
     // and micro-batch move instead of the dense V·H all-reduce at the end of the backward). Call once
     // on every rank after the model is built; the model must not outlive this context. A no-op for a
     // single process or tied embeddings.
-    void gather_embedding_grads(model::Qwen3Moe& model);
+    void gather_embedding_grads(model::CausalLM& model);
     // train::gradient_square_sums for this rank's gradients after finish_grad_sync: the tensors that
     // need no reduction (all of them in a single process; the expert ones under EP over the whole
     // world, where the DP group is this rank alone) had theirs computed in the background as their
     // block's backward finished (ops::background, beside the backward of the blocks below); the rest
     // are computed now.
-    std::vector<double> gradient_square_sums(model::Qwen3Moe& model);
+    std::vector<double> gradient_square_sums(model::CausalLM& model);
     // This rank's expert shard (ep_rank of ep_size) for model::ModelPlacement.
     model::ExpertShard expert_shard() const;
     // The HF export of a run (save_hf_model from a ParamSource, on world rank 0), from every rank's
@@ -105,10 +105,10 @@ class DistContext {
     // group call serve_export, which takes part in each of those gathers in the same (table) order
     // and returns after the last; ranks of other DP groups call neither. A failure on rank 0 leaves
     // its peers waiting in a gather until dist.timeout_s ends them.
-    train::ParamSource export_source(const model::Qwen3Moe& model, const std::vector<float>& local);
-    void serve_export(const model::Qwen3Moe& model, const std::vector<float>& local);
+    train::ParamSource export_source(const model::CausalLM& model, const std::vector<float>& local);
+    void serve_export(const model::CausalLM& model, const std::vector<float>& local);
     bool serves_export() const;  // this rank must call serve_export (EP > 1, DP rank 0, not world rank 0)
-    // The EP group for Qwen3Moe::set_expert_parallel, and the DP group (ranks holding the same
+    // The EP group for CausalLM::set_expert_parallel, and the DP group (ranks holding the same
     // experts; ZeRO-1 shards optimizer state over it). Null for a single process.
     parallel::Communicator* ep_group() const;
     parallel::Communicator* dp_group() const;
@@ -126,11 +126,11 @@ class DistContext {
     Buffer square_sums_;               // f64 per parameter spec, on the model's device
     std::vector<bool> squares_done_;   // per spec: its square sum is in square_sums_ (or on its way)
     ops::BackgroundTicket squares_ticket_ = 0;
-    void start_square_sums(model::Qwen3Moe& model, const std::vector<size_t>& specs);
-    void ensure_square_sums(const model::Qwen3Moe& model);
+    void start_square_sums(model::CausalLM& model, const std::vector<size_t>& specs);
+    void ensure_square_sums(const model::CausalLM& model);
     // Whether the gradient is final as the backward stores it (no reduction will change it).
     bool final_in_backward(const model::ParamSpec& spec) const;
-    void reduce_specs(model::Qwen3Moe& model, const std::vector<size_t>& specs);
+    void reduce_specs(model::CausalLM& model, const std::vector<size_t>& specs);
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

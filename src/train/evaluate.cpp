@@ -6,7 +6,7 @@
 
 namespace mf::train {
 
-EvalResult evaluate(model::Qwen3Moe& model, const data::TokenDataset& ds, const EvalOptions& opt) {
+EvalResult evaluate(model::CausalLM& model, const data::TokenDataset& ds, const EvalOptions& opt) {
     if (opt.micro_batch < 1) fail("evaluation: micro_batch must be >= 1, got ", opt.micro_batch);
     if (opt.seq_len < 2) fail("evaluation: seq_len must be >= 2 (one target needs two tokens), got ", opt.seq_len);
     if (ds.docs.empty()) fail("evaluation: the dataset has no documents");
@@ -28,10 +28,10 @@ EvalResult evaluate(model::Qwen3Moe& model, const data::TokenDataset& ds, const 
     if (r.targets == 0)
         fail("evaluation: none of the ", r.documents, " documents has a target token within its first ", opt.seq_len,
              " tokens");
-    const model::Qwen3MoeConfig& cfg = model.config();
+    const model::ModelSpec& cfg = model.spec();
     r.ce_loss = r.ce_sum / static_cast<double>(r.targets);
     r.aux_loss = aux_sum / static_cast<double>(r.batches);
-    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
+    const bool add_aux = cfg.adds_aux_loss();
     r.loss = r.ce_loss + (add_aux ? cfg.router_aux_loss_coef * r.aux_loss : 0.0);
     return r;
 }

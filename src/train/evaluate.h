@@ -2,7 +2,7 @@
 //
 // The documents go once, in file order, through a single-pass data::Loader with the training
 // packing (data/loader.h): rows of seq_len tokens, micro_batch rows per forward pass, documents
-// longer than seq_len cut there. Each batch is a forward only (Qwen3Moe::step with null scales):
+// longer than seq_len cut there. Each batch is a forward only (CausalLM::step with null scales):
 // parameters, gradients and the optimizer are untouched, so the trainer may call this between
 // steps. Memory is that of one micro-batch, whatever the dataset's size.
 //
@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "data/token_dataset.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 
 namespace mf::train {
 
@@ -37,6 +37,6 @@ struct EvalResult {
 
 // An mf::Error when the dataset is empty, the options are out of range, or no document has a
 // target token within seq_len.
-EvalResult evaluate(model::Qwen3Moe& model, const data::TokenDataset& ds, const EvalOptions& opt);
+EvalResult evaluate(model::CausalLM& model, const data::TokenDataset& ds, const EvalOptions& opt);
 
 }  // namespace mf::train

@@ -1,11 +1,13 @@
 #include "train/hf_checkpoint.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
 #include "core/bf16.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "model/arch/architecture.h"
 
 namespace mf::train {
 
@@ -15,11 +17,13 @@ namespace {
 
 constexpr size_t kMaxConfigBytes = 4u << 20;
 
-// "model.layers.7.mlp.experts.gate_up_proj" -> "model.layers.7.mlp.experts."
-bool is_stacked(const model::ParamSpec& s) { return s.is_expert; }
+bool is_stacked(const model::ParamSpec& s) { return !s.storage.expert_pieces.empty(); }
 
-std::string expert_prefix(const std::string& stacked_name) {
-    return stacked_name.substr(0, stacked_name.rfind('.') + 1);
+// "model.layers.3.mlp.experts.{}.gate_proj.weight" with the expert's index in place of "{}".
+std::string expert_piece_name(const std::string& pattern, int64_t expert) {
+    const size_t at = pattern.find("{}");
+    MF_CHECK(at != std::string::npos, "expert storage pattern without {}: ", pattern);
+    return pattern.substr(0, at) + std::to_string(expert) + pattern.substr(at + 2);
 }
 
 }  // namespace
@@ -31,12 +35,12 @@ const std::vector<std::string>& tokenizer_file_names() {
     return names;
 }
 
-model::Qwen3MoeConfig read_hf_config(const fs::path& dir, json::Value* raw) {
+model::ModelSpec read_hf_config(const fs::path& dir, json::Value* raw) {
     const fs::path file = dir / "config.json";
     if (!fs::is_directory(dir)) fail(dir.string(), ": not a model directory (missing or not a directory)");
     const std::string text = io::read_text_file(file, kMaxConfigBytes);
     json::Value cfg = json::parse(text, file.string());
-    model::Qwen3MoeConfig c = model::Qwen3MoeConfig::from_json(cfg, file.string());
+    model::ModelSpec c = model::parse_model_config(cfg, file.string());
     if (raw != nullptr) *raw = std::move(cfg);
     return c;
 }
@@ -48,73 +52,74 @@ struct HfTensor {
     std::string name;
     Shape shape;
     int64_t offset;  // elements into the flat buffer
+    size_t spec;     // the parameter it is (part of), an index into the table's specs()
 };
 
-// The HF tensors of a table, per-expert (what transformers writes), in parameter-table order. For
+// The HF tensors of a table as checkpoints store them (ParamStorage), in parameter-table order. For
 // a sharded table only the rank's experts appear (named by their global index, at local offsets).
-std::vector<HfTensor> hf_layout(const model::Qwen3MoeConfig& cfg, const model::ParamTable& table) {
+std::vector<HfTensor> hf_layout(const model::ParamTable& table) {
     std::vector<HfTensor> out;
-    const int64_t I = cfg.moe_intermediate_size, H = cfg.hidden_size;
-    for (const auto& spec : table.specs()) {
+    for (size_t i = 0; i < table.specs().size(); ++i) {
+        const model::ParamSpec& spec = table.specs()[i];
         if (!is_stacked(spec)) {
-            out.push_back({spec.name, spec.shape, spec.offset});
+            out.push_back({spec.disk_name(), spec.shape, spec.offset, i});
             continue;
         }
-        const std::string prefix = expert_prefix(spec.name);
-        const bool gate_up = spec.name.ends_with("gate_up_proj");
-        for (int64_t j = 0; j < spec.shape[0]; ++j) {
-            const std::string ep = prefix + std::to_string(spec.expert_first + j) + ".";
-            if (gate_up) {
-                out.push_back({ep + "gate_proj.weight", {I, H}, spec.offset + j * 2 * I * H});
-                out.push_back({ep + "up_proj.weight", {I, H}, spec.offset + j * 2 * I * H + I * H});
-            } else {
-                out.push_back({ep + "down_proj.weight", {H, I}, spec.offset + j * H * I});
-            }
-        }
+        // Each expert's [rows, ...] slice is the pieces stacked along its rows, in order.
+        const auto& pieces = spec.storage.expert_pieces;
+        const int64_t per_expert = spec.numel / spec.shape[0];
+        const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+        MF_CHECK(spec.shape.size() == 3 && spec.shape[1] % num_pieces == 0, spec.name, ": ", num_pieces,
+                 " pieces do not split shape ", shape_str(spec.shape));
+        const Shape piece_shape = {spec.shape[1] / num_pieces, spec.shape[2]};
+        const int64_t piece_numel = shape_numel(piece_shape);
+        for (int64_t j = 0; j < spec.shape[0]; ++j)
+            for (int64_t k = 0; k < num_pieces; ++k)
+                out.push_back({expert_piece_name(pieces[static_cast<size_t>(k)], spec.expert_first + j), piece_shape,
+                               spec.offset + j * per_expert + k * piece_numel, i});
     }
     return out;
 }
 
 }  // namespace
 
-std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value* raw_config,
+std::unique_ptr<model::CausalLM> load_hf_model(const fs::path& dir, json::Value* raw_config,
                                                model::ModelPlacement placement) {
-    model::Qwen3MoeConfig cfg = read_hf_config(dir, raw_config);
+    model::ModelSpec spec = read_hf_config(dir, raw_config);
     const io::ModelWeights weights = io::ModelWeights::open(dir);
-    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+    const model::ParamTable table = model::model_param_table(spec);
     // First a count: the per-expert layout below has an entry per expert and layer, each needing at
     // least one value, so a config naming millions of tiny experts over a small file is refused here
     // instead of costing minutes and gigabytes before the first missing tensor is noticed.
     uint64_t held = 0, entries = 0;
     for (const io::SafetensorsFile& f : weights.files())
         for (const io::StTensor& t : f.tensors()) held += t.nbytes / io::st_dtype_size(t.dtype);
-    const uint64_t num_experts = static_cast<uint64_t>(cfg.num_experts);
-    for (const auto& spec : table.specs())
-        entries += !is_stacked(spec) ? 1 : num_experts * (spec.name.ends_with("gate_up_proj") ? 2 : 1);
+    for (const auto& s : table.specs())
+        entries += !is_stacked(s) ? 1 : static_cast<uint64_t>(s.experts_total) * s.storage.expert_pieces.size();
     if (entries > held)
-        fail(dir.string(), ": config.json describes ", entries, " tensors (", cfg.num_experts, " experts in ",
-             cfg.num_hidden_layers, " layers) but the weights hold only ", held, " values");
+        fail(dir.string(), ": config.json describes ", entries, " tensors (", spec.num_experts(), " experts in ",
+             spec.num_layers(), " layers) but the weights hold only ", held, " values");
 
     // Every tensor is located and shape-checked before anything of the model's size is allocated,
     // so a config describing a huge model over small files fails with the tensor named.
     struct Source {
-        const HfTensor* dst;
-        std::string name;  // the checkpoint's name (per-expert, or the v5 stacked spelling)
+        std::string name;  // the checkpoint's name
         Shape shape;
     };
     std::vector<Source> sources;
     std::set<std::string> used;
-    const std::vector<HfTensor> layout = hf_layout(cfg, table);
-    std::vector<HfTensor> stacked;  // v5 spelling: one tensor per stacked parameter
-    for (const auto& spec : table.specs())
-        if (is_stacked(spec) && weights.find(spec.name) != nullptr) stacked.push_back({spec.name, spec.shape, spec.offset});
-    for (const auto& t : stacked) sources.push_back({&t, t.name, t.shape});
-    for (const auto& t : layout) {
-        bool covered = false;
-        for (const auto& st : stacked)
-            covered = covered || (t.offset >= st.offset && t.offset < st.offset + shape_numel(st.shape));
-        if (!covered) sources.push_back({&t, t.name, t.shape});
-    }
+    // Stacked parameters in the v5 spelling (one tensor under the engine's name), and parameters of a
+    // renamed module under the engine's name, are read as such; everything else as the layout says.
+    std::vector<std::string> whole;  // engine names read whole
+    for (const auto& s : table.specs())
+        if ((is_stacked(s) || s.disk_name() != s.name) && weights.find(s.name) != nullptr) whole.push_back(s.name);
+    auto read_whole = [&whole](const std::string& name) {
+        return std::find(whole.begin(), whole.end(), name) != whole.end();
+    };
+    for (const auto& s : table.specs())
+        if (read_whole(s.name)) sources.push_back({s.name, s.global_shape()});
+    for (const auto& t : hf_layout(table))
+        if (!read_whole(table.specs()[t.spec].name)) sources.push_back({t.name, t.shape});
     for (const auto& src : sources) {
         const io::StTensor* t = weights.find(src.name);
         if (t == nullptr) fail(dir.string(), ": tensor \"", src.name, "\" is missing (needed by config.json)");
@@ -126,36 +131,36 @@ std::unique_ptr<model::Qwen3Moe> load_hf_model(const fs::path& dir, json::Value*
     for (const auto& name : weights.names()) {
         if (used.count(name)) continue;
         // HF drops a tied lm_head on save, but a checkpoint that still has it is fine.
-        if (name == "lm_head.weight" && cfg.tie_word_embeddings) continue;
-        fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this qwen3_moe model (",
-             cfg.num_hidden_layers, " layers, ", cfg.num_experts, " experts)");
+        if (name == "lm_head.weight" && spec.tie_word_embeddings) continue;
+        fail(dir.string(), ": tensor \"", name, "\" is not a parameter of this ", spec.model_type, " model (",
+             spec.num_layers(), " layers, ", spec.num_experts(), " experts)");
     }
 
     // Everything checked against the whole model; now read what this rank holds (its experts).
-    auto m = std::make_unique<model::Qwen3Moe>(std::move(cfg), placement);
+    auto m = std::make_unique<model::CausalLM>(std::move(spec), placement);
     const model::ParamTable& local = m->params();
     std::vector<float> host(static_cast<size_t>(m->num_params()));
-    for (const auto& spec : local.specs()) {
-        if (is_stacked(spec) && weights.find(spec.name) != nullptr)  // v5 spelling: the rank's rows of it
-            weights.read_f32_rows(spec.name, spec.global_shape(), spec.expert_first, spec.shape[0],
-                                  host.data() + spec.offset);
+    for (const auto& s : local.specs()) {
+        if (!read_whole(s.name)) continue;
+        if (s.is_expert)  // v5 spelling: the rank's rows of it
+            weights.read_f32_rows(s.name, s.global_shape(), s.expert_first, s.shape[0], host.data() + s.offset);
+        else
+            weights.read_f32(s.name, s.shape, host.data() + s.offset);
     }
-    for (const auto& t : hf_layout(m->config(), local)) {
-        if (weights.find(t.name) == nullptr) continue;  // inside a stacked tensor read above
-        weights.read_f32(t.name, t.shape, host.data() + t.offset);
-    }
+    for (const auto& t : hf_layout(local))
+        if (!read_whole(local.specs()[t.spec].name)) weights.read_f32(t.name, t.shape, host.data() + t.offset);
     m->set_params_from_host(host.data());
     return m;
 }
 
-io::StDType export_dtype(const model::Qwen3MoeConfig& cfg) {
+io::StDType export_dtype(const model::ModelSpec& cfg) {
     if (cfg.dtype == "bfloat16") return io::StDType::BF16;
     if (cfg.dtype == "float16") return io::StDType::F16;
     return io::StDType::F32;
 }
 
-uint64_t export_bytes(const model::Qwen3MoeConfig& cfg) {
-    return static_cast<uint64_t>(model::qwen3_moe_param_table(cfg).total()) *
+uint64_t export_bytes(const model::ModelSpec& cfg) {
+    return static_cast<uint64_t>(model::model_param_table(cfg).total()) *
            static_cast<uint64_t>(io::st_dtype_size(export_dtype(cfg)));
 }
 
@@ -166,18 +171,18 @@ bool is_weight_file_name(const std::string& name) {
            name.substr(11, 4) == "-of-";
 }
 
-void save_hf_model(const fs::path& dir, model::Qwen3Moe& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
+void save_hf_model(const fs::path& dir, model::CausalLM& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
                    size_t max_shard_bytes) {
     MF_CHECK(!m.expert_shard().sharded(), "save_hf_model: this model holds one expert shard; gather the full "
                                           "model through a ParamSource (DistContext::export_source)");
     std::vector<float> host(static_cast<size_t>(m.num_params()));
     m.get_params_to_host(host.data());
-    save_hf_model(dir, m.config(), host, raw_config, tokenizer_dir, max_shard_bytes);
+    save_hf_model(dir, m.spec(), host, raw_config, tokenizer_dir, max_shard_bytes);
 }
 
-void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const std::vector<float>& host,
+void save_hf_model(const fs::path& dir, const model::ModelSpec& cfg, const std::vector<float>& host,
                    const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
-    const int64_t total = model::qwen3_moe_param_table(cfg).total();
+    const int64_t total = model::model_param_table(cfg).total();
     MF_CHECK(static_cast<int64_t>(host.size()) == total, "save_hf_model: ", host.size(), " parameters given, the model has ",
              total);
     const ParamSource source = [&host](int64_t offset, int64_t n, float* out) {
@@ -186,17 +191,17 @@ void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const 
     save_hf_model(dir, cfg, source, raw_config, tokenizer_dir, max_shard_bytes);
 }
 
-void save_hf_model(const fs::path& dir, const model::Qwen3MoeConfig& cfg, const ParamSource& source,
+void save_hf_model(const fs::path& dir, const model::ModelSpec& cfg, const ParamSource& source,
                    const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
     json::Value config = raw_config != nullptr ? *raw_config : cfg.to_json();
     const io::StDType dtype = export_dtype(cfg);
-    const model::ParamTable table = model::qwen3_moe_param_table(cfg);
+    const model::ParamTable table = model::model_param_table(cfg);
 
     // Each tensor is produced when the writer reaches it (in this order): fetched as f32 from the
     // source, converted into the writer's buffer.
     std::vector<float> f32;  // staging for bf16 output (reused)
     std::vector<io::StWriteTensor> tensors;
-    for (const auto& t : hf_layout(cfg, table)) {
+    for (const auto& t : hf_layout(table)) {
         const int64_t n = shape_numel(t.shape), offset = t.offset;
         io::StWriteTensor w{t.name, dtype, t.shape, nullptr};
         w.fill = [&source, &f32, dtype, offset, n](void* out) {

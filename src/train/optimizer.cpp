@@ -47,7 +47,7 @@ void from_host_f32(const Tensor& t, const float* in) {
 
 }  // namespace
 
-AdamW::AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed, parallel::Communicator* replicated_group,
+AdamW::AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed, parallel::Communicator* replicated_group,
              parallel::Communicator* expert_group)
     : model_(model), optim_(optim), total_(model.num_params()) {
     const int64_t split = model.params().expert_offset();
@@ -215,7 +215,7 @@ void AdamW::set_state(const std::vector<float>& master, const std::vector<float>
     });
 }
 
-std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& sums, const std::vector<bool>& done) {
+std::vector<double> gradient_square_sums(model::CausalLM& model, const Tensor& sums, const std::vector<bool>& done) {
     const auto& specs = model.params().specs();
     const int64_t n = static_cast<int64_t>(specs.size());
     Buffer own;
@@ -246,7 +246,7 @@ void gradient_square_sums_to(const Tensor& sums, const Tensor& grads, const std:
     ops::sum_squares_to(sums, slots, parts);
 }
 
-double grad_norm(model::Qwen3Moe& model, DistContext* dist) {
+double grad_norm(model::CausalLM& model, DistContext* dist) {
     const std::vector<double> sums = dist != nullptr ? dist->gradient_square_sums(model) : gradient_square_sums(model);
     const auto& specs = model.params().specs();
     double replicated = 0, experts = 0;

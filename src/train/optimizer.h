@@ -12,7 +12,7 @@
 // ZeRO-1: the optimizer state of each parameter is sharded over the ranks holding that parameter
 // (its replica group): the replicated region of the flat buffer (param_table.h) over
 // `replicated_group` (the world), the expert region over `expert_group` (the DP group; without EP
-// also the world). A region is cut into segments, one per forward stage (Qwen3Moe::param_stage: the
+// also the world). A region is cut into segments, one per forward stage (CausalLM::param_stage: the
 // embedding, each layer's parameters of that region, the final norm and head), and a segment of P
 // elements over a group of D ranks into D contiguous chunks (rank r owns [r·C, (r+1)·C) of it,
 // C = ⌈P/D⌉ rounded up to 64 elements, the last one shorter); each rank keeps m, v (and the master)
@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "parallel/communicator.h"
 #include "train/recipe.h"
 
@@ -47,7 +47,7 @@ class AdamW {
     // `mixed`: keep fp32 master weights and moments (GPU only; on the CPU everything is fp32 anyway).
     // The groups: shard the state of each region over it (ZeRO-1, above); null or size 1: this rank
     // keeps that region's state whole.
-    AdamW(model::Qwen3Moe& model, const Recipe::Optim& optim, bool mixed,
+    AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed,
           parallel::Communicator* replicated_group = nullptr, parallel::Communicator* expert_group = nullptr);
     ~AdamW();  // orders the model's stream after the writes still pending (see step)
     AdamW(const AdamW&) = delete;
@@ -88,7 +88,7 @@ class AdamW {
     // group's chunks.
     struct Segment {
         int64_t begin = 0, end = 0;
-        int64_t stage = 0;  // Qwen3Moe::param_stage
+        int64_t stage = 0;  // CausalLM::param_stage
         int region = 0;
         int64_t chunk = 0;  // elements per rank
         std::vector<size_t> specs;  // the parameters in it (indices into the table's specs)
@@ -99,7 +99,7 @@ class AdamW {
     template <typename F>
     void for_owned(F&& f) const;
 
-    model::Qwen3Moe& model_;
+    model::CausalLM& model_;
     Recipe::Optim optim_;
     int64_t total_;
     Region regions_[2];  // replicated, experts
@@ -118,14 +118,14 @@ class AdamW {
 // group, so every rank gets the same norm.
 // The sums come per parameter tensor (gradient_square_sums), added in table order in double, so the
 // norm does not depend on where each was computed.
-double grad_norm(model::Qwen3Moe& model, DistContext* dist = nullptr);
+double grad_norm(model::CausalLM& model, DistContext* dist = nullptr);
 
 // Σ g² of each parameter's gradient, one double per spec in table order (each the value
 // ops::sum_squares gives for that tensor), read back to the host at once. `sums` (f64 [specs] on the
 // model's device, or undefined for a scratch of its own) receives them; the specs marked in `done`
 // were filled there already (in the background during the backward, DistContext) and are not
 // computed again.
-std::vector<double> gradient_square_sums(model::Qwen3Moe& model, const Tensor& sums = Tensor(),
+std::vector<double> gradient_square_sums(model::CausalLM& model, const Tensor& sums = Tensor(),
                                          const std::vector<bool>& done = {});
 // sums[i] = Σ g² of parameter i's gradient for each i in `which` (grads: the model's gradient
 // buffer; sums: f64 [specs] on its device), in one ops::sum_squares_to call, left on the device.

@@ -18,7 +18,7 @@
 #include "data/sft_dataset.h"
 #include "data/token_dataset.h"
 #include "io/file.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "text/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
@@ -100,7 +100,7 @@ struct Run {
     fs::path model_dir, out, ckpt_root;
     json::Value raw_config;
     std::unique_ptr<io::DirLock> lock;  // rank 0: OUT, for the whole run
-    std::unique_ptr<model::Qwen3Moe> model;
+    std::unique_ptr<model::CausalLM> model;
     data::TokenDataset dataset;
     data::DatasetSummary data_summary;
     data::TokenDataset eval_dataset;  // eval.data, when set
@@ -167,7 +167,7 @@ void sweep_temporaries(const fs::path& out) {
 }
 
 // Rank 0: OUT checked (train/output_dir.h) and locked before anything is loaded or written.
-void claim_output_dir(Run& run, const model::Qwen3MoeConfig& cfg, const ResumeOptions& resume) {
+void claim_output_dir(Run& run, const model::ModelSpec& cfg, const ResumeOptions& resume) {
     const Recipe& r = run.recipe;
     on_main_agreed(run, [&] {
         OutputCheck check;
@@ -176,7 +176,7 @@ void claim_output_dir(Run& run, const model::Qwen3MoeConfig& cfg, const ResumeOp
         check.export_bytes = export_bytes(cfg);
         if (r.checkpoint.every > 0)
             check.checkpoint_bytes = static_cast<uint64_t>(r.checkpoint.keep + 1) *
-                                     static_cast<uint64_t>(model::qwen3_moe_param_table(cfg).total()) * 12u;
+                                     static_cast<uint64_t>(model::model_param_table(cfg).total()) * 12u;
         run.out = check_output_dir(r.out, check);
         if (resume.from == "auto" && !fs::is_directory(run.out))
             fail("--resume: ", r.out, " does not exist, so there is no checkpoint to resume from");
@@ -232,9 +232,9 @@ void setup(Run& run, const ResumeOptions& resume) {
     run.logs = run.is_main || recipe.dist.log_ranks == "all";
     run.who = dist.distributed() && recipe.dist.log_ranks == "all" ? "[rank " + std::to_string(dist.rank()) + "] " : "";
     run.model_dir = recipe.model;
-    const model::Qwen3MoeConfig cfg = read_hf_config(run.model_dir);
-    if (dist.ep_size() > 1 && (cfg.num_experts == 0 || cfg.num_experts % dist.ep_size() != 0))
-        fail(recipe.source, ": dist.ep_size = ", dist.ep_size(), " must divide the model's ", cfg.num_experts,
+    const model::ModelSpec cfg = read_hf_config(run.model_dir);
+    if (dist.ep_size() > 1 && (cfg.num_experts() == 0 || cfg.num_experts() % dist.ep_size() != 0))
+        fail(recipe.source, ": dist.ep_size = ", dist.ep_size(), " must divide the model's ", cfg.num_experts(),
              " experts");
     claim_output_dir(run, cfg, resume);
     const std::optional<fs::path> ckpt = resume_checkpoint(resume, run.ckpt_root);
@@ -243,19 +243,19 @@ void setup(Run& run, const ResumeOptions& resume) {
     model::ModelPlacement placement{run.device, run.device == Device::cuda && !run.mixed ? DType::bf16 : DType::f32,
                                     dist.expert_shard()};
     run.model = load_hf_model(run.model_dir, &run.raw_config, placement);
-    model::Qwen3Moe& model = *run.model;
+    model::CausalLM& model = *run.model;
     model.set_recompute(model::parse_recompute(recipe.train.recompute));
     if (dist.ep_size() > 1) model.set_expert_parallel(dist.ep_group(), recipe.dist.ep_chunks);
     dist.gather_embedding_grads(model);
 
-    run.dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size);
+    run.dataset = read_dataset(recipe, run.model_dir, model.spec().vocab_size);
     run.data_summary = data::prepare_documents(run.dataset, recipe.train.seq_len, recipe.data.train);
     run.loader = std::make_unique<data::Loader>(
         &run.dataset.docs, recipe.train.seq_len, recipe.train.micro_batch, recipe.data.packing, recipe.data.shuffle,
         static_cast<uint64_t>(recipe.seed), 0, data::LoaderShard{dist.rank(), dist.world_size()});
     run.data_summary.packing = run.loader->measure_epoch();
     if (!recipe.eval.data.empty())
-        run.eval_dataset = read_dataset(recipe, run.model_dir, model.config().vocab_size, recipe.eval.data);
+        run.eval_dataset = read_dataset(recipe, run.model_dir, model.spec().vocab_size, recipe.eval.data);
     run.layout = CheckpointLayout{dist.world_size(), dist.ep_size(), dist.rank()};
     run.optimizer = std::make_unique<AdamW>(model, recipe.optim, run.mixed,
                                             recipe.dist.shard_optimizer ? dist.group(Group::world) : nullptr,
@@ -288,7 +288,7 @@ void setup(Run& run, const ResumeOptions& resume) {
 
 void print_start(const Run& run) {
     const Recipe& recipe = run.recipe;
-    const model::Qwen3Moe& model = *run.model;
+    const model::CausalLM& model = *run.model;
     if (run.is_main)
         std::printf(
             "moeforge finetune: %s | %lld params (%lld active) | %lld steps x %lld x %lld tokens x %lld accum | "
@@ -352,10 +352,10 @@ void save_run_checkpoint(Run& run, int64_t step) {
 // this same step).
 StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
     const Recipe& recipe = run.recipe;
-    model::Qwen3Moe& model = *run.model;
+    model::CausalLM& model = *run.model;
     DistContext& dist = *run.dist;
-    const auto& cfg = model.config();
-    const bool add_aux = cfg.output_router_logits && cfg.num_experts > 0;
+    const auto& cfg = model.spec();
+    const bool add_aux = cfg.adds_aux_loss();
     const auto t0 = Clock::now();
     int64_t local_targets = 0;
     {
@@ -532,7 +532,7 @@ int train_loop(Run& run, TrainSummary& summary) {
 // ranks hand over their experts tensor by tensor as the writer reaches them
 // (DistContext::export_source / serve_export).
 void export_run(Run& run, TrainSummary& summary) {
-    model::Qwen3Moe& model = *run.model;
+    model::CausalLM& model = *run.model;
     DistContext& dist = *run.dist;
     std::vector<float> local_params;
     if (run.is_main || dist.serves_export()) {
@@ -552,7 +552,7 @@ void export_run(Run& run, TrainSummary& summary) {
                     run.dataset.first_skip_reason.c_str());
     {
         io::StagedFiles staged(run.out, kExportRecord);
-        save_hf_model(staged.staging(), model.config(), dist.export_source(model, local_params), &run.raw_config,
+        save_hf_model(staged.staging(), model.spec(), dist.export_source(model, local_params), &run.raw_config,
                       run.model_dir);
         staged.commit({"config.json"});
     }

@@ -11,7 +11,8 @@
 #include "core/json.h"
 #include "io/file.h"
 #include "io/safetensors.h"
-#include "model/qwen3_moe.h"
+#include "model/arch/architecture.h"
+#include "model/causal_lm.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
 
@@ -34,7 +35,7 @@ json::Value base_config() {
 
 std::string error_of(const json::Value& cfg) {
     try {
-        model::Qwen3MoeConfig::from_json(cfg, "cfg/config.json");
+        model::parse_model_config(cfg, "cfg/config.json");
     } catch (const Error& e) {
         return e.what();
     }
@@ -43,7 +44,7 @@ std::string error_of(const json::Value& cfg) {
 
 TEST(Config, BothSpellings) {
     json::Value a = base_config();
-    const auto ca = model::Qwen3MoeConfig::from_json(a, "a");
+    const auto ca = model::parse_model_config(a, "a");
     json::Value b = base_config();
     b.as_object().erase(
         std::remove_if(b.as_object().begin(), b.as_object().end(),
@@ -54,9 +55,9 @@ TEST(Config, BothSpellings) {
     rope.set("rope_theta", json::Value(10000.0));
     rope.set("rope_type", "default");
     b.set("rope_parameters", rope);
-    const auto cb = model::Qwen3MoeConfig::from_json(b, "b");
-    EXPECT_EQ(ca.num_experts, cb.num_experts);
-    EXPECT_EQ(ca.rope_theta, cb.rope_theta);
+    const auto cb = model::parse_model_config(b, "b");
+    EXPECT_EQ(ca.num_experts(), cb.num_experts());
+    EXPECT_EQ(ca.layers[0].branches[0].attention.rope_theta, cb.layers[0].branches[0].attention.rope_theta);
     EXPECT_EQ(ca.hash(), cb.hash());
     EXPECT_FALSE(ca.is_moe_layer(0));
     EXPECT_TRUE(ca.is_moe_layer(1));
@@ -64,14 +65,14 @@ TEST(Config, BothSpellings) {
     const fs::path shared =
         fs::path(test::fixtures_dir()) / ".." / ".." / ".." / "shared" / "configs" / "qwen3-30b-a3b.json";
     if (fs::exists(shared)) {
-        const auto c = model::Qwen3MoeConfig::from_json(
-            json::parse(io::read_text_file(shared, 1 << 20), shared.string()), shared.string());
-        const auto table = model::qwen3_moe_param_table(c);
+        json::Value raw = json::parse(io::read_text_file(shared, 1 << 20), shared.string());
+        const auto c = model::parse_model_config(raw, shared.string());
+        const auto table = model::model_param_table(c);
         EXPECT_NEAR(static_cast<double>(table.total()), 30.53e9, 0.01e9);
-        EXPECT_NEAR(model::qwen3_moe_flops_per_token(c, 4096), 23.1e9, 0.1e9);
-        auto c4 = c;
-        c4.num_hidden_layers = 4;
-        EXPECT_NEAR(model::qwen3_moe_flops_per_token(c4, 4096), 3.64e9, 0.01e9);  // BENCHMARKS.md P1
+        EXPECT_NEAR(model::model_flops_per_token(c, 4096), 23.1e9, 0.1e9);
+        raw.set("num_hidden_layers", 4);
+        const auto c4 = model::parse_model_config(raw, shared.string());
+        EXPECT_NEAR(model::model_flops_per_token(c4, 4096), 3.64e9, 0.01e9);  // BENCHMARKS.md P1
     }
 }
 
@@ -84,7 +85,7 @@ struct BadCase {
 
 TEST(Config, RejectsBadValues) {
     const std::vector<BadCase> cases = {
-        {"model_type", json::Value("llama"), false, "unsupported model_type \"llama\" (supported: qwen3_moe)"},
+        {"model_type", json::Value("llama"), false, "unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe)"},
         {"vocab_size", json::Value(), true, "missing required field \"vocab_size\""},
         {"hidden_size", json::Value(-8), false, "\"hidden_size\" must be >= 1"},
         {"hidden_size", json::Value("8"), false, "\"hidden_size\" must be an integer, got string"},
@@ -130,8 +131,8 @@ class BadModelDir : public ::testing::Test {
  protected:
     void SetUp() override {
         dir_ = test::temp_dir("badmodel");
-        cfg_ = model::Qwen3MoeConfig::from_json(base_config(), "base");
-        model::Qwen3Moe m(cfg_);
+        cfg_ = model::parse_model_config(base_config(), "base");
+        model::CausalLM m(cfg_);
         m.init_random(3, 0.1f);
         train::save_hf_model(dir_, m, nullptr, {});
         names_ = io::ModelWeights::open(dir_).names();
@@ -162,7 +163,7 @@ class BadModelDir : public ::testing::Test {
         return "";
     }
     fs::path dir_;
-    model::Qwen3MoeConfig cfg_;
+    model::ModelSpec cfg_;
     std::vector<std::string> names_;
 };
 

@@ -12,7 +12,8 @@
 #include "core/json.h"
 #include "data/dataset_summary.h"
 #include "data/loader.h"
-#include "model/qwen3_moe.h"
+#include "model/arch/architecture.h"
+#include "model/causal_lm.h"
 #include "test_util.h"
 #include "train/evaluate.h"
 
@@ -27,9 +28,9 @@ const char* kConfig = R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_s
   "norm_topk_prob": true, "tie_word_embeddings": false, "output_router_logits": true, "rms_norm_eps": 1e-6,
   "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "max_position_embeddings": 4096, "dtype": "float32"})";
 
-std::unique_ptr<model::Qwen3Moe> tiny_model() {
+std::unique_ptr<model::CausalLM> tiny_model() {
     auto m =
-        std::make_unique<model::Qwen3Moe>(model::Qwen3MoeConfig::from_json(json::parse(kConfig, "kConfig"), "kConfig"));
+        std::make_unique<model::CausalLM>(model::parse_model_config(json::parse(kConfig, "kConfig"), "kConfig"));
     m->init_random(11, 0.2f);
     return m;
 }

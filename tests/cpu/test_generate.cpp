@@ -23,7 +23,8 @@
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "model/generate.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
+#include "qwen3_config.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
 
@@ -75,17 +76,17 @@ float max_abs(const std::vector<float>& a) {
 // gap (1e-2), so a tie never decides a token.
 float hf_tolerance(const std::vector<float>& logits) { return 1e-5f * (1.0f + max_abs(logits)); }
 
-// Logits [T, V] of one forward over `ids` (Qwen3Moe::step, the training path).
-std::vector<float> full_forward_logits(model::Qwen3Moe& m, const std::vector<int32_t>& ids) {
+// Logits [T, V] of one forward over `ids` (CausalLM::step, the training path).
+std::vector<float> full_forward_logits(model::CausalLM& m, const std::vector<int32_t>& ids) {
     const data::Batch b = data::make_row_batch({ids}, {}, static_cast<int64_t>(ids.size()), 0);
-    std::vector<float> logits(ids.size() * static_cast<size_t>(m.config().vocab_size));
+    std::vector<float> logits(ids.size() * static_cast<size_t>(m.spec().vocab_size));
     m.step(b, nullptr, logits.data());
     return logits;
 }
 
 // Decodes `ids` in chunks (chunk sizes from `chunks`, then one token at a time) and returns the
 // logits of every position, [T, V].
-std::vector<float> cached_logits(const model::Qwen3Moe& m, const std::vector<int32_t>& ids,
+std::vector<float> cached_logits(const model::CausalLM& m, const std::vector<int32_t>& ids,
                                  const std::vector<int64_t>& chunks, model::DecodeAttention attention) {
     const int64_t T = static_cast<int64_t>(ids.size());
     const int64_t largest = std::max<int64_t>(1, chunks.empty() ? 1 : *std::max_element(chunks.begin(), chunks.end()));
@@ -112,7 +113,7 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnFixtureModel) {
     std::vector<int32_t> seq = ids_of(e, "prompt_ids");
     for (int32_t t : ids_of(e, "output_ids")) seq.push_back(t);
     const std::vector<float> full = full_forward_logits(*m, seq);
-    const size_t V = static_cast<size_t>(m->config().vocab_size);
+    const size_t V = static_cast<size_t>(m->spec().vocab_size);
     // HF's float64 forward over the same sequence: our fp32 forward agrees within fp32 rounding.
     const auto hf = rows_of(case_dir("ids") / "expected.safetensors", "full_logits");
     ASSERT_EQ(hf.size(), seq.size());
@@ -143,7 +144,7 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnFixtureModel) {
 TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnRandomModel) {
     // Tied embeddings, norm_topk_prob off, a dense first layer, GQA 8:2, head_dim 32 (lane_dot's
     // blocks and its tail), random weights from the engine's own init.
-    model::Qwen3MoeConfig c;
+    test::Qwen3Config c;
     c.vocab_size = 97;
     c.hidden_size = 48;
     c.intermediate_size = 40;
@@ -158,7 +159,7 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnRandomModel) {
     c.norm_topk_prob = false;
     c.tie_word_embeddings = true;
     c.max_position_embeddings = 128;
-    model::Qwen3Moe m(c);
+    model::CausalLM m(c);
     m.init_random(5, 0.2f);
     std::vector<int32_t> seq;
     for (int i = 0; i < 37; ++i) seq.push_back((i * 31 + 7) % 97);
@@ -172,10 +173,11 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardOnRandomModel) {
 
 TEST(GenerateKvCache, CacheIsAllocatedOnceAndBounded) {
     auto m = train::load_hf_model(case_dir("ids") / "model");
-    const auto& c = m->config();
+    const auto& c = m->spec();
+    const auto& a = c.layers[0].branches[0].attention;
     model::KvCacheDecoder dec(*m, 12, 4);
     EXPECT_EQ(dec.cache_bytes(),
-              static_cast<size_t>(c.num_hidden_layers * 2 * 12 * c.num_key_value_heads * c.head_dim) * sizeof(float));
+              static_cast<size_t>(c.num_layers() * 2 * 12 * a.num_kv_heads * a.head_dim) * sizeof(float));
     EXPECT_TRUE(dec.uses_cached_attention());
     const std::vector<int32_t> four = {1, 2, 3, 4}, five = {1, 2, 3, 4, 5};
     EXPECT_THROW(dec.forward(five), Error);  // more than max_chunk

@@ -15,7 +15,7 @@
 #include "data/batch.h"
 #include "io/file.h"
 #include "io/safetensors.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "ops/ops.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
@@ -55,7 +55,7 @@ TEST_P(HfParity, LossLogitsGradients) {
     const fs::path dir = fs::path(test::fixtures_dir()) / "hf" / GetParam();
     Fixture f = load_fixture(dir);
     auto m = train::load_hf_model(dir / "model");
-    const auto& cfg = m->config();
+    const auto& cfg = m->spec();
     ASSERT_TRUE(cfg.output_router_logits);
 
     const int64_t N = f.batch.num_tokens();
@@ -105,7 +105,7 @@ TEST_P(HfParity, AdamWSteps) {
     o.weight_decay = opt.find("weight_decay")->as_double();
     train::AdamW adamw(*m, o, false);
     const auto& losses = f.expected.find("step_losses")->as_array();
-    const double coef = m->config().router_aux_loss_coef;
+    const double coef = m->spec().router_aux_loss_coef;
     const int64_t targets = f.batch.num_targets();
     for (size_t step = 0; step < losses.size(); ++step) {
         m->zero_grads();

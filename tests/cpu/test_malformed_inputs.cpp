@@ -21,7 +21,8 @@
 #include "core/json.h"
 #include "data/token_dataset.h"
 #include "io/safetensors.h"
-#include "model/qwen3_moe.h"
+#include "model/arch/architecture.h"
+#include "model/causal_lm.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
 
@@ -201,8 +202,8 @@ class MalformedModelDir : public ::testing::Test {
     static void SetUpTestSuite() {
         root_ = new fs::path(test::temp_dir("malformed_model"));
         // A valid model directory, single file and sharded, to copy and break.
-        const model::Qwen3MoeConfig cfg = model::Qwen3MoeConfig::from_json(json::parse(kConfig, "kConfig"), "kConfig");
-        model::Qwen3Moe m(cfg);
+        const model::ModelSpec cfg = model::parse_model_config(json::parse(kConfig, "kConfig"), "kConfig");
+        model::CausalLM m(cfg);
         m.init_random(5, 0.1f);
         const json::Value raw = json::parse(kConfig, "kConfig");
         fs::create_directories(*root_ / "good_single");

@@ -38,7 +38,8 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "model/attention_block.h"
 #include "model/ffn_blocks.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
+#include "qwen3_config.h"
 #include "train/optimizer.h"
 
 using namespace mf;
@@ -482,8 +483,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeBlockGrad,
 
 // --- whole model ---------------------------------------------------------------------------------
 
-Qwen3MoeConfig tiny_config(bool norm_topk, bool tie) {
-    Qwen3MoeConfig c;
+test::Qwen3Config tiny_config(bool norm_topk, bool tie) {
+    test::Qwen3Config c;
     c.vocab_size = 50;
     c.hidden_size = 16;
     c.intermediate_size = 12;
@@ -553,15 +554,15 @@ data::Batch packed_batch(uint64_t seed) {
     return b;
 }
 
-// Replays Qwen3Moe::step's forward with the public blocks on the model's parameters, to read the
+// Replays CausalLM::step's forward with the public blocks on the model's parameters, to read the
 // top-k expert sets of every MoE layer (step() does not expose them). Same kernels, same order, so
 // its ce_sum must equal step()'s bit for bit, which the test asserts.
 class RoutingProbe {
  public:
-    explicit RoutingProbe(Qwen3Moe& m) : m_(m), arena_(size_t{16} << 20, Device::cpu) {}
+    RoutingProbe(CausalLM& m, const test::Qwen3Config& c) : m_(m), c_(c), arena_(size_t{16} << 20, Device::cpu) {}
 
     std::vector<int32_t> run(const data::Batch& b, double* ce_sum) {
-        const Qwen3MoeConfig& c = m_.config();
+        const test::Qwen3Config& c = c_;
         const int64_t B = b.B, T = b.T, N = B * T, H = c.hidden_size;
         const AttentionDims ad{H,
                                c.num_attention_heads,
@@ -621,7 +622,8 @@ class RoutingProbe {
     }
 
  private:
-    Qwen3Moe& m_;
+    CausalLM& m_;
+    test::Qwen3Config c_;
     Arena arena_;
 };
 
@@ -637,7 +639,7 @@ class ModelGrad : public ::testing::TestWithParam<ModelCase> {};
 
 TEST_P(ModelGrad, FiniteDifferences) {
     const ModelCase tc = GetParam();
-    Qwen3Moe m(tiny_config(tc.norm_topk, tc.tie));
+    CausalLM m(tiny_config(tc.norm_topk, tc.tie));
     m.init_random(11 + 2 * tc.norm_topk + 4 * tc.tie, 0.3f);
     // Norm weights around 1 ± 0.2 instead of exactly 1, so their gradients are not special-cased.
     std::mt19937_64 rng(12345);
@@ -659,7 +661,7 @@ TEST_P(ModelGrad, FiniteDifferences) {
     EXPECT_GT(base.aux, 0.0);
     const std::vector<float> after(m.grad_data(), m.grad_data() + P);
 
-    RoutingProbe probe(m);
+    RoutingProbe probe(m, tiny_config(tc.norm_topk, tc.tie));
     double probe_ce = 0;
     const std::vector<int32_t> base_sets = probe.run(batch, &probe_ce);
     ASSERT_EQ(probe_ce, base.ce_sum) << "RoutingProbe does not replay step()'s forward";
@@ -698,7 +700,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, ModelGrad,
 // --- accumulation and determinism ----------------------------------------------------------------
 
 TEST(ModelGradAccumulation, TwoStepsAddUpAndZeroGradsResets) {
-    Qwen3Moe m(tiny_config(true, false));
+    CausalLM m(tiny_config(true, false));
     m.init_random(3, 0.3f);
     const data::Batch batch = packed_batch(5);
     const LossScales scales{1.0, 0.1 * static_cast<double>(batch.num_targets())};
@@ -751,12 +753,12 @@ TEST(ModelGradAccumulation, TwoStepsAddUpAndZeroGradsResets) {
     for (int64_t i = 0; i < P; ++i) ASSERT_EQ(m.grad_data()[i], 0.0f) << "zero_grads left entry " << i;
 }
 
-// The embedding gradient from gathered rows (Qwen3Moe::set_embedding_row_gather): a stand-in gather
+// The embedding gradient from gathered rows (CausalLM::set_embedding_row_gather): a stand-in gather
 // that hands back this process's rows twice, as two ranks holding the same batch would send them,
 // gives twice the dense gradient; every other gradient is untouched. Tied embeddings are refused.
 TEST(ModelEmbeddingRowGather, GatheredRowsAddUpLikeTheDensePath) {
-    const Qwen3MoeConfig cfg = tiny_config(true, false);
-    Qwen3Moe dense(cfg), gathered(cfg);
+    const test::Qwen3Config cfg = tiny_config(true, false);
+    CausalLM dense(cfg), gathered(cfg);
     dense.init_random(5, 0.3f);
     gathered.init_random(5, 0.3f);
     int calls = 0;
@@ -789,14 +791,14 @@ TEST(ModelEmbeddingRowGather, GatheredRowsAddUpLikeTheDensePath) {
             EXPECT_GT(scale, 0.0);
         }
     }
-    Qwen3Moe tied(tiny_config(true, true));
+    CausalLM tied(tiny_config(true, true));
     EXPECT_THROW(tied.set_embedding_row_gather([](const Tensor&, const Tensor&) {}, 2), Error);
 }
 
 // The global norm is per-tensor square sums added in table order: the same as one sum over the
 // whole buffer up to double rounding, and slots marked done are taken as they are.
 TEST(ModelGradNorm, PerTensorSumsAndPrefilledSlots) {
-    Qwen3Moe m(tiny_config(true, false));
+    CausalLM m(tiny_config(true, false));
     m.init_random(8, 0.3f);
     const LossScales scales{1.0, 0.1};
     m.step(row_batch(6), &scales);
@@ -828,12 +830,12 @@ TEST(ModelGradNorm, PerTensorSumsAndPrefilledSlots) {
     EXPECT_THROW(mf::train::gradient_square_sums(m, t, std::vector<bool>(3, false)), Error);
 }
 
-// The expert gradients' square sums formed by the backward (Qwen3Moe::set_grad_square_sums): only
+// The expert gradients' square sums formed by the backward (CausalLM::set_grad_square_sums): only
 // the flagged stacked expert specs are filled, with the sums a separate pass gives, on both the
 // written (after zero_grads) and the accumulated backward; a second step's sums are of the
 // accumulated gradient; a slot table of the wrong size is refused.
 TEST(ModelGradNorm, BackwardFormedExpertSquareSums) {
-    Qwen3Moe m(tiny_config(true, false));
+    CausalLM m(tiny_config(true, false));
     m.init_random(8, 0.3f);
     const LossScales scales{1.0, 0.1};
     const auto& specs = m.params().specs();
@@ -867,8 +869,8 @@ TEST(ModelGradNorm, BackwardFormedExpertSquareSums) {
 
 TEST(ModelGradDeterminism, SameSeedSameBits) {
     for (const bool packed : {false, true}) {
-        const Qwen3MoeConfig cfg = tiny_config(packed, !packed);
-        Qwen3Moe a(cfg), b(cfg);
+        const test::Qwen3Config cfg = tiny_config(packed, !packed);
+        CausalLM a(cfg), b(cfg);
         a.init_random(99, 0.3f);
         b.init_random(99, 0.3f);
         ASSERT_EQ(std::memcmp(a.param_data(), b.param_data(), static_cast<size_t>(a.num_params()) * sizeof(float)), 0);
@@ -900,7 +902,7 @@ TEST(Recompute, BitwiseIdenticalAndSmaller) {
     std::vector<size_t> bytes;
     const data::Batch batch = packed_batch(33);
     for (Recompute r : {Recompute::none, Recompute::moe, Recompute::full}) {
-        Qwen3Moe m(tiny_config(true, false));
+        CausalLM m(tiny_config(true, false));
         m.init_random(5, 0.3f);
         m.set_recompute(r);
         const LossScales scales{1.0 / static_cast<double>(batch.num_targets()), 0.1};

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
 

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "ops/ops.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"

@@ -16,7 +16,7 @@
 #include "core/json.h"
 #include "data/batch.h"
 #include "io/file.h"
-#include "model/qwen3_moe.h"
+#include "model/causal_lm.h"
 #include "ops/ops.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
@@ -29,7 +29,7 @@ namespace {
 
 double rel(double a, double b) { return std::fabs(a - b) / std::max(1e-12, std::fabs(b)); }
 
-std::vector<float> host_grads(const model::Qwen3Moe& m) {
+std::vector<float> host_grads(const model::CausalLM& m) {
     const Tensor g = m.grads_tensor();
     std::vector<float> out(static_cast<size_t>(g.numel()));
     if (g.dtype() == DType::f32) {
@@ -60,7 +60,7 @@ TEST_P(GpuStep, MatchesCpuReference) {
     auto cpu = train::load_hf_model(dir / "model");
     auto gpu = train::load_hf_model(dir / "model", nullptr,
                                     {Device::cuda, c.mixed ? DType::f32 : DType::bf16});
-    const double coef = cpu->config().router_aux_loss_coef;
+    const double coef = cpu->spec().router_aux_loss_coef;
     const int64_t targets = batch.num_targets();
     const model::LossScales scales{1.0 / static_cast<double>(targets), coef};
 
@@ -92,7 +92,7 @@ TEST_P(GpuStep, MatchesCpuReference) {
         EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 0.1) << spec.name;
     }
 
-    // The expert gradients' square sums the backward forms itself (Qwen3Moe::set_grad_square_sums)
+    // The expert gradients' square sums the backward forms itself (CausalLM::set_grad_square_sums)
     // equal a separate pass over the stored gradients (the same values, summed in another order; the
     // sm90 kernel's fp32 partial sums of 128 squares bound the difference by 128·2^-24 relative).
     // The step is the same as the first (same parameters and batch), so the gradients it leaves are too.
