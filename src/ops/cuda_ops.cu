@@ -1,4 +1,6 @@
-// ops.h on the GPU: bf16 activations over the kernels in kernels/cuda.
+// ops.h on the GPU: bf16 activations over the kernels in kernels/cuda. Each op's body has the
+// signature of its declaration in ops.h (ops.cpp has checked the arguments) and is private to this
+// file; the table at the end (cuda_ops.h) hands them to ops.cpp.
 //
 // One process-wide context holds the stream (the legacy default stream for now), the cuBLASLt
 // and cuBLAS handles and a scratch buffer that grows to the largest request. Every op queues its
@@ -95,8 +97,6 @@ float* F(const Tensor& t) { return defined(t) ? t.ptr<float>() : nullptr; }
 int32_t* I(const Tensor& t) { return defined(t) ? t.ptr<int32_t>() : nullptr; }
 int64_t rows(const Tensor& t) { return t.numel() / t.dim(-1); }
 
-}  // namespace
-
 void zero(const Tensor& t) { MF_CHECK_CUDA(cudaMemsetAsync(t.data(), 0, t.nbytes(), ctx().stream)); }
 
 void copy(const Tensor& dst, const Tensor& src) {
@@ -128,17 +128,15 @@ void cast(const Tensor& dst, const Tensor& src) {
     MF_FAIL("cast from ", dtype_name(src.dtype()), " to ", dtype_name(dst.dtype()), " is not supported");
 }
 
-void synchronize() {
+void synchronize(Device) {
     wait_for_stream(ctx().stream);
     if (ctx().background != nullptr && !ctx().in_background) wait_for_stream(ctx().background);
 }
 
-namespace {
 std::vector<cudaEvent_t>& mark_events() {
     static std::vector<cudaEvent_t> events;  // grown on demand, kept for the process
     return events;
 }
-}  // namespace
 
 void background_begin() {
     Context& c = ctx();
@@ -169,7 +167,7 @@ int64_t background_end() {
     return ticket;
 }
 
-void wait_background(int64_t ticket) {
+void wait_background(Device, int64_t ticket) {
     Context& c = ctx();
     MF_CHECK(!c.in_background && ticket <= c.tickets, "ops::wait_background: ticket ", ticket, " was not issued");
     MF_CHECK_CUDA(cudaStreamWaitEvent(c.stream, c.ticket_events[static_cast<size_t>(ticket % kBackgroundEvents)], 0));
@@ -186,7 +184,7 @@ void record_mark(int index) {
 }
 
 std::vector<double> mark_times_ms(int count) {
-    synchronize();
+    synchronize(Device::cuda);
     const auto& events = mark_events();
     MF_CHECK(count <= static_cast<int>(events.size()), "mark_times_ms: ", count, " marks, ", events.size(), " recorded");
     std::vector<double> out(static_cast<size_t>(std::max(count, 0)), 0.0);
@@ -477,8 +475,6 @@ void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, con
 // products; the weight gradient is the own kernel's weakest product, so cuBLAS wins it already at
 // 1.6 GFLOP per group. M/E over-estimates the rows per group when the offsets cover only part of the
 // buffer (the EP pipeline hands each chunk of experts all local rows).
-namespace {
-
 enum class GroupedGemmPath { own, cublas, automatic, sm90 };
 
 constexpr double kCublasMinRowProductFlops = 2147483648.0;  // 2^31 per group
@@ -534,10 +530,8 @@ mf::cuda::GroupedGemmCublas& grouped_cublas() {
     return *g;
 }
 
-}  // namespace
-
-bool grouped_matmul_uses_host_offsets() { return grouped_gemm_setting() != GroupedGemmPath::own; }
-void set_grouped_matmul_reserved_sms(int sms) { mf::cuda::set_grouped_gemm_sm90_reserved_sms(sms); }
+bool grouped_matmul_uses_host_offsets(Device) { return grouped_gemm_setting() != GroupedGemmPath::own; }
+void set_grouped_matmul_reserved_sms(Device, int sms) { mf::cuda::set_grouped_gemm_sm90_reserved_sms(sms); }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
                             std::span<const int32_t> host_offsets) {
@@ -622,8 +616,8 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 }
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
-                  float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) {
-    const mf::cuda::AdamWParams p{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
+                  const AdamWHyper& h) {
+    const mf::cuda::AdamWParams p{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.grad_scale};
     if (defined(master))
         mf::cuda::adamw_update_mixed(F(master), F(m), F(v), grad.data(), grad.dtype(), B(param), param.numel(), p,
                                      nullptr, ctx().stream);
@@ -665,4 +659,22 @@ bool all_finite(const Tensor& x) {
     return n == 0;
 }
 
+// The table, in CudaOps' order (designated initializers): the spelled-out entries, then the list's.
+#define MF_CUDA_TABLE_ENTRY(name) .name = &name,
+constexpr CudaOps kTable{.sum_squares_to = &sum_squares_to,
+                         .record_mark = &record_mark,
+                         .mark_times_ms = &mark_times_ms,
+                         .background_begin = &background_begin,
+                         .background_end = &background_end,
+                         .background_abandon = &background_abandon,
+                         MF_CUDA_OPS(MF_CUDA_TABLE_ENTRY)};
+#undef MF_CUDA_TABLE_ENTRY
+
+}  // namespace
 }  // namespace mf::ops::cuda_impl
+
+namespace mf::ops {
+
+const CudaOps& cuda_ops() { return cuda_impl::kTable; }
+
+}  // namespace mf::ops

@@ -1,72 +1,12 @@
-// Builds without CUDA: every CUDA op refuses with one clear message.
-#include "core/check.h"
+// Builds without CUDA: the table of CUDA bodies is empty, so ops.cpp refuses every device tensor
+// with its one "built without CUDA" message.
 #include "ops/cuda_ops.h"
 
-namespace mf::ops::cuda_impl {
+namespace mf::ops {
 
-namespace {
-[[noreturn]] void no_cuda() { fail("this moeforge was built without CUDA (MOEFORGE_CUDA=OFF): device tensors are not supported"); }
-}  // namespace
+const CudaOps& cuda_ops() {
+    static constexpr CudaOps kNone{};
+    return kNone;
+}
 
-void zero(const Tensor& t) { no_cuda(); }
-void copy(const Tensor& dst, const Tensor& src) { no_cuda(); }
-void copy_from_host(const Tensor& dst, const void* src) { no_cuda(); }
-void copy_to_host(void* dst, const Tensor& src) { no_cuda(); }
-void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) { no_cuda(); }
-void add(const Tensor& out, const Tensor& a, const Tensor& b) { no_cuda(); }
-void cast(const Tensor& dst, const Tensor& src) { no_cuda(); }
-void synchronize() { no_cuda(); }
-void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs) { no_cuda(); }
-void record_mark(int index) { no_cuda(); }
-void background_begin() { no_cuda(); }
-int64_t background_end() { no_cuda(); }
-void background_abandon() { no_cuda(); }
-void wait_background(int64_t ticket) { no_cuda(); }
-std::vector<double> mark_times_ms(int count) { no_cuda(); }
-void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) { no_cuda(); }
-void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, bool accumulate_dinp) { no_cuda(); }
-void add_bias(const Tensor& out, const Tensor& bias) { no_cuda(); }
-void bias_backward(const Tensor& dbias, const Tensor& dout) { no_cuda(); }
-void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) { no_cuda(); }
-void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) { no_cuda(); }
-void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) { no_cuda(); }
-void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& rstd) { no_cuda(); }
-void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) { no_cuda(); }
-void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta) { no_cuda(); }
-void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) { no_cuda(); }
-void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq, const Tensor& dk, const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) { no_cuda(); }
-void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
-void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids, int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads) { no_cuda(); }
-void swiglu_forward(const Tensor& out, const Tensor& inp) { no_cuda(); }
-void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) { no_cuda(); }
-void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) { no_cuda(); }
-void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, const Tensor& dy, const Tensor& value, const Tensor& gate_logits) { no_cuda(); }
-void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits, bool norm_topk_prob) { no_cuda(); }
-void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs, const Tensor& topk_idx, bool norm_topk_prob) { no_cuda(); }
-void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs, const Tensor& mask) { no_cuda(); }
-void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) { no_cuda(); }
-void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row, const Tensor& topk_idx, int64_t num_experts) { no_cuda(); }
-void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) { no_cuda(); }
-void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) { no_cuda(); }
-void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
-void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) { no_cuda(); }
-void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) { no_cuda(); }
-void ep_pack_rows(const Tensor& rows, const Tensor& src, const Tensor& send_pos, const Tensor& counts) { no_cuda(); }
-void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& pair_row, const Tensor& expert_offsets, const Tensor& row_base, const Tensor& expert_dest) { no_cuda(); }
-void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta) { no_cuda(); }
-void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& drows, const Tensor& meta, const Tensor& y_local) { no_cuda(); }
-void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) { no_cuda(); }
-void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos, const Tensor& counts, bool accumulate) { no_cuda(); }
-void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, const Tensor& send_pos, const Tensor& counts, const Tensor& topk_idx, const Tensor& expert_dest) { no_cuda(); }
-void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets) { no_cuda(); }
-void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp, const Tensor& weight, const Tensor& offsets, std::span<const int32_t> host_offsets, bool accumulate_dinp, bool accumulate_dweight) { no_cuda(); }
-void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp, std::span<const Tensor> offsets, std::span<const std::span<const int32_t>> host_offsets, bool accumulate, const Tensor& square_sum) { no_cuda(); }
-bool grouped_matmul_uses_host_offsets() { return false; }
-void set_grouped_matmul_reserved_sms(int sms) { no_cuda(); }
-void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w, const Tensor& targets, float grad_scale, DType logits_dtype) { no_cuda(); }
-void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step, float grad_scale) { no_cuda(); }
-double sum(const Tensor& x) { no_cuda(); }
-double sum_squares(const Tensor& x) { no_cuda(); }
-bool all_finite(const Tensor& x) { no_cuda(); }
-
-}  // namespace mf::ops::cuda_impl
+}  // namespace mf::ops

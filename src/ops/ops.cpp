@@ -1,15 +1,16 @@
 // ops.h: argument checks and dispatch. CPU tensors run the reference kernels in kernels/cpu
-// (f32 activations and parameters); CUDA tensors go to cuda_ops (bf16 activations).
+// (f32 activations and parameters); CUDA tensors go to the op's entry of the cuda_ops() table
+// (cuda_ops.h: bf16 activations), which a build without CUDA leaves empty.
 #include "ops/ops.h"
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <map>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -34,6 +35,15 @@
 namespace mf::ops {
 
 namespace {
+
+// Calls an op's CUDA body (its entry of cuda_ops.h's table); a build without CUDA has none and refuses.
+template <typename Fn, typename... Args>
+decltype(auto) cuda_call(Fn CudaOps::*entry, Args&&... args) {
+    const Fn body = cuda_ops().*entry;
+    if (body == nullptr)
+        fail("this moeforge was built without CUDA (MOEFORGE_CUDA=OFF): device tensors are not supported");
+    return body(std::forward<Args>(args)...);
+}
 
 // All defined tensors on one device; returns it.
 Device device_of(std::initializer_list<const Tensor*> ts) {
@@ -66,12 +76,12 @@ class OpScope {
  public:
     explicit OpScope(const char* name) : name_(name) {
         if (!profile().enabled) return;
-        if (cuda_available()) cuda_impl::synchronize();
+        if (cuda_available()) cuda_call(&CudaOps::synchronize, Device::cuda);
         t0_ = std::chrono::steady_clock::now();
     }
     ~OpScope() {
         if (!profile().enabled) return;
-        if (cuda_available()) cuda_impl::synchronize();
+        if (cuda_available()) cuda_call(&CudaOps::synchronize, Device::cuda);
         auto& e = profile().totals[name_];
         e.first += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
         e.second += 1;
@@ -102,20 +112,20 @@ BackgroundTicket background(Device device, const std::function<void()>& f) {
         f();
         return 0;
     }
-    cuda_impl::background_begin();
+    cuda_call(&CudaOps::background_begin);
     struct Leave {
         bool ended = false;
         ~Leave() {
-            if (!ended) cuda_impl::background_abandon();
+            if (!ended) cuda_call(&CudaOps::background_abandon);
         }
     } leave;
     f();
     leave.ended = true;
-    return cuda_impl::background_end();
+    return cuda_call(&CudaOps::background_end);
 }
 
 void wait_background(Device device, BackgroundTicket ticket) {
-    if (device == Device::cuda && ticket > 0) cuda_impl::wait_background(ticket);
+    if (device == Device::cuda && ticket > 0) cuda_call(&CudaOps::wait_background, device, ticket);
 }
 
 namespace {
@@ -151,7 +161,7 @@ bool phase_clock_on() { return phase_clock().on; }
 void phase_mark(std::string_view name) {
     auto& c = phase_clock();
     if (!c.on) return;
-    if (c.device == Device::cuda) cuda_impl::record_mark(static_cast<int>(c.span.size()));
+    if (c.device == Device::cuda) cuda_call(&CudaOps::record_mark, static_cast<int>(c.span.size()));
     c.span.emplace_back(std::string(name), ms_since(c.t0));
 }
 
@@ -161,7 +171,8 @@ void phase_stop() {
     c.on = false;
     const int n = static_cast<int>(c.span.size());
     std::vector<double> gpu(static_cast<size_t>(n));
-    if (c.device == Device::cuda) gpu = cuda_impl::mark_times_ms(n);
+    if (c.device == Device::cuda)
+        gpu = cuda_call(&CudaOps::mark_times_ms, n);
     else
         for (int i = 0; i < n; ++i) gpu[static_cast<size_t>(i)] = c.span[static_cast<size_t>(i)].second;
     std::map<std::string, int> seen;  // a name marked again in the span becomes "name #2", ...
@@ -191,29 +202,29 @@ std::vector<PhaseTime> phase_report() {
 void zero(const Tensor& t) {
     OpScope scope_("zero");
     if (!defined(t)) return;
-    if (t.device() == Device::cuda) return cuda_impl::zero(t);
+    if (t.device() == Device::cuda) return cuda_call(&CudaOps::zero, t);
     std::memset(t.data(), 0, t.nbytes());
 }
 
 void copy(const Tensor& dst, const Tensor& src) {
     OpScope scope_("copy");
     MF_CHECK(dst.nbytes() == src.nbytes() && dst.dtype() == src.dtype(), "copy between different tensors");
-    if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::copy(dst, src);
+    if (device_of({&dst, &src}) == Device::cuda) return cuda_call(&CudaOps::copy, dst, src);
     std::memmove(dst.data(), src.data(), dst.nbytes());
 }
 
 void copy_from_host(const Tensor& dst, const void* src) {
-    if (dst.device() == Device::cuda) return cuda_impl::copy_from_host(dst, src);
+    if (dst.device() == Device::cuda) return cuda_call(&CudaOps::copy_from_host, dst, src);
     std::memcpy(dst.data(), src, dst.nbytes());
 }
 
 void copy_to_host(void* dst, const Tensor& src) {
-    if (src.device() == Device::cuda) return cuda_impl::copy_to_host(dst, src);
+    if (src.device() == Device::cuda) return cuda_call(&CudaOps::copy_to_host, dst, src);
     std::memcpy(dst, src.data(), src.nbytes());
 }
 
 void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
-    if (x.device() == Device::cuda) return cuda_impl::fill_normal(x, seed, mean, std);
+    if (x.device() == Device::cuda) return cuda_call(&CudaOps::fill_normal, x, seed, mean, std);
     // The same counter-based draws as the CUDA kernel.
     float* p = f(x);
     for (int64_t i = 0; i < x.numel(); ++i) {
@@ -232,7 +243,7 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
 void add(const Tensor& out, const Tensor& a, const Tensor& b) {
     OpScope scope_("add");
     MF_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add of different sizes");
-    if (device_of({&out, &a, &b}) == Device::cuda) return cuda_impl::add(out, a, b);
+    if (device_of({&out, &a, &b}) == Device::cuda) return cuda_call(&CudaOps::add, out, a, b);
     float* o = f(out);
     const float *x = f(a), *y = f(b);
     for (int64_t i = 0; i < out.numel(); ++i) o[i] = x[i] + y[i];
@@ -240,13 +251,13 @@ void add(const Tensor& out, const Tensor& a, const Tensor& b) {
 
 void cast(const Tensor& dst, const Tensor& src) {
     MF_CHECK(dst.numel() == src.numel(), "cast of different sizes");
-    if (device_of({&dst, &src}) == Device::cuda) return cuda_impl::cast(dst, src);
+    if (device_of({&dst, &src}) == Device::cuda) return cuda_call(&CudaOps::cast, dst, src);
     if (dst.dtype() == src.dtype()) return copy(dst, src);
     MF_CHECK(false, "CPU tensors are f32 only");
 }
 
 void synchronize(Device device) {
-    if (device == Device::cuda) cuda_impl::synchronize();
+    if (device == Device::cuda) cuda_call(&CudaOps::synchronize, device);
 }
 
 // --- dense -----------------------------------------------------------------------------------------
@@ -256,7 +267,7 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) 
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     MF_CHECK(weight.numel() == OC * C && out.numel() == N * OC, "matmul shapes: inp ", shape_str(inp.shape()), " weight ",
              shape_str(weight.shape()), " out ", shape_str(out.shape()));
-    if (device_of({&out, &inp, &weight}) == Device::cuda) return cuda_impl::matmul_forward(out, inp, weight);
+    if (device_of({&out, &inp, &weight}) == Device::cuda) return cuda_call(&CudaOps::matmul_forward, out, inp, weight);
     cpu::matmul_forward(f(out), f(inp), f(weight), N, C, OC);
 }
 
@@ -266,7 +277,7 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
     MF_CHECK(dout.numel() == N * OC, "matmul backward shapes");
     if (device_of({&dinp, &dweight, &dout, &inp, &weight}) == Device::cuda)
-        return cuda_impl::matmul_backward(dinp, dweight, dout, inp, weight, accumulate_dinp);
+        return cuda_call(&CudaOps::matmul_backward, dinp, dweight, dout, inp, weight, accumulate_dinp);
     if (!accumulate_dinp) zero(dinp);
     cpu::matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), N, C, OC);
 }
@@ -276,7 +287,7 @@ void add_bias(const Tensor& out, const Tensor& bias) {
     const int64_t C = bias.numel();
     MF_CHECK(C >= 1 && out.ndim() >= 1 && out.dim(-1) == C, "add_bias: out ", shape_str(out.shape()),
              " does not have rows of the bias's ", C, " >= 1 elements");
-    if (device_of({&out, &bias}) == Device::cuda) return cuda_impl::add_bias(out, bias);
+    if (device_of({&out, &bias}) == Device::cuda) return cuda_call(&CudaOps::add_bias, out, bias);
     cpu::add_bias(f(out), f(bias), rows(out), C);
 }
 
@@ -285,20 +296,21 @@ void bias_backward(const Tensor& dbias, const Tensor& dout) {
     const int64_t C = dbias.numel();
     MF_CHECK(C >= 1 && dout.ndim() >= 1 && dout.dim(-1) == C, "bias_backward: dout ", shape_str(dout.shape()),
              " does not have rows of the bias's ", C, " >= 1 elements");
-    if (device_of({&dbias, &dout}) == Device::cuda) return cuda_impl::bias_backward(dbias, dout);
+    if (device_of({&dbias, &dout}) == Device::cuda) return cuda_call(&CudaOps::bias_backward, dbias, dout);
     cpu::bias_backward(f(dbias), f(dout), rows(dout), C);
 }
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte) {
     OpScope scope_("embedding_forward");
     MF_CHECK(out.numel() == ids.numel() * wte.dim(-1), "embedding shapes");
-    if (device_of({&out, &ids, &wte}) == Device::cuda) return cuda_impl::embedding_forward(out, ids, wte);
+    if (device_of({&out, &ids, &wte}) == Device::cuda) return cuda_call(&CudaOps::embedding_forward, out, ids, wte);
     cpu::embedding_forward(f(out), i32(ids), f(wte), ids.numel(), wte.dim(-1));
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids) {
     OpScope scope_("embedding_backward");
-    if (device_of({&dwte, &dout, &ids}) == Device::cuda) return cuda_impl::embedding_backward(dwte, dout, ids);
+    if (device_of({&dwte, &dout, &ids}) == Device::cuda)
+        return cuda_call(&CudaOps::embedding_backward, dwte, dout, ids);
     cpu::embedding_backward(f(dwte), f(dout), i32(ids), ids.numel(), dwte.dim(-1));
 }
 
@@ -307,7 +319,7 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
     const int64_t C = weight.numel(), N = inp.numel() / C;
     MF_CHECK(out.numel() == inp.numel() && rstd.numel() == N, "rmsnorm shapes");
     if (device_of({&out, &rstd, &inp, &weight}) == Device::cuda)
-        return cuda_impl::rmsnorm_forward(out, rstd, inp, weight, eps);
+        return cuda_call(&CudaOps::rmsnorm_forward, out, rstd, inp, weight, eps);
     cpu::rmsnorm_forward(f(out), f(rstd), f(inp), f(weight), N, C, eps);
 }
 
@@ -316,7 +328,7 @@ void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& d
     OpScope scope_("rmsnorm_backward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd}) == Device::cuda)
-        return cuda_impl::rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd);
+        return cuda_call(&CudaOps::rmsnorm_backward, dinp, dweight, dout, inp, weight, rstd);
     cpu::rmsnorm_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), f(rstd), N, C);
 }
 
@@ -329,8 +341,8 @@ void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd,
                  k.numel() == k_raw.numel() && q_rstd.numel() == N * num_heads && k_rstd.numel() == N * num_kv_heads,
              "qk-norm/rope shapes");
     if (device_of({&q, &k, &q_rstd, &k_rstd, &q_raw, &k_raw, &q_weight, &k_weight, &positions}) == Device::cuda)
-        return cuda_impl::qknorm_rope_forward(q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight, positions,
-                                              num_heads, num_kv_heads, eps, theta);
+        return cuda_call(&CudaOps::qknorm_rope_forward, q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight,
+                         positions, num_heads, num_kv_heads, eps, theta);
     cpu::rmsnorm_forward(f(q), f(q_rstd), f(q_raw), f(q_weight), N * num_heads, D, eps);
     cpu::rope_forward(f(q), i32(positions), N, num_heads, D, theta);
     cpu::rmsnorm_forward(f(k), f(k_rstd), f(k_raw), f(k_weight), N * num_kv_heads, D, eps);
@@ -345,8 +357,8 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
     const int64_t D = q_weight.numel(), N = positions.numel();
     if (device_of({&dq_raw, &dk_raw, &dq_weight, &dk_weight, &dq, &dk, &q_raw, &k_raw, &q_weight, &k_weight, &q_rstd,
                    &k_rstd, &positions}) == Device::cuda)
-        return cuda_impl::qknorm_rope_backward(dq_raw, dk_raw, dq_weight, dk_weight, dq, dk, q_raw, k_raw, q_weight,
-                                               k_weight, q_rstd, k_rstd, positions, num_heads, num_kv_heads, theta);
+        return cuda_call(&CudaOps::qknorm_rope_backward, dq_raw, dk_raw, dq_weight, dk_weight, dq, dk, q_raw, k_raw,
+                         q_weight, k_weight, q_rstd, k_rstd, positions, num_heads, num_kv_heads, theta);
     zero(dq_raw);  // the CPU kernels below add into them
     zero(dk_raw);
     cpu::rope_backward(f(dq), i32(positions), N, num_heads, D, theta);
@@ -367,9 +379,9 @@ void check_rope_shapes(const char* op, const Tensor& q, const Tensor& k, const T
     MF_CHECK(q.numel() == N * num_heads * head_dim && q_other.numel() == q.numel(), op, ": q ", shape_str(q.shape()),
              " and ", shape_str(q_other.shape()), " must hold N·Hq·D = ", N * num_heads * head_dim,
              " elements (N = ", N, " positions)");
-    MF_CHECK(k.numel() == N * num_kv_heads * head_dim && k_other.numel() == k.numel(), op, ": k ",
-             shape_str(k.shape()), " and ", shape_str(k_other.shape()), " must hold N·Hkv·D = ",
-             N * num_kv_heads * head_dim, " elements (N = ", N, " positions)");
+    MF_CHECK(k.numel() == N * num_kv_heads * head_dim && k_other.numel() == k.numel(), op, ": k ", shape_str(k.shape()),
+             " and ", shape_str(k_other.shape()), " must hold N·Hkv·D = ", N * num_kv_heads * head_dim,
+             " elements (N = ", N, " positions)");
 }
 }  // namespace
 
@@ -379,8 +391,8 @@ void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const T
     const int64_t N = positions.numel();
     check_rope_shapes("rope_forward", q, k, q_raw, k_raw, N, num_heads, num_kv_heads, head_dim, rotary_dim);
     if (device_of({&q, &k, &q_raw, &k_raw, &positions}) == Device::cuda)
-        return cuda_impl::rope_forward(q, k, q_raw, k_raw, positions, num_heads, num_kv_heads, head_dim, rotary_dim,
-                                       theta);
+        return cuda_call(&CudaOps::rope_forward, q, k, q_raw, k_raw, positions, num_heads, num_kv_heads, head_dim,
+                         rotary_dim, theta);
     if (q.data() != q_raw.data()) copy(q, q_raw);  // the CPU kernel rotates in place
     if (k.data() != k_raw.data()) copy(k, k_raw);
     cpu::rope_forward(f(q), i32(positions), N, num_heads, head_dim, rotary_dim, theta);
@@ -394,8 +406,8 @@ void rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq,
     const int64_t N = positions.numel();
     check_rope_shapes("rope_backward", dq_raw, dk_raw, dq, dk, N, num_heads, num_kv_heads, head_dim, rotary_dim);
     if (device_of({&dq_raw, &dk_raw, &dq, &dk, &positions}) == Device::cuda)
-        return cuda_impl::rope_backward(dq_raw, dk_raw, dq, dk, positions, num_heads, num_kv_heads, head_dim,
-                                        rotary_dim, theta);
+        return cuda_call(&CudaOps::rope_backward, dq_raw, dk_raw, dq, dk, positions, num_heads, num_kv_heads, head_dim,
+                         rotary_dim, theta);
     if (dq_raw.data() != dq.data()) copy(dq_raw, dq);  // the CPU kernel rotates in place
     if (dk_raw.data() != dk.data()) copy(dk_raw, dk);
     cpu::rope_backward(f(dq_raw), i32(positions), N, num_heads, head_dim, rotary_dim, theta);
@@ -408,7 +420,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     const int64_t D = q.numel() / (B * T * num_heads);
     MF_CHECK(k.numel() == B * T * num_kv_heads * D && lse.numel() == B * num_heads * T, "attention shapes");
     if (device_of({&out, &lse, &q, &k, &v, &doc_ids}) == Device::cuda)
-        return cuda_impl::attention_forward(out, lse, q, k, v, doc_ids, B, T, num_heads, num_kv_heads);
+        return cuda_call(&CudaOps::attention_forward, out, lse, q, k, v, doc_ids, B, T, num_heads, num_kv_heads);
     cpu::attention_forward(f(out), f(lse), f(q), f(k), f(v), i32(doc_ids), {B, T, num_heads, num_kv_heads, D});
 }
 
@@ -418,7 +430,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     OpScope scope_("attention_backward");
     const int64_t D = q.numel() / (B * T * num_heads);
     if (device_of({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, &doc_ids}) == Device::cuda)
-        return cuda_impl::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, num_heads, num_kv_heads);
+        return cuda_call(&CudaOps::attention_backward, dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, num_heads,
+                         num_kv_heads);
     for (const Tensor* t : {&dq, &dk, &dv}) zero(*t);  // the CPU kernel adds into them
     cpu::attention_backward(f(dq), f(dk), f(dv), f(dout), f(q), f(k), f(v), f(out), f(lse), i32(doc_ids),
                             {B, T, num_heads, num_kv_heads, D});
@@ -428,14 +441,14 @@ void swiglu_forward(const Tensor& out, const Tensor& inp) {
     OpScope scope_("swiglu_forward");
     const int64_t I = out.dim(-1), N = rows(out);
     MF_CHECK(inp.numel() == 2 * N * I, "swiglu shapes");
-    if (device_of({&out, &inp}) == Device::cuda) return cuda_impl::swiglu_forward(out, inp);
+    if (device_of({&out, &inp}) == Device::cuda) return cuda_call(&CudaOps::swiglu_forward, out, inp);
     cpu::swiglu_forward(f(out), f(inp), N, I);
 }
 
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
     OpScope scope_("swiglu_backward");
     const int64_t I = dout.dim(-1), N = rows(dout);
-    if (device_of({&dinp, &dout, &inp}) == Device::cuda) return cuda_impl::swiglu_backward(dinp, dout, inp);
+    if (device_of({&dinp, &dout, &inp}) == Device::cuda) return cuda_call(&CudaOps::swiglu_backward, dinp, dout, inp);
     cpu::swiglu_backward(f(dinp), f(dout), f(inp), N, I);
 }
 
@@ -452,8 +465,8 @@ std::pair<int64_t, int64_t> check_sigmoid_gate(const char* op, const Tensor& val
         MF_CHECK(t->numel() == value.numel() && t->ndim() >= 1 && t->dim(-1) == H, op, ": ", shape_str(t->shape()),
                  " differs from value ", shape_str(value.shape()));
     for (const Tensor* t : per_row)
-        MF_CHECK(t->numel() == N && (t->ndim() <= 1 || t->dim(-1) == 1), op, ": gate logits ",
-                 shape_str(t->shape()), " must be [N] or [N, 1] with N = ", N, " (value)");
+        MF_CHECK(t->numel() == N && (t->ndim() <= 1 || t->dim(-1) == 1), op, ": gate logits ", shape_str(t->shape()),
+                 " must be [N] or [N, 1] with N = ", N, " (value)");
     return {N, H};
 }
 }  // namespace
@@ -462,7 +475,7 @@ void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& ga
     OpScope scope_("sigmoid_gate_forward");
     const auto [N, H] = check_sigmoid_gate("sigmoid_gate_forward", value, {&y}, {&gate_logits});
     if (device_of({&y, &value, &gate_logits}) == Device::cuda)
-        return cuda_impl::sigmoid_gate_forward(y, value, gate_logits);
+        return cuda_call(&CudaOps::sigmoid_gate_forward, y, value, gate_logits);
     cpu::sigmoid_gate_forward(f(y), f(value), f(gate_logits), N, H);
 }
 
@@ -472,7 +485,7 @@ void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, con
     const auto [N, H] =
         check_sigmoid_gate("sigmoid_gate_backward", value, {&dvalue, &dy}, {&dgate_logits, &gate_logits});
     if (device_of({&dvalue, &dgate_logits, &dy, &value, &gate_logits}) == Device::cuda)
-        return cuda_impl::sigmoid_gate_backward(dvalue, dgate_logits, dy, value, gate_logits);
+        return cuda_call(&CudaOps::sigmoid_gate_backward, dvalue, dgate_logits, dy, value, gate_logits);
     cpu::sigmoid_gate_backward(f(dvalue), f(dgate_logits), f(dy), f(value), f(gate_logits), N, H);
 }
 
@@ -484,7 +497,7 @@ void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& t
     const int64_t N = logits.dim(0), E = logits.dim(1), K = topk_idx.dim(-1);
     MF_CHECK(logits.dtype() == DType::f32 && probs.dtype() == DType::f32, "router math is f32");
     if (device_of({&probs, &topk_idx, &topk_weight, &logits}) == Device::cuda)
-        return cuda_impl::router_forward(probs, topk_idx, topk_weight, logits, norm_topk_prob);
+        return cuda_call(&CudaOps::router_forward, probs, topk_idx, topk_weight, logits, norm_topk_prob);
     cpu::router_forward(f(probs), topk_idx.ptr<int32_t>(), f(topk_weight), f(logits), N, E, K, norm_topk_prob);
 }
 
@@ -493,7 +506,7 @@ void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Te
     OpScope scope_("router_backward");
     const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
     if (device_of({&dlogits, &dtopk_weight, &dprobs, &probs, &topk_idx}) == Device::cuda)
-        return cuda_impl::router_backward(dlogits, dtopk_weight, dprobs, probs, topk_idx, norm_topk_prob);
+        return cuda_call(&CudaOps::router_backward, dlogits, dtopk_weight, dprobs, probs, topk_idx, norm_topk_prob);
     cpu::router_backward(f(dlogits), f(dtopk_weight), f(dprobs), f(probs), i32(topk_idx), N, E, K, norm_topk_prob);
 }
 
@@ -501,7 +514,7 @@ void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& 
                    const Tensor& mask) {
     OpScope scope_("moe_aux_stats");
     if (device_of({&counts, &prob_sums, &topk_idx, &probs, &mask}) == Device::cuda)
-        return cuda_impl::moe_aux_stats(counts, prob_sums, topk_idx, probs, mask);
+        return cuda_call(&CudaOps::moe_aux_stats, counts, prob_sums, topk_idx, probs, mask);
     const int64_t N = probs.dim(0), E = probs.dim(1), K = topk_idx.dim(-1);
     float *c = f(counts), *ps = f(prob_sums);
     const float *p = f(probs), *m = f(mask);
@@ -521,7 +534,8 @@ void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& 
 
 void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& mask, float scale) {
     OpScope scope_("moe_aux_dprobs");
-    if (device_of({&dprobs, &counts, &mask}) == Device::cuda) return cuda_impl::moe_aux_dprobs(dprobs, counts, mask, scale);
+    if (device_of({&dprobs, &counts, &mask}) == Device::cuda)
+        return cuda_call(&CudaOps::moe_aux_dprobs, dprobs, counts, mask, scale);
     const int64_t N = dprobs.dim(0), E = dprobs.dim(1);
     float* dp = f(dprobs);
     const float *c = f(counts), *m = f(mask);
@@ -534,7 +548,7 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
     OpScope scope_("moe_permute_indices");
     MF_CHECK(expert_offsets.numel() == num_experts + 1, "expert_offsets must have E + 1 entries");
     if (device_of({&expert_offsets, &sorted_pair, &pair_row, &topk_idx}) == Device::cuda)
-        return cuda_impl::moe_permute_indices(expert_offsets, sorted_pair, pair_row, topk_idx, num_experts);
+        return cuda_call(&CudaOps::moe_permute_indices, expert_offsets, sorted_pair, pair_row, topk_idx, num_experts);
     cpu::moe_permute_indices(expert_offsets.ptr<int32_t>(), sorted_pair.ptr<int32_t>(), pair_row.ptr<int32_t>(),
                              i32(topk_idx), topk_idx.dim(0), topk_idx.dim(-1), num_experts);
 }
@@ -542,21 +556,21 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) {
     OpScope scope_("moe_gather_forward");
     if (device_of({&x_perm, &x, &sorted_pair}) == Device::cuda)
-        return cuda_impl::moe_gather_forward(x_perm, x, sorted_pair, top_k);
+        return cuda_call(&CudaOps::moe_gather_forward, x_perm, x, sorted_pair, top_k);
     cpu::moe_gather_forward(f(x_perm), f(x), i32(sorted_pair), rows(x), top_k, x.dim(-1));
 }
 
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) {
     OpScope scope_("moe_gather_backward");
     if (device_of({&dx, &dx_perm, &pair_row}) == Device::cuda)
-        return cuda_impl::moe_gather_backward(dx, dx_perm, pair_row, top_k);
+        return cuda_call(&CudaOps::moe_gather_backward, dx, dx_perm, pair_row, top_k);
     cpu::moe_gather_backward(f(dx), f(dx_perm), i32(pair_row), rows(dx), top_k, dx.dim(-1));
 }
 
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
     OpScope scope_("moe_unpermute_forward");
     if (device_of({&out, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
-        return cuda_impl::moe_unpermute_forward(out, y_perm, topk_weight, pair_row);
+        return cuda_call(&CudaOps::moe_unpermute_forward, out, y_perm, topk_weight, pair_row);
     cpu::moe_unpermute_forward(f(out), f(y_perm), f(topk_weight), i32(pair_row), rows(out), topk_weight.dim(-1),
                                out.dim(-1));
 }
@@ -565,7 +579,7 @@ void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, c
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
     OpScope scope_("moe_unpermute_backward");
     if (device_of({&dy_perm, &dtopk_weight, &dout, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
-        return cuda_impl::moe_unpermute_backward(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
+        return cuda_call(&CudaOps::moe_unpermute_backward, dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
     cpu::moe_unpermute_backward(f(dy_perm), f(dtopk_weight), f(dout), f(y_perm), f(topk_weight), i32(pair_row),
                                 rows(dout), topk_weight.dim(-1), dout.dim(-1));
 }
@@ -642,7 +656,7 @@ void ep_token_positions(const Tensor& send_pos, const Tensor& counts, const Tens
     const int64_t K = ep_check_topk(op, topk_idx, N);
     const int64_t E = ep_check_expert_dest(op, expert_dest);
     if (device_of({&send_pos, &counts, &topk_idx, &expert_dest}) == Device::cuda)
-        return cuda_impl::ep_token_positions(send_pos, counts, topk_idx, expert_dest);
+        return cuda_call(&CudaOps::ep_token_positions, send_pos, counts, topk_idx, expert_dest);
     cpu::ep_token_positions(send_pos.ptr<int32_t>(), counts.ptr<int32_t>(), i32(topk_idx), i32(expert_dest), N, K, E,
                             V);
 }
@@ -656,7 +670,7 @@ void ep_pack_rows(const Tensor& rows, const Tensor& src, const Tensor& send_pos,
     ep_check_rows(op, src, "src", device, H);
     ep_check_rows(op, rows, "rows", device, H);
     MF_CHECK(mf::ops::rows(src) == N, op, ": src ", shape_str(src.shape()), " must have N = ", N, " rows (send_pos)");
-    if (device == Device::cuda) return cuda_impl::ep_pack_rows(rows, src, send_pos, counts);
+    if (device == Device::cuda) return cuda_call(&CudaOps::ep_pack_rows, rows, src, send_pos, counts);
     cpu::ep_pack_rows(f(rows), mf::ops::rows(rows), f(src), i32(send_pos), i32(counts), N, V, H);
 }
 
@@ -685,8 +699,8 @@ void ep_pack_meta(const Tensor& meta, const Tensor& send_pos, const Tensor& coun
              " (expert_dest)");
     if (device_of({&meta, &send_pos, &counts, &topk_idx, &topk_weight, &pair_row, &expert_offsets, &row_base,
                    &expert_dest}) == Device::cuda)
-        return cuda_impl::ep_pack_meta(meta, send_pos, counts, topk_idx, topk_weight, pair_row, expert_offsets,
-                                       row_base, expert_dest);
+        return cuda_call(&CudaOps::ep_pack_meta, meta, send_pos, counts, topk_idx, topk_weight, pair_row,
+                         expert_offsets, row_base, expert_dest);
     cpu::ep_pack_meta(meta.ptr<int32_t>(), meta.dim(0), i32(send_pos), i32(counts), i32(topk_idx), f(topk_weight),
                       i32(pair_row), i32(expert_offsets), i32(row_base), i32(expert_dest), N, K, E, V);
 }
@@ -700,7 +714,7 @@ void ep_scatter_rows(const Tensor& local, const Tensor& rows, const Tensor& meta
     const int64_t M = mf::ops::rows(rows);
     ep_check_rows(op, local, "local", device, H);
     const int64_t K = ep_check_meta(op, meta, M);
-    if (device == Device::cuda) return cuda_impl::ep_scatter_rows(local, rows, meta);
+    if (device == Device::cuda) return cuda_call(&CudaOps::ep_scatter_rows, local, rows, meta);
     cpu::ep_scatter_rows(f(local), mf::ops::rows(local), f(rows), i32(meta), M, K, H);
 }
 
@@ -720,7 +734,7 @@ void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& 
     ep_check_dtype(op, dweight, "dweight", DType::f32);
     MF_CHECK(dweight.numel() == M * K && dweight.dim(-1) == K, op, ": dweight ", shape_str(dweight.shape()),
              " must be [M, K] = [", M, ", ", K, "]");
-    if (device == Device::cuda) return cuda_impl::ep_scatter_grad(dlocal, dweight, drows, meta, y_local);
+    if (device == Device::cuda) return cuda_call(&CudaOps::ep_scatter_grad, dlocal, dweight, drows, meta, y_local);
     cpu::ep_scatter_grad(f(dlocal), f(dweight), f(drows), i32(meta), f(y_local), mf::ops::rows(dlocal), M, K, H);
 }
 
@@ -733,7 +747,7 @@ void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, 
     const int64_t M = mf::ops::rows(out);
     ep_check_rows(op, local, "local", device, H);
     const int64_t K = ep_check_meta(op, meta, M);
-    if (device == Device::cuda) return cuda_impl::ep_reduce_rows(out, local, meta, weighted);
+    if (device == Device::cuda) return cuda_call(&CudaOps::ep_reduce_rows, out, local, meta, weighted);
     cpu::ep_reduce_rows(f(out), f(local), mf::ops::rows(local), i32(meta), M, K, H, weighted);
 }
 
@@ -747,7 +761,7 @@ void ep_sum_blocks(const Tensor& out, const Tensor& rows, const Tensor& send_pos
     ep_check_rows(op, out, "out", device, H);
     ep_check_rows(op, rows, "rows", device, H, true);
     MF_CHECK(mf::ops::rows(out) == N, op, ": out ", shape_str(out.shape()), " must have N = ", N, " rows (send_pos)");
-    if (device == Device::cuda) return cuda_impl::ep_sum_blocks(out, rows, send_pos, counts, accumulate);
+    if (device == Device::cuda) return cuda_call(&CudaOps::ep_sum_blocks, out, rows, send_pos, counts, accumulate);
     cpu::ep_sum_blocks(f(out), accumulate, f(rows), mf::ops::rows(rows), i32(send_pos), i32(counts), N, V, H);
 }
 
@@ -765,7 +779,8 @@ void ep_gather_slots(const Tensor& dtopk_weight, const Tensor& dweight_rows, con
     MF_CHECK(dweight_rows.ndim() == 2 && dweight_rows.dim(1) == K, op, ": dweight_rows ",
              shape_str(dweight_rows.shape()), " must be [rows, K] with K = ", K, " (topk_idx)");
     if (device_of({&dtopk_weight, &dweight_rows, &send_pos, &counts, &topk_idx, &expert_dest}) == Device::cuda)
-        return cuda_impl::ep_gather_slots(dtopk_weight, dweight_rows, send_pos, counts, topk_idx, expert_dest);
+        return cuda_call(&CudaOps::ep_gather_slots, dtopk_weight, dweight_rows, send_pos, counts, topk_idx,
+                         expert_dest);
     cpu::ep_gather_slots(f(dtopk_weight), f(dweight_rows), dweight_rows.dim(0), i32(send_pos), i32(counts),
                          i32(topk_idx), i32(expert_dest), N, K, E, V);
 }
@@ -781,11 +796,14 @@ void check_host_offsets(const Tensor& offsets, std::span<const int32_t> host_off
 }  // namespace
 
 bool grouped_matmul_uses_host_offsets(Device device) {
-    return device == Device::cpu || cuda_impl::grouped_matmul_uses_host_offsets();
+    if (device == Device::cpu) return true;
+    // Without CUDA there is no GPU path to feed: false, not a refusal.
+    const auto uses = cuda_ops().grouped_matmul_uses_host_offsets;
+    return uses != nullptr && uses(device);
 }
 
 void set_grouped_matmul_reserved_sms(Device device, int sms) {
-    if (device == Device::cuda) cuda_impl::set_grouped_matmul_reserved_sms(sms);
+    if (device == Device::cuda) cuda_call(&CudaOps::set_grouped_matmul_reserved_sms, device, sms);
 }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,
@@ -795,7 +813,7 @@ void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& 
     MF_CHECK(inp.dim(-1) == C && out.dim(-1) == OC && rows(out) == rows(inp) && offsets.numel() == E + 1,
              "grouped matmul shapes");
     if (device_of({&out, &inp, &weight, &offsets}) == Device::cuda)
-        return cuda_impl::grouped_matmul_forward(out, inp, weight, offsets, host_offsets);
+        return cuda_call(&CudaOps::grouped_matmul_forward, out, inp, weight, offsets, host_offsets);
     check_host_offsets(offsets, host_offsets);
     cpu::grouped_matmul_forward(f(out), f(inp), f(weight), i32(offsets), E, C, OC);
 }
@@ -806,8 +824,8 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     OpScope scope_("grouped_matmul_backward");
     const int64_t E = weight.dim(0), OC = weight.dim(1), C = weight.dim(2);
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &offsets}) == Device::cuda)
-        return cuda_impl::grouped_matmul_backward(dinp, dweight, dout, inp, weight, offsets, host_offsets,
-                                                  accumulate_dinp, accumulate_dweight);
+        return cuda_call(&CudaOps::grouped_matmul_backward, dinp, dweight, dout, inp, weight, offsets, host_offsets,
+                         accumulate_dinp, accumulate_dweight);
     check_host_offsets(offsets, host_offsets);
     if (!accumulate_dinp && defined(dinp) && E > 0) {  // written: clear the groups' rows, then add
         const int32_t* off = i32(offsets);
@@ -831,8 +849,8 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
     MF_CHECK(!defined(square_sum) || (square_sum.dtype() == DType::f64 && square_sum.numel() == 1),
              "grouped_matmul_backward_weight: square_sum must be one f64");
     if (device_of({&dweight, &dout, &inp, &offsets[0], &square_sum}) == Device::cuda)
-        return cuda_impl::grouped_matmul_backward_weight(dweight, dout, inp, offsets, host_offsets, accumulate,
-                                                         square_sum);
+        return cuda_call(&CudaOps::grouped_matmul_backward_weight, dweight, dout, inp, offsets, host_offsets,
+                         accumulate, square_sum);
     const int64_t E = dweight.dim(0), OC = dweight.dim(1), C = dweight.dim(2);
     if (!accumulate) std::fill(f(dweight), f(dweight) + dweight.numel(), 0.0f);
     for (size_t p = 0; p < offsets.size(); ++p) {
@@ -852,7 +870,7 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
     MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype ",
              dtype_name(logits_dtype), " (f32 or bf16)");
     if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
-        return cuda_impl::lm_head_cross_entropy(losses, dh, dw, h, w, targets, grad_scale, logits_dtype);
+        return cuda_call(&CudaOps::lm_head_cross_entropy, losses, dh, dw, h, w, targets, grad_scale, logits_dtype);
     cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale,
                                logits_dtype == DType::bf16);
 }
@@ -864,8 +882,7 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
     OpScope scope_("adamw_update");
     MF_CHECK(param.numel() == m.numel() && m.numel() == v.numel() && v.numel() == grad.numel(), "adamw sizes differ");
     if (device_of({&param, &master, &m, &v, &grad}) == Device::cuda)
-        return cuda_impl::adamw_update(param, master, m, v, grad, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step,
-                                        h.grad_scale);
+        return cuda_call(&CudaOps::adamw_update, param, master, m, v, grad, h);
     MF_CHECK(!defined(master), "CPU parameters are their own master copy");
     cpu::adamw_update(f(param), f(m), f(v), f(grad), param.numel(),
                       cpu::AdamWParams{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.step, h.grad_scale});
@@ -874,7 +891,7 @@ void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, co
 // --- reductions ------------------------------------------------------------------------------------
 
 double sum(const Tensor& x) {
-    if (x.device() == Device::cuda) return cuda_impl::sum(x);
+    if (x.device() == Device::cuda) return cuda_call(&CudaOps::sum, x);
     double s = 0;
     const float* p = f(x);
     for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
@@ -883,7 +900,7 @@ double sum(const Tensor& x) {
 
 double sum_squares(const Tensor& x) {
     OpScope scope_("sum_squares");
-    if (x.device() == Device::cuda) return cuda_impl::sum_squares(x);
+    if (x.device() == Device::cuda) return cuda_call(&CudaOps::sum_squares, x);
     return cpu::sum_squares(f(x), x.numel());
 }
 
@@ -904,12 +921,12 @@ void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::spa
                  dtype_name(xs[i].dtype()));
     }
     if (xs.empty()) return;
-    if (sums.device() == Device::cuda) return cuda_impl::sum_squares_to(sums, slots, xs);
+    if (sums.device() == Device::cuda) return cuda_call(&CudaOps::sum_squares_to, sums, slots, xs);
     for (size_t i = 0; i < xs.size(); ++i) sums.ptr<double>()[slots[i]] = cpu::sum_squares(f(xs[i]), xs[i].numel());
 }
 
 bool all_finite(const Tensor& x) {
-    if (x.device() == Device::cuda) return cuda_impl::all_finite(x);
+    if (x.device() == Device::cuda) return cuda_call(&CudaOps::all_finite, x);
     return cpu::all_finite(f(x), x.numel());
 }
 
