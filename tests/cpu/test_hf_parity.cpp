@@ -57,6 +57,9 @@ TEST_P(HfParity, LossLogitsGradients) {
     auto m = train::load_hf_model(dir / "model");
     const auto& cfg = m->spec();
     ASSERT_TRUE(cfg.output_router_logits);
+    if (const json::Value* type = f.expected.find("model_type")) {
+        EXPECT_EQ(cfg.model_type, type->as_string());
+    }
 
     const int64_t N = f.batch.num_tokens();
     std::vector<float> logits(static_cast<size_t>(N * cfg.vocab_size));
@@ -117,6 +120,10 @@ TEST_P(HfParity, AdamWSteps) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, HfParity, ::testing::Values("norm_topk", "no_norm_topk"));
+// qwen3_moe (norm_topk, no_norm_topk), mixtral, olmoe (its pad_token_id 1 keeps embedding row 1 out of
+// the gradient), qwen2_moe (shared expert with gate, q/k/v biases, a dense layer), qwen2_moe_tied.
+INSTANTIATE_TEST_SUITE_P(Cases, HfParity,
+                         ::testing::Values("norm_topk", "no_norm_topk", "mixtral", "olmoe", "qwen2_moe",
+                                           "qwen2_moe_tied"));
 
 }  // namespace

@@ -8,7 +8,8 @@
 //          shared_expert_intermediate_size gated by sigmoid(x·shared_expert_gateᵀ).
 //   disk:  model.layers.N.mlp.gate.weight, model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight,
 //          model.layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, model.layers.N.mlp.shared_expert_gate.weight
-//   refused: use_sliding_window.
+//   options: qkv_bias (default true).
+//   refused: use_sliding_window, a layer_types entry other than "full_attention".
 #include <algorithm>
 
 #include "model/arch/architecture.h"
@@ -27,11 +28,20 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const int64_t sparse_step = r.integer("decoder_sparse_step", false, 1, 1);
     const std::vector<int64_t> mlp_only = r.layer_list("mlp_only_layers", d.num_hidden_layers);
     const bool norm_topk = r.boolean("norm_topk_prob", false);
+    const bool qkv_bias = r.boolean("qkv_bias", true);
     r.require_false("use_sliding_window", "sliding-window attention");
+    if (const json::Value* types = r.get("layer_types")) {
+        if (!types->is_array() || static_cast<int64_t>(types->size()) != d.num_hidden_layers)
+            fail(source, ": field \"layer_types\" must list one type per layer (", d.num_hidden_layers, ")");
+        for (const json::Value& t : types->as_array())
+            if (!t.is_string() || t.as_string() != "full_attention")
+                fail(source, ": field \"layer_types\" holds ", t.dump(),
+                     ", only \"full_attention\" is supported (sliding-window attention is not)");
+    }
 
     ModelSpec spec = d.base_spec();
     AttentionBranch attention = d.attention();
-    attention.qkv_bias = true;
+    attention.qkv_bias = qkv_bias;
     MoeBranch moe;
     moe.num_experts = d.num_experts;
     moe.top_k = d.num_experts_per_tok;
@@ -57,6 +67,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     out.emplace_back("mlp_only_layers", json::Value(std::move(only)));
     out.emplace_back("moe_intermediate_size", json::Value(moe_intermediate));
     out.emplace_back("norm_topk_prob", json::Value(norm_topk));
+    out.emplace_back("qkv_bias", json::Value(qkv_bias));
     out.emplace_back("shared_expert_intermediate_size", json::Value(shared_intermediate));
     out.emplace_back("use_sliding_window", json::Value(false));
     spec.config = sorted_config(std::move(out));
