@@ -253,6 +253,17 @@ std::string CausalLM::locate_nonfinite_activation() const {
     return "the loss head (logits / cross-entropy)";
 }
 
+std::vector<int32_t> CausalLM::routing(int64_t layer) const {
+    MF_CHECK(recompute_ == Recompute::none, "routing(): the layers' routings are kept only without recompute");
+    MF_CHECK(layer >= 0 && layer < spec_.num_layers() && layers_[static_cast<size_t>(layer)].is_moe &&
+                 static_cast<size_t>(layer) < ws_->layers.size(),
+             "routing(): layer ", layer, " is not a MoE layer of the last forward");
+    const Tensor& idx = ws_->layers[static_cast<size_t>(layer)].moe.topk_idx;
+    std::vector<int32_t> out(static_cast<size_t>(idx.numel()));
+    ops::copy_to_host(out.data(), idx);
+    return out;
+}
+
 std::string CausalLM::locate_nonfinite_gradient() const {
     for (const auto& s : params().specs())
         if (!ops::all_finite(grad(s.name))) return s.name;

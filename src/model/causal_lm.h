@@ -145,6 +145,10 @@ class CausalLM {
     std::string locate_nonfinite_activation() const;
     std::string locate_nonfinite_gradient() const;
 
+    // The top-k experts [N·K] of MoE layer l in the last forward (host copy), e.g. to see whether a
+    // perturbation changed the routing. Needs recompute none (otherwise the layers share one set).
+    std::vector<int32_t> routing(int64_t layer) const;
+
     // Bytes of activation memory the last step used (the arena's high-water mark, plus the EP row
     // stores, which grow to the largest routing met).
     size_t activation_bytes() const;

@@ -36,6 +36,8 @@
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/rmsnorm.h"
+#include "core/json.h"
+#include "model/arch/architecture.h"
 #include "model/attention_block.h"
 #include "model/ffn_blocks.h"
 #include "model/causal_lm.h"
@@ -918,3 +920,122 @@ TEST(Recompute, BitwiseIdenticalAndSmaller) {
     EXPECT_LT(bytes[1], bytes[0]);
     EXPECT_LT(bytes[2], bytes[1]);
 }
+
+// --- every block variant of the families, through the whole model ----------------------------------
+
+// A tiny model of each family's layer plan (model/arch/), with variants no family has yet (o_proj bias,
+// partial rotary): the finite-difference check of every parameter, as ModelGrad does for Qwen3-MoE.
+struct FamilyCase {
+    const char* label;
+    const char* config;                            // config.json of the family
+    std::function<void(model::ModelSpec&)> edit;  // spec variants beyond the config
+    bool packed;
+};
+
+std::ostream& operator<<(std::ostream& os, const FamilyCase& c) { return os << c.label; }
+
+class FamilyGrad : public ::testing::TestWithParam<FamilyCase> {};
+
+// Sizes shared by the cases: vocab 50, hidden 16, 3 layers, 4 heads of dim 4 (2 kv heads), 5 experts top-2.
+constexpr const char* kFamilySizes = R"("vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 64, "output_router_logits": true,
+    "router_aux_loss_coef": 0.1)";
+
+std::string family_config(const char* own) { return std::string("{") + kFamilySizes + ", " + own + "}"; }
+
+TEST_P(FamilyGrad, FiniteDifferences) {
+    const FamilyCase tc = GetParam();
+    model::ModelSpec spec = model::parse_model_config(json::parse(family_config(tc.config), tc.label), tc.label);
+    if (tc.edit) tc.edit(spec);
+    CausalLM m(spec);
+    m.init_random(29, 0.3f);
+    // Norms around 1 and biases around 0 (both ± 0.2), so that neither is a special point.
+    std::mt19937_64 rng(777);
+    for (const ParamSpec& s : m.params().specs()) {
+        if (s.role != ParamRole::norm && s.role != ParamRole::bias) continue;
+        const double centre = s.role == ParamRole::norm ? 1.0 : 0.0;
+        const std::vector<float> v = uniform_vec(rng, s.numel, centre - 0.2, centre + 0.2);
+        std::copy(v.begin(), v.end(), m.param_data() + s.offset);
+    }
+    const data::Batch batch = tc.packed ? packed_batch(31) : row_batch(32);
+    const LossScales scales{1.0, 0.1 * static_cast<double>(batch.num_targets())};
+    const int64_t P = m.num_params();
+    const std::vector<float> before = normal_vec(rng, P, 1.0);
+    std::copy(before.begin(), before.end(), m.grad_data());
+    const StepStats base = m.step(batch, &scales);
+    const std::vector<float> after(m.grad_data(), m.grad_data() + P);
+    auto routings = [&] {
+        std::vector<int32_t> all;
+        for (int64_t l = 0; l < m.spec().num_layers(); ++l)
+            if (m.spec().is_moe_layer(l)) {
+                const std::vector<int32_t> r = m.routing(l);
+                all.insert(all.end(), r.begin(), r.end());
+            }
+        return all;
+    };
+    const std::vector<int32_t> base_sets = routings();
+    ASSERT_FALSE(base_sets.empty());
+    EXPECT_GT(base.aux, 0.0);
+    auto eval = [&] {
+        const StepStats s = m.step(batch, nullptr);
+        return Eval{scales.ce * s.ce_sum + scales.aux * s.aux, routings() == base_sets};
+    };
+    FdChecker fd(std::string("family model, ") + tc.label, 3e-3, 17);
+    for (const ParamSpec& s : m.params().specs()) {
+        std::vector<float> analytic(static_cast<size_t>(s.numel));
+        for (int64_t i = 0; i < s.numel; ++i)
+            analytic[static_cast<size_t>(i)] =
+                after[static_cast<size_t>(s.offset + i)] - before[static_cast<size_t>(s.offset + i)];
+        fd.check(s.name, m.param_data() + s.offset, analytic, eval);
+    }
+    fd.finish();
+}
+
+void with_attention(model::ModelSpec& spec, const std::function<void(model::AttentionBranch&)>& f) {
+    for (model::LayerSpec& layer : spec.layers)
+        for (model::Branch& b : layer.branches)
+            if (b.kind == model::BranchKind::attention) f(b.attention);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, FamilyGrad,
+    ::testing::Values(
+        // Mixtral: no QK-norm, softmax → top-k → renormalised, every layer sparse.
+        FamilyCase{"mixtral", R"("model_type": "mixtral", "intermediate_size": 6, "num_local_experts": 5)", {}, false},
+        // OLMoE: RMSNorm over the whole q and k projections, no renormalisation. (Its padding row is no
+        // true gradient, HF's nn.Embedding(padding_idx) rule: the HF parity fixture checks that one.)
+        FamilyCase{"olmoe", R"("model_type": "olmoe", "intermediate_size": 6, "num_experts": 5)", {}, true},
+        // Qwen2-MoE: q/k/v biases, a gated shared expert, a dense layer.
+        FamilyCase{"qwen2_moe",
+                   R"("model_type": "qwen2_moe", "intermediate_size": 12, "moe_intermediate_size": 6,
+                      "shared_expert_intermediate_size": 8, "num_experts": 5, "mlp_only_layers": [1])",
+                   {}, false},
+        FamilyCase{"qwen2_moe_tied_renormalised",
+                   R"("model_type": "qwen2_moe", "intermediate_size": 12, "moe_intermediate_size": 6,
+                      "shared_expert_intermediate_size": 8, "num_experts": 5, "norm_topk_prob": true,
+                      "tie_word_embeddings": true)",
+                   {}, true},
+        // Variants ahead of their families: an o_proj bias, partial rotary, a shared expert without a gate.
+        FamilyCase{"o_bias_partial_rotary_ungated_shared",
+                   R"("model_type": "qwen2_moe", "intermediate_size": 12, "moe_intermediate_size": 6,
+                      "shared_expert_intermediate_size": 8, "num_experts": 5)",
+                   [](model::ModelSpec& s) {
+                       with_attention(s, [](model::AttentionBranch& a) {
+                           a.o_bias = true;
+                           a.rotary_dim = 2;
+                       });
+                       for (model::LayerSpec& layer : s.layers)
+                           for (model::Branch& b : layer.branches) b.moe.shared_gate = false;
+                   },
+                   false},
+        FamilyCase{"full_width_qk_norm_with_biases",
+                   R"("model_type": "olmoe", "intermediate_size": 6, "num_experts": 5)",
+                   [](model::ModelSpec& s) {
+                       with_attention(s, [](model::AttentionBranch& a) {
+                           a.qkv_bias = true;
+                           a.o_bias = true;
+                       });
+                   },
+                   true}),
+    [](const ::testing::TestParamInfo<FamilyCase>& info) { return std::string(info.param.label); });
