@@ -156,7 +156,10 @@ TEST_P(GpuStep, MatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GpuStep,
                          ::testing::Values(Case{"norm_topk", false}, Case{"norm_topk", true},
-                                           Case{"no_norm_topk", false}, Case{"no_norm_topk", true}),
+                                           Case{"no_norm_topk", false}, Case{"no_norm_topk", true},
+                                           Case{"mixtral", false}, Case{"mixtral", true}, Case{"olmoe", false},
+                                           Case{"olmoe", true}, Case{"qwen2_moe", false}, Case{"qwen2_moe", true},
+                                           Case{"qwen2_moe_tied", false}, Case{"qwen2_moe_tied", true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                              return std::string(info.param.fixture) + (info.param.mixed ? "_mixed" : "_bf16");
                          });

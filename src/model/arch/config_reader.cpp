@@ -22,6 +22,8 @@ ConfigReader::ConfigReader(const json::Value& cfg, const std::string& source) : 
     if (!cfg.is_object()) fail(source, ": expected a JSON object");
 }
 
+const json::Value* ConfigReader::find_raw(const char* key) const { return cfg_.find(key); }
+
 const json::Value* ConfigReader::get(const char* key) const {
     const json::Value* v = cfg_.find(key);
     return (v == nullptr || v->is_null()) ? nullptr : v;
@@ -111,7 +113,9 @@ double read_rope_theta(const ConfigReader& r) {
         const json::Value* type = rp->find("rope_type");
         if (type == nullptr) type = rp->find("type");
         if (type != nullptr && !(type->is_string() && type->as_string() == "default"))
-            fail(source, ": rope type ", type->dump(), " is not supported (only \"default\" RoPE)");
+            fail(source, ": field \"", rp == rope_params ? "rope_parameters." : "rope_scaling.",
+                 rp->find("rope_type") != nullptr ? "rope_type" : "type", "\": rope type ", type->dump(),
+                 " is not supported (only \"default\" RoPE)");
         for (const auto& [key, value] : rp->as_object())
             if (key != "rope_type" && key != "type" && key != "rope_theta" && key != "partial_rotary_factor")
                 fail(source, ": field \"", rp == rope_params ? "rope_parameters." : "rope_scaling.", key,
@@ -131,7 +135,7 @@ double read_rope_theta(const ConfigReader& r) {
 }  // namespace
 
 DecoderConfig DecoderConfig::read(const ConfigReader& r, const std::string& experts_key, double default_eps,
-                                  double default_aux_coef, int64_t default_max_positions) {
+                                  double default_aux_coef, int64_t default_max_positions, int64_t default_pad) {
     const std::string& source = r.source();
     DecoderConfig c;
     c.model_type = r.string("model_type", "");
@@ -159,7 +163,10 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const std::string& expe
     c.num_experts = has_num_experts ? r.integer("num_experts", true, 0, 0) : r.integer("num_local_experts", true, 0, 0);
     c.num_experts_per_tok = r.integer("num_experts_per_tok", c.num_experts > 0, 0, 1);
     c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-    c.pad_token_id = r.integer("pad_token_id", false, -1, 0);
+    // Absent: the family's default; JSON null: none.
+    const json::Value* pad = r.get("pad_token_id");
+    c.pad_token_id = pad != nullptr ? r.integer("pad_token_id", true, -1, 0)
+                                    : (r.find_raw("pad_token_id") != nullptr ? -1 : default_pad);
     if (c.pad_token_id >= c.vocab_size)
         fail(source, ": field \"pad_token_id\" is ", c.pad_token_id, ", outside the vocabulary [0, ", c.vocab_size, ")");
     c.output_router_logits = r.boolean("output_router_logits", false);
@@ -207,6 +214,7 @@ void DecoderConfig::write(json::Value::Object& out, const std::string& experts_k
     out.emplace_back("num_hidden_layers", json::Value(num_hidden_layers));
     out.emplace_back("num_key_value_heads", json::Value(num_key_value_heads));
     out.emplace_back("output_router_logits", json::Value(output_router_logits));
+    if (pad_written) out.emplace_back("pad_token_id", pad_token_id >= 0 ? json::Value(pad_token_id) : json::Value());
     out.emplace_back("rms_norm_eps", json::Value(rms_norm_eps));
     out.emplace_back("rope_parameters", std::move(rope));
     out.emplace_back("router_aux_loss_coef", json::Value(router_aux_loss_coef));

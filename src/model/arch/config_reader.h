@@ -22,6 +22,7 @@ class ConfigReader {
     ConfigReader(const json::Value& cfg, const std::string& source);
 
     const json::Value* get(const char* key) const;  // null when absent or JSON null
+    const json::Value* find_raw(const char* key) const;  // null only when absent
     int64_t integer(const char* key, bool required, int64_t fallback, int64_t min_value) const;
     double number(const json::Value* v, const std::string& key, double fallback) const;
     double number(const char* key, double fallback) const { return number(get(key), key, fallback); }
@@ -50,15 +51,17 @@ struct DecoderConfig {
     bool head_dim_written = false;  // config.json has "head_dim" (else hidden_size / num_attention_heads)
     int64_t num_experts = 0, num_experts_per_tok = 0;
     bool tie_word_embeddings = false, output_router_logits = false;
-    int64_t pad_token_id = -1;  // -1: none (null or absent)
+    int64_t pad_token_id = -1;  // -1: none (null; or absent where the family has no default)
+    bool pad_written = true;    // write() writes pad_token_id when there is one
     double rms_norm_eps = 1e-6, rope_theta = 10000.0, router_aux_loss_coef = 0.001;
     int64_t max_position_embeddings = 0;
     std::string dtype = "float32";
 
     // `experts_key`: the spelling the family writes ("num_experts" or "num_local_experts"); both are
     // read. Refuses an unknown activation, dropout, rope scaling and inconsistent sizes.
+    // `default_pad`: the family's pad_token_id when config.json has none (OLMoE: 1; else -1).
     static DecoderConfig read(const ConfigReader& r, const std::string& experts_key, double default_eps,
-                              double default_aux_coef, int64_t default_max_positions);
+                              double default_aux_coef, int64_t default_max_positions, int64_t default_pad = -1);
     // The fields above in HF v5 spelling (rope_parameters), for sorted_config.
     void write(json::Value::Object& out, const std::string& experts_key) const;
     // The spec's global fields and an attention branch from these fields.

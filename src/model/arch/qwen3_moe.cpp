@@ -19,6 +19,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const ConfigReader r(cfg, source);
     DecoderConfig d = DecoderConfig::read(r, "num_experts", 1e-6, 0.001, 32768);
     d.head_dim_written = true;
+    d.pad_written = false;  // the config this family has always written (its checkpoints' hash covers it)
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
     const int64_t moe_intermediate = r.integer("moe_intermediate_size", true, 0, 1);
     const int64_t sparse_step = r.integer("decoder_sparse_step", false, 1, 1);
