@@ -284,7 +284,7 @@ TEST(Spellings, AbsentFieldsTakeTheFamilysHfDefault) {
 // Mixtral's RoPE base when config.json names none is 1e6 (MixtralConfig.default_theta), also when
 // rope_parameters gives only the type. DISABLED: the engine reads 1e4 (DecoderConfig::read has one
 // default for every family); enable once the family's default reaches read_rope_theta.
-TEST(Spellings, DISABLED_MixtralRopeBaseDefaultsToHfs) {
+TEST(Spellings, MixtralRopeBaseDefaultsToHfs) {
     json::Value mixtral = fixture_config("mixtral");
     erase_key(mixtral, "rope_parameters");
     EXPECT_DOUBLE_EQ(model::parse_model_config(mixtral, "mixtral").layers[0].branches[0].attention.rope_theta, 1e6);

@@ -100,8 +100,9 @@ void ConfigReader::require_absent(const char* key, const std::string& feature) c
 
 namespace {
 
-// RoPE: rope_theta (v4) or rope_parameters {rope_theta, rope_type} (v5); only the default type.
-double read_rope_theta(const ConfigReader& r) {
+// RoPE: rope_theta (v4) or rope_parameters {rope_theta, rope_type} (v5); only the default type. Where
+// more than one names the base they must agree (HF would take rope_parameters' and drop the other).
+double read_rope_theta(const ConfigReader& r, double default_theta) {
     const std::string& source = r.source();
     const json::Value* rope_params = r.get("rope_parameters");
     const json::Value* rope_scaling = r.get("rope_scaling");
@@ -124,18 +125,32 @@ double read_rope_theta(const ConfigReader& r) {
             prf != nullptr && !(prf->is_number() && prf->as_double() == 1.0))
             fail(source, ": partial_rotary_factor ", prf->dump(), " is not supported (only 1.0)");
     }
-    const json::Value* theta_v = r.get("rope_theta");
-    if (theta_v == nullptr && rope_params != nullptr) theta_v = rope_params->find("rope_theta");
-    if (theta_v == nullptr && rope_scaling != nullptr) theta_v = rope_scaling->find("rope_theta");
-    const double theta = r.number(theta_v, "rope_theta", 10000.0);
+    const json::Value* theta_v = nullptr;
+    std::string theta_field;
+    const std::pair<const json::Value*, const char*> places[] = {
+        {r.get("rope_theta"), "rope_theta"},
+        {rope_params != nullptr ? rope_params->find("rope_theta") : nullptr, "rope_parameters.rope_theta"},
+        {rope_scaling != nullptr ? rope_scaling->find("rope_theta") : nullptr, "rope_scaling.rope_theta"}};
+    for (const auto& [v, field] : places) {
+        if (v == nullptr || v->is_null()) continue;
+        r.number(v, field, 0.0);  // a number, or an error naming the field
+        if (theta_v == nullptr) {
+            theta_v = v;
+            theta_field = field;
+        } else if (v->as_double() != theta_v->as_double()) {
+            fail(source, ": fields \"", theta_field, "\" (", theta_v->dump(), ") and \"", field, "\" (", v->dump(),
+                 ") disagree on the RoPE base");
+        }
+    }
+    const double theta = r.number(theta_v, "rope_theta", default_theta);
     if (!(theta > 0)) fail(source, ": field \"rope_theta\" must be > 0, got ", theta);
     return theta;
 }
 
 }  // namespace
 
-DecoderConfig DecoderConfig::read(const ConfigReader& r, const std::string& experts_key, double default_eps,
-                                  double default_aux_coef, int64_t default_max_positions, int64_t default_pad) {
+DecoderConfig DecoderConfig::read(const ConfigReader& r, const FamilyDefaults& defaults) {
+    const std::string& experts_key = defaults.experts_key;
     const std::string& source = r.source();
     DecoderConfig c;
     c.model_type = r.string("model_type", "");
@@ -143,7 +158,10 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const std::string& expe
     c.hidden_size = r.integer("hidden_size", true, 0, 1);
     c.num_hidden_layers = r.integer("num_hidden_layers", true, 0, 1);
     c.num_attention_heads = r.integer("num_attention_heads", true, 0, 1);
-    c.num_key_value_heads = r.integer("num_key_value_heads", false, c.num_attention_heads, 1);
+    c.num_key_value_heads = r.integer("num_key_value_heads", false,
+                                      defaults.num_key_value_heads > 0 ? defaults.num_key_value_heads
+                                                                       : c.num_attention_heads,
+                                      1);
     c.head_dim = r.integer("head_dim", false, 0, 2);
     c.head_dim_written = c.head_dim != 0;
     if (c.head_dim == 0) {
@@ -166,17 +184,17 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const std::string& expe
     // Absent: the family's default; JSON null: none.
     const json::Value* pad = r.get("pad_token_id");
     c.pad_token_id = pad != nullptr ? r.integer("pad_token_id", true, -1, 0)
-                                    : (r.find_raw("pad_token_id") != nullptr ? -1 : default_pad);
+                                    : (r.find_raw("pad_token_id") != nullptr ? -1 : defaults.pad_token_id);
     if (c.pad_token_id >= c.vocab_size)
         fail(source, ": field \"pad_token_id\" is ", c.pad_token_id, ", outside the vocabulary [0, ", c.vocab_size, ")");
     c.output_router_logits = r.boolean("output_router_logits", false);
-    c.rms_norm_eps = r.number("rms_norm_eps", default_eps);
-    c.router_aux_loss_coef = r.number("router_aux_loss_coef", default_aux_coef);
-    c.max_position_embeddings = r.integer("max_position_embeddings", false, default_max_positions, 1);
+    c.rms_norm_eps = r.number("rms_norm_eps", defaults.rms_norm_eps);
+    c.router_aux_loss_coef = r.number("router_aux_loss_coef", defaults.router_aux_loss_coef);
+    c.max_position_embeddings = r.integer("max_position_embeddings", false, defaults.max_position_embeddings, 1);
     c.dtype = r.string("dtype", r.string("torch_dtype", "float32"));
     if (c.dtype != "float32" && c.dtype != "bfloat16" && c.dtype != "float16")
         fail(source, ": field \"dtype\" is \"", c.dtype, "\", expected float32, bfloat16 or float16");
-    c.rope_theta = read_rope_theta(r);
+    c.rope_theta = read_rope_theta(r, defaults.rope_theta);
     if (!(c.rms_norm_eps > 0)) fail(source, ": field \"rms_norm_eps\" must be > 0, got ", c.rms_norm_eps);
     if (!(c.router_aux_loss_coef >= 0))
         fail(source, ": field \"router_aux_loss_coef\" must be >= 0, got ", c.router_aux_loss_coef);

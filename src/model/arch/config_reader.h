@@ -43,6 +43,17 @@ class ConfigReader {
     std::string source_;
 };
 
+// What a family's HF config class assumes for a field config.json leaves out.
+struct FamilyDefaults {
+    std::string experts_key = "num_experts";  // the spelling the family writes ("num_local_experts")
+    double rms_norm_eps = 1e-6;
+    double router_aux_loss_coef = 0.001;
+    int64_t max_position_embeddings = 32768;
+    double rope_theta = 10000.0;
+    int64_t num_key_value_heads = 0;  // 0: num_attention_heads
+    int64_t pad_token_id = -1;        // -1: none
+};
+
 // The shared fields of a decoder-only (MoE) config.
 struct DecoderConfig {
     std::string model_type;
@@ -57,11 +68,9 @@ struct DecoderConfig {
     int64_t max_position_embeddings = 0;
     std::string dtype = "float32";
 
-    // `experts_key`: the spelling the family writes ("num_experts" or "num_local_experts"); both are
-    // read. Refuses an unknown activation, dropout, rope scaling and inconsistent sizes.
-    // `default_pad`: the family's pad_token_id when config.json has none (OLMoE: 1; else -1).
-    static DecoderConfig read(const ConfigReader& r, const std::string& experts_key, double default_eps,
-                              double default_aux_coef, int64_t default_max_positions, int64_t default_pad = -1);
+    // Both expert spellings are read (they must agree); absent fields take the family's defaults.
+    // Refuses an unknown activation, dropout, rope scaling, RoPE bases that disagree and inconsistent sizes.
+    static DecoderConfig read(const ConfigReader& r, const FamilyDefaults& defaults);
     // The fields above in HF v5 spelling (rope_parameters), for sorted_config.
     void write(json::Value::Object& out, const std::string& experts_key) const;
     // The spec's global fields and an attention branch from these fields.

@@ -17,7 +17,13 @@ namespace {
 
 ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const ConfigReader r(cfg, source);
-    const DecoderConfig d = DecoderConfig::read(r, "num_local_experts", 1e-5, 0.001, 4096 * 32);
+    FamilyDefaults defaults;
+    defaults.experts_key = "num_local_experts";
+    defaults.rms_norm_eps = 1e-5;
+    defaults.max_position_embeddings = 4096 * 32;
+    defaults.rope_theta = 1e6;
+    defaults.num_key_value_heads = 8;
+    const DecoderConfig d = DecoderConfig::read(r, defaults);
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
     if (d.num_experts == 0) fail(source, ": field \"num_local_experts\" must be >= 1 (every Mixtral layer is sparse)");
     r.require_absent("sliding_window", "sliding-window attention; no released Mixtral checkpoint sets it");

@@ -17,7 +17,12 @@ namespace {
 ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const ConfigReader r(cfg, source);
     // HF's OLMoE pads with token 1 when the config names none (its embedding row takes no gradient).
-    const DecoderConfig d = DecoderConfig::read(r, "num_experts", 1e-5, 0.01, 4096, 1);
+    FamilyDefaults defaults;
+    defaults.rms_norm_eps = 1e-5;
+    defaults.router_aux_loss_coef = 0.01;
+    defaults.max_position_embeddings = 4096;
+    defaults.pad_token_id = 1;
+    const DecoderConfig d = DecoderConfig::read(r, defaults);
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
     const bool norm_topk = r.boolean("norm_topk_prob", false);
     if (d.num_experts == 0) fail(source, ": field \"num_experts\" must be >= 1 (every OLMoE layer is sparse)");

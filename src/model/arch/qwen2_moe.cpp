@@ -21,7 +21,9 @@ namespace {
 
 ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const ConfigReader r(cfg, source);
-    const DecoderConfig d = DecoderConfig::read(r, "num_experts", 1e-6, 0.001, 32768);
+    FamilyDefaults defaults;
+    defaults.num_key_value_heads = 16;
+    const DecoderConfig d = DecoderConfig::read(r, defaults);
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
     const int64_t moe_intermediate = r.integer("moe_intermediate_size", true, 0, 1);
     const int64_t shared_intermediate = r.integer("shared_expert_intermediate_size", true, 0, 1);

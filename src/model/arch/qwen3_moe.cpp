@@ -17,7 +17,7 @@ namespace {
 
 ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const ConfigReader r(cfg, source);
-    DecoderConfig d = DecoderConfig::read(r, "num_experts", 1e-6, 0.001, 32768);
+    DecoderConfig d = DecoderConfig::read(r, FamilyDefaults{});
     d.head_dim_written = true;
     d.pad_written = false;  // the config this family has always written (its checkpoints' hash covers it)
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
