@@ -266,6 +266,50 @@ AttentionBranch DecoderConfig::attention() const {
     return a;
 }
 
+SparseLayers SparseLayers::read(const ConfigReader& r, int64_t num_layers) {
+    SparseLayers s;
+    s.step = r.integer("decoder_sparse_step", false, 1, 1);
+    s.mlp_only = r.layer_list("mlp_only_layers", num_layers);
+    return s;
+}
+
+bool SparseLayers::sparse(int64_t l, int64_t num_experts) const {
+    return std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end() && num_experts > 0 && (l + 1) % step == 0;
+}
+
+void SparseLayers::write(json::Value::Object& out) const {
+    json::Value::Array only;
+    for (int64_t l : mlp_only) only.emplace_back(l);
+    out.emplace_back("decoder_sparse_step", json::Value(step));
+    out.emplace_back("mlp_only_layers", json::Value(std::move(only)));
+}
+
+MoeBranch routed_experts(const DecoderConfig& d, int64_t intermediate, bool norm_topk_prob) {
+    MoeBranch m;
+    m.num_experts = d.num_experts;
+    m.top_k = d.num_experts_per_tok;
+    m.intermediate = intermediate;
+    m.norm_topk_prob = norm_topk_prob;
+    return m;
+}
+
+json::Value tiny_config(const std::string& model_type, const std::string& experts_key) {
+    json::Value c = json::Value::object();
+    c.set("model_type", model_type);
+    c.set("vocab_size", 2048);
+    c.set("hidden_size", 64);
+    c.set("num_hidden_layers", 4);
+    c.set("num_attention_heads", 4);
+    c.set(experts_key, 8);
+    c.set("num_experts_per_tok", 2);
+    c.set("tie_word_embeddings", false);
+    c.set("output_router_logits", true);
+    c.set("router_aux_loss_coef", json::Value(0.01));
+    c.set("max_position_embeddings", 4096);
+    c.set("dtype", "float32");
+    return c;
+}
+
 json::Value sorted_config(json::Value::Object fields) {
     std::stable_sort(fields.begin(), fields.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     for (size_t i = 1; i < fields.size(); ++i)

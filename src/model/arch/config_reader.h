@@ -78,6 +78,23 @@ struct DecoderConfig {
     AttentionBranch attention() const;
 };
 
+// Which layers are sparse, the Qwen2-MoE / Qwen3-MoE way: decoder_sparse_step and mlp_only_layers.
+struct SparseLayers {
+    int64_t step = 1;
+    std::vector<int64_t> mlp_only;
+    static SparseLayers read(const ConfigReader& r, int64_t num_layers);
+    // HF's rule: sparse iff l is not in mlp_only_layers, experts exist and (l + 1) % step == 0.
+    bool sparse(int64_t l, int64_t num_experts) const;
+    void write(json::Value::Object& out) const;
+};
+
+// The routed experts every family here has: softmax top-k over the config's experts.
+MoeBranch routed_experts(const DecoderConfig& d, int64_t intermediate, bool norm_topk_prob);
+
+// The fields the tiny presets share (vocab 2048, hidden 64, 4 layers of 4 heads, 8 experts top-2, the aux
+// loss on, untied, float32); each preset sets its own widths and family-specific fields on top.
+json::Value tiny_config(const std::string& model_type, const std::string& experts_key);
+
 // An object with its keys in alphabetical order (the order HF's to_json_string writes).
 json::Value sorted_config(json::Value::Object fields);
 

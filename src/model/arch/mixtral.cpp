@@ -31,11 +31,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     r.require_false("attention_bias", "attention biases");
 
     ModelSpec spec = d.base_spec();
-    MoeBranch moe;
-    moe.num_experts = d.num_experts;
-    moe.top_k = d.num_experts_per_tok;
-    moe.intermediate = intermediate;
-    moe.norm_topk_prob = true;
+    MoeBranch moe = routed_experts(d, intermediate, true);
     moe.disk_module = "block_sparse_moe";
     moe.disk_gate = "w1";
     moe.disk_up = "w3";
@@ -54,24 +50,10 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
 }
 
 json::Value tiny_preset() {
-    json::Value c = json::Value::object();
-    c.set("model_type", "mixtral");
-    c.set("vocab_size", 2048);
-    c.set("hidden_size", 64);
+    json::Value c = tiny_config("mixtral", "num_local_experts");
     c.set("intermediate_size", 64);
-    c.set("num_hidden_layers", 4);
-    c.set("num_attention_heads", 4);
     c.set("num_key_value_heads", 2);
     c.set("head_dim", 16);
-    c.set("num_local_experts", 8);
-    c.set("num_experts_per_tok", 2);
-    c.set("tie_word_embeddings", false);
-    c.set("output_router_logits", true);
-    c.set("rms_norm_eps", json::Value(1e-5));
-    c.set("rope_theta", json::Value(1e6));
-    c.set("router_aux_loss_coef", json::Value(0.01));
-    c.set("max_position_embeddings", 4096);
-    c.set("dtype", "float32");
     return c;
 }
 

@@ -32,11 +32,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     ModelSpec spec = d.base_spec();
     AttentionBranch attention = d.attention();
     attention.qk_norm = QkNorm::full_width;
-    MoeBranch moe;
-    moe.num_experts = d.num_experts;
-    moe.top_k = d.num_experts_per_tok;
-    moe.intermediate = intermediate;
-    moe.norm_topk_prob = norm_topk;
+    const MoeBranch moe = routed_experts(d, intermediate, norm_topk);
     for (int64_t l = 0; l < d.num_hidden_layers; ++l)
         spec.layers.push_back(decoder_layer(attention, d.rms_norm_eps, moe_ffn(moe, d.rms_norm_eps)));
 
@@ -52,24 +48,10 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
 }
 
 json::Value tiny_preset() {
-    json::Value c = json::Value::object();
-    c.set("model_type", "olmoe");
-    c.set("vocab_size", 2048);
-    c.set("hidden_size", 64);
+    json::Value c = tiny_config("olmoe", "num_experts");
     c.set("intermediate_size", 64);
-    c.set("num_hidden_layers", 4);
-    c.set("num_attention_heads", 4);
     c.set("num_key_value_heads", 4);
-    c.set("num_experts", 8);
-    c.set("num_experts_per_tok", 2);
     c.set("norm_topk_prob", false);
-    c.set("tie_word_embeddings", false);
-    c.set("output_router_logits", true);
-    c.set("rms_norm_eps", json::Value(1e-5));
-    c.set("rope_theta", json::Value(10000.0));
-    c.set("router_aux_loss_coef", json::Value(0.01));
-    c.set("max_position_embeddings", 4096);
-    c.set("dtype", "float32");
     return c;
 }
 

@@ -10,8 +10,6 @@
 //          model.layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, model.layers.N.mlp.shared_expert_gate.weight
 //   options: qkv_bias (default true).
 //   refused: use_sliding_window, a layer_types entry other than "full_attention".
-#include <algorithm>
-
 #include "model/arch/architecture.h"
 #include "model/arch/config_reader.h"
 
@@ -27,8 +25,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     const int64_t intermediate = r.integer("intermediate_size", true, 0, 1);
     const int64_t moe_intermediate = r.integer("moe_intermediate_size", true, 0, 1);
     const int64_t shared_intermediate = r.integer("shared_expert_intermediate_size", true, 0, 1);
-    const int64_t sparse_step = r.integer("decoder_sparse_step", false, 1, 1);
-    const std::vector<int64_t> mlp_only = r.layer_list("mlp_only_layers", d.num_hidden_layers);
+    const SparseLayers sparse = SparseLayers::read(r, d.num_hidden_layers);
     const bool norm_topk = r.boolean("norm_topk_prob", false);
     const bool qkv_bias = r.boolean("qkv_bias", true);
     r.require_false("use_sliding_window", "sliding-window attention");
@@ -44,29 +41,19 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     ModelSpec spec = d.base_spec();
     AttentionBranch attention = d.attention();
     attention.qkv_bias = qkv_bias;
-    MoeBranch moe;
-    moe.num_experts = d.num_experts;
-    moe.top_k = d.num_experts_per_tok;
-    moe.intermediate = moe_intermediate;
-    moe.norm_topk_prob = norm_topk;
+    MoeBranch moe = routed_experts(d, moe_intermediate, norm_topk);
     moe.shared_intermediate = shared_intermediate;
     moe.shared_gate = true;
-    for (int64_t l = 0; l < d.num_hidden_layers; ++l) {
-        // HF's rule: sparse iff not in mlp_only_layers, experts exist and (l + 1) % step == 0.
-        const bool sparse = std::find(mlp_only.begin(), mlp_only.end(), l) == mlp_only.end() && d.num_experts > 0 &&
-                            (l + 1) % sparse_step == 0;
+    for (int64_t l = 0; l < d.num_hidden_layers; ++l)
         spec.layers.push_back(decoder_layer(attention, d.rms_norm_eps,
-                                            sparse ? moe_ffn(moe, d.rms_norm_eps) : dense_ffn(intermediate, d.rms_norm_eps)));
-    }
+                                            sparse.sparse(l, d.num_experts) ? moe_ffn(moe, d.rms_norm_eps)
+                                                                            : dense_ffn(intermediate, d.rms_norm_eps)));
 
-    json::Value::Array only;
-    for (int64_t l : mlp_only) only.emplace_back(l);
     json::Value::Object out;
     d.write(out, "num_experts");
     out.emplace_back("architectures", json::Value(json::Value::Array{json::Value("Qwen2MoeForCausalLM")}));
-    out.emplace_back("decoder_sparse_step", json::Value(sparse_step));
+    sparse.write(out);
     out.emplace_back("intermediate_size", json::Value(intermediate));
-    out.emplace_back("mlp_only_layers", json::Value(std::move(only)));
     out.emplace_back("moe_intermediate_size", json::Value(moe_intermediate));
     out.emplace_back("norm_topk_prob", json::Value(norm_topk));
     out.emplace_back("qkv_bias", json::Value(qkv_bias));
@@ -77,28 +64,13 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
 }
 
 json::Value tiny_preset() {
-    json::Value c = json::Value::object();
-    c.set("model_type", "qwen2_moe");
-    c.set("vocab_size", 2048);
-    c.set("hidden_size", 64);
+    json::Value c = tiny_config("qwen2_moe", "num_experts");
     c.set("intermediate_size", 128);
     c.set("moe_intermediate_size", 32);
     c.set("shared_expert_intermediate_size", 96);
-    c.set("num_hidden_layers", 4);
-    c.set("num_attention_heads", 4);
     c.set("num_key_value_heads", 4);
-    c.set("num_experts", 8);
-    c.set("num_experts_per_tok", 2);
-    c.set("decoder_sparse_step", 1);
     c.set("mlp_only_layers", json::Value(json::Value::Array{json::Value(0)}));
     c.set("norm_topk_prob", false);
-    c.set("tie_word_embeddings", false);
-    c.set("output_router_logits", true);
-    c.set("rms_norm_eps", json::Value(1e-6));
-    c.set("rope_theta", json::Value(10000.0));
-    c.set("router_aux_loss_coef", json::Value(0.01));
-    c.set("max_position_embeddings", 4096);
-    c.set("dtype", "float32");
     return c;
 }
 
