@@ -81,7 +81,7 @@ struct CausalLM::Workspace {
     MoeScratch moe_scratch;
     MlpScratch mlp_scratch;
     SharedExpertScratch shared_scratch;
-    // EP rows sized by the real routing (ffn_blocks.h EpRowStore), kept across steps: one per
+    // EP rows sized by the real routing (ep_exchange.h EpRowStore), kept across steps: one per
     // kept set of MoE activations, and one scratch shared by the backward and the forward's exchange.
     std::vector<std::shared_ptr<EpRowStore>> ep_local;
     std::shared_ptr<EpRowStore> ep_scratch;

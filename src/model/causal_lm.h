@@ -98,12 +98,12 @@ class CausalLM {
 
     // Expert parallelism over `ep_group`: the model holds experts [rank·E/S, (rank+1)·E/S) of every
     // MoE layer (its placement's shard, which must match the group's rank and size) and computes
-    // them for the tokens the group's ranks route to them (model/ffn_blocks.h). Its expert
+    // them for the tokens the group's ranks route to them (model/ep_exchange.h). Its expert
     // gradients are this rank's contributions; summing them over the ranks holding the same shard
     // (the DP group) and the replicated region over the world gives the full gradient
     // (train/distributed.h). Every rank of the group must call step() in lockstep. The group must
     // outlive the model's use. A sharded model must have its group set before step().
-    // chunks: the EP pipeline's chunk count (MoeDims::ep_chunks, model/ffn_blocks.h).
+    // chunks: the EP pipeline's chunk count (MoeDims::ep_chunks, model/ep_exchange.h).
     void set_expert_parallel(parallel::Communicator* ep_group, int64_t chunks = 2);
 
     // Called during the backward of step() as gradients become final for this micro-batch: with

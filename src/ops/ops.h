@@ -115,7 +115,7 @@ void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
                             const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
 
-// --- expert-parallel token exchange (model/ffn_blocks.h) ------------------------------------------
+// --- expert-parallel token exchange (model/ep_exchange.h) -----------------------------------------
 // Under EP a token travels once to every *destination* that owns at least one of its top-k experts
 // (a destination is one chunk of one EP rank's experts; V of them; expert_dest[E] i32 maps each
 // expert to its destination). The owner expands the token into the expert-major rows of its

@@ -77,7 +77,7 @@ class NcclCommunicator final : public Communicator {
     std::unique_ptr<Communicator> split(int color, int key) override;
 
     // Exchanges that overlap the default stream's work (EP dispatch/combine pipelining,
-    // model/ffn_blocks.cpp). all_to_all_v_start is all_to_all_v on a third NCCL communicator over the
+    // model/ep_exchange.cpp). all_to_all_v_start is all_to_all_v on a third NCCL communicator over the
     // same ranks (made on first use, which every rank reaches at the same point) and its own
     // non-blocking stream, ordered after the work enqueued on this communicator's stream so far (an
     // event); it returns a ticket. all_to_all_v_join(ticket) makes this communicator's stream wait on

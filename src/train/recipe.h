@@ -100,8 +100,8 @@ struct Recipe {
     struct Dist {
         int64_t ep_size = 1;             // expert-parallel group size: divides the world size and the expert count
         int64_t ep_chunks = 1;           // EP pipeline: the local experts in this many chunks whose all-to-alls
-                                         // overlap the other chunks' GEMMs (model/ffn_blocks.h), 1 .. 64; 1 is
-                                         // the fastest on 2 H200s since the exchange moves tokens (ffn_blocks.h)
+                                         // overlap the other chunks' GEMMs (model/ep_exchange.h), 1 .. 64; 1 is
+                                         // the fastest on 2 H200s since the exchange moves tokens (ep_exchange.h)
         double timeout_s = 300.0;        // longest any single collective wait may last before the run fails, > 0
         bool shard_optimizer = true;     // ZeRO-1: AdamW state sharded over each replica group (train/optimizer.h)
         std::string log_ranks = "main";  // main: rank 0 alone logs; all: every rank prints its lines, "[rank R] "

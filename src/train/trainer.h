@@ -35,7 +35,7 @@
 // metrics, logs and the export (dist.log_ranks: all lets every rank print); every rank writes its
 // checkpoint shard (train/checkpoint.h) and waits at a barrier for the export before returning.
 // With dist.ep_size > 1 each rank holds E/EP experts of every MoE layer and computes them for the
-// tokens its EP group routes there (model/ffn_blocks.h); the replicated gradients are summed over
+// tokens its EP group routes there (model/ep_exchange.h); the replicated gradients are summed over
 // the world and the expert gradients over the DP group, during the backward (train/distributed.h).
 // With dist.shard_optimizer the AdamW state is sharded over each parameter's replica group
 // (train/optimizer.h). The export gathers the whole model onto rank 0, one tensor at a time.

@@ -1,4 +1,4 @@
-// Expert-parallel dispatch and combine (model/ffn_blocks.h) with rank-coded payloads compared bit
+// Expert-parallel dispatch and combine (model/ep_exchange.h) with rank-coded payloads compared bit
 // for bit, on either backend (CPU tensors over TCP, CUDA bf16 tensors over NCCL). Every token row
 // carries (source rank, token, column numbers), so each owner checks that its local rows are exactly
 // the tokens routed to its experts in the plan's layout (per chunk its own tokens, then the other

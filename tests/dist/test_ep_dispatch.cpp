@@ -1,4 +1,4 @@
-// Expert-parallel dispatch and combine (model/ffn_blocks.h) between real processes over TCP, with
+// Expert-parallel dispatch and combine (model/ep_exchange.h) between real processes over TCP, with
 // rank-coded payloads compared bit for bit (tests/dist/ep_round_trip.h): every routing of the
 // harness (including a rank that sends nothing to its peers, ranks that receive nothing and experts
 // with no rows), unpipelined and in 2 chunks, on 2 and 3 ranks.

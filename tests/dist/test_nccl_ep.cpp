@@ -1,5 +1,5 @@
 // Expert parallelism on the CUDA backend over NCCL, on 2 GPUs (forked ranks, rendezvous on loopback):
-//  1. Dispatch then combine (model/ffn_blocks.h) with rank-coded bf16 payloads compared bit for bit
+//  1. Dispatch then combine (model/ep_exchange.h) with rank-coded bf16 payloads compared bit for bit
 //     (the harness of tests/dist/ep_round_trip.h: each owner checks its local rows token by token,
 //     each source checks the weighted sums that come back), every routing of the harness,
 //     unpipelined and in 2 chunks, at row widths 8, 5 and 2056.
