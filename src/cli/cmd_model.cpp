@@ -229,10 +229,10 @@ int cmd_eval(const Args& args) {
         const model::ModelPlacement placement = eval_placement(a.get("device", "auto"));
         auto m = train::load_hf_model(model_dir, nullptr, placement);
         const auto& cfg = m->spec();
-        std::optional<text::Tokenizer> tokenizer;
-        if (has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
         data::SftOptions opt;
         opt.format = data::parse_sft_format(a.get("format", "auto"));
+        std::optional<text::Tokenizer> tokenizer;  // token-id data needs none
+        if (opt.format != data::SftFormat::tokens && has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
         opt.tokenizer_dir = model_dir;
         opt.vocab_size = cfg.vocab_size;
         const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);

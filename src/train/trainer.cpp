@@ -55,11 +55,13 @@ Device resolve_device(const Recipe& r) { return pick_device(r.device, r.source +
 
 data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir, int64_t vocab_size,
                                 const std::string& file) {
-    // The tokenizer comes with the model directory; token-id data needs none.
-    std::optional<text::Tokenizer> tokenizer;
-    if (fs::exists(model_dir / "tokenizer.json")) tokenizer = text::Tokenizer::load(model_dir);
+    // The tokenizer comes with the model directory; token-id data needs none (nor reads it, so a
+    // tokenizer of a kind the engine does not read yet does not stop a tokens run).
     data::SftOptions opt;
     opt.format = data::parse_sft_format(recipe.data.format);
+    std::optional<text::Tokenizer> tokenizer;
+    if (opt.format != data::SftFormat::tokens && fs::exists(model_dir / "tokenizer.json"))
+        tokenizer = text::Tokenizer::load(model_dir);
     opt.chat_format = recipe.data.chat_format;
     opt.tokenizer_dir = model_dir;
     opt.loss_on = text::parse_loss_on(recipe.data.loss_on);
