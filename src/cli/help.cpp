@@ -19,12 +19,12 @@ namespace {
 std::vector<CommandHelp> make_table() {
     return {
         {"init",
-         "--out DIR [--arch qwen3_moe] [--preset tiny | --config CONFIG.json] [--seed S] [--tokenizer DIR]",
+         "--out DIR [--arch MODEL_TYPE] [--preset tiny | --config CONFIG.json] [--seed S] [--tokenizer DIR]",
          "write a randomly initialised HF model directory",
          "Writes config.json, model.safetensors and generation_config.json (and the tokenizer's files with\n"
          "--tokenizer) into DIR, replacing only those files.",
          {{"out", "DIR", "the model directory to write (required)"},
-          {"arch", "NAME", "architecture (model_type); default qwen3_moe, the only one today"},
+          {"arch", "NAME", "architecture (model_type): qwen3_moe (default), mixtral, olmoe or qwen2_moe"},
           {"preset", "NAME", "built-in size when no --config is given; default tiny"},
           {"config", "FILE", "an HF config.json to take the sizes from instead of a preset"},
           {"seed", "S", "seed of the random initialisation; default 0"},
