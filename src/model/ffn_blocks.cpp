@@ -107,9 +107,14 @@ void declare_moe_params(ParamTable& table, const std::string& lp, const std::str
     if (disk != p) router.disk_name = disk + "gate.weight";
     table.add(p + "gate.weight", {E, H}, ParamRole::weight, {}, router);
     const std::string experts = disk + "experts.{}.";
-    table.add(p + "experts.gate_up_proj", {E, 2 * I, H}, ParamRole::expert, shard,
-              {"", {experts + m.disk_gate + ".weight", experts + m.disk_up + ".weight"}});
-    table.add(p + "experts.down_proj", {E, H, I}, ParamRole::expert, shard, {"", {experts + m.disk_down + ".weight"}});
+    ParamStorage gate_up{"", {experts + m.disk_gate + ".weight", experts + m.disk_up + ".weight"}};
+    ParamStorage down{"", {experts + m.disk_down + ".weight"}};
+    if (m.disk_stacked) {
+        gate_up = ParamStorage{disk + "experts.gate_up_proj", {}, m.disk_transposed, m.disk_interleaved};
+        down = ParamStorage{disk + "experts.down_proj", {}, m.disk_transposed, false};
+    }
+    table.add(p + "experts.gate_up_proj", {E, 2 * I, H}, ParamRole::expert, shard, gate_up);
+    table.add(p + "experts.down_proj", {E, H, I}, ParamRole::expert, shard, down);
     if (m.shared_intermediate > 0) {
         declare_mlp_params(table, p + "shared_expert.", H, m.shared_intermediate);
         if (m.shared_gate) table.add(p + "shared_expert_gate.weight", {1, H}, ParamRole::weight);

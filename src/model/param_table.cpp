@@ -26,7 +26,11 @@ const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, 
                                  ParamStorage storage) {
     MF_CHECK(find(name) == nullptr, "duplicate parameter ", name);
     const bool is_expert = role == ParamRole::expert;
-    MF_CHECK(is_expert || storage.expert_pieces.empty(), "per-expert storage for ", name, ", which is not stacked");
+    MF_CHECK(is_expert || (storage.expert_pieces.empty() && !storage.reshaped()), "per-expert storage for ", name,
+             ", which is not stacked");
+    MF_CHECK(!storage.reshaped() || (storage.expert_pieces.empty() && shape.size() == 3 &&
+                                     (!storage.interleaved || shape[1] % 2 == 0)),
+             "reshaped storage for ", name, " needs one stacked [E, R, C] tensor (R even when interleaved)");
     ParamSpec spec;
     spec.name = std::move(name);
     spec.role = role;

@@ -42,9 +42,17 @@ const char* param_role_name(ParamRole role);
 // piece: `expert_pieces` names each piece with "{}" where the expert's index goes, and the pieces
 // are stacked along the rows in order (gate_up [E, 2I, H] = per expert gate_proj [I, H] then
 // up_proj [I, H]). The stacked engine name itself (HF v5's in-memory spelling) is read as well.
+//
+// Stacked experts stored as one tensor (no pieces) may be laid out differently per expert: `transposed`
+// stores each expert's [R, C] slice as [C, R]; `interleaved` stores the two halves of its rows (gate
+// rows [0, R/2), up rows [R/2, R)) interleaved, gate row i at 2i and up row i at 2i + 1 (before the
+// transpose). gpt-oss's checkpoints are both.
 struct ParamStorage {
     std::string disk_name;
     std::vector<std::string> expert_pieces;
+    bool transposed = false;
+    bool interleaved = false;
+    bool reshaped() const { return transposed || interleaved; }
 };
 
 struct ParamSpec {

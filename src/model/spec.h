@@ -58,6 +58,9 @@ struct MoeBranch {
     // (gate, up, down; Mixtral: w1, w3, w2), stored one tensor per expert and projection.
     std::string disk_module;
     std::string disk_gate = "gate_proj", disk_up = "up_proj", disk_down = "down_proj";
+    // Or stored stacked, as `experts.gate_up_proj` and `experts.down_proj`, optionally transposed per
+    // expert and with gate/up rows interleaved (ParamStorage; gpt-oss).
+    bool disk_stacked = false, disk_transposed = false, disk_interleaved = false;
 };
 
 enum class BranchKind { attention, mlp, moe };

@@ -50,10 +50,32 @@ namespace {
 // One HF checkpoint tensor and where it lives in the flat parameter buffer.
 struct HfTensor {
     std::string name;
-    Shape shape;
+    Shape shape;     // as stored (a reshaped stack: its local experts)
     int64_t offset;  // elements into the flat buffer
     size_t spec;     // the parameter it is (part of), an index into the table's specs()
+    bool reshaped = false;  // a stacked tensor stored transposed / interleaved (ParamStorage)
 };
+
+// One expert's [R, C] slice between the engine's layout and a reshaped storage (ParamStorage):
+// interleaved rows (gate row i at 2i, up row i at 2i + 1), then transposed to [C, R].
+void engine_to_disk(const float* engine, float* disk, int64_t R, int64_t C, const model::ParamStorage& st) {
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t sr = st.interleaved ? (r < R / 2 ? 2 * r : 2 * (r - R / 2) + 1) : r;
+        for (int64_t c = 0; c < C; ++c) disk[st.transposed ? c * R + sr : sr * C + c] = engine[r * C + c];
+    }
+}
+
+void disk_to_engine(const float* disk, float* engine, int64_t R, int64_t C, const model::ParamStorage& st) {
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t sr = st.interleaved ? (r < R / 2 ? 2 * r : 2 * (r - R / 2) + 1) : r;
+        for (int64_t c = 0; c < C; ++c) engine[r * C + c] = disk[st.transposed ? c * R + sr : sr * C + c];
+    }
+}
+
+// The stored shape of a reshaped stack of `experts` experts.
+Shape reshaped_shape(const model::ParamSpec& s, int64_t experts) {
+    return s.storage.transposed ? Shape{experts, s.shape[2], s.shape[1]} : Shape{experts, s.shape[1], s.shape[2]};
+}
 
 // The HF tensors of a table as checkpoints store them (ParamStorage), in parameter-table order. For
 // a sharded table only the rank's experts appear (named by their global index, at local offsets).
@@ -61,6 +83,10 @@ std::vector<HfTensor> hf_layout(const model::ParamTable& table) {
     std::vector<HfTensor> out;
     for (size_t i = 0; i < table.specs().size(); ++i) {
         const model::ParamSpec& spec = table.specs()[i];
+        if (spec.storage.reshaped()) {
+            out.push_back({spec.disk_name(), reshaped_shape(spec, spec.shape[0]), spec.offset, i, true});
+            continue;
+        }
         if (!is_stacked(spec)) {
             out.push_back({spec.disk_name(), spec.shape, spec.offset, i});
             continue;
@@ -85,7 +111,11 @@ std::vector<HfTensor> hf_layout(const model::ParamTable& table) {
 
 std::unique_ptr<model::CausalLM> load_hf_model(const fs::path& dir, json::Value* raw_config,
                                                model::ModelPlacement placement) {
-    model::ModelSpec spec = read_hf_config(dir, raw_config);
+    return load_hf_weights(dir, read_hf_config(dir, raw_config), placement);
+}
+
+std::unique_ptr<model::CausalLM> load_hf_weights(const fs::path& dir, model::ModelSpec spec,
+                                                 model::ModelPlacement placement) {
     const io::ModelWeights weights = io::ModelWeights::open(dir);
     const model::ParamTable table = model::model_param_table(spec);
     // First a count: the per-expert layout below has an entry per expert and layer, each needing at
@@ -112,14 +142,16 @@ std::unique_ptr<model::CausalLM> load_hf_model(const fs::path& dir, json::Value*
     // renamed module under the engine's name, are read as such; everything else as the layout says.
     std::vector<std::string> whole;  // engine names read whole
     for (const auto& s : table.specs())
-        if ((is_stacked(s) || s.disk_name() != s.name) && weights.find(s.name) != nullptr) whole.push_back(s.name);
+        if ((is_stacked(s) || s.disk_name() != s.name) && !(s.storage.reshaped() && s.disk_name() == s.name) &&
+            weights.find(s.name) != nullptr)
+            whole.push_back(s.name);
     auto read_whole = [&whole](const std::string& name) {
         return std::find(whole.begin(), whole.end(), name) != whole.end();
     };
     for (const auto& s : table.specs())
         if (read_whole(s.name)) sources.push_back({s.name, s.global_shape()});
     for (const auto& t : hf_layout(table))
-        if (!read_whole(table.specs()[t.spec].name)) sources.push_back({t.name, t.shape});
+        if (!read_whole(table.specs()[t.spec].name)) sources.push_back({t.name, t.shape});  // the whole model
     for (const auto& src : sources) {
         const io::StTensor* t = weights.find(src.name);
         if (t == nullptr) fail(dir.string(), ": tensor \"", src.name, "\" is missing (needed by config.json)");
@@ -147,8 +179,21 @@ std::unique_ptr<model::CausalLM> load_hf_model(const fs::path& dir, json::Value*
         else
             weights.read_f32(s.name, s.shape, host.data() + s.offset);
     }
-    for (const auto& t : hf_layout(local))
-        if (!read_whole(local.specs()[t.spec].name)) weights.read_f32(t.name, t.shape, host.data() + t.offset);
+    std::vector<float> stored;  // one reshaped stack's rows of this rank, as stored
+    for (const auto& t : hf_layout(local)) {
+        const model::ParamSpec& s = local.specs()[t.spec];
+        if (read_whole(s.name)) continue;
+        if (!t.reshaped) {
+            weights.read_f32(t.name, t.shape, host.data() + t.offset);
+            continue;
+        }
+        stored.resize(static_cast<size_t>(s.numel));
+        weights.read_f32_rows(t.name, reshaped_shape(s, s.experts_total), s.expert_first, s.shape[0], stored.data());
+        const int64_t per = s.numel / s.shape[0];
+        for (int64_t j = 0; j < s.shape[0]; ++j)
+            disk_to_engine(stored.data() + j * per, host.data() + s.offset + j * per, s.shape[1], s.shape[2],
+                           s.storage);
+    }
     m->set_params_from_host(host.data());
     return m;
 }
@@ -201,16 +246,28 @@ void save_hf_model(const fs::path& dir, const model::ModelSpec& cfg, const Param
     // source, converted into the writer's buffer.
     std::vector<float> f32;  // staging for bf16 output (reused)
     std::vector<io::StWriteTensor> tensors;
+    std::vector<float> engine;  // a reshaped stack in the engine's layout (reused)
     for (const auto& t : hf_layout(table)) {
         const int64_t n = shape_numel(t.shape), offset = t.offset;
+        const model::ParamSpec* reshaped = t.reshaped ? &table.specs()[t.spec] : nullptr;
         io::StWriteTensor w{t.name, dtype, t.shape, nullptr};
-        w.fill = [&source, &f32, dtype, offset, n](void* out) {
+        // The tensor's values as stored, as f32 (a reshaped stack converted expert by expert).
+        auto fetch = [&source, &engine, reshaped, offset, n](float* dst) {
+            if (reshaped == nullptr) return source(offset, n, dst);
+            engine.resize(static_cast<size_t>(n));
+            source(offset, n, engine.data());
+            const int64_t per = n / reshaped->shape[0];
+            for (int64_t j = 0; j < reshaped->shape[0]; ++j)
+                engine_to_disk(engine.data() + j * per, dst + j * per, reshaped->shape[1], reshaped->shape[2],
+                               reshaped->storage);
+        };
+        w.fill = [fetch, &f32, dtype, n](void* out) {
             if (dtype == io::StDType::F32) {
-                source(offset, n, static_cast<float*>(out));
+                fetch(static_cast<float*>(out));
                 return;
             }
             f32.resize(static_cast<size_t>(n));
-            source(offset, n, f32.data());
+            fetch(f32.data());
             auto* o = static_cast<uint16_t*>(out);
             if (dtype == io::StDType::BF16)
                 for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(f32[static_cast<size_t>(i)]);

@@ -32,6 +32,9 @@ model::ModelSpec read_hf_config(const std::filesystem::path& dir, json::Value* r
 // Reads config and weights of an HF model directory.
 std::unique_ptr<model::CausalLM> load_hf_model(const std::filesystem::path& dir, json::Value* raw_config = nullptr,
                                                model::ModelPlacement placement = {});
+// The weights of DIR for a spec already read (its config.json is not read).
+std::unique_ptr<model::CausalLM> load_hf_weights(const std::filesystem::path& dir, model::ModelSpec spec,
+                                                 model::ModelPlacement placement = {});
 
 // Writes config.json (from `raw_config`, or the model's own when null), the weights in the
 // config's dtype (float32, bfloat16 or float16), and the tokenizer files found in `tokenizer_dir`

@@ -838,3 +838,50 @@ TEST_F(Cli, TokensDataNeedsNoTokenizerAndTextNamesTheMissingFeature) {
     EXPECT_NE(rc, 0);
     EXPECT_NE(log.find("tokenizer.json: model.byte_fallback"), std::string::npos) << log;
 }
+
+// Stacked experts stored as one tensor, transposed per expert and with gate/up rows interleaved
+// (ParamStorage; the layout gpt-oss's checkpoints use): the export writes exactly that layout and
+// reads back to the same parameters, also one EP shard at a time.
+TEST(ReshapedStorage, TransposedInterleavedExpertsRoundTrip) {
+    model::ModelSpec spec = model::parse_model_config(
+        model::find_architecture("qwen3_moe", "test").tiny_preset(), "tiny qwen3_moe");
+    for (model::LayerSpec& layer : spec.layers)
+        for (model::Branch& b : layer.branches)
+            if (b.kind == model::BranchKind::moe) {
+                b.moe.disk_stacked = true;
+                b.moe.disk_transposed = true;
+                b.moe.disk_interleaved = true;
+            }
+    model::CausalLM m(spec);
+    m.init_random(5, 0.3f);
+    const fs::path dir = test::temp_dir("reshaped");
+    train::save_hf_model(dir, m, nullptr, {});
+    const io::ModelWeights w = io::ModelWeights::open(dir);
+    EXPECT_EQ(w.find("model.layers.1.mlp.experts.0.gate_proj.weight"), nullptr);
+    const model::ParamSpec& gu = m.params().get("model.layers.1.mlp.experts.gate_up_proj");
+    const model::ParamSpec& dn = m.params().get("model.layers.1.mlp.experts.down_proj");
+    const int64_t E = gu.shape[0], R = gu.shape[1], H = gu.shape[2], I = R / 2;
+    std::vector<float> stored(static_cast<size_t>(gu.numel)), stored_down(static_cast<size_t>(dn.numel));
+    w.read_f32("model.layers.1.mlp.experts.gate_up_proj", {E, H, R}, stored.data());
+    w.read_f32("model.layers.1.mlp.experts.down_proj", {E, I, H}, stored_down.data());
+    const float* p = m.param_data();
+    for (int64_t e = 0; e < E; ++e)
+        for (int64_t i = 0; i < I; ++i)
+            for (int64_t h = 0; h < H; ++h) {
+                const float gate = p[gu.offset + (e * R + i) * H + h], up = p[gu.offset + (e * R + I + i) * H + h];
+                ASSERT_EQ(stored[static_cast<size_t>((e * H + h) * R + 2 * i)], gate);
+                ASSERT_EQ(stored[static_cast<size_t>((e * H + h) * R + 2 * i + 1)], up);
+                ASSERT_EQ(stored_down[static_cast<size_t>((e * I + i) * H + h)], p[dn.offset + (e * H + h) * I + i]);
+            }
+    const std::vector<float> want = host_params(m);
+    auto back = train::load_hf_weights(dir, spec);
+    EXPECT_EQ(host_params(*back), want);
+    // Each EP shard reads its experts' rows of the stored stack.
+    for (int64_t rank = 0; rank < 2; ++rank) {
+        auto shard = train::load_hf_weights(dir, spec, {Device::cpu, DType::f32, {rank, 2}});
+        const model::ParamSpec& local = shard->params().get(gu.name);
+        const std::vector<float> mine = host_params(*shard);
+        for (int64_t k = 0; k < local.numel; ++k)
+            ASSERT_EQ(mine[static_cast<size_t>(local.offset + k)], want[static_cast<size_t>(gu.offset + rank * local.numel + k)]);
+    }
+}
