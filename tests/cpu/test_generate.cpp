@@ -22,6 +22,7 @@
 #include "core/json.h"
 #include "io/file.h"
 #include "io/safetensors.h"
+#include "model/arch/architecture.h"
 #include "model/generate.h"
 #include "model/causal_lm.h"
 #include "qwen3_config.h"
@@ -427,6 +428,33 @@ TEST(GenerateErrors, CliNamesTheOption) {
     EXPECT_NE(out.find("generation_config.json: eos_token_id"), std::string::npos) << out;
     fs::remove_all(dir);
     fs::remove_all(no_tok);
+}
+
+// Every family's branches through the KV-cache decoder: no QK-norm (mixtral), full-width QK-norm
+// (olmoe), q/k/v biases and a gated shared expert (qwen2_moe), each row bit for bit the full forward's.
+TEST(GenerateKvCache, CachedLogitsEqualFullForwardForEveryFamily) {
+    for (const char* arch : {"mixtral", "olmoe", "qwen2_moe"}) {
+        SCOPED_TRACE(arch);
+        json::Value config = model::find_architecture(arch, "test").tiny_preset();
+        config.set("vocab_size", 97);
+        model::CausalLM m(model::parse_model_config(config, arch));
+        m.init_random(7, 0.2f);
+        // Biases away from zero, so that they count.
+        std::vector<float> host(static_cast<size_t>(m.num_params()));
+        m.get_params_to_host(host.data());
+        for (const model::ParamSpec& s : m.params().specs())
+            if (s.role == model::ParamRole::bias)
+                for (int64_t i = 0; i < s.numel; ++i) host[static_cast<size_t>(s.offset + i)] = 0.05f * static_cast<float>(i % 7) - 0.15f;
+        m.set_params_from_host(host.data());
+        std::vector<int32_t> seq;
+        for (int i = 0; i < 29; ++i) seq.push_back((i * 37 + 11) % 97);
+        const std::vector<float> full = full_forward_logits(m, seq);
+        for (const auto attention : {model::DecodeAttention::cached, model::DecodeAttention::prefix_square}) {
+            const std::vector<float> cached = cached_logits(m, seq, {13, 1, 4}, attention);
+            ASSERT_EQ(cached.size(), full.size());
+            EXPECT_EQ(max_abs_diff(cached.data(), full.data(), full.size()), 0.0f);
+        }
+    }
 }
 
 }  // namespace
