@@ -19,9 +19,12 @@ std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l)
 
 const char* output_name(BranchKind kind) {
     switch (kind) {
-        case BranchKind::attention: return "self-attention output";
-        case BranchKind::mlp: return "MLP output";
-        case BranchKind::moe: return "MoE output";
+        case BranchKind::attention:
+            return "self-attention output";
+        case BranchKind::mlp:
+            return "MLP output";
+        case BranchKind::moe:
+            return "MoE output";
     }
     return "output";
 }
@@ -104,9 +107,15 @@ ParamTable model_param_table(const ModelSpec& spec, ExpertShard shard) {
         for (const Branch& b : layer.branches) {
             const std::string m = p + b.module + ".";
             switch (b.kind) {
-                case BranchKind::attention: declare_attention_params(table, m, attention_dims(b.attention, H)); break;
-                case BranchKind::mlp: declare_mlp_params(table, m, H, b.mlp.intermediate); break;
-                case BranchKind::moe: declare_moe_params(table, p, b.module, b.moe, H, shard); break;
+                case BranchKind::attention:
+                    declare_attention_params(table, m, attention_dims(b.attention, H));
+                    break;
+                case BranchKind::mlp:
+                    declare_mlp_params(table, m, H, b.mlp.intermediate);
+                    break;
+                case BranchKind::moe:
+                    declare_moe_params(table, p, b.module, b.moe, H, shard);
+                    break;
             }
         }
         for (const Branch& b : layer.branches) table.add(p + b.norm + ".weight", {H}, ParamRole::norm);
@@ -119,8 +128,10 @@ ParamTable model_param_table(const ModelSpec& spec, ExpertShard shard) {
 int64_t model_active_params(const ModelSpec& spec, const ParamTable& table) {
     int64_t n = 0;
     for (const auto& s : table.specs()) {
-        if (s.is_expert) n += s.numel / s.shape[0] * spec.moe(s.layer)->top_k;
-        else n += s.numel;
+        if (s.is_expert)
+            n += s.numel / s.shape[0] * spec.moe(s.layer)->top_k;
+        else
+            n += s.numel;
     }
     return n;
 }
@@ -133,11 +144,13 @@ double model_flops_per_token(const ModelSpec& spec, int64_t T) {
         for (const Branch& b : layer.branches) {
             if (b.kind == BranchKind::attention) {
                 const AttentionBranch& a = b.attention;
-                matmul += H * static_cast<double>(a.head_dim) * static_cast<double>(2 * a.num_heads + 2 * a.num_kv_heads);
+                matmul +=
+                    H * static_cast<double>(a.head_dim) * static_cast<double>(2 * a.num_heads + 2 * a.num_kv_heads);
                 attention += 4.0 * static_cast<double>(T) * static_cast<double>(a.num_heads * a.head_dim) / 2.0;
             } else if (b.kind == BranchKind::moe) {
                 const MoeBranch& m = b.moe;
-                matmul += H * (static_cast<double>(m.num_experts) + 3.0 * static_cast<double>(m.intermediate * m.top_k));
+                matmul +=
+                    H * (static_cast<double>(m.num_experts) + 3.0 * static_cast<double>(m.intermediate * m.top_k));
                 if (m.shared_intermediate > 0) matmul += 3.0 * H * static_cast<double>(m.shared_intermediate);
                 if (m.shared_gate) matmul += H;
             } else {
@@ -151,7 +164,8 @@ double model_flops_per_token(const ModelSpec& spec, int64_t T) {
 // --- construction --------------------------------------------------------------------------------------
 
 CausalLM::CausalLM(ModelSpec spec, ModelPlacement placement)
-    : spec_(std::move(spec)), act_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16),
+    : spec_(std::move(spec)),
+      act_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16),
       store_(model_param_table(spec_, placement.shard), spec_.num_layers(), placement),
       total_params_(placement.shard.sharded() ? model_param_table(spec_).total() : store_.table().total()),
       ws_(std::make_unique<Workspace>()) {
@@ -345,7 +359,8 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
                                  ws.ep_scratch);
                 if (s->has_shared) ba.shared.alloc(A, N, H, s->spec->moe.shared_intermediate, act);
             }
-            if (const BranchState* s = serves(l, b, BranchKind::mlp)) ba.mlp.alloc(A, N, s->spec->mlp.intermediate, act);
+            if (const BranchState* s = serves(l, b, BranchKind::mlp))
+                ba.mlp.alloc(A, N, s->spec->mlp.intermediate, act);
         }
     }
     if (recompute_ != Recompute::none && !moe_specs.empty())
@@ -361,7 +376,8 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
     for (const Layer& layer : layers_)
         for (const BranchState& s : layer.branches) {
             if (s.spec->kind == BranchKind::attention && attn == nullptr) attn = &s;
-            if (s.spec->kind == BranchKind::mlp && (mlp == nullptr || s.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
+            if (s.spec->kind == BranchKind::mlp &&
+                (mlp == nullptr || s.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
                 mlp = &s;
             if (s.has_shared && shared == nullptr) shared = &s;
         }
@@ -424,7 +440,9 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
         case BranchKind::attention:
             attention_block_forward(ba.out, ba.attn, ba.ln, s.attn, s.ad, B, T, ws.positions, ws.attention_docs());
             break;
-        case BranchKind::mlp: mlp_block_forward(ba.out, ba.mlp, ba.ln, s.mlp); break;
+        case BranchKind::mlp:
+            mlp_block_forward(ba.out, ba.mlp, ba.ln, s.mlp);
+            break;
         case BranchKind::moe:
             moe_block_forward(ba.out, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe));
             if (s.has_shared) shared_expert_forward(ba.out, ba.shared, ba.ln, s.shared);
@@ -471,14 +489,17 @@ void CausalLM::branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const 
             attention_block_backward(ws.d_ln, s.g_attn, ws.attn_scratch, dy, ba.ln, ba.attn, s.attn, s.ad, B, T,
                                      ws.positions, ws.attention_docs());
             break;
-        case BranchKind::mlp: mlp_block_backward(ws.d_ln, s.g_mlp, ws.mlp_scratch, dy, ba.ln, ba.mlp, s.mlp); break;
+        case BranchKind::mlp:
+            mlp_block_backward(ws.d_ln, s.g_mlp, ws.mlp_scratch, dy, ba.ln, ba.mlp, s.mlp);
+            break;
         case BranchKind::moe: {
             const MoeDims md = moe_dims(s.spec->moe);
             if (recompute_ == Recompute::moe) moe_block_forward(ba.out, ws.shared_moe, ba.ln, s.moe, md);
             // Written rather than added where zero_grads() left them undefined.
             const bool marked = store_.expert_marked(l);
             ExpertGradSquares squares;
-            for (auto [spec, slot] : {std::pair{s.gate_up_spec, &squares.gate_up}, std::pair{s.down_spec, &squares.down}})
+            for (auto [spec, slot] :
+                 {std::pair{s.gate_up_spec, &squares.gate_up}, std::pair{s.down_spec, &squares.down}})
                 if (!grad_square_wanted_.empty() && grad_square_wanted_[static_cast<size_t>(spec)]) {
                     *slot = Tensor(static_cast<double*>(grad_square_slots_.data()) + spec, DType::f64, {1},
                                    grad_square_slots_.device());
@@ -594,7 +615,8 @@ StepStats CausalLM::step(const data::Batch& batch, const LossScales* scales, flo
         ops::copy_to_host(counts.data(), ws.aux_counts);
         ops::copy_to_host(prob_sums.data(), ws.aux_prob_sums);
         double s = 0;
-        for (int64_t e = 0; e < E; ++e) s += static_cast<double>(counts[static_cast<size_t>(e)]) * prob_sums[static_cast<size_t>(e)];
+        for (int64_t e = 0; e < E; ++e)
+            s += static_cast<double>(counts[static_cast<size_t>(e)]) * prob_sums[static_cast<size_t>(e)];
         stats.aux = static_cast<double>(E) * s / (rows * rows);
     }
     if (scales == nullptr) return stats;
@@ -602,8 +624,9 @@ StepStats CausalLM::step(const data::Batch& batch, const LossScales* scales, flo
     // --- backward ----------------------------------------------------------------------------------
     // d aux / d probs[t, e] = E · C_e / R² for every counted row t of every MoE layer.
     const bool aux_grad = num_moe_layers > 0 && rows > 0 && scales->aux != 0.0;
-    if (aux_grad) ops::moe_aux_dprobs(ws.dprobs, ws.aux_counts, ws.mask,
-                                      static_cast<float>(scales->aux * static_cast<double>(E) / (rows * rows)));
+    if (aux_grad)
+        ops::moe_aux_dprobs(ws.dprobs, ws.aux_counts, ws.mask,
+                            static_cast<float>(scales->aux * static_cast<double>(E) / (rows * rows)));
     // The gradient of the residual stream alternates between two buffers, one swap per branch.
     const Tensor* dy = &ws.d_resid;
     const Tensor* dx = &ws.d_mid;

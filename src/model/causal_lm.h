@@ -93,7 +93,8 @@ class CausalLM {
     void get_params_to_host(float* dst) const { store_.get_params_to_host(dst); }
     // HF's init by role (ParamStore::init_random), the padding row of the embedding zeroed.
     void init_random(uint64_t seed, float std) {
-        store_.init_random(seed, std, spec_.padding_idx >= 0 ? std::vector<int64_t>{spec_.padding_idx} : std::vector<int64_t>{});
+        store_.init_random(seed, std,
+                           spec_.padding_idx >= 0 ? std::vector<int64_t>{spec_.padding_idx} : std::vector<int64_t>{});
     }
 
     // Expert parallelism over `ep_group`: the model holds experts [rank·E/S, (rank+1)·E/S) of every
@@ -171,8 +172,7 @@ class CausalLM {
     void layer_forward(int64_t l, int64_t B, int64_t T);  // layer l's forward from resid[l] into its activations
     void branch_forward(int64_t l, size_t b, int64_t B, int64_t T);
     // Branch b of layer l backward: dy (the gradient of its output) -> dx (its input's), both full.
-    void branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const Tensor& dx, const Tensor& dy,
-                         bool aux_grad);
+    void branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const Tensor& dx, const Tensor& dy, bool aux_grad);
     MoeDims moe_dims(const MoeBranch& m) const;  // with this model's EP group
     void zero_padding_rows(const data::Batch& batch, const Tensor& d_embed) const;
 
@@ -186,7 +186,7 @@ class CausalLM {
     parallel::Communicator* ep_ = nullptr;
     int64_t ep_chunks_ = 1;
     std::function<void(int64_t)> grad_hook_;
-    Tensor grad_square_slots_;                 // set_grad_square_sums
+    Tensor grad_square_slots_;  // set_grad_square_sums
     std::vector<bool> grad_square_wanted_;
     RowGather row_gather_;
     int row_gather_ranks_ = 1;

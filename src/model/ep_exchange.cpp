@@ -288,10 +288,9 @@ namespace {
 // receive buffer) or back. With `overlap` it is only started (Communicator::all_to_all_v_start);
 // returns the ticket to join (0: done). With `others_only` this rank's own rows stay out of it
 // (copy_own moves them).
-uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners,
-                        const Tensor& sent, const Tensor& received, bool others_only = false) {
-    MF_CHECK(sent.dtype() == received.dtype() && sent.dim(-1) == received.dim(-1) &&
-                 sent.device() == received.device(),
+uint64_t exchange_chunk(parallel::Communicator& ep, bool overlap, const EpChunk& ch, bool to_owners, const Tensor& sent,
+                        const Tensor& received, bool others_only = false) {
+    MF_CHECK(sent.dtype() == received.dtype() && sent.dim(-1) == received.dim(-1) && sent.device() == received.device(),
              "expert parallelism: exchange buffers differ in dtype, width or device");
     const int64_t width = sent.dim(-1);
     auto scaled = [width](const std::vector<int64_t>& v) {
@@ -413,8 +412,8 @@ struct Exchanged {
 // side stream; over TCP each completes before the call returns.
 template <typename Arrive, typename Compute, typename Depart, typename After>
 void ep_pipeline(const MoeDims& d, const EpRouting& r, const Exchanged& out, const Exchanged& meta,
-                 const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute,
-                 Depart&& depart, After&& after) {
+                 const Exchanged& back, const Exchanged& extra, Arrive&& arrive, Compute&& compute, Depart&& depart,
+                 After&& after) {
     const Device device = out.sent.device();
     check_backend(*d.ep, device, "expert parallelism");
     parallel::Communicator& ep = *d.ep;
@@ -472,8 +471,8 @@ void check_ep_acts(const MoeDims& d, const MoeActs& a, const char* op) {
 void pack_forward(MoeActs& a, const Tensor& x) {
     const EpPlanBuffers& b = a.plan_buffers;
     ops::ep_pack_rows(a.send_rows, x, b.send_pos, b.counts());
-    ops::ep_pack_meta(a.send_meta, b.send_pos, b.counts(), a.topk_idx, a.topk_weight, a.pair_row,
-                      a.expert_offsets, a.routing.row_base, b.expert_dest);
+    ops::ep_pack_meta(a.send_meta, b.send_pos, b.counts(), a.topk_idx, a.topk_weight, a.pair_row, a.expert_offsets,
+                      a.routing.row_base, b.expert_dest);
 }
 
 }  // namespace
@@ -519,16 +518,15 @@ void ep_moe_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeigh
             if (pt.num_rows == 0) return;
             const Tensor offsets = part_offsets(r, ch, pt);
             const auto host = part_host_offsets(r, ch, pt);
-            ops::grouped_matmul_forward(a.h_local, a.x_local,
-                                        expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host);
+            ops::grouped_matmul_forward(a.h_local, a.x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
+                                        offsets, host);
             ops::swiglu_forward(row_view(a.a_local, pt.first_row, pt.num_rows),
                                 row_view(a.h_local, pt.first_row, pt.num_rows));
             ops::grouped_matmul_forward(a.y_local, a.a_local, expert_view(w.down, ch.first_expert, ch.num_experts),
                                         offsets, host);
         },
         [&](const EpChunk& ch, int part) {
-            ops::ep_reduce_rows(part_rows(a.recv_back, ch, part), a.y_local, part_rows(a.recv_meta, ch, part),
-                                true);
+            ops::ep_reduce_rows(part_rows(a.recv_back, ch, part), a.y_local, part_rows(a.recv_meta, ch, part), true);
         },
         [](const EpChunk&) {});
     const EpPlanBuffers& b = a.plan_buffers;
@@ -537,7 +535,8 @@ void ep_moe_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeigh
 }
 
 void ep_moe_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const Tensor& dy, const Tensor& x,
-                     const MoeActs& a, const MoeWeights& w, const MoeDims& d, bool acc, const ExpertGradSquares& squares) {
+                     const MoeActs& a, const MoeWeights& w, const MoeDims& d, bool acc,
+                     const ExpertGradSquares& squares) {
     check_ep(d, w);
     const EpRouting& r = a.routing;
     const EpPlanBuffers& b = a.plan_buffers;
@@ -581,18 +580,15 @@ void ep_moe_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const
             // The input gradients (written: the piece's rows are exactly its groups' rows), so
             // that they travel back while the weight gradients are computed (`after`).
             ops::grouped_matmul_backward(s.da_local, Tensor(), s.dy_local, a.a_local,
-                                         expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host,
-                                         false);
+                                         expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host, false);
             ops::swiglu_backward(row_view(s.dh_local, pt.first_row, pt.num_rows),
                                  row_view(s.da_local, pt.first_row, pt.num_rows),
                                  row_view(a.h_local, pt.first_row, pt.num_rows));
             ops::grouped_matmul_backward(s.dx_local, Tensor(), s.dh_local, a.x_local,
-                                         expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host,
-                                         false);
+                                         expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host, false);
         },
         [&](const EpChunk& ch, int part) {
-            ops::ep_reduce_rows(part_rows(s.recv_back, ch, part), s.dx_local, part_rows(a.recv_meta, ch, part),
-                                false);
+            ops::ep_reduce_rows(part_rows(s.recv_back, ch, part), s.dx_local, part_rows(a.recv_meta, ch, part), false);
         },
         [&](const EpChunk& ch) {
             // Both parts' rows of each expert in one pass; each chunk's experts are its own, so
@@ -602,8 +598,8 @@ void ep_moe_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const
                                                       part_host_offsets(r, ch, ch.parts[1])};
             ops::grouped_matmul_backward_weight(expert_view(g.down, ch.first_expert, ch.num_experts), s.dy_local,
                                                 a.a_local, offsets, host, acc, squares.down);
-            ops::grouped_matmul_backward_weight(expert_view(g.gate_up, ch.first_expert, ch.num_experts),
-                                                s.dh_local, a.x_local, offsets, host, acc, squares.gate_up);
+            ops::grouped_matmul_backward_weight(expert_view(g.gate_up, ch.first_expert, ch.num_experts), s.dh_local,
+                                                a.x_local, offsets, host, acc, squares.gate_up);
         });
     ops::phase_mark("bwd moe experts");
     ops::ep_sum_blocks(dx, s.send_back, b.send_pos, b.counts(), true);

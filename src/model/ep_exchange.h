@@ -101,9 +101,9 @@ struct EpChunk {
 // Who sends which tokens where in one MoE block (host bookkeeping; see the header comment), plus
 // views of the device index ep_plan uploads.
 struct EpRouting {
-    int64_t num_local = 0;     // expert rows computed here (the local buffers' rows)
-    int64_t num_sent = 0;      // token rows this rank sends, to every destination (itself included)
-    int64_t num_received = 0;  // token rows it receives, from every source (itself included)
+    int64_t num_local = 0;               // expert rows computed here (the local buffers' rows)
+    int64_t num_sent = 0;                // token rows this rank sends, to every destination (itself included)
+    int64_t num_received = 0;            // token rows it receives, from every source (itself included)
     std::vector<EpChunk> chunks;         // MoeDims::ep_chunks of them (clamped), covering all local experts
     std::vector<int32_t> local_offsets;  // every chunk's parts' and own pieces' group offsets (EpChunk::Part::offsets)
     Tensor group_offsets;                // local_offsets on the tokens' device (view of EpPlanBuffers::index)

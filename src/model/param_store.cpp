@@ -6,7 +6,9 @@
 namespace mf::model {
 
 ParamStore::ParamStore(ParamTable table, int64_t num_layers, ModelPlacement placement)
-    : table_(std::move(table)), num_layers_(num_layers), placement_(placement),
+    : table_(std::move(table)),
+      num_layers_(num_layers),
+      placement_(placement),
       param_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16) {
     MF_CHECK(placement.device == Device::cuda || placement.grad_dtype == DType::f32, "CPU models keep f32 gradients");
     MF_CHECK(placement.grad_dtype == DType::f32 || placement.grad_dtype == DType::bf16, "gradients are f32 or bf16");

@@ -53,15 +53,15 @@ class ParamStore {
     DType param_dtype() const { return param_dtype_; }
     DType grad_dtype() const { return placement_.grad_dtype; }
 
-    Tensor params_tensor() const;           // [P], after every pending write
-    Tensor grads_tensor() const;            // [P], defined everywhere
-    Tensor grads_tensor_in_backward() const;  // [P] without zeroing marked expert gradients
-    Tensor param(std::string_view name) const;  // after every pending write
+    Tensor params_tensor() const;                    // [P], after every pending write
+    Tensor grads_tensor() const;                     // [P], defined everywhere
+    Tensor grads_tensor_in_backward() const;         // [P] without zeroing marked expert gradients
+    Tensor param(std::string_view name) const;       // after every pending write
     Tensor param_view(std::string_view name) const;  // without the wait (the forward settles stages itself)
     Tensor grad(std::string_view name) const;
     Tensor grad_view(std::string_view name) const;  // without settling (the backward's own views)
-    float* param_data();  // CPU only
-    float* grad_data();   // CPU only
+    float* param_data();                            // CPU only
+    float* grad_data();                             // CPU only
 
     void zero_grads();
     // True (and cleared) when layer l's expert gradients are marked: its backward writes them.
@@ -90,7 +90,7 @@ class ParamStore {
     DType param_dtype_;
     Buffer params_, grads_;
     mutable ops::BackgroundTicket zeroing_ = 0;
-    mutable std::vector<char> expert_marked_;  // per layer
+    mutable std::vector<char> expert_marked_;                          // per layer
     mutable std::vector<std::vector<std::function<void()>>> pending_;  // per stage, stage + 2
 };
 

@@ -15,17 +15,20 @@ std::string describe_branch(const Branch& b) {
     switch (b.kind) {
         case BranchKind::attention: {
             const AttentionBranch& a = b.attention;
-            std::string s = "attention (" + n(a.num_heads) + " q heads, " + n(a.num_kv_heads) + " kv heads, dim " +
-                            n(a.head_dim);
+            std::string s =
+                "attention (" + n(a.num_heads) + " q heads, " + n(a.num_kv_heads) + " kv heads, dim " + n(a.head_dim);
             if (a.qk_norm == QkNorm::per_head) s += ", qk-norm";
             if (a.qk_norm == QkNorm::full_width) s += ", full-width qk-norm";
             if (a.qkv_bias) s += ", qkv bias";
             if (a.o_bias) s += ", o bias";
-            if (a.rotary_dim == a.head_dim) s += ", rope";
-            else if (a.rotary_dim > 0) s += ", rope on " + n(a.rotary_dim) + " dims";
+            if (a.rotary_dim == a.head_dim)
+                s += ", rope";
+            else if (a.rotary_dim > 0)
+                s += ", rope on " + n(a.rotary_dim) + " dims";
             return s + ")";
         }
-        case BranchKind::mlp: return "dense mlp (dim " + n(b.mlp.intermediate) + ")";
+        case BranchKind::mlp:
+            return "dense mlp (dim " + n(b.mlp.intermediate) + ")";
         case BranchKind::moe: {
             const MoeBranch& m = b.moe;
             std::string s = "moe (" + n(m.num_experts) + " experts, top-" + n(m.top_k) +
@@ -98,7 +101,8 @@ void ModelSpec::validate(const std::string& source) const {
                          ": layer ", l, ": MoE with ", m.num_experts, " experts, top-", m.top_k, ", width ",
                          m.intermediate);
                 MF_CHECK(experts < 0 || experts == m.num_experts, source, ": MoE layers with different expert counts");
-                MF_CHECK(!m.shared_gate || m.shared_intermediate > 0, source, ": a shared-expert gate without a shared expert");
+                MF_CHECK(!m.shared_gate || m.shared_intermediate > 0, source,
+                         ": a shared-expert gate without a shared expert");
                 experts = m.num_experts;
             }
         }

@@ -33,9 +33,9 @@ struct AttentionBranch {
     int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
     QkNorm qk_norm = QkNorm::none;
     double qk_norm_eps = 1e-6;
-    bool qkv_bias = false;  // q_proj, k_proj, v_proj biases
-    bool o_bias = false;    // o_proj bias
-    int64_t rotary_dim = 0; // leading dims of each head that rotate (head_dim: all; partial_rotary_factor)
+    bool qkv_bias = false;   // q_proj, k_proj, v_proj biases
+    bool o_bias = false;     // o_proj bias
+    int64_t rotary_dim = 0;  // leading dims of each head that rotate (head_dim: all; partial_rotary_factor)
     double rope_theta = 10000.0;
 };
 

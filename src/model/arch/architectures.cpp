@@ -1,6 +1,5 @@
-#include "model/arch/architecture.h"
-
 #include "core/check.h"
+#include "model/arch/architecture.h"
 #include "model/arch/config_reader.h"
 
 namespace mf::model {

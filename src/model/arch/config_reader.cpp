@@ -40,7 +40,8 @@ int64_t ConfigReader::integer(const char* key, bool required, int64_t fallback, 
         fail(source_, ": field \"", key, "\" must be an integer, got ", v->dump());
     // Range-check before converting: a number written as 1e30 is a double no int64_t can hold.
     const double d = v->is_int() ? static_cast<double>(v->as_int()) : v->as_double();
-    if (d < static_cast<double>(min_value)) fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", v->dump());
+    if (d < static_cast<double>(min_value))
+        fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", v->dump());
     if (d > static_cast<double>(kMaxDim)) fail(source_, ": field \"", key, "\" is implausibly large: ", v->dump());
     return v->is_int() ? v->as_int() : static_cast<int64_t>(d);
 }
@@ -73,7 +74,8 @@ std::vector<int64_t> ConfigReader::layer_list(const char* key, int64_t num_layer
     std::set<int64_t> seen;
     for (const auto& e : v->as_array()) {
         if (!e.is_int() || e.as_int() < 0 || e.as_int() >= num_layers)
-            fail(source_, ": field \"", key, "\" holds ", e.dump(), ", expected a layer index in [0, ", num_layers, ")");
+            fail(source_, ": field \"", key, "\" holds ", e.dump(), ", expected a layer index in [0, ", num_layers,
+                 ")");
         if (!seen.insert(e.as_int()).second) fail(source_, ": field \"", key, "\" repeats layer ", e.as_int());
         out.push_back(e.as_int());
     }
@@ -82,8 +84,8 @@ std::vector<int64_t> ConfigReader::layer_list(const char* key, int64_t num_layer
 
 void ConfigReader::refuse(const char* key, const std::string& why) const {
     const json::Value* v = get(key);
-    fail(source_, ": field \"", key, "\" = ", v != nullptr ? v->dump() : std::string("null"), " is not supported (", why,
-         ")");
+    fail(source_, ": field \"", key, "\" = ", v != nullptr ? v->dump() : std::string("null"), " is not supported (",
+         why, ")");
 }
 
 void ConfigReader::require_false(const char* key, const std::string& feature) const {
@@ -106,7 +108,8 @@ double read_rope_theta(const ConfigReader& r, double default_theta) {
     const std::string& source = r.source();
     const json::Value* rope_params = r.get("rope_parameters");
     const json::Value* rope_scaling = r.get("rope_scaling");
-    if (rope_params != nullptr && !rope_params->is_object()) fail(source, ": field \"rope_parameters\" must be an object");
+    if (rope_params != nullptr && !rope_params->is_object())
+        fail(source, ": field \"rope_parameters\" must be an object");
     if (rope_scaling != nullptr && !rope_scaling->is_object())
         fail(source, ": field \"rope_scaling\" must be an object or null");
     for (const json::Value* rp : {rope_params, rope_scaling}) {
@@ -158,16 +161,15 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const FamilyDefaults& d
     c.hidden_size = r.integer("hidden_size", true, 0, 1);
     c.num_hidden_layers = r.integer("num_hidden_layers", true, 0, 1);
     c.num_attention_heads = r.integer("num_attention_heads", true, 0, 1);
-    c.num_key_value_heads = r.integer("num_key_value_heads", false,
-                                      defaults.num_key_value_heads > 0 ? defaults.num_key_value_heads
-                                                                       : c.num_attention_heads,
-                                      1);
+    c.num_key_value_heads =
+        r.integer("num_key_value_heads", false,
+                  defaults.num_key_value_heads > 0 ? defaults.num_key_value_heads : c.num_attention_heads, 1);
     c.head_dim = r.integer("head_dim", false, 0, 2);
     c.head_dim_written = c.head_dim != 0;
     if (c.head_dim == 0) {
         if (c.hidden_size % c.num_attention_heads != 0)
-            fail(source, ": no \"head_dim\" and hidden_size ", c.hidden_size, " is not a multiple of num_attention_heads ",
-                 c.num_attention_heads);
+            fail(source, ": no \"head_dim\" and hidden_size ", c.hidden_size,
+                 " is not a multiple of num_attention_heads ", c.num_attention_heads);
         c.head_dim = c.hidden_size / c.num_attention_heads;
     }
     if (c.head_dim % 2 != 0) fail(source, ": field \"head_dim\" must be even for RoPE, got ", c.head_dim);
@@ -175,7 +177,8 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const FamilyDefaults& d
     // Experts in either spelling; both present must agree.
     const bool has_num_experts = r.get("num_experts") != nullptr;
     const bool has_local = r.get("num_local_experts") != nullptr;
-    if (has_num_experts && has_local && r.integer("num_experts", true, 0, 0) != r.integer("num_local_experts", true, 0, 0))
+    if (has_num_experts && has_local &&
+        r.integer("num_experts", true, 0, 0) != r.integer("num_local_experts", true, 0, 0))
         fail(source, ": fields \"num_experts\" and \"num_local_experts\" disagree");
     if (!has_num_experts && !has_local) fail(source, ": missing required field \"", experts_key, "\"");
     c.num_experts = has_num_experts ? r.integer("num_experts", true, 0, 0) : r.integer("num_local_experts", true, 0, 0);
@@ -186,7 +189,8 @@ DecoderConfig DecoderConfig::read(const ConfigReader& r, const FamilyDefaults& d
     c.pad_token_id = pad != nullptr ? r.integer("pad_token_id", true, -1, 0)
                                     : (r.find_raw("pad_token_id") != nullptr ? -1 : defaults.pad_token_id);
     if (c.pad_token_id >= c.vocab_size)
-        fail(source, ": field \"pad_token_id\" is ", c.pad_token_id, ", outside the vocabulary [0, ", c.vocab_size, ")");
+        fail(source, ": field \"pad_token_id\" is ", c.pad_token_id, ", outside the vocabulary [0, ", c.vocab_size,
+             ")");
     c.output_router_logits = r.boolean("output_router_logits", false);
     c.rms_norm_eps = r.number("rms_norm_eps", defaults.rms_norm_eps);
     c.router_aux_loss_coef = r.number("router_aux_loss_coef", defaults.router_aux_loss_coef);

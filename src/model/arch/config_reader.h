@@ -21,7 +21,7 @@ class ConfigReader {
  public:
     ConfigReader(const json::Value& cfg, const std::string& source);
 
-    const json::Value* get(const char* key) const;  // null when absent or JSON null
+    const json::Value* get(const char* key) const;       // null when absent or JSON null
     const json::Value* find_raw(const char* key) const;  // null only when absent
     int64_t integer(const char* key, bool required, int64_t fallback, int64_t min_value) const;
     double number(const json::Value* v, const std::string& key, double fallback) const;
@@ -32,9 +32,9 @@ class ConfigReader {
     std::vector<int64_t> layer_list(const char* key, int64_t num_layers) const;
     // Refusals, naming the field.
     [[noreturn]] void refuse(const char* key, const std::string& why) const;
-    void require_false(const char* key, const std::string& feature) const;  // refuse when set true
-    void require_zero(const char* key, const std::string& feature) const;   // refuse when set non-zero
-    void require_absent(const char* key, const std::string& feature) const; // refuse when set (not null)
+    void require_false(const char* key, const std::string& feature) const;   // refuse when set true
+    void require_zero(const char* key, const std::string& feature) const;    // refuse when set non-zero
+    void require_absent(const char* key, const std::string& feature) const;  // refuse when set (not null)
 
     const std::string& source() const { return source_; }
 

@@ -45,9 +45,9 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     moe.shared_intermediate = shared_intermediate;
     moe.shared_gate = true;
     for (int64_t l = 0; l < d.num_hidden_layers; ++l)
-        spec.layers.push_back(decoder_layer(attention, d.rms_norm_eps,
-                                            sparse.sparse(l, d.num_experts) ? moe_ffn(moe, d.rms_norm_eps)
-                                                                            : dense_ffn(intermediate, d.rms_norm_eps)));
+        spec.layers.push_back(decoder_layer(
+            attention, d.rms_norm_eps,
+            sparse.sparse(l, d.num_experts) ? moe_ffn(moe, d.rms_norm_eps) : dense_ffn(intermediate, d.rms_norm_eps)));
 
     json::Value::Object out;
     d.write(out, "num_experts");

@@ -30,9 +30,9 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     attention.qk_norm = QkNorm::per_head;
     const MoeBranch moe = routed_experts(d, moe_intermediate, norm_topk);
     for (int64_t l = 0; l < d.num_hidden_layers; ++l)
-        spec.layers.push_back(decoder_layer(attention, d.rms_norm_eps,
-                                            sparse.sparse(l, d.num_experts) ? moe_ffn(moe, d.rms_norm_eps)
-                                                                            : dense_ffn(intermediate, d.rms_norm_eps)));
+        spec.layers.push_back(decoder_layer(
+            attention, d.rms_norm_eps,
+            sparse.sparse(l, d.num_experts) ? moe_ffn(moe, d.rms_norm_eps) : dense_ffn(intermediate, d.rms_norm_eps)));
 
     json::Value::Object out;
     d.write(out, "num_experts");
