@@ -15,8 +15,6 @@ void mark_layer(const char* what, int64_t l) {
     if (ops::phase_clock_on()) ops::phase_mark(std::string(what) + " " + std::to_string(l));
 }
 
-std::string layer_prefix(int64_t l) { return "model.layers." + std::to_string(l) + "."; }
-
 const char* output_name(BranchKind kind) {
     switch (kind) {
         case BranchKind::attention:

@@ -78,7 +78,7 @@ KvCacheDecoder::KvCacheDecoder(const CausalLM& model, int64_t max_tokens, int64_
     const ParamLookup at = [&model](const std::string& name) { return model.param(name); };
     int64_t cache_idx = 0;
     for (int64_t l = 0; l < spec.num_layers(); ++l) {
-        const std::string p = "model.layers." + std::to_string(l) + ".";
+        const std::string p = layer_prefix(l);
         std::vector<BranchWeights> layer;
         for (const Branch& b : spec.layers[static_cast<size_t>(l)].branches) {
             BranchWeights w;

@@ -10,6 +10,8 @@ Shape ParamSpec::global_shape() const {
     return s;
 }
 
+std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_string(layer) + "."; }
+
 const char* param_role_name(ParamRole role) {
     switch (role) {
         case ParamRole::embedding: return "embedding";

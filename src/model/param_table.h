@@ -72,6 +72,9 @@ struct ParamSpec {
     const std::string& disk_name() const { return storage.disk_name.empty() ? name : storage.disk_name; }
 };
 
+// "model.layers.N.": the prefix of layer N's parameters.
+std::string layer_prefix(int64_t layer);
+
 class ParamTable {
  public:
     // Appends a parameter; offsets keep the two regions above (experts after everything else).

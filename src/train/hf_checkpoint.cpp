@@ -58,18 +58,20 @@ struct HfTensor {
 
 // One expert's [R, C] slice between the engine's layout and a reshaped storage (ParamStorage):
 // interleaved rows (gate row i at 2i, up row i at 2i + 1), then transposed to [C, R].
+// Where element (r, c) of an expert's engine slice [R, C] lies in its reshaped storage.
+int64_t disk_index(int64_t r, int64_t c, int64_t R, int64_t C, const model::ParamStorage& st) {
+    const int64_t sr = st.interleaved ? (r < R / 2 ? 2 * r : 2 * (r - R / 2) + 1) : r;
+    return st.transposed ? c * R + sr : sr * C + c;
+}
+
 void engine_to_disk(const float* engine, float* disk, int64_t R, int64_t C, const model::ParamStorage& st) {
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t sr = st.interleaved ? (r < R / 2 ? 2 * r : 2 * (r - R / 2) + 1) : r;
-        for (int64_t c = 0; c < C; ++c) disk[st.transposed ? c * R + sr : sr * C + c] = engine[r * C + c];
-    }
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) disk[disk_index(r, c, R, C, st)] = engine[r * C + c];
 }
 
 void disk_to_engine(const float* disk, float* engine, int64_t R, int64_t C, const model::ParamStorage& st) {
-    for (int64_t r = 0; r < R; ++r) {
-        const int64_t sr = st.interleaved ? (r < R / 2 ? 2 * r : 2 * (r - R / 2) + 1) : r;
-        for (int64_t c = 0; c < C; ++c) engine[r * C + c] = disk[st.transposed ? c * R + sr : sr * C + c];
-    }
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) engine[r * C + c] = disk[disk_index(r, c, R, C, st)];
 }
 
 // The stored shape of a reshaped stack of `experts` experts.
