@@ -21,8 +21,8 @@
 // takes the weight gradients against its kept outputs), input gradients and weight gradients come
 // back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
 // E/S experts ([E/S, ...]); the router holds all E. Both backends: CPU tensors over the TCP
-// communicator, CUDA tensors over NCCL, whose collectives are ordered with the ops:: kernels on the
-// legacy default stream. Planning needs the token and row counts on the host, so each forward's plan
+// communicator, CUDA tensors over NCCL, whose collectives (on the legacy default stream) are ordered
+// with the ops:: kernels on the engine's blocking stream. Planning needs the token and row counts on the host, so each forward's plan
 // costs one wait for the device and the peers (with the communicator's timeout); dispatch, expert
 // compute and combine then run without host waits.
 // Pipelining (MoeDims::ep_chunks = C > 1): the local experts are split into C chunks, and a

@@ -2,15 +2,20 @@
 // signature of its declaration in ops.h (ops.cpp has checked the arguments) and is private to this
 // file; the table at the end (cuda_ops.h) hands them to ops.cpp.
 //
-// One process-wide context holds the stream (the legacy default stream for now), the cuBLASLt
-// and cuBLAS handles and a scratch buffer that grows to the largest request. Every op queues its
-// kernels on that stream; only the ops that return a host value (sum, sum_squares, all_finite,
-// copy_to_host) synchronise. Scratch is reused op after op, which is safe because all work is
-// ordered on the one stream.
+// Every op runs on the calling thread's execution context (ops.h, ExecScope): a stream with the
+// cuBLASLt and cuBLAS handles, the grouped GEMM's lanes, a background stream and a scratch buffer
+// that grows to the largest request, one context per (device, stream), created on first use and
+// kept for the process. Without a scope, ops go to the engine's stream on the current device. Every
+// op queues its kernels on its context's stream; only the ops that return a host value (sum,
+// sum_squares, all_finite, copy_to_host) synchronise. Scratch is reused op after op, which is safe
+// because a context's work is ordered on its one stream.
 #include <cublas_v2.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string_view>
 #include <vector>
 
@@ -56,7 +61,9 @@ constexpr size_t kLossScratchBytes = size_t{1} << 30;
 constexpr int64_t kBackgroundEvents = 64;
 
 struct Context {
-    cudaStream_t stream = nullptr;      // where ops go: the op stream (legacy default), or `background`
+    int device = 0;
+    cudaStream_t op_stream = nullptr;   // the context's stream
+    cudaStream_t stream = nullptr;      // where ops go now: op_stream, or `background` inside ops::background
     cudaStream_t background = nullptr;  // created on first use, non-blocking
     bool in_background = false;
     int64_t tickets = 0;
@@ -64,12 +71,21 @@ struct Context {
     std::vector<cudaEvent_t> ticket_events;
     mf::cuda::GemmContext gemm;
     cublasHandle_t blas = nullptr;
+    std::unique_ptr<mf::cuda::GroupedGemmCublas> grouped;  // created on first use
     Buffer scratch, background_scratch;
-    Buffer small;  // a few device scalars
-    Context() : small(256, Device::cuda) { MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed"); }
+    Buffer small;               // a few device scalars
+    void* workspace = nullptr;  // the scope's caller-owned scratch (ExecContext::workspace), if any
+    size_t workspace_bytes = 0;
+
+    // Made with `device` current.
+    Context(int device_index, cudaStream_t s)
+        : device(device_index), op_stream(s), stream(s), small(256, Device::cuda) {
+        MF_CHECK(cublasCreate(&blas) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
+    }
 
     // Scratch of at least `bytes`, 256-byte aligned (the background stream's own inside background()).
     void* get(size_t bytes) {
+        if (!in_background && workspace != nullptr && bytes <= workspace_bytes) return workspace;
         Buffer& b = in_background ? background_scratch : scratch;
         if (b.nbytes() < bytes) {
             wait_for_stream(stream);  // the old buffer may still be in use
@@ -78,13 +94,61 @@ struct Context {
         return b.data();
     }
     double* d_double() { return static_cast<double*>(small.data()); }
-    unsigned long long* d_count() { return reinterpret_cast<unsigned long long*>(static_cast<char*>(small.data()) + 64); }
+    unsigned long long* d_count() {
+        return reinterpret_cast<unsigned long long*>(static_cast<char*>(small.data()) + 64);
+    }
 };
 
-Context& ctx() {
-    static Context* c = new Context();  // never destroyed: no teardown-order trouble with CUDA at exit
+// The contexts, by (device, stream); stream nullptr stands for the engine's stream of that device.
+// Never destroyed: no teardown-order trouble with CUDA at exit.
+Context& context_for(int device, cudaStream_t stream) {
+    static std::mutex mutex;
+    static auto* contexts = new std::map<std::pair<int, cudaStream_t>, Context*>();
+    std::lock_guard<std::mutex> lock(mutex);
+    Context*& c = (*contexts)[{device, stream}];
+    if (c == nullptr) {
+        cudaStream_t s = stream;
+        if (s == nullptr) MF_CHECK_CUDA(cudaStreamCreate(&s));  // blocking: ordered with the legacy stream
+        c = new Context(device, s);
+    }
     return *c;
 }
+
+thread_local Context* t_scope = nullptr;   // the innermost ExecScope's context on this thread, if any
+thread_local Context* t_engine = nullptr;  // this thread's last engine context (the cache of context_for)
+
+Context& ctx() {
+    if (t_scope != nullptr) return *t_scope;
+    int device = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    if (t_engine == nullptr || t_engine->device != device) t_engine = &context_for(device, nullptr);
+    return *t_engine;
+}
+
+void exec_enter(const ExecContext& context, ExecSaved& saved) {
+    int device = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    saved.device = device;
+    saved.context = t_scope;
+    if (context.device >= 0 && context.device != device) MF_CHECK_CUDA(cudaSetDevice(context.device));
+    Context& c = context_for(context.device >= 0 ? context.device : device, static_cast<cudaStream_t>(context.stream));
+    MF_CHECK(!c.in_background, "ops::ExecScope: its stream is inside ops::background");
+    saved.workspace = c.workspace;
+    saved.workspace_bytes = c.workspace_bytes;
+    c.workspace = context.workspace;
+    c.workspace_bytes = context.workspace != nullptr ? context.workspace_bytes : 0;
+    t_scope = &c;
+}
+
+void exec_leave(const ExecSaved& saved) {
+    t_scope->workspace = saved.workspace;
+    t_scope->workspace_bytes = saved.workspace_bytes;
+    t_scope = static_cast<Context*>(saved.context);
+    int device = 0;
+    if (cudaGetDevice(&device) == cudaSuccess && device != saved.device) cudaSetDevice(saved.device);
+}
+
+void* current_stream() { return ctx().stream; }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 bool defined(const Tensor& t) { return t.data() != nullptr; }
@@ -117,7 +181,9 @@ void fill_normal(const Tensor& x, uint64_t seed, float mean, float std) {
     mf::cuda::fill_normal(x.data(), x.dtype(), x.numel(), seed, mean, std, ctx().stream);
 }
 
-void add(const Tensor& out, const Tensor& a, const Tensor& b) { mf::cuda::add_bf16(B(out), B(a), B(b), out.numel(), ctx().stream); }
+void add(const Tensor& out, const Tensor& a, const Tensor& b) {
+    mf::cuda::add_bf16(B(out), B(a), B(b), out.numel(), ctx().stream);
+}
 
 void cast(const Tensor& dst, const Tensor& src) {
     if (dst.dtype() == src.dtype()) return copy(dst, src);
@@ -155,7 +221,7 @@ void background_begin() {
 
 void background_abandon() {
     Context& c = ctx();
-    c.stream = nullptr;
+    c.stream = c.op_stream;
     c.in_background = false;
 }
 
@@ -186,7 +252,8 @@ void record_mark(int index) {
 std::vector<double> mark_times_ms(int count) {
     synchronize(Device::cuda);
     const auto& events = mark_events();
-    MF_CHECK(count <= static_cast<int>(events.size()), "mark_times_ms: ", count, " marks, ", events.size(), " recorded");
+    MF_CHECK(count <= static_cast<int>(events.size()), "mark_times_ms: ", count, " marks, ", events.size(),
+             " recorded");
     std::vector<double> out(static_cast<size_t>(std::max(count, 0)), 0.0);
     for (int i = 1; i < count; ++i) {
         float ms = 0;
@@ -218,7 +285,8 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& do
     if (defined(dinp))
         mf::cuda::matmul_backward_input(ctx().gemm, B(dinp), g, B(weight), N, C, OC, accumulate_dinp, ctx().stream);
     if (defined(dweight))
-        mf::cuda::matmul_backward_weight(ctx().gemm, dweight.data(), dweight.dtype(), g, B(inp), N, C, OC, ctx().stream);
+        mf::cuda::matmul_backward_weight(ctx().gemm, dweight.data(), dweight.dtype(), g, B(inp), N, C, OC,
+                                         ctx().stream);
 }
 
 void add_bias(const Tensor& out, const Tensor& bias) {
@@ -260,8 +328,8 @@ void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd,
                          const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) {
     mf::cuda::rope_qknorm_forward(B(q), B(k), F(q_rstd), F(k_rstd), B(q_raw), B(k_raw), B(q_weight), B(k_weight),
-                                  I(positions), positions.numel(), num_heads, num_kv_heads, q_weight.numel(), theta, eps,
-                                  ctx().stream);
+                                  I(positions), positions.numel(), num_heads, num_kv_heads, q_weight.numel(), theta,
+                                  eps, ctx().stream);
 }
 
 void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight, const Tensor& dk_weight,
@@ -311,8 +379,8 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     const mf::cuda::AttentionShape shape{Bn, T, num_heads, num_kv_heads, D};
     if (!defined(doc_ids) && mf::cuda::cudnn_attention_serves(shape)) {
         void* ws = ctx().get(mf::cuda::cudnn_attention_backward_workspace_bytes(shape));
-        return mf::cuda::cudnn_attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse),
-                                                  shape, ws, ctx().stream);
+        return mf::cuda::cudnn_attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse), shape,
+                                                  ws, ctx().stream);
     }
     void* ws = ctx().get(mf::cuda::attention_backward_workspace_bytes(shape));
     mf::cuda::attention_backward(B(dq), B(dk), B(dv), B(dout), B(q), B(k), B(v), B(out), F(lse), I(doc_ids), shape, ws,
@@ -382,8 +450,8 @@ void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor
                                     out.dim(-1), ctx().stream);
 }
 
-void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
-                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm,
+                            const Tensor& topk_weight, const Tensor& pair_row) {
     mf::cuda::moe_unpermute_backward(B(dy_perm), F(dtopk_weight), B(dout), B(y_perm), F(topk_weight), I(pair_row),
                                      rows(dout), topk_weight.dim(-1), dout.dim(-1), ctx().stream);
 }
@@ -422,8 +490,8 @@ void ep_scatter_grad(const Tensor& dlocal, const Tensor& dweight, const Tensor& 
 
 void ep_reduce_rows(const Tensor& out, const Tensor& local, const Tensor& meta, bool weighted) {
     if (out.dtype() == DType::f32)
-        return mf::cuda::ep_reduce_rows(F(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2,
-                                        out.dim(-1), weighted, ctx().stream);
+        return mf::cuda::ep_reduce_rows(F(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2, out.dim(-1),
+                                        weighted, ctx().stream);
     mf::cuda::ep_reduce_rows(B(out), B(local), rows(local), I(meta), rows(out), meta.dim(1) / 2, out.dim(-1), weighted,
                              ctx().stream);
 }
@@ -515,19 +583,29 @@ bool grouped_uses_cublas(int64_t M, int64_t E, int64_t C, int64_t OC, bool weigh
 // The sm90 kernels serve the product (their shape checks aside).
 bool use_sm90(int64_t E) { return grouped_gemm_setting() == GroupedGemmPath::sm90 && E <= mf::cuda::kSm90MaxGroups; }
 
-mf::cuda::GroupedGemmCublas& grouped_cublas() {
-    // MOEFORGE_GROUPED_GEMM_LANES: the streams the per-expert products spread over (1 .. 16; the
-    // class's default, 4, when unset): a tuning knob for benchmarks.
-    static auto* g = [] {
+// MOEFORGE_GROUPED_GEMM_LANES: the streams the per-expert products spread over (1 .. 16; the class's
+// default, 4, when unset): a tuning knob for benchmarks. 0: the default.
+int grouped_gemm_lanes() {
+    static const int lanes = [] {
         const char* env = std::getenv("MOEFORGE_GROUPED_GEMM_LANES");
-        if (env == nullptr || *env == '\0') return new mf::cuda::GroupedGemmCublas(ctx().gemm.handle);
+        if (env == nullptr || *env == '\0') return 0;
         char* end = nullptr;
-        const long lanes = std::strtol(env, &end, 10);
-        if (*end != '\0' || lanes < 1 || lanes > 16)
+        const long n = std::strtol(env, &end, 10);
+        if (*end != '\0' || n < 1 || n > 16)
             mf::fail("environment variable MOEFORGE_GROUPED_GEMM_LANES='", env, "': expected an integer in [1, 16]");
-        return new mf::cuda::GroupedGemmCublas(ctx().gemm.handle, static_cast<int>(lanes));
-    }();  // never destroyed, like ctx()
-    return *g;
+        return static_cast<int>(n);
+    }();
+    return lanes;
+}
+
+mf::cuda::GroupedGemmCublas& grouped_cublas() {
+    Context& c = ctx();
+    if (c.grouped == nullptr) {
+        const int lanes = grouped_gemm_lanes();
+        c.grouped = lanes == 0 ? std::make_unique<mf::cuda::GroupedGemmCublas>(c.gemm.handle)
+                               : std::make_unique<mf::cuda::GroupedGemmCublas>(c.gemm.handle, lanes);
+    }
+    return *c.grouped;
 }
 
 bool grouped_matmul_uses_host_offsets(Device) { return grouped_gemm_setting() != GroupedGemmPath::own; }
@@ -566,8 +644,8 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
                                                           M, E, C, OC, accumulate_dweight, ctx().stream);
         } else if (grouped_uses_cublas(M, E, C, OC, true)) {
             mf::cuda::grouped_matmul_backward_weight_cublas(grouped_cublas(), dweight.data(), dweight.dtype(), B(dout),
-                                                            B(inp), I(offsets), M, E, C, OC, ctx().stream,
-                                                            host_offsets, accumulate_dweight);
+                                                            B(inp), I(offsets), M, E, C, OC, ctx().stream, host_offsets,
+                                                            accumulate_dweight);
         } else {  // the own kernel only accumulates
             if (!accumulate_dweight) zero(dweight);
             mf::cuda::grouped_matmul_backward_weight(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets), M, E,
@@ -586,8 +664,8 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
         // One pass over both tables: each gradient rounded once (and its squares summed as stored).
         void* scratch =
             sum != nullptr ? ctx().get(mf::cuda::grouped_matmul_backward_weight_sm90_squares_bytes(E, C, OC)) : nullptr;
-        mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets[0]), M,
-                                                      E, C, OC, accumulate, ctx().stream,
+        mf::cuda::grouped_matmul_backward_weight_sm90(dweight.data(), dweight.dtype(), B(dout), B(inp), I(offsets[0]),
+                                                      M, E, C, OC, accumulate, ctx().stream,
                                                       offsets.size() > 1 ? I(offsets[1]) : nullptr, sum, scratch);
         return;
     }
@@ -610,8 +688,8 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
     const int64_t chunk = std::min(max_chunk, (N + num_chunks - 1) / num_chunks);
     const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
-                                    defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h), B(w),
-                                    I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream,
+                                    defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h),
+                                    B(w), I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream,
                                     logits_dtype);
 }
 
@@ -646,7 +724,8 @@ void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::spa
     if (xs.empty()) return;
     std::vector<mf::cuda::SumSquaresItem> items;
     items.reserve(xs.size());
-    for (size_t i = 0; i < xs.size(); ++i) items.push_back({xs[i].data(), xs[i].numel(), sums.ptr<double>() + slots[i]});
+    for (size_t i = 0; i < xs.size(); ++i)
+        items.push_back({xs[i].data(), xs[i].numel(), sums.ptr<double>() + slots[i]});
     mf::cuda::sum_squares_many(items.data(), static_cast<int64_t>(items.size()), xs[0].dtype(),
                                ctx().get(mf::cuda::sum_squares_many_scratch_bytes()), ctx().stream);
 }
@@ -667,6 +746,9 @@ constexpr CudaOps kTable{.sum_squares_to = &sum_squares_to,
                          .background_begin = &background_begin,
                          .background_end = &background_end,
                          .background_abandon = &background_abandon,
+                         .exec_enter = &exec_enter,
+                         .exec_leave = &exec_leave,
+                         .current_stream = &current_stream,
                          MF_CUDA_OPS(MF_CUDA_TABLE_ENTRY)};
 #undef MF_CUDA_TABLE_ENTRY
 

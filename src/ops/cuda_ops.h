@@ -53,6 +53,10 @@ struct CudaOps {
     void (*background_begin)() = nullptr;
     int64_t (*background_end)() = nullptr;
     void (*background_abandon)() = nullptr;
+    // ops::ExecScope: make `context` the thread's current one (saving what it replaces), and back.
+    void (*exec_enter)(const ExecContext& context, ExecSaved& saved) = nullptr;
+    void (*exec_leave)(const ExecSaved& saved) = nullptr;
+    void* (*current_stream)() = nullptr;
 
     // The ops of MF_CUDA_OPS, each typed by its declaration in ops.h.
 #define MF_CUDA_OP_ENTRY(name) decltype(&ops::name) name = nullptr;

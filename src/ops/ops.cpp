@@ -51,7 +51,10 @@ Device device_of(std::initializer_list<const Tensor*> ts) {
     bool first = true;
     for (const Tensor* t : ts) {
         if (t == nullptr || t->data() == nullptr) continue;
-        if (first) { d = t->device(); first = false; }
+        if (first) {
+            d = t->device();
+            first = false;
+        }
         MF_CHECK(t->device() == d, "op mixes cpu and cuda tensors");
     }
     return d;
@@ -122,6 +125,22 @@ BackgroundTicket background(Device device, const std::function<void()>& f) {
     f();
     leave.ended = true;
     return cuda_call(&CudaOps::background_end);
+}
+
+ExecScope::ExecScope(const ExecContext& context) {
+    const bool engine_default = context.stream == nullptr && context.device < 0 && context.workspace == nullptr;
+    if (engine_default && !cuda_available()) return;  // the CPU's context: nothing to switch
+    cuda_call(&CudaOps::exec_enter, context, saved_);
+    saved_.entered = true;
+}
+
+ExecScope::~ExecScope() {
+    if (saved_.entered) cuda_ops().exec_leave(saved_);
+}
+
+void* current_stream(Device device) {
+    if (device != Device::cuda || cuda_ops().current_stream == nullptr) return nullptr;
+    return cuda_ops().current_stream();
 }
 
 void wait_background(Device device, BackgroundTicket ticket) {
@@ -265,8 +284,8 @@ void synchronize(Device device) {
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight) {
     OpScope scope_("matmul_forward");
     const int64_t N = rows(inp), C = inp.dim(-1), OC = weight.dim(0);
-    MF_CHECK(weight.numel() == OC * C && out.numel() == N * OC, "matmul shapes: inp ", shape_str(inp.shape()), " weight ",
-             shape_str(weight.shape()), " out ", shape_str(out.shape()));
+    MF_CHECK(weight.numel() == OC * C && out.numel() == N * OC, "matmul shapes: inp ", shape_str(inp.shape()),
+             " weight ", shape_str(weight.shape()), " out ", shape_str(out.shape()));
     if (device_of({&out, &inp, &weight}) == Device::cuda) return cuda_call(&CudaOps::matmul_forward, out, inp, weight);
     cpu::matmul_forward(f(out), f(inp), f(weight), N, C, OC);
 }
@@ -337,8 +356,9 @@ void qknorm_rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd,
                          const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float eps, float theta) {
     OpScope scope_("qknorm_rope_forward");
     const int64_t D = q_weight.numel(), N = positions.numel();
-    MF_CHECK(q_raw.numel() == N * num_heads * D && k_raw.numel() == N * num_kv_heads * D && q.numel() == q_raw.numel() &&
-                 k.numel() == k_raw.numel() && q_rstd.numel() == N * num_heads && k_rstd.numel() == N * num_kv_heads,
+    MF_CHECK(q_raw.numel() == N * num_heads * D && k_raw.numel() == N * num_kv_heads * D &&
+                 q.numel() == q_raw.numel() && k.numel() == k_raw.numel() && q_rstd.numel() == N * num_heads &&
+                 k_rstd.numel() == N * num_kv_heads,
              "qk-norm/rope shapes");
     if (device_of({&q, &k, &q_rstd, &k_rstd, &q_raw, &k_raw, &q_weight, &k_weight, &positions}) == Device::cuda)
         return cuda_call(&CudaOps::qknorm_rope_forward, q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight,
@@ -575,8 +595,8 @@ void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor
                                out.dim(-1));
 }
 
-void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
-                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm,
+                            const Tensor& topk_weight, const Tensor& pair_row) {
     OpScope scope_("moe_unpermute_backward");
     if (device_of({&dy_perm, &dtopk_weight, &dout, &y_perm, &topk_weight, &pair_row}) == Device::cuda)
         return cuda_call(&CudaOps::moe_unpermute_backward, dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row);
@@ -829,8 +849,8 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     check_host_offsets(offsets, host_offsets);
     if (!accumulate_dinp && defined(dinp) && E > 0) {  // written: clear the groups' rows, then add
         const int32_t* off = i32(offsets);
-        MF_CHECK(off[0] >= 0 && off[0] <= off[E] && off[E] <= rows(dinp), "grouped_matmul_backward: offsets [",
-                 off[0], ", ", off[E], ") outside the ", rows(dinp), " rows of dinp");
+        MF_CHECK(off[0] >= 0 && off[0] <= off[E] && off[E] <= rows(dinp), "grouped_matmul_backward: offsets [", off[0],
+                 ", ", off[E], ") outside the ", rows(dinp), " rows of dinp");
         std::fill(f(dinp) + off[0] * C, f(dinp) + off[E] * C, 0.0f);
     }
     if (!accumulate_dweight && defined(dweight)) std::fill(f(dweight), f(dweight) + dweight.numel(), 0.0f);

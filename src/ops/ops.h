@@ -21,14 +21,14 @@ namespace mf::ops {
 
 // --- memory ----------------------------------------------------------------------------------------
 void zero(const Tensor& t);
-void copy(const Tensor& dst, const Tensor& src);                    // same dtype, same device
-void copy_from_host(const Tensor& dst, const void* src);            // dst.nbytes() bytes
+void copy(const Tensor& dst, const Tensor& src);          // same dtype, same device
+void copy_from_host(const Tensor& dst, const void* src);  // dst.nbytes() bytes
 void copy_to_host(void* dst, const Tensor& src);
 // x = mean + std · N(0, 1), reproducible from (seed, index) on either device (fast model init for
 // benchmarks; HF-style init from a Mersenne twister lives in the model).
 void fill_normal(const Tensor& x, uint64_t seed, float mean, float std);
-void add(const Tensor& out, const Tensor& a, const Tensor& b);       // out = a + b (out may alias a)
-void cast(const Tensor& dst, const Tensor& src);                    // f32 <-> bf16, any device
+void add(const Tensor& out, const Tensor& a, const Tensor& b);  // out = a + b (out may alias a)
+void cast(const Tensor& dst, const Tensor& src);                // f32 <-> bf16, any device
 void synchronize(Device device);  // waits for all device work: the op stream and the background stream
 
 // --- dense -----------------------------------------------------------------------------------------
@@ -49,7 +49,6 @@ void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& id
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                       const Tensor& weight, const Tensor& rstd);  // dinp +=, dweight +=
-
 
 // q[B,T,Hq·D], k/v[B,T,Hkv·D] (token-major), doc_ids[B·T]; out[B,T,Hq·D], lse[B,Hq,T] (f32).
 // Per-head RMSNorm (weight [D]) then RoPE, on q_raw[N, Hq·D] and k_raw[N, Hkv·D] -> q, k and the
@@ -82,7 +81,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& doc_ids,
                         int64_t B, int64_t T, int64_t num_heads, int64_t num_kv_heads);  // dq, dk, dv: written
 
-void swiglu_forward(const Tensor& out, const Tensor& inp);   // inp[N, 2I] -> out[N, I]
+void swiglu_forward(const Tensor& out, const Tensor& inp);                        // inp[N, 2I] -> out[N, I]
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
 
 // A row gated by the sigmoid of one logit (Qwen2-MoE's shared_expert_gate): y[N, H] += s · value[N, H]
@@ -112,8 +111,8 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k);
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k);  // dx +=
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
-void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout,
-                            const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
+void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm,
+                            const Tensor& topk_weight, const Tensor& pair_row);
 
 // --- expert-parallel token exchange (model/ep_exchange.h) -----------------------------------------
 // Under EP a token travels once to every *destination* that owns at least one of its top-k experts
@@ -210,7 +209,7 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
 // --- optimizer -------------------------------------------------------------------------------------
 struct AdamWHyper {
     float lr, beta1, beta2, eps, weight_decay;
-    int64_t step;  // 1-based
+    int64_t step;             // 1-based
     float grad_scale = 1.0f;  // every gradient is multiplied by it first (the clipping coefficient)
 };
 // torch.optim.AdamW on one parameter group. CPU: param, m, v, grad f32. CUDA, policy bf16: param,
@@ -229,6 +228,46 @@ void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
 // GPU however many there are (the per-tensor passes of a gradient norm are mostly tiny tensors).
 void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs);
 bool all_finite(const Tensor& x);
+
+// --- execution context -----------------------------------------------------------------------------
+// Where CUDA ops run: a device, a stream and scratch. Every op runs on its calling thread's current
+// context. Without a scope that is the engine's own stream on the thread's current device (one per
+// device for the process, created on first use; a blocking stream, so work on the legacy default
+// stream, such as the communicators' NCCL calls and cudaMemset, stays ordered with it both ways).
+// A binding runs ops on a stream its framework owns by opening an ExecScope: every op the thread
+// issues until the scope ends goes to `stream` on `device`, with scratch of its own (`workspace`
+// when given and large enough, else a buffer kept per (device, stream)) and a background stream of
+// its own (ops::background). Scopes nest; the one before is restored when a scope ends, the current
+// device included. A stream's scratch is reused op after op, which is safe because its ops are
+// ordered on it: two threads must not issue on one stream at once. On the CPU a scope changes
+// nothing; a CUDA scope in a build without CUDA is refused.
+struct ExecContext {
+    int device = -1;             // CUDA device ordinal; -1: the calling thread's current device
+    void* stream = nullptr;      // a cudaStream_t; nullptr: the engine's stream on that device
+    void* workspace = nullptr;   // optional caller-owned device scratch, 256-byte aligned, kept alive
+    size_t workspace_bytes = 0;  // until the stream has run the scope's ops
+};
+// What a scope restores (cuda_ops.cu's view of it is private).
+struct ExecSaved {
+    bool entered = false;
+    void* context = nullptr;  // the thread's context before (nullptr: none, the engine's stream)
+    void* workspace = nullptr;
+    size_t workspace_bytes = 0;
+    int device = -1;
+};
+class ExecScope {
+ public:
+    explicit ExecScope(const ExecContext& context);
+    ~ExecScope();
+    ExecScope(const ExecScope&) = delete;
+    ExecScope& operator=(const ExecScope&) = delete;
+
+ private:
+    ExecSaved saved_;
+};
+// The cudaStream_t that CUDA ops issued now on this thread go to (nullptr on the CPU, or in a build
+// without CUDA).
+void* current_stream(Device device);
 
 // --- background stream -----------------------------------------------------------------------------
 // For memory-bound passes (zeroing, norms) that may run beside the op stream's compute.
@@ -264,7 +303,7 @@ void reset_profile();
 void phase_start(Device device);  // synchronises, then starts a span (the clock is on until phase_stop)
 bool phase_clock_on();
 void phase_mark(std::string_view name);
-void phase_stop();                // synchronises and adds the span's marks to the report
+void phase_stop();  // synchronises and adds the span's marks to the report
 struct PhaseTime {
     std::string name;
     double gpu_ms, host_ms;  // means over the spans that recorded the mark

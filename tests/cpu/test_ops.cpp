@@ -243,4 +243,24 @@ TEST(Ops, CudaTensorsNeedACudaBuild) {
 #endif
 }
 
+// An execution context on the CPU: the default one changes nothing (ops inside run as outside).
+TEST(Ops, ExecScopeOnTheCpuChangesNothing) {
+    std::vector<float> a{1, 2, 3}, b{4, 5, 6}, out(3);
+    Tensor ta(a.data(), DType::f32, {3}, Device::cpu), tb(b.data(), DType::f32, {3}, Device::cpu);
+    Tensor to(out.data(), DType::f32, {3}, Device::cpu);
+    {
+        mf::ops::ExecScope scope(mf::ops::ExecContext{});
+        mf::ops::add(to, ta, tb);
+    }
+    EXPECT_EQ(out, (std::vector<float>{5, 7, 9}));
+    EXPECT_EQ(mf::ops::current_stream(Device::cpu), nullptr);
+}
+
+// A CUDA stream is refused where there is no CUDA device (a build without CUDA, or no GPU).
+TEST(Ops, ExecScopeRefusesAStreamWithoutCuda) {
+    if (mf::cuda_available()) GTEST_SKIP() << "a CUDA device is present: the refusal is for machines without one";
+    int fake_stream = 0;
+    EXPECT_THROW(mf::ops::ExecScope(mf::ops::ExecContext{.stream = &fake_stream}), mf::Error);
+}
+
 }  // namespace
