@@ -21,10 +21,12 @@ if [ "${PHASE:-build}" = build ]; then
     cmake -S .carry/base -B build-base -DCMAKE_BUILD_TYPE=Release -DMOEFORGE_CUDA=ON -DMOEFORGE_TESTS=OFF \
       -DMOEFORGE_BENCH=OFF > "$OUT/cmake_base.log" 2>&1 &&
       (cmake --build build-base -j5 --target moeforge > "$OUT/build_base.log" 2>&1; echo "base build rc $?") &
+    base_build=$!
   fi
   # -k: a test that does not compile is reported and the others still build.
   time cmake --build build-gpu -j11 -- -k > "$OUT/build.log" 2>&1 || grep -E "error" -A5 "$OUT/build.log" | head -40
-  wait
+  # NOTE: a bare `wait` would also wait for the `tee` of the exec above, which never ends.
+  [ -n "${base_build:-}" ] && wait "$base_build"
   # CTEST_LIMIT_S bounds the whole GPU suite (the device call's limit); -j4: the tests share the GPU.
   (cd build-gpu && timeout "${CTEST_LIMIT_S:-480}" ctest -L gpu --output-on-failure -j4 --timeout 300 \
      > "$OUT/ctest_gpu.log" 2>&1; echo "ctest rc $?"; tail -40 "$OUT/ctest_gpu.log")
