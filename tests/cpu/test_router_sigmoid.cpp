@@ -3,7 +3,8 @@
 //             scans: the group score from a sorted group, groups and experts ordered by a stable
 //             sort), on random rows with and without groups and correction bias; hand-built rows
 //             whose answers follow from the spec alone (the bias changes the choice but not the
-//             weight, group masking drops the best single expert, masked_score −inf vs 0, ties)
+//             weight, group masking drops the best single expert, masked_score −inf vs 0, ties);
+//             NaN rows still name K distinct experts in range
 //   backward  against central finite differences of the weights as a function of the logits (the
 //             indices fixed), in fp64, with groups, norm on/off and a scaling ≠ 1; and against
 //             finite differences through the op's own fp32 forward
@@ -239,6 +240,22 @@ TEST(RouterSigmoid, TiesGoToTheLowerIndex) {
         EXPECT_EQ(op_route(grouped, no_bias, g).idx, (std::vector<int32_t>{6, 7}));
         const Config g3{1, 8, 6, 4, 3, false, 1.0f};  // groups 3, 0, 1 kept (0 before 1 on the tie)
         EXPECT_EQ(op_route(grouped, no_bias, g3).idx, (std::vector<int32_t>{6, 7, 0, 1, 2, 3}));
+    }
+}
+
+TEST(RouterSigmoid, NanRowsStillChooseDistinctExperts) {
+    // A NaN logit (a diverged step) must not make the router emit an index that later ops would
+    // read out of bounds: every row still names K distinct experts in range.
+    std::vector<float> logits = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, 0.5f, NAN, 1.0f, NAN, -1.0f, NAN, 2.0f, NAN};
+    std::vector<float> no_bias;
+    for (const Config& c : {Config{2, 8, 3, 1, 1, true, 1.0f}, Config{2, 8, 3, 4, 2, true, 1.0f}}) {
+        const Routed r = op_route(logits, no_bias, c);
+        for (int64_t n = 0; n < c.N; ++n) {
+            std::vector<int32_t> row(r.idx.begin() + n * c.K, r.idx.begin() + (n + 1) * c.K);
+            for (const int32_t e : row) EXPECT_TRUE(e >= 0 && e < c.E) << name_of(c, false) << " row " << n;
+            std::sort(row.begin(), row.end());
+            EXPECT_TRUE(std::adjacent_find(row.begin(), row.end()) == row.end()) << name_of(c, false) << " row " << n;
+        }
     }
 }
 
