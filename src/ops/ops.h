@@ -114,7 +114,8 @@ void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Te
 // logits [N,E] f32; correction_bias [E] f32 (bf16 too on the GPU) or undefined (zeros); it only
 // chooses. masked_score: what an expert of a dropped group competes with: −inf (HF Nemotron-H: never
 // chosen) or 0 (HF DeepSeek-V3's masked_fill value). Refused: n_group not dividing E, topk_group
-// outside [1, n_group], groups of one expert (n_group > 1), K > topk_group · E / n_group.
+// outside [1, n_group], groups of one expert (n_group > 1), K > topk_group · E / n_group; on the GPU
+// also E > 1024, K > 32, and n_group > 32 when topk_group < n_group.
 void router_sigmoid_forward(const Tensor& scores, const Tensor& topk_idx, const Tensor& topk_weight,
                             const Tensor& logits, const Tensor& correction_bias, int64_t n_group, int64_t topk_group,
                             bool norm_topk_prob, float routed_scaling_factor, float masked_score);
