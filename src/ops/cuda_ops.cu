@@ -35,9 +35,11 @@
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/moe_permute.cuh"
 #include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/relu2.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
 #include "kernels/cuda/router.cuh"
+#include "kernels/cuda/router_sigmoid.cuh"
 #include "kernels/cuda/sigmoid_gate.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "ops/cuda_ops.h"
@@ -395,6 +397,14 @@ void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) 
     mf::cuda::swiglu_backward(B(dinp), B(dout), B(inp), rows(dout), dout.dim(-1), ctx().stream);
 }
 
+void relu2_forward(const Tensor& out, const Tensor& inp) {
+    mf::cuda::relu2_forward(B(out), B(inp), inp.numel(), ctx().stream);
+}
+
+void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+    mf::cuda::relu2_backward(B(dinp), B(dout), B(inp), inp.numel(), ctx().stream);
+}
+
 void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) {
     mf::cuda::sigmoid_gate_forward(B(y), B(value), B(gate_logits), rows(value), value.dim(-1), ctx().stream);
 }
@@ -415,6 +425,23 @@ void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Te
                      const Tensor& topk_idx, bool norm_topk_prob) {
     mf::cuda::router_backward(F(dlogits), F(dtopk_weight), F(dprobs), F(probs), I(topk_idx), probs.dim(0), probs.dim(1),
                               topk_idx.dim(-1), norm_topk_prob, ctx().stream);
+}
+
+void router_sigmoid_forward(const Tensor& scores, const Tensor& topk_idx, const Tensor& topk_weight,
+                            const Tensor& logits, const Tensor& correction_bias, int64_t n_group, int64_t topk_group,
+                            bool norm_topk_prob, float routed_scaling_factor, float masked_score) {
+    const mf::cuda::RouterSigmoidParams p{n_group, topk_group, norm_topk_prob, routed_scaling_factor, masked_score};
+    const bool has_bias = defined(correction_bias);
+    mf::cuda::router_sigmoid_forward(F(scores), I(topk_idx), F(topk_weight), F(logits),
+                                     has_bias ? correction_bias.data() : nullptr,
+                                     has_bias ? correction_bias.dtype() : DType::f32, logits.dim(0), logits.dim(1),
+                                     topk_idx.dim(1), p, ctx().stream);
+}
+
+void router_sigmoid_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& scores,
+                             const Tensor& topk_idx, bool norm_topk_prob, float routed_scaling_factor) {
+    mf::cuda::router_sigmoid_backward(F(dlogits), F(dtopk_weight), F(scores), I(topk_idx), scores.dim(0), scores.dim(1),
+                                      topk_idx.dim(1), norm_topk_prob, routed_scaling_factor, ctx().stream);
 }
 
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,

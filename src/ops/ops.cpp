@@ -25,9 +25,11 @@
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/moe_permute.h"
 #include "kernels/cpu/reduce.h"
+#include "kernels/cpu/relu2.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/router_sigmoid.h"
 #include "kernels/cpu/sigmoid_gate.h"
 #include "kernels/cpu/swiglu.h"
 #include "ops/cuda_ops.h"
@@ -473,6 +475,36 @@ void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) 
 }
 
 namespace {
+// The activation dtype of a device: f32 on the CPU, bf16 on the GPU.
+void check_relu2(const char* op, Device device, std::initializer_list<const Tensor*> ts) {
+    const DType want = device == Device::cuda ? DType::bf16 : DType::f32;
+    const Tensor& first = **ts.begin();
+    for (const Tensor* t : ts) {
+        MF_CHECK(t->numel() == first.numel(), op, ": ", shape_str(t->shape()), " and ", shape_str(first.shape()),
+                 " differ in size");
+        MF_CHECK(t->numel() == 0 || t->dtype() == want, op, ": a ", dtype_name(t->dtype()), " tensor where ",
+                 dtype_name(want), " activations are expected");
+    }
+}
+}  // namespace
+
+void relu2_forward(const Tensor& out, const Tensor& inp) {
+    OpScope scope_("relu2_forward");
+    const Device device = device_of({&out, &inp});
+    check_relu2("relu2_forward", device, {&out, &inp});
+    if (device == Device::cuda) return cuda_call(&CudaOps::relu2_forward, out, inp);
+    cpu::relu2_forward(f(out), f(inp), inp.numel());
+}
+
+void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
+    OpScope scope_("relu2_backward");
+    const Device device = device_of({&dinp, &dout, &inp});
+    check_relu2("relu2_backward", device, {&dinp, &dout, &inp});
+    if (device == Device::cuda) return cuda_call(&CudaOps::relu2_backward, dinp, dout, inp);
+    cpu::relu2_backward(f(dinp), f(dout), f(inp), inp.numel());
+}
+
+namespace {
 // value[N, H] with H >= 1 and the tensors of the gate sharing its shape; gate logits [N] or [N, 1].
 // Returns {N, H}.
 std::pair<int64_t, int64_t> check_sigmoid_gate(const char* op, const Tensor& value,
@@ -528,6 +560,65 @@ void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Te
     if (device_of({&dlogits, &dtopk_weight, &dprobs, &probs, &topk_idx}) == Device::cuda)
         return cuda_call(&CudaOps::router_backward, dlogits, dtopk_weight, dprobs, probs, topk_idx, norm_topk_prob);
     cpu::router_backward(f(dlogits), f(dtopk_weight), f(dprobs), f(probs), i32(topk_idx), N, E, K, norm_topk_prob);
+}
+
+namespace {
+// t is [rows, cols] of dtype.
+void check_matrix(const char* op, const char* name, const Tensor& t, DType dtype, int64_t rows, int64_t cols) {
+    MF_CHECK(t.ndim() == 2 && t.dim(0) == rows && t.dim(1) == cols, op, ": ", name, " is ", shape_str(t.shape()),
+             ", expected [", rows, ", ", cols, "]");
+    MF_CHECK(t.dtype() == dtype, op, ": ", name, " is ", dtype_name(t.dtype()), ", expected ", dtype_name(dtype));
+}
+}  // namespace
+
+void router_sigmoid_forward(const Tensor& scores, const Tensor& topk_idx, const Tensor& topk_weight,
+                            const Tensor& logits, const Tensor& correction_bias, int64_t n_group, int64_t topk_group,
+                            bool norm_topk_prob, float routed_scaling_factor, float masked_score) {
+    OpScope scope_("router_sigmoid_forward");
+    const char* op = "router_sigmoid_forward";
+    MF_CHECK(logits.ndim() == 2, op, ": logits ", shape_str(logits.shape()), " must be [N, E]");
+    MF_CHECK(topk_idx.ndim() == 2, op, ": topk_idx ", shape_str(topk_idx.shape()), " must be [N, K]");
+    const int64_t N = logits.dim(0), E = logits.dim(1), K = topk_idx.dim(1);
+    const cpu::RouterSigmoidParams p{n_group, topk_group, norm_topk_prob, routed_scaling_factor, masked_score};
+    cpu::check_router_sigmoid(op, E, K, p);
+    check_matrix(op, "logits", logits, DType::f32, N, E);
+    check_matrix(op, "scores", scores, DType::f32, N, E);
+    check_matrix(op, "topk_idx", topk_idx, DType::i32, N, K);
+    check_matrix(op, "topk_weight", topk_weight, DType::f32, N, K);
+    const Device device = device_of({&scores, &topk_idx, &topk_weight, &logits, &correction_bias});
+    if (defined(correction_bias)) {
+        MF_CHECK(correction_bias.ndim() == 1 && correction_bias.dim(0) == E, op, ": correction_bias ",
+                 shape_str(correction_bias.shape()), " must be [E = ", E, "]");
+        const DType dt = correction_bias.dtype();
+        MF_CHECK(dt == DType::f32 || (device == Device::cuda && dt == DType::bf16), op, ": correction_bias is ",
+                 dtype_name(dt), ", expected f32", device == Device::cuda ? " or bf16" : " on the CPU");
+    }
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::router_sigmoid_forward, scores, topk_idx, topk_weight, logits, correction_bias,
+                         n_group, topk_group, norm_topk_prob, routed_scaling_factor, masked_score);
+    cpu::router_sigmoid_forward(f(scores), topk_idx.ptr<int32_t>(), f(topk_weight), f(logits), f(correction_bias), N, E,
+                                K, p);
+}
+
+void router_sigmoid_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& scores,
+                             const Tensor& topk_idx, bool norm_topk_prob, float routed_scaling_factor) {
+    OpScope scope_("router_sigmoid_backward");
+    const char* op = "router_sigmoid_backward";
+    MF_CHECK(scores.ndim() == 2 && topk_idx.ndim() == 2, op, ": scores ", shape_str(scores.shape()), " and topk_idx ",
+             shape_str(topk_idx.shape()), " must be [N, E] and [N, K]");
+    const int64_t N = scores.dim(0), E = scores.dim(1), K = topk_idx.dim(1);
+    MF_CHECK(E >= 1 && K >= 1 && K <= E, op, ": E = ", E, ", K = ", K, " (need 1 <= K <= E)");
+    MF_CHECK(std::isfinite(routed_scaling_factor), op, ": routed_scaling_factor = ", routed_scaling_factor,
+             " is not finite");
+    check_matrix(op, "dlogits", dlogits, DType::f32, N, E);
+    check_matrix(op, "dtopk_weight", dtopk_weight, DType::f32, N, K);
+    check_matrix(op, "scores", scores, DType::f32, N, E);
+    check_matrix(op, "topk_idx", topk_idx, DType::i32, N, K);
+    if (device_of({&dlogits, &dtopk_weight, &scores, &topk_idx}) == Device::cuda)
+        return cuda_call(&CudaOps::router_sigmoid_backward, dlogits, dtopk_weight, scores, topk_idx, norm_topk_prob,
+                         routed_scaling_factor);
+    cpu::router_sigmoid_backward(f(dlogits), f(dtopk_weight), f(scores), i32(topk_idx), N, E, K, norm_topk_prob,
+                                 routed_scaling_factor);
 }
 
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,

@@ -83,6 +83,11 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 
 void swiglu_forward(const Tensor& out, const Tensor& inp);                        // inp[N, 2I] -> out[N, I]
 void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);  // dinp written
+// Squared ReLU (Nemotron-H's non-gated experts and MLPs): out = max(inp, 0)², any shape, out may
+// alias inp; dinp = dout · 2 · max(inp, 0) (written; may alias dout). Same numel; f32 on the CPU, bf16
+// on the GPU (fp32 math, one rounding).
+void relu2_forward(const Tensor& out, const Tensor& inp);
+void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);
 
 // A row gated by the sigmoid of one logit (Qwen2-MoE's shared_expert_gate): y[N, H] += s · value[N, H]
 // with s = σ(gate_logits[n]) in fp32; gate_logits [N] or [N, 1] in the activation dtype (the output
@@ -100,6 +105,23 @@ void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& t
 // dlogits[N,E] f32 written; dprobs may be undefined.
 void router_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& dprobs, const Tensor& probs,
                      const Tensor& topk_idx, bool norm_topk_prob);
+// The sigmoid router (DeepSeek-V3, Nemotron-H; spec: kernels/cpu/router_sigmoid.h): scores = σ(logits)
+// [N,E] f32 (written, kept for backward); the K experts of the largest scores + correction_bias
+// within the topk_group best of n_group groups (group score: the sum of its two largest), in
+// descending order, ties to the lower index -> topk_idx [N,K] i32; topk_weight [N,K] f32 = the chosen
+// scores (without the bias), / (their sum + 1e-20) when norm_topk_prob, × routed_scaling_factor.
+// logits [N,E] f32; correction_bias [E] f32 (bf16 too on the GPU) or undefined (zeros); it only
+// chooses. masked_score: what an expert of a dropped group competes with: −inf (HF Nemotron-H: never
+// chosen) or 0 (HF DeepSeek-V3's masked_fill value). Refused: n_group not dividing E, topk_group
+// outside [1, n_group], groups of one expert (n_group > 1), K > topk_group · E / n_group; on the GPU
+// also E > 1024, K > 32, and n_group > 32 when topk_group < n_group.
+void router_sigmoid_forward(const Tensor& scores, const Tensor& topk_idx, const Tensor& topk_weight,
+                            const Tensor& logits, const Tensor& correction_bias, int64_t n_group, int64_t topk_group,
+                            bool norm_topk_prob, float routed_scaling_factor, float masked_score);
+// dlogits [N,E] f32 (written): the gradient of topk_weight through the scaling, renormalisation and σ,
+// the indices fixed (zero for experts not chosen). dtopk_weight [N,K] f32; scores, topk_idx: the forward's.
+void router_sigmoid_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& scores,
+                             const Tensor& topk_idx, bool norm_topk_prob, float routed_scaling_factor);
 // Aux-loss statistics, accumulated over layers: counts[E] += Σ_t mask_t·#{k: idx=e}, prob_sums[E] += Σ_t mask_t·p_te.
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
                    const Tensor& mask);

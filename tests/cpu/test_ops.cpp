@@ -6,6 +6,7 @@
 // with the one "built without CUDA" message (no device memory is touched: the tensors only point).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -195,11 +196,18 @@ TEST(Ops, CudaTensorsNeedACudaBuild) {
                    [&] { mf::ops::attention_backward(x, x, x, x, x, x, x, x, rstd, Tensor(), 1, 4, 1, 1); });
     expect_refused("swiglu_forward", [&] { mf::ops::swiglu_forward(x, x2); });
     expect_refused("swiglu_backward", [&] { mf::ops::swiglu_backward(x2, x, x2); });
+    expect_refused("relu2_forward", [&] { mf::ops::relu2_forward(x, x); });
+    expect_refused("relu2_backward", [&] { mf::ops::relu2_backward(x, x, x); });
     expect_refused("sigmoid_gate_forward", [&] { mf::ops::sigmoid_gate_forward(x, x, gate); });
     expect_refused("sigmoid_gate_backward", [&] { mf::ops::sigmoid_gate_backward(x, gate, x, x, gate); });
     expect_refused("router_forward", [&] { mf::ops::router_forward(logits, topk_idx, topk_w, logits, true); });
     expect_refused("router_backward",
                    [&] { mf::ops::router_backward(logits, topk_w, logits, logits, topk_idx, true); });
+    expect_refused("router_sigmoid_forward", [&] {
+        mf::ops::router_sigmoid_forward(logits, topk_idx, topk_w, logits, Tensor(), 1, 1, true, 2.5f, -INFINITY);
+    });
+    expect_refused("router_sigmoid_backward",
+                   [&] { mf::ops::router_sigmoid_backward(logits, topk_w, logits, topk_idx, true, 2.5f); });
     expect_refused("moe_aux_stats", [&] { mf::ops::moe_aux_stats(rstd, rstd, topk_idx, logits, mask); });
     expect_refused("moe_aux_dprobs", [&] { mf::ops::moe_aux_dprobs(logits, rstd, mask, 1.0f); });
     expect_refused("moe_permute_indices",
