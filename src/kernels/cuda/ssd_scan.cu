@@ -34,6 +34,10 @@ constexpr int kTileK = 32;
 constexpr int kPad = kTileK + 1;  // tile row stride: conflict-free for both load orders
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
+constexpr int kGridSide = 16;  // tile_product: kThreads as a 16 × 16 grid
+constexpr int kMicro = 4;      // outputs per thread per side of a block
+constexpr int kMacro = kMicro * kGridSide;
+static_assert(kThreads == kGridSide * kGridSide, "tile_product maps the block onto a square grid");
 
 // The geometry as the kernels use it.
 struct Dims {
@@ -131,14 +135,31 @@ __device__ __forceinline__ float decay_from_start(const ChunkMeta& m, int t) {
     return m.seg[t] == 0 ? expf(m.cs[t]) : 0.0f;
 }
 
+// Which (i, j) of a product tile_product writes: every one, or those of one segment with j <= i
+// (the masked C·Bᵀ and dy·xᵀ of a chunk). kLowerTriangle lets tile_product skip whole blocks above
+// the diagonal.
+struct KeepAll {
+    static constexpr bool kLowerTriangle = false;
+    __device__ bool operator()(int, int) const { return true; }
+};
+struct KeepSegment {
+    static constexpr bool kLowerTriangle = true;
+    const ChunkMeta* meta;
+    __device__ bool operator()(int t, int s) const { return same_segment_causal(*meta, t, s); }
+};
+
 // acc[i·ld_acc + j] = (or += when accumulate) Σ_{k<K} a(i, k) · b(j, k) for i < M, j < N where keep(i, j);
 // elsewhere acc is left alone (set to 0 when not accumulating). The contracted index goes in
 // slices of kTileK staged in shared memory (tile_a [M][kPad], tile_b [N][kPad], zero-padded); the
-// loads run along k (kAKFast / kBKFast) or along i / j, whichever the source is contiguous in.
-// Each acc element belongs to one thread and is summed in a fixed order. Barriers at entry and exit.
+// loads run along k (kAKFast / kBKFast) or along i / j, whichever the source is contiguous in. The
+// outputs go in blocks of kMacro × kMacro, each thread summing kMicro × kMicro of them in registers
+// (rows kMicro·ty + r, columns tx + kGridSide·c). Each acc element belongs to one thread and is
+// summed in a fixed order (k ascending within a slice, the slices in order). Barriers at entry and
+// exit; blockDim.x must be kThreads.
 template <bool kAKFast, bool kBKFast, typename LoadA, typename LoadB, typename Keep>
 __device__ void tile_product(float* acc, int64_t ld_acc, bool accumulate, int M, int N, int K, LoadA load_a,
                              LoadB load_b, Keep keep, float* tile_a, float* tile_b) {
+    const int tx = threadIdx.x % kGridSide, ty = threadIdx.x / kGridSide;
     for (int k0 = 0; k0 < max(K, 1); k0 += kTileK) {
         const int kn = min(kTileK + 0, K - k0);
         __syncthreads();
@@ -154,27 +175,51 @@ __device__ void tile_product(float* acc, int64_t ld_acc, bool accumulate, int M,
         }
         __syncthreads();
         const bool first = k0 == 0 && !accumulate;
-        for (int e = threadIdx.x; e < M * N; e += blockDim.x) {
-            const int i = e / N, j = e % N;
-            float* out = acc + i * ld_acc + j;
-            if (!keep(i, j)) {
-                if (first) *out = 0.0f;
-                continue;
-            }
-            const float* ta = tile_a + i * kPad;
-            const float* tb = tile_b + j * kPad;
-            float sum = 0.0f;
+        for (int m0 = 0; m0 < M; m0 += kMacro) {
+            for (int n0 = 0; n0 < N; n0 += kMacro) {
+                // A block wholly above the diagonal has nothing to keep (the same for every thread).
+                const bool skip = Keep::kLowerTriangle && n0 > m0 + kMacro - 1;
+                float sum[kMicro][kMicro] = {};
+                if (!skip) {
+                    const float* ta[kMicro];
+                    const float* tb[kMicro];
 #pragma unroll
-            for (int k = 0; k < kTileK; ++k) sum += ta[k] * tb[k];
-            *out = first ? sum : *out + sum;
+                    for (int r = 0; r < kMicro; ++r) ta[r] = tile_a + min(m0 + kMicro * ty + r, M - 1) * kPad;
+#pragma unroll
+                    for (int c = 0; c < kMicro; ++c) tb[c] = tile_b + min(n0 + tx + kGridSide * c, N - 1) * kPad;
+#pragma unroll 4
+                    for (int k = 0; k < kTileK; ++k) {
+                        float a[kMicro], b[kMicro];
+#pragma unroll
+                        for (int r = 0; r < kMicro; ++r) a[r] = ta[r][k];
+#pragma unroll
+                        for (int c = 0; c < kMicro; ++c) b[c] = tb[c][k];
+#pragma unroll
+                        for (int r = 0; r < kMicro; ++r) {
+#pragma unroll
+                            for (int c = 0; c < kMicro; ++c) sum[r][c] += a[r] * b[c];
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < kMicro; ++r) {
+#pragma unroll
+                    for (int c = 0; c < kMicro; ++c) {
+                        const int i = m0 + kMicro * ty + r, j = n0 + tx + kGridSide * c;
+                        if (i >= M || j >= N) continue;
+                        float* out = acc + i * ld_acc + j;
+                        if (skip || !keep(i, j)) {
+                            if (first) *out = 0.0f;
+                            continue;
+                        }
+                        *out = first ? sum[r][c] : *out + sum[r][c];
+                    }
+                }
+            }
         }
     }
     __syncthreads();
 }
-
-struct KeepAll {
-    __device__ bool operator()(int, int) const { return true; }
-};
 
 // out[r] = Σ_{j<cols} term(r, j) for r < rows: one warp per row, lanes over j, a xor butterfly
 // (fixed order). Barrier at exit.
@@ -279,7 +324,7 @@ __global__ void __launch_bounds__(kThreads)
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
 
     // M[t, s] = (C_t·B_s)·exp(cs_t − cs_s)·δ_s inside a segment, s <= t; else 0.
-    auto keep = [&](int t, int s) { return same_segment_causal(meta, t, s); };
+    const KeepSegment keep{&meta};
     tile_product<true, true>(
         M, d.Q, false, L, L, d.S, [&](int t, int n) { return v.C(t, n); }, [&](int s, int n) { return v.B(s, n); },
         keep, tile_a, tile_b);
@@ -417,7 +462,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // The segments do not depend on the head: the first head's meta masks C·Bᵀ.
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, g * d.heads_per_group);
-    auto keep = [&](int t, int s) { return same_segment_causal(meta, t, s); };
+    const KeepSegment keep{&meta};
     tile_product<true, true>(
         CB, d.Q, false, L, L, d.S, [&](int t, int n) { return gv.C(t, n); }, [&](int s, int n) { return gv.B(s, n); },
         keep, tile_a, tile_b);
