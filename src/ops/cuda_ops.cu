@@ -25,10 +25,12 @@
 #include "kernels/cuda/attention_cudnn.cuh"
 #include "kernels/cuda/bias.cuh"
 #include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/conv1d.cuh"
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/ep_tokens.cuh"
+#include "kernels/cuda/gated_rmsnorm.cuh"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
@@ -41,6 +43,7 @@
 #include "kernels/cuda/router.cuh"
 #include "kernels/cuda/router_sigmoid.cuh"
 #include "kernels/cuda/sigmoid_gate.cuh"
+#include "kernels/cuda/ssd_scan.cuh"
 #include "kernels/cuda/swiglu.cuh"
 #include "ops/cuda_ops.h"
 
@@ -413,6 +416,120 @@ void sigmoid_gate_backward(const Tensor& dvalue, const Tensor& dgate_logits, con
                            const Tensor& gate_logits) {
     mf::cuda::sigmoid_gate_backward(B(dvalue), B(dgate_logits), B(dy), B(value), B(gate_logits), rows(value),
                                     value.dim(-1), ctx().stream);
+}
+
+// --- Mamba-2: the kernels take f32 parameters; bf16 ones are cast into the op's scratch first.
+
+// Bytes a parameter needs in scratch as f32 (none when it is f32 already or undefined).
+size_t f32_room(const Tensor& t) {
+    return defined(t) && t.dtype() != DType::f32 ? align256(static_cast<size_t>(t.numel()) * sizeof(float)) : 0;
+}
+
+// t as f32 on the device: itself, or a copy cast into room (advanced past it); null when undefined.
+const float* as_f32(const Tensor& t, char*& room) {
+    if (!defined(t)) return nullptr;
+    if (t.dtype() == DType::f32) return t.ptr<float>();
+    float* dst = reinterpret_cast<float*>(room);
+    room += f32_room(t);
+    mf::cuda::cast_bf16_to_f32(dst, B(t), t.numel(), ctx().stream);
+    return dst;
+}
+
+void conv1d_silu_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                         const Tensor& doc_ids, int64_t T) {
+    const int64_t C = inp.dim(-1), N = rows(inp), K = weight.numel() / C;
+    char* room = static_cast<char*>(ctx().get(f32_room(weight) + f32_room(bias) + 256));
+    const float* w = as_f32(weight, room);
+    const float* b = as_f32(bias, room);
+    mf::cuda::conv1d_silu_forward(B(out), B(inp), w, b, I(doc_ids), N, T, C, K, ctx().stream);
+}
+
+void conv1d_silu_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                          const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& doc_ids,
+                          int64_t T) {
+    const int64_t C = inp.dim(-1), N = rows(inp), K = weight.numel() / C;
+    const size_t kernel_bytes = mf::cuda::conv1d_silu_backward_scratch_bytes(N, C, K);
+    char* room = static_cast<char*>(ctx().get(align256(kernel_bytes) + f32_room(weight) + f32_room(bias)));
+    void* kernel_scratch = room;
+    room += align256(kernel_bytes);
+    const float* w = as_f32(weight, room);
+    const float* b = as_f32(bias, room);
+    mf::cuda::conv1d_silu_backward(B(dinp), dweight.data(), dweight.dtype(), defined(dbias) ? dbias.data() : nullptr,
+                                   defined(dbias) ? dbias.dtype() : DType::f32, B(dout), B(inp), w, b, I(doc_ids), N, T,
+                                   C, K, kernel_scratch, kernel_bytes, ctx().stream);
+}
+
+mf::cuda::SsdGeometry ssd_geometry(const Tensor& xbc, const SsdDims& d) {
+    mf::cuda::SsdGeometry g;
+    g.T = d.T;
+    g.num_rows = d.T > 0 ? rows(xbc) / d.T : 0;
+    g.H = d.num_heads;
+    g.P = d.head_dim;
+    g.G = d.num_groups;
+    g.S = d.state_size;
+    g.Q = d.chunk_size;
+    g.dt_min = d.dt_min;
+    g.dt_max = d.dt_max;
+    return g;
+}
+
+size_t ssd_param_room(const Tensor& dt_bias, const Tensor& A_log, const Tensor& D) {
+    return f32_room(dt_bias) + f32_room(A_log) + f32_room(D);
+}
+
+mf::cuda::SsdParams ssd_params(const Tensor& dt_bias, const Tensor& A_log, const Tensor& D, char*& room) {
+    const float* b = as_f32(dt_bias, room);
+    const float* a = as_f32(A_log, room);
+    const float* d = as_f32(D, room);
+    return {b, a, d};
+}
+
+void ssd_scan_forward(const Tensor& y, const Tensor& states, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                      const Tensor& A_log, const Tensor& D, const Tensor& doc_ids, const SsdDims& d) {
+    const mf::cuda::SsdGeometry g = ssd_geometry(xbc, d);
+    const size_t kernel_bytes = align256(mf::cuda::ssd_scan_forward_scratch_bytes(g));
+    char* room = static_cast<char*>(ctx().get(kernel_bytes + ssd_param_room(dt_bias, A_log, D)));
+    void* kernel_scratch = room;
+    room += kernel_bytes;
+    const mf::cuda::SsdParams params = ssd_params(dt_bias, A_log, D, room);
+    mf::cuda::ssd_scan_forward(B(y), F(states), B(xbc), B(dt), params, I(doc_ids), g, kernel_scratch, kernel_bytes,
+                               ctx().stream);
+}
+
+void ssd_scan_backward(const Tensor& dxbc, const Tensor& ddt, const Tensor& ddt_bias, const Tensor& dA_log,
+                       const Tensor& dD, const Tensor& dy, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                       const Tensor& A_log, const Tensor& D, const Tensor& states, const Tensor& doc_ids,
+                       const SsdDims& d) {
+    const mf::cuda::SsdGeometry g = ssd_geometry(xbc, d);
+    const size_t kernel_bytes = align256(mf::cuda::ssd_scan_backward_scratch_bytes(g));
+    char* room = static_cast<char*>(ctx().get(kernel_bytes + ssd_param_room(dt_bias, A_log, D)));
+    void* kernel_scratch = room;
+    room += kernel_bytes;
+    const mf::cuda::SsdParams params = ssd_params(dt_bias, A_log, D, room);
+    const mf::cuda::SsdGrads grads{B(dxbc),       B(ddt),         ddt_bias.data(), ddt_bias.dtype(),
+                                   dA_log.data(), dA_log.dtype(), dD.data(),       dD.dtype()};
+    mf::cuda::ssd_scan_backward(grads, B(dy), B(xbc), B(dt), params, F(states), I(doc_ids), g, kernel_scratch,
+                                kernel_bytes, ctx().stream);
+}
+
+void gated_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& z,
+                           const Tensor& weight, int64_t group_size, float eps) {
+    char* room = static_cast<char*>(ctx().get(f32_room(weight) + 256));
+    const float* w = as_f32(weight, room);
+    mf::cuda::gated_rmsnorm_forward(B(out), F(rstd), B(x), B(z), w, rows(x), x.dim(-1), group_size, eps, ctx().stream);
+}
+
+void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight, const Tensor& dout,
+                            const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& rstd,
+                            int64_t group_size) {
+    const int64_t N = rows(x), C = x.dim(-1);
+    const size_t kernel_bytes = align256(mf::cuda::gated_rmsnorm_backward_scratch_bytes(N, C));
+    char* room = static_cast<char*>(ctx().get(kernel_bytes + f32_room(weight)));
+    void* kernel_scratch = room;
+    room += kernel_bytes;
+    const float* w = as_f32(weight, room);
+    mf::cuda::gated_rmsnorm_backward(B(dx), B(dz), dweight.data(), dweight.dtype(), B(dout), B(x), B(z), w, F(rstd), N,
+                                     C, group_size, kernel_scratch, kernel_bytes, ctx().stream);
 }
 
 void router_forward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_weight, const Tensor& logits,

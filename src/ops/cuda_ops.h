@@ -34,6 +34,8 @@
     X(ep_sum_blocks) X(ep_gather_slots)                                                                                \
     X(grouped_matmul_forward) X(grouped_matmul_backward) X(grouped_matmul_backward_weight)                             \
     X(grouped_matmul_uses_host_offsets) X(set_grouped_matmul_reserved_sms)                                             \
+    X(conv1d_silu_forward) X(conv1d_silu_backward) X(ssd_scan_forward) X(ssd_scan_backward)                            \
+    X(gated_rmsnorm_forward) X(gated_rmsnorm_backward)                                                                 \
     X(lm_head_cross_entropy) X(adamw_update) X(sum) X(sum_squares) X(all_finite) X(wait_background)
 // clang-format on
 

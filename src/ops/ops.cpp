@@ -18,9 +18,11 @@
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/bias.h"
+#include "kernels/cpu/conv1d.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/ep_tokens.h"
+#include "kernels/cpu/gated_rmsnorm.h"
 #include "kernels/cpu/grouped_matmul.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/moe_permute.h"
@@ -31,6 +33,7 @@
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/router_sigmoid.h"
 #include "kernels/cpu/sigmoid_gate.h"
+#include "kernels/cpu/ssd_scan.h"
 #include "kernels/cpu/swiglu.h"
 #include "ops/cuda_ops.h"
 
@@ -969,6 +972,229 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
         cpu::grouped_matmul_backward(nullptr, f(dweight), f(dout), f(inp), nullptr, i32(offsets[p]), E, C, OC);
     }
     if (defined(square_sum)) square_sum.ptr<double>()[0] += cpu::sum_squares(f(dweight), dweight.numel());
+}
+
+// --- Mamba-2 ---------------------------------------------------------------------------------------
+// The host checks shapes, dtypes and that the tensors share a device; it never reads doc_ids (device
+// memory on the GPU). Activations: the device's activation dtype; parameters and their gradients:
+// f32, or f32 or bf16 on the GPU; rstd and the chunk states: f32.
+
+namespace {
+
+DType mamba_act_dtype(Device device) { return device == Device::cuda ? DType::bf16 : DType::f32; }
+
+// An activation [rows, cols] (leading dimensions flattened into rows).
+void mamba_check_act(const char* op, const Tensor& t, const char* name, Device device, int64_t num_rows, int64_t cols) {
+    const DType want = mamba_act_dtype(device);
+    MF_CHECK(t.dtype() == want, op, ": ", name, " is ", dtype_name(t.dtype()), ", expected ", dtype_name(want));
+    MF_CHECK(t.ndim() >= 1 && t.dim(-1) == cols && t.numel() == num_rows * cols, op, ": ", name, " ",
+             shape_str(t.shape()), " must be [", num_rows, ", ", cols, "]");
+    MF_CHECK(t.numel() == 0 || defined(t), op, ": ", name, " ", shape_str(t.shape()), " has no data");
+}
+
+// A parameter or a parameter gradient of `numel` elements.
+void mamba_check_param(const char* op, const Tensor& t, const char* name, Device device, int64_t numel) {
+    const bool dtype_ok = t.dtype() == DType::f32 || (device == Device::cuda && t.dtype() == DType::bf16);
+    MF_CHECK(dtype_ok, op, ": ", name, " is ", dtype_name(t.dtype()), ", expected f32",
+             device == Device::cuda ? " or bf16" : "");
+    MF_CHECK(t.numel() == numel && defined(t), op, ": ", name, " ", shape_str(t.shape()), " must hold ", numel,
+             " elements");
+}
+
+void mamba_check_f32(const char* op, const Tensor& t, const char* name, int64_t numel) {
+    MF_CHECK(t.dtype() == DType::f32, op, ": ", name, " is ", dtype_name(t.dtype()), ", expected f32");
+    MF_CHECK(t.numel() == numel && (numel == 0 || defined(t)), op, ": ", name, " ", shape_str(t.shape()), " must hold ",
+             numel, " elements");
+}
+
+// doc_ids: undefined (every row one document) or [N] i32.
+void mamba_check_doc_ids(const char* op, const Tensor& doc_ids, int64_t N) {
+    if (!defined(doc_ids) && doc_ids.numel() == 0) return;
+    MF_CHECK(doc_ids.dtype() == DType::i32, op, ": doc_ids is ", dtype_name(doc_ids.dtype()), ", expected i32");
+    MF_CHECK(doc_ids.numel() == N && defined(doc_ids), op, ": doc_ids ", shape_str(doc_ids.shape()), " must be [", N,
+             "] (one id per token)");
+}
+
+void mamba_check_rows(const char* op, int64_t N, int64_t T) {
+    MF_CHECK(T >= 1 && N % T == 0, op, ": T = ", T, " tokens per row does not divide the N = ", N, " tokens");
+}
+
+struct ConvGeometry {
+    int64_t N, C, K;
+};
+
+// inp [N, C] with N = B·T, weight [C, K] or [C, 1, K] (K >= 1), bias [C] or undefined, doc_ids.
+ConvGeometry check_conv1d(const char* op, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                          const Tensor& doc_ids, int64_t T, Device device) {
+    const int64_t C = inp.ndim() >= 1 ? inp.dim(-1) : 0;
+    MF_CHECK(C >= 1, op, ": inp ", shape_str(inp.shape()), " does not have rows of >= 1 channels");
+    const int64_t N = rows(inp);
+    mamba_check_rows(op, N, T);
+    const bool weight_shape =
+        (weight.ndim() == 2 || (weight.ndim() == 3 && weight.dim(1) == 1)) && weight.dim(0) == C && weight.dim(-1) >= 1;
+    MF_CHECK(weight_shape, op, ": weight ", shape_str(weight.shape()), " must be [C, K] or [C, 1, K] with C = ", C,
+             " (inp) and K >= 1");
+    const int64_t K = weight.dim(-1);
+    mamba_check_param(op, weight, "weight", device, C * K);
+    if (defined(bias)) mamba_check_param(op, bias, "bias", device, C);
+    mamba_check_doc_ids(op, doc_ids, N);
+    return {N, C, K};
+}
+
+void check_ssd_dims(const char* op, const SsdDims& d) {
+    MF_CHECK(d.num_heads >= 1 && d.head_dim >= 1 && d.num_groups >= 1 && d.state_size >= 1 && d.chunk_size >= 1, op,
+             ": SsdDims needs num_heads, head_dim, num_groups, state_size, chunk_size >= 1 (got H = ", d.num_heads,
+             ", P = ", d.head_dim, ", G = ", d.num_groups, ", S = ", d.state_size, ", chunk = ", d.chunk_size, ")");
+    MF_CHECK(d.num_heads % d.num_groups == 0, op, ": num_heads H = ", d.num_heads,
+             " is not a multiple of num_groups G = ", d.num_groups);
+    MF_CHECK(d.dt_min <= d.dt_max, op, ": dt clamp [", d.dt_min, ", ", d.dt_max, "] is empty");
+}
+
+struct SsdGeometry {
+    int64_t N, I, width;
+};
+
+// xbc [N, I + 2GS], dt [N, H], dt_bias / A_log / D [H], states, doc_ids.
+SsdGeometry check_ssd(const char* op, const SsdDims& d, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                      const Tensor& A_log, const Tensor& D, const Tensor& states, const Tensor& doc_ids,
+                      Device device) {
+    check_ssd_dims(op, d);
+    const int64_t H = d.num_heads, I = H * d.head_dim, width = I + 2 * d.num_groups * d.state_size;
+    MF_CHECK(xbc.ndim() >= 1 && xbc.dim(-1) == width, op, ": xbc ", shape_str(xbc.shape()),
+             " does not have rows of I + 2·G·S = ", width, " (H = ", H, ", P = ", d.head_dim, ", G = ", d.num_groups,
+             ", S = ", d.state_size, ")");
+    const int64_t N = rows(xbc);
+    mamba_check_rows(op, N, d.T);
+    mamba_check_act(op, xbc, "xbc", device, N, width);
+    mamba_check_act(op, dt, "dt", device, N, H);
+    mamba_check_param(op, dt_bias, "dt_bias", device, H);
+    mamba_check_param(op, A_log, "A_log", device, H);
+    mamba_check_param(op, D, "D", device, H);
+    mamba_check_f32(op, states, "states", ssd_chunk_states_numel(N, d));
+    mamba_check_doc_ids(op, doc_ids, N);
+    return {N, I, width};
+}
+
+cpu::SsdShape ssd_shape(const SsdDims& d, int64_t N) {
+    return {N, d.T, d.num_heads, d.head_dim, d.num_groups, d.state_size, d.dt_min, d.dt_max};
+}
+
+// x [N, I] with I = weight's elements, group_size dividing I; returns N.
+int64_t check_gated_rmsnorm(const char* op, const Tensor& x, const Tensor& weight, int64_t group_size, Device device) {
+    const int64_t I = weight.numel();
+    MF_CHECK(I >= 1 && group_size >= 1 && I % group_size == 0, op, ": group_size ", group_size,
+             " does not divide the weight's I = ", I, " channels");
+    mamba_check_param(op, weight, "weight", device, I);
+    MF_CHECK(x.ndim() >= 1 && x.dim(-1) == I, op, ": x ", shape_str(x.shape()), " does not have rows of I = ", I,
+             " (weight)");
+    const int64_t N = rows(x);
+    mamba_check_act(op, x, "x", device, N, I);
+    return N;
+}
+
+}  // namespace
+
+void conv1d_silu_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                         const Tensor& doc_ids, int64_t T) {
+    OpScope scope_("conv1d_silu_forward");
+    const char* op = "conv1d_silu_forward";
+    const Device device = device_of({&out, &inp, &weight, &bias, &doc_ids});
+    const auto [N, C, K] = check_conv1d(op, inp, weight, bias, doc_ids, T, device);
+    mamba_check_act(op, inp, "inp", device, N, C);
+    mamba_check_act(op, out, "out", device, N, C);
+    if (device == Device::cuda) return cuda_call(&CudaOps::conv1d_silu_forward, out, inp, weight, bias, doc_ids, T);
+    cpu::conv1d_silu_forward(f(out), f(inp), f(weight), f(bias), i32(doc_ids), {N, T, C, K});
+}
+
+void conv1d_silu_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                          const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& doc_ids,
+                          int64_t T) {
+    OpScope scope_("conv1d_silu_backward");
+    const char* op = "conv1d_silu_backward";
+    const Device device = device_of({&dinp, &dweight, &dbias, &dout, &inp, &weight, &bias, &doc_ids});
+    const auto [N, C, K] = check_conv1d(op, inp, weight, bias, doc_ids, T, device);
+    for (const auto& [t, name] : {std::pair{&inp, "inp"}, {&dinp, "dinp"}, {&dout, "dout"}})
+        mamba_check_act(op, *t, name, device, N, C);
+    mamba_check_param(op, dweight, "dweight", device, C * K);
+    MF_CHECK(defined(bias) || !defined(dbias), op, ": dbias given for a conv without a bias");
+    if (defined(dbias)) mamba_check_param(op, dbias, "dbias", device, C);
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::conv1d_silu_backward, dinp, dweight, dbias, dout, inp, weight, bias, doc_ids, T);
+    cpu::conv1d_silu_backward(f(dinp), f(dweight), f(dbias), f(dout), f(inp), f(weight), f(bias), i32(doc_ids),
+                              {N, T, C, K});
+}
+
+int64_t ssd_chunk_states_numel(int64_t N, const SsdDims& d) {
+    const char* op = "ssd_chunk_states_numel";
+    check_ssd_dims(op, d);
+    mamba_check_rows(op, N, d.T);
+    const int64_t chunks = (d.T + d.chunk_size - 1) / d.chunk_size;
+    return N / d.T * chunks * d.num_heads * d.head_dim * d.state_size;
+}
+
+void ssd_scan_forward(const Tensor& y, const Tensor& states, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                      const Tensor& A_log, const Tensor& D, const Tensor& doc_ids, const SsdDims& d) {
+    OpScope scope_("ssd_scan_forward");
+    const char* op = "ssd_scan_forward";
+    const Device device = device_of({&y, &states, &xbc, &dt, &dt_bias, &A_log, &D, &doc_ids});
+    const auto [N, I, width] = check_ssd(op, d, xbc, dt, dt_bias, A_log, D, states, doc_ids, device);
+    mamba_check_act(op, y, "y", device, N, I);
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::ssd_scan_forward, y, states, xbc, dt, dt_bias, A_log, D, doc_ids, d);
+    // The sequential reference needs no chunk states: `states` is left as it is.
+    cpu::ssd_scan_forward(f(y), f(xbc), f(dt), f(dt_bias), f(A_log), f(D), i32(doc_ids), ssd_shape(d, N));
+}
+
+void ssd_scan_backward(const Tensor& dxbc, const Tensor& ddt, const Tensor& ddt_bias, const Tensor& dA_log,
+                       const Tensor& dD, const Tensor& dy, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                       const Tensor& A_log, const Tensor& D, const Tensor& states, const Tensor& doc_ids,
+                       const SsdDims& d) {
+    OpScope scope_("ssd_scan_backward");
+    const char* op = "ssd_scan_backward";
+    const Device device =
+        device_of({&dxbc, &ddt, &ddt_bias, &dA_log, &dD, &dy, &xbc, &dt, &dt_bias, &A_log, &D, &states, &doc_ids});
+    const auto [N, I, width] = check_ssd(op, d, xbc, dt, dt_bias, A_log, D, states, doc_ids, device);
+    mamba_check_act(op, dxbc, "dxbc", device, N, width);
+    mamba_check_act(op, ddt, "ddt", device, N, d.num_heads);
+    mamba_check_act(op, dy, "dy", device, N, I);
+    for (const auto& [t, name] : {std::pair{&ddt_bias, "ddt_bias"}, {&dA_log, "dA_log"}, {&dD, "dD"}})
+        mamba_check_param(op, *t, name, device, d.num_heads);
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::ssd_scan_backward, dxbc, ddt, ddt_bias, dA_log, dD, dy, xbc, dt, dt_bias, A_log, D,
+                         states, doc_ids, d);
+    cpu::ssd_scan_backward(f(dxbc), f(ddt), f(ddt_bias), f(dA_log), f(dD), f(dy), f(xbc), f(dt), f(dt_bias), f(A_log),
+                           f(D), i32(doc_ids), ssd_shape(d, N));
+}
+
+void gated_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& z,
+                           const Tensor& weight, int64_t group_size, float eps) {
+    OpScope scope_("gated_rmsnorm_forward");
+    const char* op = "gated_rmsnorm_forward";
+    const Device device = device_of({&out, &rstd, &x, &z, &weight});
+    const int64_t N = check_gated_rmsnorm(op, x, weight, group_size, device), I = weight.numel();
+    mamba_check_act(op, z, "z", device, N, I);
+    mamba_check_act(op, out, "out", device, N, I);
+    mamba_check_f32(op, rstd, "rstd", N * (I / group_size));
+    MF_CHECK(std::isfinite(eps) && eps >= 0.0f, op, ": eps ", eps, " must be finite and >= 0");
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::gated_rmsnorm_forward, out, rstd, x, z, weight, group_size, eps);
+    cpu::gated_rmsnorm_forward(f(out), f(rstd), f(x), f(z), f(weight), N, I, group_size, eps);
+}
+
+void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight, const Tensor& dout,
+                            const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& rstd,
+                            int64_t group_size) {
+    OpScope scope_("gated_rmsnorm_backward");
+    const char* op = "gated_rmsnorm_backward";
+    const Device device = device_of({&dx, &dz, &dweight, &dout, &x, &z, &weight, &rstd});
+    const int64_t N = check_gated_rmsnorm(op, x, weight, group_size, device), I = weight.numel();
+    for (const auto& [t, name] : {std::pair{&z, "z"}, {&dx, "dx"}, {&dz, "dz"}, {&dout, "dout"}})
+        mamba_check_act(op, *t, name, device, N, I);
+    mamba_check_param(op, dweight, "dweight", device, I);
+    mamba_check_f32(op, rstd, "rstd", N * (I / group_size));
+    if (device == Device::cuda)
+        return cuda_call(&CudaOps::gated_rmsnorm_backward, dx, dz, dweight, dout, x, z, weight, rstd, group_size);
+    cpu::gated_rmsnorm_backward(f(dx), f(dz), f(dweight), f(dout), f(x), f(z), f(weight), f(rstd), N, I, group_size);
 }
 
 // --- loss ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 // or bf16 on the GPU (the precision policy), f32 on the CPU.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -220,6 +221,61 @@ bool grouped_matmul_uses_host_offsets(Device device);
 // another stream, such as the EP exchange's copies, could not start until they end. 0 (the
 // default) gives them every SM. No effect on the CPU.
 void set_grouped_matmul_reserved_sms(Device device, int sms);
+
+// --- Mamba-2 ---------------------------------------------------------------------------------------
+// One Mamba-2 mixer (HF nemotron_h NemotronHMamba2Mixer, torch_forward) between in_proj and out_proj:
+// in_proj's rows give z [N, I], xBC [N, I + 2·G·S] and dt [N, H]; xbc = conv1d_silu(xBC); y = the scan;
+// out_proj takes gated_rmsnorm(y, z). I = H·P; head h reads B/C group h / (H/G). Tokens are token-major,
+// N = B·T (B rows of T). doc_ids [N] i32, or undefined (every row one document): the conv window and the
+// scan state reset at every segment start, a segment being a run of consecutive tokens of one row with
+// one document id (kernels/cpu/doc_segments.h): nothing crosses a row or a document, exactly. Activations:
+// f32 on the CPU, bf16 on the GPU; parameters and their gradients f32, or f32 or bf16 on the GPU.
+// One Mamba-2 layer's scan geometry.
+struct SsdDims {
+    int64_t T = 0;           // tokens per row (N = B·T)
+    int64_t num_heads = 0;   // H
+    int64_t head_dim = 0;    // P
+    int64_t num_groups = 0;  // G (H % G == 0)
+    int64_t state_size = 0;  // S
+    int64_t chunk_size = 0;  // the SSD chunk (>= 1; the GPU path's; the CPU reference ignores it)
+    float dt_min = 0.0f;     // the clamp after softplus (HF's torch path: time_step_min, inf)
+    float dt_max = INFINITY;
+};
+// out[N, C] = silu(bias[c] + Σ_{j<K} weight[c, j] · inp[n − (K−1) + j, c]), taps outside the token's row or
+// document are 0. weight [C, K] or HF's conv1d.weight [C, 1, K] (same bytes), bias [C] (undefined = none).
+void conv1d_silu_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                         const Tensor& doc_ids, int64_t T);
+// dinp written; dweight +=, dbias += (dbias undefined when bias is). The pre-activation is recomputed.
+void conv1d_silu_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                          const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& doc_ids,
+                          int64_t T);
+
+// Elements of the chunk-state tensor the forward saves for the backward: B · ceil(T/chunk) · H · P · S (f32).
+int64_t ssd_chunk_states_numel(int64_t N, const SsdDims& d);
+// y[N, H·P] = the scan over xbc[N, I + 2·G·S] (x | B | C, as the conv writes it), dt[N, H] (raw: before
+// dt_bias, softplus and the clamp), dt_bias[H], A_log[H], D[H]:
+//   δ = clamp(softplus(dt + dt_bias), dt_min, dt_max),  A = −exp(A_log),
+//   state_n[P, S] = exp(δ_n·A)·state_{n−1} + δ_n·x_n⊗B_n (0 before a segment),  y_n = C_n·state_n + D·x_n.
+// states: f32, ssd_chunk_states_numel elements (the state entering each chunk; written on the GPU, unused
+// by the CPU reference, which must still be given it).
+void ssd_scan_forward(const Tensor& y, const Tensor& states, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                      const Tensor& A_log, const Tensor& D, const Tensor& doc_ids, const SsdDims& d);
+// dxbc [N, I+2GS] written; ddt [N, H] written (the gradient at the raw dt: through softplus and the clamp,
+// zero where clamped); ddt_bias, dA_log, dD +=. states: as the forward wrote it.
+void ssd_scan_backward(const Tensor& dxbc, const Tensor& ddt, const Tensor& ddt_bias, const Tensor& dA_log,
+                       const Tensor& dD, const Tensor& dy, const Tensor& xbc, const Tensor& dt, const Tensor& dt_bias,
+                       const Tensor& A_log, const Tensor& D, const Tensor& states, const Tensor& doc_ids,
+                       const SsdDims& d);
+
+// Gated RMSNorm (HF Zamba2RMSNormGated, norm_before_gate=False): g = x · silu(z) (fp32); per group of
+// group_size consecutive channels rstd = 1/sqrt(mean(g²) + eps); out = weight · (g · rstd). x, z, out
+// [N, I]; weight [I]; rstd [N · I/group_size] f32 (written).
+void gated_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& z,
+                           const Tensor& weight, int64_t group_size, float eps);
+// dx, dz written; dweight +=.
+void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dweight, const Tensor& dout,
+                            const Tensor& x, const Tensor& z, const Tensor& weight, const Tensor& rstd,
+                            int64_t group_size);
 
 // --- loss ------------------------------------------------------------------------------------------
 // losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).

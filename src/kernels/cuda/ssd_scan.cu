@@ -1,0 +1,712 @@
+// The SSD chunked scan, CUDA. Per row b, chunk c of Q tokens (the last one may hold fewer: L) and
+// head h, with cs_t = Σ_{u<=t} δ_u·A inside the chunk and seg_t = the number of segment starts
+// in tokens 0..t of the chunk (so s and t share a segment iff seg_s == seg_t, and token t still
+// sees the state entering the chunk iff seg_t == 0):
+//   intra   y_t += Σ_{s<=t, seg_s = seg_t} (C_t·B_s) · exp(cs_t − cs_s) · δ_s · x_s   (C·Bᵀ masked by L)
+//   inter   y_t += [seg_t = 0] · exp(cs_t) · C_t · h_in                              (h_in: state entering)
+//   state   h_out = [seg_last = 0] · exp(cs_last) · h_in + Σ_{seg_s = seg_last} exp(cs_last − cs_s) δ_s x_s⊗B_s
+// Forward: (1) per chunk the local end state (h_in = 0) into `states` and its decay
+// [seg_last = 0]·exp(cs_last); (2) per (b, h) a sequential pass over the chunks turning `states` in
+// place into the state entering each chunk; (3) per chunk the outputs (intra + inter + D·x).
+// Backward, the same in reverse: (1) per chunk Σ_{seg_t = 0} exp(cs_t)·dy_t⊗C_t (the gradient at h_in
+// from the chunk's own outputs); (2) a reverse pass over the chunks giving dh_out, the gradient at each
+// chunk's end state; (3) per chunk and B/C group (its heads in order, C·Bᵀ computed once): dx, dB, dC
+// (summed over the group's heads in f32 scratch, in head order), the gradient at cs and δ, ddt at the
+// raw dt, and per-chunk partial sums of ddt_bias, dA_log, dD, reduced over chunks in a fixed order.
+// The products are fp32 tiles staged in shared memory (kTileK-wide slices of the contracted index,
+// each output element owned by one thread, summed in a fixed order): no atomics, bitwise reproducible.
+// NOTE: the per-chunk matrices are [Q, Q] fp32 in shared memory, so Q <= kSsdMaxChunk and the launch
+// checks the shared-memory budget for the (Q, P, S) given.
+#include <algorithm>
+#include <limits>
+
+#include "core/cuda_check.h"
+#include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/ssd_scan.cuh"
+
+namespace mf::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTileK = 32;
+constexpr int kPad = kTileK + 1;  // tile row stride: conflict-free for both load orders
+constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
+constexpr int kPassThreads = 256;
+constexpr int kGridSide = 16;  // tile_product: kThreads as a 16 × 16 grid
+constexpr int kMicro = 4;      // outputs per thread per side of a block
+constexpr int kMacro = kMicro * kGridSide;
+static_assert(kThreads == kGridSide * kGridSide, "tile_product maps the block onto a square grid");
+
+// The geometry as the kernels use it.
+struct Dims {
+    int64_t T;
+    int H, P, G, S, Q, num_chunks, heads_per_group;
+    int64_t ld;  // xbc row length I + 2GS
+    int64_t I;
+    float dt_min, dt_max;
+};
+
+Dims dims_of(const SsdGeometry& g) {
+    Dims d{};
+    d.T = g.T;
+    d.H = static_cast<int>(g.H);
+    d.P = static_cast<int>(g.P);
+    d.G = static_cast<int>(g.G);
+    d.S = static_cast<int>(g.S);
+    d.Q = static_cast<int>(g.Q);
+    d.num_chunks = static_cast<int>((g.T + g.Q - 1) / g.Q);
+    d.heads_per_group = static_cast<int>(g.H / g.G);
+    d.I = g.H * g.P;
+    d.ld = d.I + 2 * g.G * g.S;
+    d.dt_min = g.dt_min;
+    d.dt_max = g.dt_max;
+    return d;
+}
+
+int max_dim(const Dims& d) { return std::max({d.Q, d.P, d.S}); }
+size_t tile_bytes(const Dims& d) { return 2 * static_cast<size_t>(max_dim(d)) * kPad * sizeof(float); }
+size_t output_smem_bytes(const Dims& d) {
+    return (static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float) + tile_bytes(d);
+}
+size_t backward_smem_bytes(const Dims& d) {
+    return (2 * static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float) + tile_bytes(d);
+}
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+int64_t chunks_total(const SsdGeometry& g) { return g.num_rows * ((g.T + g.Q - 1) / g.Q); }
+size_t decay_bytes(const SsdGeometry& g) {
+    return align256(static_cast<size_t>(chunks_total(g) * g.H) * sizeof(float));
+}
+
+// ----------------------------------------------------------------------------------------------
+// device helpers
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Per-token quantities of one (row, chunk, head), in shared memory.
+struct ChunkMeta {
+    float cs[kMaxQ];   // Σ_{u<=t} δ_u·A
+    float dtv[kMaxQ];  // δ_t
+    float dsp[kMaxQ];  // dδ/d(raw dt): sigmoid(dt + dt_bias) where the clamp passes, else 0
+    int seg[kMaxQ];    // segment starts among tokens 0..t of the chunk
+};
+
+__device__ __forceinline__ bool starts_segment(const int32_t* doc_ids, int64_t n, int64_t T) {
+    return n % T == 0 || (doc_ids != nullptr && doc_ids[n] != doc_ids[n - 1]);
+}
+
+// Fills meta for tokens [row0, row0 + L) and head h (ends with a barrier).
+__device__ void load_chunk_meta(ChunkMeta& m, const bf16* dt, const SsdParams& params, const int32_t* doc_ids,
+                                const Dims& d, int64_t row0, int L, int h) {
+    const float A = -expf(params.A_log[h]);
+    const float bias = params.dt_bias[h];
+    __syncthreads();  // earlier readers of meta are done
+    for (int t = threadIdx.x; t < L; t += blockDim.x) {
+        const int64_t n = row0 + t;
+        const float raw = __bfloat162float(dt[n * d.H + h]) + bias;
+        const float sp = raw > 20.0f ? raw : log1pf(expf(raw));  // torch softplus (threshold 20)
+        const float dtv = fminf(fmaxf(sp, d.dt_min), d.dt_max);
+        m.dtv[t] = dtv;
+        m.dsp[t] = (sp >= d.dt_min && sp <= d.dt_max) ? sigmoid(raw) : 0.0f;
+        m.cs[t] = dtv * A;
+        m.seg[t] = starts_segment(doc_ids, n, d.T) ? 1 : 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int t = 1; t < L; ++t) {
+            m.cs[t] += m.cs[t - 1];
+            m.seg[t] += m.seg[t - 1];
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ bool same_segment_causal(const ChunkMeta& m, int t, int s) {
+    return s <= t && m.seg[s] == m.seg[t];
+}
+// exp(cs_last − cs_s) if s is in the chunk's last segment, else 0.
+__device__ __forceinline__ float decay_to_end(const ChunkMeta& m, int s, int L) {
+    return m.seg[s] == m.seg[L - 1] ? expf(m.cs[L - 1] - m.cs[s]) : 0.0f;
+}
+// exp(cs_t) if t still sees the state entering the chunk, else 0.
+__device__ __forceinline__ float decay_from_start(const ChunkMeta& m, int t) {
+    return m.seg[t] == 0 ? expf(m.cs[t]) : 0.0f;
+}
+
+// Which (i, j) of a product tile_product writes: every one, or those of one segment with j <= i
+// (the masked C·Bᵀ and dy·xᵀ of a chunk). kLowerTriangle lets tile_product skip whole blocks above
+// the diagonal.
+struct KeepAll {
+    static constexpr bool kLowerTriangle = false;
+    __device__ bool operator()(int, int) const { return true; }
+};
+struct KeepSegment {
+    static constexpr bool kLowerTriangle = true;
+    const ChunkMeta* meta;
+    __device__ bool operator()(int t, int s) const { return same_segment_causal(*meta, t, s); }
+};
+
+// acc[i·ld_acc + j] = (or += when accumulate) Σ_{k<K} a(i, k) · b(j, k) for i < M, j < N where keep(i, j);
+// elsewhere acc is left alone (set to 0 when not accumulating). The contracted index goes in
+// slices of kTileK staged in shared memory (tile_a [M][kPad], tile_b [N][kPad], zero-padded); the
+// loads run along k (kAKFast / kBKFast) or along i / j, whichever the source is contiguous in. The
+// outputs go in blocks of kMacro × kMacro, each thread summing kMicro × kMicro of them in registers
+// (rows kMicro·ty + r, columns tx + kGridSide·c). Each acc element belongs to one thread and is
+// summed in a fixed order (k ascending within a slice, the slices in order). Barriers at entry and
+// exit; blockDim.x must be kThreads.
+template <bool kAKFast, bool kBKFast, typename LoadA, typename LoadB, typename Keep>
+__device__ void tile_product(float* acc, int64_t ld_acc, bool accumulate, int M, int N, int K, LoadA load_a,
+                             LoadB load_b, Keep keep, float* tile_a, float* tile_b) {
+    const int tx = threadIdx.x % kGridSide, ty = threadIdx.x / kGridSide;
+    for (int k0 = 0; k0 < max(K, 1); k0 += kTileK) {
+        const int kn = min(kTileK + 0, K - k0);
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < M * kTileK; idx += blockDim.x) {
+            const int i = kAKFast ? idx / kTileK : idx % M;
+            const int k = kAKFast ? idx % kTileK : idx / M;
+            tile_a[i * kPad + k] = k < kn ? load_a(i, k0 + k) : 0.0f;
+        }
+        for (int idx = threadIdx.x; idx < N * kTileK; idx += blockDim.x) {
+            const int j = kBKFast ? idx / kTileK : idx % N;
+            const int k = kBKFast ? idx % kTileK : idx / N;
+            tile_b[j * kPad + k] = k < kn ? load_b(j, k0 + k) : 0.0f;
+        }
+        __syncthreads();
+        const bool first = k0 == 0 && !accumulate;
+        for (int m0 = 0; m0 < M; m0 += kMacro) {
+            for (int n0 = 0; n0 < N; n0 += kMacro) {
+                // A block wholly above the diagonal has nothing to keep (the same for every thread).
+                const bool skip = Keep::kLowerTriangle && n0 > m0 + kMacro - 1;
+                float sum[kMicro][kMicro] = {};
+                if (!skip) {
+                    const float* ta[kMicro];
+                    const float* tb[kMicro];
+#pragma unroll
+                    for (int r = 0; r < kMicro; ++r) ta[r] = tile_a + min(m0 + kMicro * ty + r, M - 1) * kPad;
+#pragma unroll
+                    for (int c = 0; c < kMicro; ++c) tb[c] = tile_b + min(n0 + tx + kGridSide * c, N - 1) * kPad;
+#pragma unroll 4
+                    for (int k = 0; k < kTileK; ++k) {
+                        float a[kMicro], b[kMicro];
+#pragma unroll
+                        for (int r = 0; r < kMicro; ++r) a[r] = ta[r][k];
+#pragma unroll
+                        for (int c = 0; c < kMicro; ++c) b[c] = tb[c][k];
+#pragma unroll
+                        for (int r = 0; r < kMicro; ++r) {
+#pragma unroll
+                            for (int c = 0; c < kMicro; ++c) sum[r][c] += a[r] * b[c];
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < kMicro; ++r) {
+#pragma unroll
+                    for (int c = 0; c < kMicro; ++c) {
+                        const int i = m0 + kMicro * ty + r, j = n0 + tx + kGridSide * c;
+                        if (i >= M || j >= N) continue;
+                        float* out = acc + i * ld_acc + j;
+                        if (skip || !keep(i, j)) {
+                            if (first) *out = 0.0f;
+                            continue;
+                        }
+                        *out = first ? sum[r][c] : *out + sum[r][c];
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// out[r] = Σ_{j<cols} term(r, j) for r < rows: one warp per row, lanes over j, a xor butterfly
+// (fixed order). Barrier at exit.
+template <typename Term>
+__device__ void row_sums(float* out, int rows, int cols, Term term) {
+    const int lane = threadIdx.x % 32;
+    for (int r = threadIdx.x / 32; r < rows; r += blockDim.x / 32) {
+        float sum = 0.0f;
+        for (int j = lane; j < cols; j += 32) sum += term(r, j);
+        sum = detail::group_sum<32>(sum);
+        if (lane == 0) out[r] = sum;
+    }
+    __syncthreads();
+}
+
+// Σ v over the block, the same bits in every thread. slots: kWarps floats of shared memory.
+__device__ float block_sum(float v, float* slots) {
+    v = detail::group_sum<32>(v);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) total += slots[w];
+    return total;
+}
+
+// Offsets into the token-major buffers.
+struct Views {
+    const bf16* xbc;
+    Dims d;
+    int64_t row0;
+    int h, g;
+    __device__ float x(int t, int p) const { return __bfloat162float(xbc[(row0 + t) * d.ld + h * d.P + p]); }
+    __device__ float B(int t, int n) const {
+        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(g) * d.S + n]);
+    }
+    __device__ float C(int t, int n) const {
+        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S + n]);
+    }
+};
+
+__device__ __forceinline__ int64_t state_offset(const Dims& d, int b, int c, int h) {
+    return ((static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h) * d.P * d.S;
+}
+
+// ----------------------------------------------------------------------------------------------
+// forward kernels
+
+// grid (chunks, H, B). states[b, c, h] = the chunk's end state from a zero entering state;
+// decay[b, c, h] = [seg_last = 0]·exp(cs_last).
+__global__ void __launch_bounds__(kThreads)
+    ssd_chunk_state_kernel(float* states, float* decay, const bf16* xbc, const bf16* dt, SsdParams params,
+                           const int32_t* doc_ids, Dims d) {
+    __shared__ ChunkMeta meta;
+    __shared__ float coef[kMaxQ];
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
+    const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
+    const Views v{xbc, d, row0, h, h / d.heads_per_group};
+    float* tile_a = smem;
+    float* tile_b = smem + max(d.Q, max(d.P, d.S)) * kPad;
+    load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
+    for (int s = threadIdx.x; s < L; s += blockDim.x) coef[s] = decay_to_end(meta, s, L) * meta.dtv[s];
+    // states[p, n] = Σ_s coef_s·x_s[p] · B_s[n]
+    tile_product<false, false>(
+        states + state_offset(d, b, c, h), d.S, false, d.P, d.S, L, [&](int p, int s) { return coef[s] * v.x(s, p); },
+        [&](int n, int s) { return v.B(s, n); }, KeepAll{}, tile_a, tile_b);
+    if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
+}
+
+// grid (ceil(P·S / kPassThreads), H, B): states turned in place from each chunk's local end state
+// into the state entering it: h_0 = 0, h_{c+1} = decay_c·h_c + local_c.
+__global__ void __launch_bounds__(kPassThreads) ssd_state_pass_kernel(float* states, const float* decay, Dims d) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (e >= static_cast<int64_t>(d.P) * d.S) return;
+    const int h = blockIdx.y, b = blockIdx.z;
+    float state = 0.0f;
+    for (int c = 0; c < d.num_chunks; ++c) {
+        float* at = states + state_offset(d, b, c, h) + e;
+        const float local = *at;
+        *at = state;
+        state = decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] * state + local;
+    }
+}
+
+// grid (chunks, H, B). Dynamic shared memory: M [Q, Q], Y [Q, P], two tiles.
+__global__ void __launch_bounds__(kThreads)
+    ssd_chunk_output_kernel(bf16* y, const float* states, const bf16* xbc, const bf16* dt, SsdParams params,
+                            const int32_t* doc_ids, Dims d) {
+    __shared__ ChunkMeta meta;
+    __shared__ float coef[kMaxQ];
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
+    const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
+    const Views v{xbc, d, row0, h, h / d.heads_per_group};
+    float* M = smem;
+    float* Y = M + d.Q * d.Q;
+    float* tile_a = Y + d.Q * d.P;
+    float* tile_b = tile_a + max(d.Q, max(d.P, d.S)) * kPad;
+    load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
+
+    // M[t, s] = (C_t·B_s)·exp(cs_t − cs_s)·δ_s inside a segment, s <= t; else 0.
+    const KeepSegment keep{&meta};
+    tile_product<true, true>(
+        M, d.Q, false, L, L, d.S, [&](int t, int n) { return v.C(t, n); }, [&](int s, int n) { return v.B(s, n); },
+        keep, tile_a, tile_b);
+    for (int e = threadIdx.x; e < L * L; e += blockDim.x) {
+        const int t = e / L, s = e % L;
+        if (keep(t, s)) M[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+    }
+    // Y = M·X (tile_product's entry barrier orders the scaling before it).
+    tile_product<true, false>(
+        Y, d.P, false, L, d.P, L, [&](int t, int s) { return M[t * d.Q + s]; }, [&](int p, int s) { return v.x(s, p); },
+        KeepAll{}, tile_a, tile_b);
+    if (c > 0) {  // the state entering chunk 0 is zero
+        const float* h_in = states + state_offset(d, b, c, h);
+        for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
+        tile_product<true, true>(
+            Y, d.P, true, L, d.P, d.S, [&](int t, int n) { return coef[t] * v.C(t, n); },
+            [&](int p, int n) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+    }
+    const float D = params.D[h];
+    for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
+        const int t = e / d.P, p = e % d.P;
+        y[(row0 + t) * (static_cast<int64_t>(d.H) * d.P) + h * d.P + p] =
+            __float2bfloat16_rn(Y[t * d.P + p] + D * v.x(t, p));
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// backward kernels
+
+// grid (chunks, H, B). dstates[b, c, h][p, n] = Σ_t [seg_t = 0]·exp(cs_t)·dy_t[p]·C_t[n] (the gradient at
+// the state entering the chunk from the chunk's own outputs); decay as in the forward.
+__global__ void __launch_bounds__(kThreads)
+    ssd_chunk_dstate_kernel(float* dstates, float* decay, const bf16* dy, const bf16* xbc, const bf16* dt,
+                            SsdParams params, const int32_t* doc_ids, Dims d) {
+    __shared__ ChunkMeta meta;
+    __shared__ float coef[kMaxQ];
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
+    const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
+    const Views v{xbc, d, row0, h, h / d.heads_per_group};
+    float* tile_a = smem;
+    float* tile_b = smem + max(d.Q, max(d.P, d.S)) * kPad;
+    load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
+    for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
+    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
+    tile_product<false, false>(
+        dstates + state_offset(d, b, c, h), d.S, false, d.P, d.S, L,
+        [&](int p, int t) { return coef[t] * __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); },
+        [&](int n, int t) { return v.C(t, n); }, KeepAll{}, tile_a, tile_b);
+    if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
+}
+
+// grid (ceil(P·S / kPassThreads), H, B): dstates turned in place into dh_out, the gradient at each
+// chunk's end state: dh_out_{last} = 0, dh_out_{c−1} = own_c + decay_c·dh_out_c.
+__global__ void __launch_bounds__(kPassThreads) ssd_dstate_pass_kernel(float* dstates, const float* decay, Dims d) {
+    const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (e >= static_cast<int64_t>(d.P) * d.S) return;
+    const int h = blockIdx.y, b = blockIdx.z;
+    float grad = 0.0f;
+    for (int c = d.num_chunks - 1; c >= 0; --c) {
+        float* at = dstates + state_offset(d, b, c, h) + e;
+        const float own = *at;
+        *at = grad;
+        grad = own + decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] * grad;
+    }
+}
+
+// Outputs of the backward chunk kernel besides dx.
+struct ChunkGradOut {
+    bf16* dxbc;      // dx columns written
+    bf16* ddt;       // [N, H] written
+    float* dbc;      // [N, 2GS] f32: dB | dC, summed over the group's heads
+    float* partial;  // [3, B·chunks, H]: Σ ddt, A·Σ da·δ (dA_log), Σ dy·x (dD) per chunk
+};
+
+// Per-token sums of one head's chunk, in shared memory.
+struct HeadSums {
+    float row_g[kMaxQ];   // Σ_s G[t, s], G = (dy_t·x_s)(C_t·B_s)·exp(cs_t − cs_s)·δ_s (masked)
+    float col_h[kMaxQ];   // Σ_t G[t, s] / δ_s: the intra part of dδ_s
+    float diag[kMaxQ];    // dy_t·x_t
+    float v[kMaxQ];       // x_s · (dh_out·B_s)
+    float u[kMaxQ];       // dy_t · (h_in·C_t)
+    float to_end[kMaxQ];  // exp(cs_last − cs_s)·δ_s in the last segment, else 0
+    float from_start[kMaxQ];
+};
+
+// The scalar chain of one head's chunk (thread 0): dcs, the reverse cumsum to da, dδ, ddt at the raw
+// dt (written) and the chunk's parameter-gradient partial sums.
+__device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, float A, int L, int64_t row0, int h,
+                            int64_t chunk_idx, int64_t num_chunks_total, const Dims& d, const ChunkGradOut& out) {
+    const int last = L - 1;
+    float sum_w = 0.0f;
+    for (int t = 0; t < L; ++t) sum_w += hs.to_end[t] * hs.v[t];
+    float da = 0.0f, sum_ddt = 0.0f, sum_da_dt = 0.0f, sum_diag = 0.0f;
+    for (int t = last; t >= 0; --t) {
+        float dcs = hs.row_g[t] - m.dtv[t] * hs.col_h[t] - hs.to_end[t] * hs.v[t] + hs.from_start[t] * hs.u[t];
+        if (t == last) dcs += sum_w + (m.seg[last] == 0 ? expf(m.cs[last]) * hh : 0.0f);
+        da += dcs;
+        const float e_t = m.seg[t] == m.seg[last] ? expf(m.cs[last] - m.cs[t]) : 0.0f;
+        const float d_dtv = hs.col_h[t] + e_t * hs.v[t] + A * da;
+        const float d_raw = d_dtv * m.dsp[t];
+        out.ddt[(row0 + t) * d.H + h] = __float2bfloat16_rn(d_raw);
+        sum_ddt += d_raw;
+        sum_da_dt += da * m.dtv[t];
+        sum_diag += hs.diag[t];
+    }
+    const int64_t slot = chunk_idx * d.H + h;
+    out.partial[slot] = sum_ddt;
+    out.partial[num_chunks_total * d.H + slot] = A * sum_da_dt;  // dA/dA_log = A
+    out.partial[2 * num_chunks_total * d.H + slot] = sum_diag;
+}
+
+// grid (chunks, G, B). Dynamic shared memory: CB [Q, Q] (the group's C·Bᵀ, masked), W [Q, Q],
+// ACC [Q, P], two tiles. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
+__global__ void __launch_bounds__(kThreads)
+    ssd_chunk_backward_kernel(ChunkGradOut out, const bf16* dy, const bf16* xbc, const bf16* dt, SsdParams params,
+                              const float* states, const float* dstates, const int32_t* doc_ids, Dims d) {
+    __shared__ ChunkMeta meta;
+    __shared__ HeadSums hs;
+    __shared__ float slots[kWarps];
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+    const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
+    const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
+    const int64_t chunk_idx = static_cast<int64_t>(b) * d.num_chunks + c;
+    const int64_t GS = static_cast<int64_t>(d.G) * d.S;
+    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
+    float* CB = smem;
+    float* W = CB + d.Q * d.Q;
+    float* ACC = W + d.Q * d.Q;
+    float* tile_a = ACC + d.Q * d.P;
+    float* tile_b = tile_a + max(d.Q, max(d.P, d.S)) * kPad;
+    const Views gv{xbc, d, row0, g * d.heads_per_group, g};  // B and C of the group
+
+    // The segments do not depend on the head: the first head's meta masks C·Bᵀ.
+    load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, g * d.heads_per_group);
+    const KeepSegment keep{&meta};
+    tile_product<true, true>(
+        CB, d.Q, false, L, L, d.S, [&](int t, int n) { return gv.C(t, n); }, [&](int s, int n) { return gv.B(s, n); },
+        keep, tile_a, tile_b);
+
+    for (int k = 0; k < d.heads_per_group; ++k) {
+        const int h = g * d.heads_per_group + k;
+        if (k > 0) load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
+        const Views v{xbc, d, row0, h, g};
+        auto dyv = [&](int t, int p) { return __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); };
+        const float* h_in = c > 0 ? states + state_offset(d, b, c, h) : nullptr;
+        const float* dh_out = c + 1 < d.num_chunks ? dstates + state_offset(d, b, c, h) : nullptr;
+        const float A = -expf(params.A_log[h]);
+        const float D = params.D[h];
+        const int last = L - 1;
+
+        // W[t, s] = dy_t·x_s (masked), then the row and column sums of G and the diagonal.
+        tile_product<true, true>(
+            W, d.Q, false, L, L, d.P, dyv, [&](int s, int p) { return v.x(s, p); }, keep, tile_a, tile_b);
+        auto g_over_dt = [&](int t, int s) {
+            return keep(t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) : 0.0f;
+        };
+        row_sums(hs.row_g, L, L, [&](int t, int s) { return g_over_dt(t, s) * meta.dtv[s]; });
+        for (int s = threadIdx.x; s < L; s += blockDim.x) {
+            float sum = 0.0f;
+            for (int t = s; t < L; ++t) sum += g_over_dt(t, s);
+            hs.col_h[s] = sum;
+            hs.diag[s] = W[s * d.Q + s];
+            hs.to_end[s] = decay_to_end(meta, s, L) * meta.dtv[s];
+            hs.from_start[s] = decay_from_start(meta, s);
+        }
+        __syncthreads();
+        // W ← W ∘ exp(cs_t − cs_s) ∘ δ_s: the weights of dB and dC's intra parts.
+        for (int e = threadIdx.x; e < L * L; e += blockDim.x) {
+            const int t = e / L, s = e % L;
+            if (keep(t, s)) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+        }
+
+        // dx_s = D·dy_s + to_end_s·(dh_out·B_s) + Σ_t (C_t·B_s)·exp(cs_t − cs_s)·δ_s·dy_t; v_s on the way.
+        if (dh_out != nullptr) {
+            tile_product<true, true>(
+                ACC, d.P, false, L, d.P, d.S, [&](int s, int n) { return v.B(s, n); },
+                [&](int p, int n) { return dh_out[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+            row_sums(hs.v, L, d.P, [&](int s, int p) { return v.x(s, p) * ACC[s * d.P + p]; });
+            for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
+                const int s = e / d.P, p = e % d.P;
+                ACC[s * d.P + p] = hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p);
+            }
+        } else {
+            for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
+                const int s = e / d.P, p = e % d.P;
+                ACC[s * d.P + p] = D * dyv(s, p);
+            }
+            for (int s = threadIdx.x; s < L; s += blockDim.x) hs.v[s] = 0.0f;
+        }
+        tile_product<false, false>(
+            ACC, d.P, true, L, d.P, L,
+            [&](int s, int t) {
+                return keep(t, s) ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
+            },
+            [&](int p, int t) { return dyv(t, p); }, KeepAll{}, tile_a, tile_b);
+        for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
+            const int s = e / d.P, p = e % d.P;
+            out.dxbc[(row0 + s) * d.ld + h * d.P + p] = __float2bfloat16_rn(ACC[s * d.P + p]);
+        }
+
+        // u_t = dy_t · (h_in·C_t) (ACC is free again after the barrier in tile_product).
+        if (h_in != nullptr) {
+            tile_product<true, true>(
+                ACC, d.P, false, L, d.P, d.S, [&](int t, int n) { return v.C(t, n); },
+                [&](int p, int n) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+            row_sums(hs.u, L, d.P, [&](int t, int p) { return dyv(t, p) * ACC[t * d.P + p]; });
+        } else {
+            for (int t = threadIdx.x; t < L; t += blockDim.x) hs.u[t] = 0.0f;
+        }
+
+        // dB_s += Σ_t W[t, s]·C_t + to_end_s·(x_s·dh_out);  dC_t += Σ_s W[t, s]·B_s + from_start_t·(dy_t·h_in).
+        float* dB = out.dbc + row0 * 2 * GS + static_cast<int64_t>(g) * d.S;
+        float* dC = dB + GS;
+        tile_product<false, false>(
+            dB, 2 * GS, k > 0, L, d.S, L, [&](int s, int t) { return W[t * d.Q + s]; },
+            [&](int n, int t) { return v.C(t, n); }, KeepAll{}, tile_a, tile_b);
+        if (dh_out != nullptr) {
+            tile_product<true, false>(
+                dB, 2 * GS, true, L, d.S, d.P, [&](int s, int p) { return hs.to_end[s] * v.x(s, p); },
+                [&](int n, int p) { return dh_out[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+        }
+        tile_product<true, false>(
+            dC, 2 * GS, k > 0, L, d.S, L, [&](int t, int s) { return W[t * d.Q + s]; },
+            [&](int n, int s) { return v.B(s, n); }, KeepAll{}, tile_a, tile_b);
+        if (h_in != nullptr) {
+            tile_product<true, false>(
+                dC, 2 * GS, true, L, d.S, d.P, [&](int t, int p) { return hs.from_start[t] * dyv(t, p); },
+                [&](int n, int p) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+        }
+
+        // hh = dh_out · h_in (the gradient at cs_last through the entering state's decay).
+        float hh = 0.0f;
+        if (h_in != nullptr && dh_out != nullptr && meta.seg[last] == 0) {
+            float sum = 0.0f;
+            for (int e = threadIdx.x; e < d.P * d.S; e += blockDim.x) sum += dh_out[e] * h_in[e];
+            hh = block_sum(sum, slots);
+        }
+        if (threadIdx.x == 0)
+            finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
+        __syncthreads();
+    }
+}
+
+// dxbc[n, I + j] = bf16(dbc[n, j]) for j < 2GS.
+__global__ void cast_dbc_kernel(bf16* dxbc, const float* dbc, int64_t N, int64_t I, int64_t ld, int64_t width) {
+    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= N * width) return;
+    const int64_t n = idx / width, j = idx % width;
+    dxbc[n * ld + I + j] = __float2bfloat16_rn(dbc[idx]);
+}
+
+// ----------------------------------------------------------------------------------------------
+// launch helpers
+
+int max_shared_bytes() {
+    int device = 0, bytes = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    MF_CHECK_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return bytes;
+}
+
+constexpr size_t kStaticSmemBytes = sizeof(ChunkMeta) + sizeof(HeadSums) + (kWarps + kMaxQ) * sizeof(float);
+
+void check_geometry(const char* op, const SsdGeometry& g) {
+    MF_CHECK(g.num_rows >= 0 && g.T > 0 && g.H > 0 && g.P > 0 && g.G > 0 && g.S > 0 && g.H % g.G == 0, op,
+             ": bad geometry B=", g.num_rows, " T=", g.T, " H=", g.H, " P=", g.P, " G=", g.G, " S=", g.S);
+    MF_CHECK(g.Q >= 1 && g.Q <= kSsdMaxChunk, op, ": chunk_size = ", g.Q, ", the CUDA scan supports 1..", kSsdMaxChunk);
+    MF_CHECK(g.dt_min <= g.dt_max, op, ": dt_min ", g.dt_min, " > dt_max ", g.dt_max);
+    MF_CHECK(g.H < 65536 && g.G < 65536 && g.num_rows < 65536 && (g.T + g.Q - 1) / g.Q < (int64_t{1} << 31), op,
+             ": geometry too large");
+    MF_CHECK(g.P <= 4096 && g.S <= 4096, op, ": head_dim ", g.P, " / state_size ", g.S, " too large");
+    const Dims d = dims_of(g);
+    const size_t need = backward_smem_bytes(d) + kStaticSmemBytes;
+    MF_CHECK(need <= static_cast<size_t>(max_shared_bytes()), op, ": chunk_size ", g.Q, ", head_dim ", g.P,
+             " and state_size ", g.S, " need ", need, " bytes of shared memory per block, the device has ",
+             max_shared_bytes());
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+    MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+dim3 chunk_grid(const Dims& d, int64_t rows, int per_chunk) {
+    return dim3(static_cast<unsigned>(d.num_chunks), static_cast<unsigned>(per_chunk), static_cast<unsigned>(rows));
+}
+dim3 pass_grid(const Dims& d, int64_t rows) {
+    const int64_t elems = static_cast<int64_t>(d.P) * d.S;
+    return dim3(static_cast<unsigned>((elems + kPassThreads - 1) / kPassThreads), static_cast<unsigned>(d.H),
+                static_cast<unsigned>(rows));
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// public entries
+
+int64_t ssd_num_chunks(const SsdGeometry& g) { return (g.T + g.Q - 1) / g.Q; }
+int64_t ssd_states_numel(const SsdGeometry& g) { return chunks_total(g) * g.H * g.P * g.S; }
+
+size_t ssd_scan_forward_scratch_bytes(const SsdGeometry& g) { return decay_bytes(g); }
+
+void ssd_scan_forward(bf16* y, float* states, const bf16* xbc, const bf16* dt, const SsdParams& params,
+                      const int32_t* doc_ids, const SsdGeometry& g, void* scratch, size_t scratch_bytes,
+                      cudaStream_t stream) {
+    check_geometry("ssd_scan_forward", g);
+    if (g.num_rows == 0) return;
+    MF_CHECK(y != nullptr && states != nullptr && xbc != nullptr && dt != nullptr && params.dt_bias != nullptr &&
+                 params.A_log != nullptr && params.D != nullptr,
+             "ssd_scan_forward: null buffer");
+    MF_CHECK(scratch != nullptr && scratch_bytes >= ssd_scan_forward_scratch_bytes(g), "ssd_scan_forward: scratch has ",
+             scratch_bytes, " bytes, needs ", ssd_scan_forward_scratch_bytes(g));
+    const Dims d = dims_of(g);
+    float* decay = static_cast<float*>(scratch);
+    set_smem(ssd_chunk_state_kernel, tile_bytes(d));
+    ssd_chunk_state_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, tile_bytes(d), stream>>>(states, decay, xbc, dt,
+                                                                                                params, doc_ids, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+    ssd_state_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(states, decay, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+    set_smem(ssd_chunk_output_kernel, output_smem_bytes(d));
+    ssd_chunk_output_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, output_smem_bytes(d), stream>>>(
+        y, states, xbc, dt, params, doc_ids, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+size_t ssd_scan_backward_scratch_bytes(const SsdGeometry& g) {
+    const int64_t N = g.num_rows * g.T;
+    return align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float)) + decay_bytes(g) +
+           align256(static_cast<size_t>(N * 2 * g.G * g.S) * sizeof(float)) +
+           align256(static_cast<size_t>(3 * chunks_total(g) * g.H) * sizeof(float));
+}
+
+void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, const bf16* dt, const SsdParams& params,
+                       const float* states, const int32_t* doc_ids, const SsdGeometry& g, void* scratch,
+                       size_t scratch_bytes, cudaStream_t stream) {
+    check_geometry("ssd_scan_backward", g);
+    if (g.num_rows == 0) return;
+    MF_CHECK(grads.dxbc != nullptr && grads.ddt != nullptr && grads.ddt_bias != nullptr && grads.dA_log != nullptr &&
+                 grads.dD != nullptr && dy != nullptr && xbc != nullptr && dt != nullptr && states != nullptr &&
+                 params.dt_bias != nullptr && params.A_log != nullptr && params.D != nullptr,
+             "ssd_scan_backward: null buffer");
+    for (const DType t : {grads.ddt_bias_dtype, grads.dA_log_dtype, grads.dD_dtype}) {
+        MF_CHECK(t == DType::f32 || t == DType::bf16,
+                 "ssd_scan_backward: parameter-gradient dtype must be f32 or bf16, got ", dtype_name(t));
+    }
+    const size_t needed = ssd_scan_backward_scratch_bytes(g);
+    MF_CHECK(scratch != nullptr && scratch_bytes >= needed && aligned_to(256, scratch),
+             "ssd_scan_backward: scratch has ", scratch_bytes, " bytes, needs ", needed, " (256-byte aligned)");
+    const Dims d = dims_of(g);
+    const int64_t N = g.num_rows * g.T;
+    char* at = static_cast<char*>(scratch);
+    float* dstates = reinterpret_cast<float*>(at);
+    at += align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float));
+    float* decay = reinterpret_cast<float*>(at);
+    at += decay_bytes(g);
+    float* dbc = reinterpret_cast<float*>(at);
+    at += align256(static_cast<size_t>(N * 2 * g.G * g.S) * sizeof(float));
+    float* partial = reinterpret_cast<float*>(at);
+
+    set_smem(ssd_chunk_dstate_kernel, tile_bytes(d));
+    ssd_chunk_dstate_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, tile_bytes(d), stream>>>(
+        dstates, decay, dy, xbc, dt, params, doc_ids, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+    ssd_dstate_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(dstates, decay, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+    const ChunkGradOut out{grads.dxbc, grads.ddt, dbc, partial};
+    set_smem(ssd_chunk_backward_kernel, backward_smem_bytes(d));
+    ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kThreads, backward_smem_bytes(d), stream>>>(
+        out, dy, xbc, dt, params, states, dstates, doc_ids, d);
+    MF_CHECK_CUDA(cudaGetLastError());
+    const int64_t width = 2 * g.G * g.S;
+    cast_dbc_kernel<<<static_cast<unsigned>((N * width + 255) / 256), 256, 0, stream>>>(grads.dxbc, dbc, N, d.I, d.ld,
+                                                                                        width);
+    MF_CHECK_CUDA(cudaGetLastError());
+    const int64_t rows = chunks_total(g);
+    reduce_partial_rows(grads.ddt_bias, grads.ddt_bias_dtype, partial, rows, g.H, true, stream);
+    reduce_partial_rows(grads.dA_log, grads.dA_log_dtype, partial + rows * g.H, rows, g.H, true, stream);
+    reduce_partial_rows(grads.dD, grads.dD_dtype, partial + 2 * rows * g.H, rows, g.H, true, stream);
+}
+
+}  // namespace mf::cuda
