@@ -18,12 +18,14 @@ nemotron_h (hybrid Mamba-2 / MoE / attention / dense MLP, no aux loss: aux_loss 
 built by make_nemotron_h_case: HF's Mamba-2 torch fallback (mamba2_chunk_scan's torch body) is the path that
 runs (asserted, recorded in expected.json under "nemotron_h"), a float32 run on the GPU (when there is one)
 is recorded beside the float64 reference, and model_hub/ holds the same weights in the Hub's layout
-(backbone. prefix, hybrid_override_pattern, bare Infinity) which HF is checked to load to the same loss.
+(backbone. prefix, hybrid_override_pattern, bare Infinity) which HF is checked to load to the same loss
+(its model.safetensors is a symlink to model/'s when save_pretrained wrote the same bytes, as 5.17 does).
 Usage: python3 scripts/make_hf_fixtures.py [--out tests/fixtures/hf] [--cases norm_topk,mixtral,...]
 It prints, per case, the tensors save_pretrained wrote (v5 writes the checkpoint layout: per-expert
 matrices, and for Mixtral block_sparse_moe.* / w1 w2 w3, not the fused in-memory tensors).
 """
 import argparse
+import filecmp
 import glob
 import json
 import os
@@ -296,7 +298,13 @@ def write_hub_layout(model_dir, hub_dir):
         else:
             out[k2] = t
     os.makedirs(hub_dir, exist_ok=True)
-    save_file(out, os.path.join(hub_dir, "model.safetensors"), metadata={"format": "pt"})
+    hub_weights = os.path.join(hub_dir, "model.safetensors")
+    save_file(out, hub_weights, metadata={"format": "pt"})
+    saved = glob.glob(os.path.join(model_dir, "*.safetensors"))
+    if len(saved) == 1 and filecmp.cmp(saved[0], hub_weights, shallow=False):
+        # transformers 5.x already writes the Hub's tensor names: share the bytes rather than copy them.
+        os.remove(hub_weights)
+        os.symlink(os.path.join("..", os.path.basename(model_dir), os.path.basename(saved[0])), hub_weights)
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = undo_float_objects(json.loads(f.read()))
     types = cfg.pop("layers_block_type", None) or cfg.pop("layer_types", None)
