@@ -54,7 +54,8 @@ int cmd_bench(const Args& args) {
                             "seed", "recompute", "ep-size", "ep-chunks", "timeout"},
                            {"profile", "phases", "no-zero1"}, "bench");
         const std::filesystem::path cfg_file = a.require("config", "bench");
-        json::Value config = json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string());
+        json::Value config =
+            json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string(), json::ParseOptions::hf_config());
         if (a.has("layers") && config.is_object()) {
             // The first N layers of the geometry (dense layers by index dropped: every layer as the rule says).
             config.set("num_hidden_layers", parse_int_option(a.get("layers"), "layers"));

@@ -35,7 +35,7 @@ int cmd_init(const Args& args) {
         if (a.has("config")) {
             const fs::path file = a.get("config");
             source = file.string();
-            config = json::parse(io::read_text_file(file, 4u << 20), source);
+            config = json::parse(io::read_text_file(file, 4u << 20), source, json::ParseOptions::hf_config());
             if (a.has("arch")) fail("init: pass --arch or --config, not both (the config names its model_type)");
         } else {
             const std::string arch = a.get("arch", "qwen3_moe");

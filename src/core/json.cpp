@@ -29,7 +29,15 @@ const char* kind_name(Kind kind) {
     return "?";
 }
 
+const char* nonfinite_spelling(double v) {
+    if (std::isnan(v)) return "NaN";
+    return v < 0 ? "-Infinity" : "Infinity";
+}
+
 namespace {
+
+// The key of transformers 5.x's float tags ({"__float__": "Infinity"}).
+constexpr std::string_view kFloatTagKey = "__float__";
 
 [[noreturn]] void wrong_kind(Kind want, Kind have) {
     fail("expected a JSON ", kind_name(want), ", got ", kind_name(have));
@@ -37,8 +45,8 @@ namespace {
 
 class Parser {
  public:
-    Parser(std::string_view text, const std::string& source, int max_depth)
-        : text_(text), source_(source), max_depth_(max_depth) {}
+    Parser(std::string_view text, const std::string& source, const ParseOptions& options)
+        : text_(text), source_(source), options_(options) {}
 
     Value parse_document() {
         skip_ws();
@@ -80,7 +88,7 @@ class Parser {
     }
 
     Value parse_value(int depth) {
-        if (depth > max_depth_) error("nesting deeper than " + std::to_string(max_depth_));
+        if (depth > options_.max_depth) error("nesting deeper than " + std::to_string(options_.max_depth));
         if (pos_ >= text_.size()) error("unexpected end of input");
         const char c = text_[pos_];
         if (c == '{') return parse_object(depth);
@@ -89,8 +97,25 @@ class Parser {
         if (consume("true")) return Value(true);
         if (consume("false")) return Value(false);
         if (consume("null")) return Value(nullptr);
+        if (c == 'I' || c == 'N' || (c == '-' && text_.substr(pos_, 2) == "-I")) return parse_nonfinite();
         if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
         error(std::string("unexpected character '") + (c >= 32 && c < 127 ? std::string(1, c) : "\\x" + hex(c)) + "'");
+    }
+
+    // Python's bare Infinity, -Infinity, NaN (ParseOptions::nonfinite_literals).
+    Value parse_nonfinite() {
+        constexpr double kInf = std::numeric_limits<double>::infinity();
+        const std::pair<std::string_view, double> literals[] = {
+            {"Infinity", kInf}, {"-Infinity", -kInf}, {"NaN", std::numeric_limits<double>::quiet_NaN()}};
+        for (const auto& [lit, v] : literals) {
+            if (text_.substr(pos_, lit.size()) != lit) continue;
+            if (!options_.nonfinite_literals)
+                error(std::string(lit) + " is not JSON (non-finite numbers are read only from an HF config.json)");
+            pos_ += lit.size();
+            return Value(v);
+        }
+        if (!options_.nonfinite_literals) error(std::string("unexpected character '") + text_[pos_] + "'");
+        error("bad literal: expected Infinity, -Infinity or NaN");
     }
 
     static std::string hex(char c) {
@@ -286,7 +311,7 @@ class Parser {
 
     std::string_view text_;
     const std::string& source_;
-    int max_depth_;
+    ParseOptions options_;
     size_t pos_ = 0;
 };
 
@@ -404,7 +429,7 @@ static void newline(std::string& out, int indent, int depth) {
     out.append(static_cast<size_t>(indent * depth), ' ');
 }
 
-void Value::dump_to(std::string& out, int indent, int depth) const {
+void Value::dump_to(std::string& out, int indent, int depth, NonFinite nonfinite) const {
     switch (kind_) {
         case Kind::null:
             out += "null";
@@ -417,10 +442,18 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
                 out += std::to_string(int_);
                 break;
             }
-            if (!std::isfinite(num_)) {
-                out += "null";
+            if (!std::isfinite(num_)) {  // JSON has no NaN/Inf: the spelling asked for
+                if (nonfinite == NonFinite::bare) {
+                    out += nonfinite_spelling(num_);
+                } else if (nonfinite == NonFinite::hf_tagged) {
+                    Value tag = Value::object();
+                    tag.set(std::string(kFloatTagKey), Value(nonfinite_spelling(num_)));
+                    tag.dump_to(out, indent, depth, nonfinite);
+                } else {
+                    out += "null";
+                }
                 break;
-            }  // JSON has no NaN/Inf
+            }
             char buf[32];
             // %.17g round-trips every double; keep a '.' so it reads back as a float.
             std::snprintf(buf, sizeof buf, "%.17g", num_);
@@ -445,7 +478,7 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
             for (size_t i = 0; i < arr_->size(); ++i) {
                 if (i) out += indent < 0 ? "," : ",";
                 newline(out, indent, depth + 1);
-                (*arr_)[i].dump_to(out, indent, depth + 1);
+                (*arr_)[i].dump_to(out, indent, depth + 1, nonfinite);
             }
             if (!arr_->empty()) newline(out, indent, depth);
             out += ']';
@@ -458,7 +491,7 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
                 newline(out, indent, depth + 1);
                 out += quote((*obj_)[i].first);
                 out += indent < 0 ? ":" : ": ";
-                (*obj_)[i].second.dump_to(out, indent, depth + 1);
+                (*obj_)[i].second.dump_to(out, indent, depth + 1, nonfinite);
             }
             if (!obj_->empty()) newline(out, indent, depth);
             out += '}';
@@ -467,18 +500,37 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
     }
 }
 
-std::string Value::dump(int indent) const {
+std::string Value::dump(int indent, NonFinite nonfinite) const {
     std::string out;
-    dump_to(out, indent, 0);
+    dump_to(out, indent, 0, nonfinite);
     return out;
 }
 
+std::optional<double> hf_float_tag(const Value& v, std::string_view what) {
+    const Value* tag = v.find(kFloatTagKey);
+    if (tag == nullptr) return std::nullopt;
+    if (v.size() != 1) fail(what, ": a {\"__float__\": ...} tag holds other keys too: ", v.dump().substr(0, 80));
+    if (tag->is_string()) {
+        for (const double d : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                               std::numeric_limits<double>::quiet_NaN()})
+            if (tag->as_string() == nonfinite_spelling(d)) return d;
+    }
+    fail(what, ": bad {\"__float__\": ...} tag ", v.dump().substr(0, 80),
+         " (expected \"Infinity\", \"-Infinity\" or \"NaN\")");
+}
+
 Value parse(std::string_view text, const std::string& source, int max_depth) {
+    ParseOptions options;
+    options.max_depth = max_depth;
+    return parse(text, source, options);
+}
+
+Value parse(std::string_view text, const std::string& source, const ParseOptions& options) {
     // A UTF-8 byte-order mark (Windows editors write one) at the start of a file is skipped, as
     // Python's utf-8-sig does; a record (no source) is not a file's start, and its caller (a JSONL
     // reader) skips the mark of the first line only.
     if (!source.empty() && text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);
-    return Parser(text, source, max_depth).parse_document();
+    return Parser(text, source, options).parse_document();
 }
 
 }  // namespace mf::json

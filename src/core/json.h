@@ -4,11 +4,19 @@
 // and reports errors as "<source>:<line>:<col>: <problem>". Objects keep their key order, so a
 // config read and written back keeps the layout HF wrote. Numbers remember whether they were
 // written as integers, so `"hidden_size": 2048` and `2048.0` can be told apart when validating.
+//
+// Non-finite numbers: JSON has none, but HF config.json files do. Python's json module writes and
+// reads bare `Infinity`, `-Infinity` and `NaN` (the Hub's Nemotron-H configs hold
+// `"time_step_limit": [0.0, Infinity]`), and transformers 5.x's save_pretrained writes them as tag
+// objects `{"__float__": "Infinity"}` instead. The parser takes the bare literals only when its caller
+// opts in (ParseOptions::hf_config(), for HF config.json alone); hf_float_tag reads the tags; dump
+// writes either spelling on request (NonFinite).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -20,6 +28,30 @@ namespace mf::json {
 
 enum class Kind : uint8_t { null, boolean, number, string, array, object };
 const char* kind_name(Kind kind);
+
+// How dump() writes a number that is not finite.
+enum class NonFinite : uint8_t {
+    null,       // null: strict JSON, the value is lost (the default)
+    bare,       // Infinity, -Infinity, NaN: Python json.dumps' spelling, as in the Hub's config.json files
+    hf_tagged,  // {"__float__": "Infinity"} (or "-Infinity", "NaN"): what transformers 5.x writes; strict JSON
+};
+
+// Python's spelling of a non-finite double: "Infinity", "-Infinity" or "NaN" (the literal and the tag's
+// string alike).
+const char* nonfinite_spelling(double v);
+
+struct ParseOptions {
+    int max_depth = 128;
+    // Take Python's bare Infinity, -Infinity and NaN as numbers. Without it they are an error at their
+    // line and column. Only for HF config.json files (json.dumps writes them; JSON has no such literal).
+    bool nonfinite_literals = false;
+
+    static ParseOptions hf_config() {
+        ParseOptions o;
+        o.nonfinite_literals = true;
+        return o;
+    }
+};
 
 class Value {
  public:
@@ -64,10 +96,11 @@ class Value {
     void push_back(Value v);
     size_t size() const;
 
-    std::string dump(int indent = -1) const;
+    // indent < 0: one line; else pretty-printed with `indent` spaces per level.
+    std::string dump(int indent = -1, NonFinite nonfinite = NonFinite::null) const;
 
  private:
-    void dump_to(std::string& out, int indent, int depth) const;
+    void dump_to(std::string& out, int indent, int depth, NonFinite nonfinite) const;
     Kind kind_ = Kind::null;
     bool bool_ = false;
     bool is_int_ = false;
@@ -83,7 +116,15 @@ class Value {
 // then says "column COL: ..."). Duplicate object keys are an error: a config that says two things
 // about one field is ambiguous. A UTF-8 byte-order mark at the start of a document with a source (a
 // file) is skipped; in a record (empty source) it is an error.
+Value parse(std::string_view text, const std::string& source, const ParseOptions& options);
+// Strict RFC 8259 JSON (ParseOptions with this depth limit).
 Value parse(std::string_view text, const std::string& source, int max_depth = 128);
+
+// The number an HF float tag stands for: an object whose only key is "__float__" with the string
+// "Infinity", "-Infinity" or "NaN" (transformers 5.x's encoding of non-finite config values). nullopt
+// when `v` is no object or has no "__float__" key; an error naming `what` for a malformed tag (another
+// string, a non-string, other keys beside it), which transformers would silently keep as a dict.
+std::optional<double> hf_float_tag(const Value& v, std::string_view what);
 
 // Escapes a string as a JSON string literal (with quotes).
 std::string quote(std::string_view s);

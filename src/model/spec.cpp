@@ -67,7 +67,7 @@ uint64_t ModelSpec::hash() const {
     // FNV-1a over the canonical config (dtype blanked: storage, not shape).
     json::Value c = own_copy(config);
     c.set("dtype", "");
-    const std::string s = c.dump();
+    const std::string s = c.dump(-1, json::NonFinite::bare);  // Infinity and NaN hash apart (null would not)
     uint64_t h = 1469598103934665603ull;
     for (unsigned char ch : s) {
         h ^= ch;

@@ -39,7 +39,7 @@ model::ModelSpec read_hf_config(const fs::path& dir, json::Value* raw) {
     const fs::path file = dir / "config.json";
     if (!fs::is_directory(dir)) fail(dir.string(), ": not a model directory (missing or not a directory)");
     const std::string text = io::read_text_file(file, kMaxConfigBytes);
-    json::Value cfg = json::parse(text, file.string());
+    json::Value cfg = json::parse(text, file.string(), json::ParseOptions::hf_config());
     model::ModelSpec c = model::parse_model_config(cfg, file.string());
     if (raw != nullptr) *raw = std::move(cfg);
     return c;
@@ -279,7 +279,8 @@ void save_hf_model(const fs::path& dir, const model::ModelSpec& cfg, const Param
         tensors.push_back(std::move(w));
     }
     io::write_model_weights(dir, tensors, max_shard_bytes);
-    io::atomic_write_file(dir / "config.json", config.dump(2) + "\n");
+    // Non-finite values as transformers 5.x writes them ({"__float__": "Infinity"}): strict JSON.
+    io::atomic_write_file(dir / "config.json", config.dump(2, json::NonFinite::hf_tagged) + "\n");
     if (!tokenizer_dir.empty()) {
         for (const auto& name : tokenizer_file_names()) {
             const fs::path src = tokenizer_dir / name;

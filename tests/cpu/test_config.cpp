@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <set>
 
 #include "core/json.h"
@@ -248,4 +250,44 @@ TEST_F(BadModelDir, ConfigWithAByteOrderMarkLoads) {
     test::write_file(dir_ / "config.json", "\xEF\xBB\xBF" + text);
     EXPECT_EQ(load_error(), "");
     EXPECT_EQ(train::read_hf_config(dir_).hidden_size, cfg_.hidden_size);
+}
+
+// HF config.json holds non-finite numbers: bare Infinity as Python's json writes it (the Hub's files) or
+// {"__float__": "Infinity"} as transformers 5.x writes it. Both load; a save writes transformers 5.x's
+// spelling (strict JSON), which loads again; a non-finite value where a finite one is needed is refused
+// naming the field.
+TEST_F(BadModelDir, ConfigWithNonFiniteNumbers) {
+    const std::string text = test::read_file(dir_ / "config.json");
+    ASSERT_EQ(text.substr(0, 1), "{");
+    test::write_file(dir_ / "config.json",
+                     "{\n  \"time_step_limit\": [0.0, Infinity],\n  \"lo\": -Infinity," + text.substr(1));
+    ASSERT_EQ(load_error(), "");
+    json::Value raw;
+    train::read_hf_config(dir_, &raw);
+    EXPECT_TRUE(std::isinf(raw.find("time_step_limit")->as_array()[1].as_double()));
+
+    auto m = train::load_hf_model(dir_);
+    const fs::path out = dir_.string() + "_nonfinite";
+    fs::create_directories(out);
+    train::save_hf_model(out, *m, &raw, {});
+    const std::string written = test::read_file(out / "config.json");
+    EXPECT_NE(written.find("{\n      \"__float__\": \"Infinity\"\n    }"), std::string::npos) << written;
+    EXPECT_NE(written.find("\"__float__\": \"-Infinity\""), std::string::npos) << written;
+    EXPECT_NO_THROW(json::parse(written, "strict"));  // strict JSON
+    json::Value again;
+    train::read_hf_config(out, &again);
+    EXPECT_EQ(*json::hf_float_tag(again.find("time_step_limit")->as_array()[1], "t"),
+              std::numeric_limits<double>::infinity());
+    EXPECT_NO_THROW(train::load_hf_model(out));
+    fs::remove_all(out);
+
+    for (const char* value : {"Infinity", "{\"__float__\": \"NaN\"}"}) {
+        json::Value cfg = json::parse(text, "cfg");
+        cfg.set("rms_norm_eps", json::parse(value, "v", json::ParseOptions::hf_config()));
+        test::write_file(dir_ / "config.json", cfg.dump(2, json::NonFinite::bare));
+        const std::string msg = load_error();
+        EXPECT_NE(msg.find("field \"rms_norm_eps\" must be a finite number"), std::string::npos) << msg;
+    }
+    test::write_file(dir_ / "config.json", "{\"time_step_limit\": [0.0, Infinit]," + text.substr(1));
+    EXPECT_NE(load_error().find("config.json:1:27: invalid JSON: bad literal"), std::string::npos) << load_error();
 }

@@ -101,7 +101,7 @@ TEST(MalformedTokenJsonl, EachBadLineIsRefusedNamingFileAndLine) {
         {"UTF-8 byte order mark (files concatenated from an editor)", "\xef\xbb\xbf{\"input_ids\": [1]}",
          "unexpected character '\\xef'"},
         {"comment inside the object", "{\"input_ids\": [1] /* first */}", "expected ',' or '}' in object"},
-        {"NaN literal", "{\"input_ids\": [NaN]}", "unexpected character 'N'"},
+        {"NaN literal", "{\"input_ids\": [NaN]}", "NaN is not JSON"},
         {"lone surrogate in a key", "{\"\\ud800\": [1]}", "unpaired surrogate"},
     };
     const fs::path dir = test::temp_dir("malformed_jsonl");

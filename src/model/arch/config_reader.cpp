@@ -16,6 +16,9 @@ constexpr int64_t kMaxDim = int64_t{1} << 40;
 constexpr int64_t kMaxLayers = 1024;
 constexpr double kMaxParams = 0x1p40;
 
+// A value as error messages show it: non-finite numbers as Python spells them (Infinity), not null.
+std::string shown(const json::Value& v) { return v.dump(-1, json::NonFinite::bare); }
+
 }  // namespace
 
 ConfigReader::ConfigReader(const json::Value& cfg, const std::string& source) : cfg_(cfg), source_(source) {
@@ -36,26 +39,31 @@ int64_t ConfigReader::integer(const char* key, bool required, int64_t fallback, 
         return fallback;
     }
     if (!v->is_number()) fail(source_, ": field \"", key, "\" must be an integer, got ", json::kind_name(v->kind()));
-    if (!v->is_int() && std::floor(v->as_double()) != v->as_double())
-        fail(source_, ": field \"", key, "\" must be an integer, got ", v->dump());
+    if (!v->is_int() && (!std::isfinite(v->as_double()) || std::floor(v->as_double()) != v->as_double()))
+        fail(source_, ": field \"", key, "\" must be an integer, got ", shown(*v));
     // Range-check before converting: a number written as 1e30 is a double no int64_t can hold.
     const double d = v->is_int() ? static_cast<double>(v->as_int()) : v->as_double();
     if (d < static_cast<double>(min_value))
-        fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", v->dump());
-    if (d > static_cast<double>(kMaxDim)) fail(source_, ": field \"", key, "\" is implausibly large: ", v->dump());
+        fail(source_, ": field \"", key, "\" must be >= ", min_value, ", got ", shown(*v));
+    if (d > static_cast<double>(kMaxDim)) fail(source_, ": field \"", key, "\" is implausibly large: ", shown(*v));
     return v->is_int() ? v->as_int() : static_cast<int64_t>(d);
 }
 
-double ConfigReader::number(const json::Value* v, const std::string& key, double fallback) const {
+double ConfigReader::number(const json::Value* v, const std::string& key, double fallback, bool allow_nonfinite) const {
     if (v == nullptr) return fallback;
-    if (!v->is_number()) fail(source_, ": field \"", key, "\" must be a number, got ", json::kind_name(v->kind()));
-    return v->as_double();
+    const std::optional<double> tagged = json::hf_float_tag(*v, source_ + ": field \"" + key + "\"");
+    if (!tagged && !v->is_number())
+        fail(source_, ": field \"", key, "\" must be a number, got ", json::kind_name(v->kind()));
+    const double d = tagged ? *tagged : v->as_double();
+    if (!allow_nonfinite && !std::isfinite(d))
+        fail(source_, ": field \"", key, "\" must be a finite number, got ", json::nonfinite_spelling(d));
+    return d;
 }
 
 bool ConfigReader::boolean(const char* key, bool fallback) const {
     const json::Value* v = get(key);
     if (v == nullptr) return fallback;
-    if (!v->is_bool()) fail(source_, ": field \"", key, "\" must be true or false, got ", v->dump());
+    if (!v->is_bool()) fail(source_, ": field \"", key, "\" must be true or false, got ", shown(*v));
     return v->as_bool();
 }
 
@@ -84,7 +92,7 @@ std::vector<int64_t> ConfigReader::layer_list(const char* key, int64_t num_layer
 
 void ConfigReader::refuse(const char* key, const std::string& why) const {
     const json::Value* v = get(key);
-    fail(source_, ": field \"", key, "\" = ", v != nullptr ? v->dump() : std::string("null"), " is not supported (",
+    fail(source_, ": field \"", key, "\" = ", v != nullptr ? shown(*v) : std::string("null"), " is not supported (",
          why, ")");
 }
 

@@ -24,8 +24,13 @@ class ConfigReader {
     const json::Value* get(const char* key) const;       // null when absent or JSON null
     const json::Value* find_raw(const char* key) const;  // null only when absent
     int64_t integer(const char* key, bool required, int64_t fallback, int64_t min_value) const;
-    double number(const json::Value* v, const std::string& key, double fallback) const;
-    double number(const char* key, double fallback) const { return number(get(key), key, fallback); }
+    // A number, or an HF float tag ({"__float__": "Infinity"}, json::hf_float_tag) standing for one.
+    // Non-finite values (bare Infinity / NaN as read with ParseOptions::hf_config(), or a tag) are an
+    // error naming the field unless `allow_nonfinite` (time_step_limit's upper end is Infinity).
+    double number(const json::Value* v, const std::string& key, double fallback, bool allow_nonfinite = false) const;
+    double number(const char* key, double fallback, bool allow_nonfinite = false) const {
+        return number(get(key), key, fallback, allow_nonfinite);
+    }
     bool boolean(const char* key, bool fallback) const;
     std::string string(const char* key, const std::string& fallback) const;
     // A list of distinct layer indices in [0, num_layers) (mlp_only_layers).
