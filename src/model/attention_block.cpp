@@ -5,7 +5,11 @@
 namespace mf::model {
 
 AttentionDims attention_dims(const AttentionBranch& a, int64_t hidden) {
-    AttentionDims d{hidden, a.num_heads, a.num_kv_heads, a.head_dim, static_cast<float>(a.qk_norm_eps),
+    AttentionDims d{hidden,
+                    a.num_heads,
+                    a.num_kv_heads,
+                    a.head_dim,
+                    static_cast<float>(a.qk_norm_eps),
                     static_cast<float>(a.rope_theta)};
     d.qk_norm = a.qk_norm;
     d.qkv_bias = a.qkv_bias;
@@ -105,7 +109,8 @@ void attention_qkv_forward(const Tensor& q, const Tensor& k, const Tensor& v, co
             ops::rmsnorm_forward(q, q_rstd, q_raw, w.q_norm, d.norm_eps);
             ops::rmsnorm_forward(k, k_rstd, k_raw, w.k_norm, d.norm_eps);
             break;
-        case QkNorm::none: break;
+        case QkNorm::none:
+            break;
     }
     if (d.rotary() > 0)
         ops::rope_forward(q, k, q, k, positions, d.num_heads, d.num_kv_heads, d.head_dim, d.rotary(), d.rope_theta);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "model/mamba_block.h"
 #include "ops/ops.h"
 
 namespace mf::model {
@@ -23,6 +24,8 @@ const char* output_name(BranchKind kind) {
             return "MLP output";
         case BranchKind::moe:
             return "MoE output";
+        case BranchKind::mamba:
+            return "Mamba-2 output";
     }
     return "output";
 }
@@ -38,6 +41,7 @@ struct CausalLM::BranchState {
     MoeWeights moe, g_moe;
     bool has_shared = false;
     SharedExpertWeights shared, g_shared;
+    MambaWeights mamba, g_mamba;
     int64_t gate_up_spec = -1, down_spec = -1;  // MoE: the stacked expert specs' indices in specs()
 };
 
@@ -55,6 +59,7 @@ struct CausalLM::Workspace {
         AttentionActs attn;
         MlpActs mlp;
         SharedExpertActs shared;
+        MambaActs mamba;
     };
     struct LayerActs {
         std::vector<BranchActs> branches;
@@ -82,6 +87,7 @@ struct CausalLM::Workspace {
     MoeScratch moe_scratch;
     MlpScratch mlp_scratch;
     SharedExpertScratch shared_scratch;
+    MambaScratch mamba_scratch;
     // EP rows sized by the real routing (ep_exchange.h EpRowStore), kept across steps: one per
     // kept set of MoE activations, and one scratch shared by the backward and the forward's exchange.
     std::vector<std::shared_ptr<EpRowStore>> ep_local;
@@ -98,7 +104,7 @@ struct CausalLM::Workspace {
 ParamTable model_param_table(const ModelSpec& spec, ExpertShard shard) {
     ParamTable table;
     const int64_t H = spec.hidden_size;
-    table.add("model.embed_tokens.weight", {spec.vocab_size, H}, ParamRole::embedding);
+    table.add(spec.embedding_module + ".weight", {spec.vocab_size, H}, ParamRole::embedding);
     for (int64_t l = 0; l < spec.num_layers(); ++l) {
         const std::string p = layer_prefix(l);
         const LayerSpec& layer = spec.layers[static_cast<size_t>(l)];
@@ -109,17 +115,21 @@ ParamTable model_param_table(const ModelSpec& spec, ExpertShard shard) {
                     declare_attention_params(table, m, attention_dims(b.attention, H));
                     break;
                 case BranchKind::mlp:
-                    declare_mlp_params(table, m, H, b.mlp.intermediate);
+                    declare_mlp_params(table, m, H, b.mlp.intermediate, b.mlp.act);
                     break;
                 case BranchKind::moe:
                     declare_moe_params(table, p, b.module, b.moe, H, shard);
+                    break;
+                case BranchKind::mamba:
+                    declare_mamba_params(table, m, b.mamba, H);
                     break;
             }
         }
         for (const Branch& b : layer.branches) table.add(p + b.norm + ".weight", {H}, ParamRole::norm);
     }
-    table.add("model.norm.weight", {H}, ParamRole::norm);
+    table.add(spec.final_norm_module + ".weight", {H}, ParamRole::norm);
     if (!spec.tie_word_embeddings) table.add("lm_head.weight", {spec.vocab_size, H}, ParamRole::head);
+    if (!spec.disk_model_prefix.empty()) table.store_model_prefix_as(spec.disk_model_prefix);
     return table;
 }
 
@@ -147,12 +157,20 @@ double model_flops_per_token(const ModelSpec& spec, int64_t T) {
                 attention += 4.0 * static_cast<double>(T) * static_cast<double>(a.num_heads * a.head_dim) / 2.0;
             } else if (b.kind == BranchKind::moe) {
                 const MoeBranch& m = b.moe;
+                const double mats = m.act == Activation::swiglu ? 3.0 : 2.0;  // matrices per expert
                 matmul +=
-                    H * (static_cast<double>(m.num_experts) + 3.0 * static_cast<double>(m.intermediate * m.top_k));
-                if (m.shared_intermediate > 0) matmul += 3.0 * H * static_cast<double>(m.shared_intermediate);
+                    H * (static_cast<double>(m.num_experts) + mats * static_cast<double>(m.intermediate * m.top_k));
+                if (m.shared_intermediate > 0) matmul += mats * H * static_cast<double>(m.shared_intermediate);
                 if (m.shared_gate) matmul += H;
+            } else if (b.kind == BranchKind::mamba) {
+                // in_proj and out_proj, and the recurrence as a product: per token and head, the state
+                // update and the output read each touch its P × S state (2 · 2PS forward FLOPs).
+                const MambaBranch& m = b.mamba;
+                matmul += H * static_cast<double>(2 * m.inner() + m.conv_dim() + m.num_heads);
+                attention += 4.0 * static_cast<double>(m.inner() * m.state_size);
             } else {
-                matmul += 3.0 * H * static_cast<double>(b.mlp.intermediate);
+                const double mats = b.mlp.act == Activation::swiglu ? 3.0 : 2.0;
+                matmul += mats * H * static_cast<double>(b.mlp.intermediate);
             }
         }
     matmul += H * static_cast<double>(spec.vocab_size);
@@ -195,18 +213,21 @@ void CausalLM::build_layers() {
                 s.attn = attention_weights(param, m, s.ad);
                 s.g_attn = attention_weights(grad, m, s.ad);
             } else if (b.kind == BranchKind::mlp) {
-                s.mlp = mlp_weights(param, m, H, b.mlp.intermediate);
-                s.g_mlp = mlp_weights(grad, m, H, b.mlp.intermediate);
+                s.mlp = mlp_weights(param, m, H, b.mlp.intermediate, b.mlp.act);
+                s.g_mlp = mlp_weights(grad, m, H, b.mlp.intermediate, b.mlp.act);
+            } else if (b.kind == BranchKind::mamba) {
+                s.mamba = mamba_weights(param, m, b.mamba, H);
+                s.g_mamba = mamba_weights(grad, m, b.mamba, H);
             } else {
                 L.is_moe = true;
-                s.moe = moe_weights(param, m);
-                s.g_moe = moe_weights(grad, m);
+                s.moe = moe_weights(param, m, b.moe);
+                s.g_moe = moe_weights(grad, m, b.moe);
                 s.has_shared = b.moe.shared_intermediate > 0;
                 if (s.has_shared) {
                     s.shared = shared_expert_weights(param, m, b.moe, H);
                     s.g_shared = shared_expert_weights(grad, m, b.moe, H);
                 }
-                s.gate_up_spec = &table.get(m + "experts.gate_up_proj") - table.specs().data();
+                s.gate_up_spec = &table.get(m + experts_first_name(b.moe)) - table.specs().data();
                 s.down_spec = &table.get(m + "experts.down_proj") - table.specs().data();
             }
             L.branches.push_back(s);
@@ -216,7 +237,7 @@ void CausalLM::build_layers() {
 }
 
 MoeDims CausalLM::moe_dims(const MoeBranch& m) const {
-    MoeDims d{spec_.hidden_size, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob};
+    MoeDims d = moe_block_dims(m, spec_.hidden_size);
     d.ep = ep_;
     d.ep_chunks = ep_chunks_;
     return d;
@@ -355,10 +376,11 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
                 if (recompute_ == Recompute::none)
                     la.moe.alloc(A, moe_dims(s->spec->moe), N, act, ws.ep_local_store(static_cast<size_t>(l)),
                                  ws.ep_scratch);
-                if (s->has_shared) ba.shared.alloc(A, N, H, s->spec->moe.shared_intermediate, act);
+                if (s->has_shared) ba.shared.alloc(A, N, H, s->spec->moe, act);
             }
             if (const BranchState* s = serves(l, b, BranchKind::mlp))
-                ba.mlp.alloc(A, N, s->spec->mlp.intermediate, act);
+                ba.mlp.alloc(A, N, s->spec->mlp.intermediate, act, s->spec->mlp.act);
+            if (const BranchState* s = serves(l, b, BranchKind::mamba)) ba.mamba.alloc(A, s->spec->mamba, B, T, act);
         }
     }
     if (recompute_ != Recompute::none && !moe_specs.empty())
@@ -370,7 +392,7 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
     ws.d_mid = A.alloc(act, {N, H});
     ws.d_ln = A.alloc(act, {N, H});
     // Backward scratch: one of each kind, sized for the largest branch of that kind.
-    const BranchState *attn = nullptr, *mlp = nullptr, *shared = nullptr;
+    const BranchState *attn = nullptr, *mlp = nullptr, *shared = nullptr, *mamba = nullptr;
     for (const Layer& layer : layers_)
         for (const BranchState& s : layer.branches) {
             if (s.spec->kind == BranchKind::attention && attn == nullptr) attn = &s;
@@ -378,6 +400,7 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
                 (mlp == nullptr || s.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
                 mlp = &s;
             if (s.has_shared && shared == nullptr) shared = &s;
+            if (s.spec->kind == BranchKind::mamba && mamba == nullptr) mamba = &s;  // one geometry per model
         }
     if (attn != nullptr) ws.attn_scratch.alloc(A, attn->ad, B, T, act);
     if (!moe_specs.empty()) {
@@ -387,8 +410,9 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
         ws.dprobs = A.alloc(DType::f32, {N, E});
         ws.moe_scratch.alloc(A, moe_dims(*moe_specs[0]), N, act, ws.ep_scratch);
     }
-    if (mlp != nullptr) ws.mlp_scratch.alloc(A, N, mlp->spec->mlp.intermediate, act);
-    if (shared != nullptr) ws.shared_scratch.alloc(A, N, H, shared->spec->moe.shared_intermediate, act);
+    if (mlp != nullptr) ws.mlp_scratch.alloc(A, N, mlp->spec->mlp.intermediate, act, mlp->spec->mlp.act);
+    if (shared != nullptr) ws.shared_scratch.alloc(A, N, H, shared->spec->moe, act);
+    if (mamba != nullptr) ws.mamba_scratch.alloc(A, mamba->spec->mamba, N, act);
 }
 
 Recompute parse_recompute(std::string_view name) {
@@ -444,6 +468,9 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
         case BranchKind::moe:
             moe_block_forward(ba.out, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe));
             if (s.has_shared) shared_expert_forward(ba.out, ba.shared, ba.ln, s.shared);
+            break;
+        case BranchKind::mamba:
+            mamba_block_forward(ba.out, ba.mamba, ba.ln, s.mamba, s.spec->mamba, T, ws.attention_docs());
             break;
     }
     ops::add(sum, in, ba.out);
@@ -510,6 +537,10 @@ void CausalLM::branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const 
                 shared_expert_backward(ws.d_ln, s.g_shared, ws.shared_scratch, dy, ba.ln, ba.shared, s.shared);
             break;
         }
+        case BranchKind::mamba:
+            mamba_block_backward(ws.d_ln, s.g_mamba, ws.mamba_scratch, dy, ba.ln, ba.mamba, s.mamba, s.spec->mamba, T,
+                                 ws.attention_docs());
+            break;
     }
     ops::rmsnorm_backward(dx, s.g_norm, ws.d_ln, in, s.norm, ba.ln_rstd);
     mark_layer(s.spec->kind == BranchKind::attention ? "bwd attention" : "bwd ffn", l);
@@ -551,7 +582,8 @@ StepStats CausalLM::step(const data::Batch& batch, const LossScales* scales, flo
     const std::string& head_name = head_role != nullptr ? head_role->name : wte_spec.name;
     const Tensor wte = store_.param_view(wte_spec.name);
     const Tensor head = store_.param_view(head_name);
-    const Tensor normf = store_.param_view("model.norm.weight");
+    const std::string normf_name = spec_.final_norm_module + ".weight";
+    const Tensor normf = store_.param_view(normf_name);
 
     std::vector<float> mask(static_cast<size_t>(N));
     double rows_per_layer = 0;
@@ -579,7 +611,7 @@ StepStats CausalLM::step(const data::Batch& batch, const LossScales* scales, flo
     }
     for (int64_t l = 0; l < L; ++l) {
         layer_forward(l, B, T);
-        if (layers_[static_cast<size_t>(l)].is_moe) {
+        if (layers_[static_cast<size_t>(l)].is_moe && spec_.moe(l)->router == RouterKind::softmax) {
             const MoeActs& ma = ws.moe_acts(l, recompute_);
             ops::moe_aux_stats(ws.aux_counts, ws.aux_prob_sums, ma.topk_idx, ma.probs, ws.mask);
             ++num_moe_layers;
@@ -629,7 +661,7 @@ StepStats CausalLM::step(const data::Batch& batch, const LossScales* scales, flo
     const Tensor* dy = &ws.d_resid;
     const Tensor* dx = &ws.d_mid;
     ops::zero(*dy);
-    ops::rmsnorm_backward(*dy, grad("model.norm.weight"), ws.d_ln, x_final, normf, ws.lnf_rstd);
+    ops::rmsnorm_backward(*dy, grad(normf_name), ws.d_ln, x_final, normf, ws.lnf_rstd);
     if (grad_hook_ && !spec_.tie_word_embeddings) grad_hook_(kGradsHead);
     for (int64_t l = L - 1; l >= 0; --l) {
         // Recompute what was not kept: the whole layer (full); the MoE block (moe) inside its backward.

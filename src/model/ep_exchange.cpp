@@ -373,7 +373,7 @@ void carve_forward(const MoeDims& d, MoeActs& a, DType act, Device dev) {
     const EpRouting& r = a.routing;
     const int64_t R = r.num_local, H = d.hidden, I = d.intermediate, K = d.top_k;
     const auto kept = a.local_store->carve(
-        {{R, H, act}, {R, 2 * I, act}, {R, I, act}, {R, H, act}, {r.num_received, 2 * K, DType::i32}}, dev);
+        {{R, H, act}, {R, d.first_width(), act}, {R, I, act}, {R, H, act}, {r.num_received, 2 * K, DType::i32}}, dev);
     a.x_local = kept[0];
     a.h_local = kept[1];
     a.a_local = kept[2];
@@ -520,8 +520,8 @@ void ep_moe_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeigh
             const auto host = part_host_offsets(r, ch, pt);
             ops::grouped_matmul_forward(a.h_local, a.x_local, expert_view(w.gate_up, ch.first_expert, ch.num_experts),
                                         offsets, host);
-            ops::swiglu_forward(row_view(a.a_local, pt.first_row, pt.num_rows),
-                                row_view(a.h_local, pt.first_row, pt.num_rows));
+            expert_act_forward(d.act, row_view(a.a_local, pt.first_row, pt.num_rows),
+                               row_view(a.h_local, pt.first_row, pt.num_rows));
             ops::grouped_matmul_forward(a.y_local, a.a_local, expert_view(w.down, ch.first_expert, ch.num_experts),
                                         offsets, host);
         },
@@ -544,7 +544,7 @@ void ep_moe_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const
     const DType act = dy.dtype();
     const auto rows = s.store->carve({{R, H, act},
                                       {R, I, act},
-                                      {R, 2 * I, act},
+                                      {R, d.first_width(), act},
                                       {R, H, act},
                                       {r.num_received, K, DType::f32},
                                       {r.num_sent, K, DType::f32},
@@ -581,9 +581,9 @@ void ep_moe_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const
             // that they travel back while the weight gradients are computed (`after`).
             ops::grouped_matmul_backward(s.da_local, Tensor(), s.dy_local, a.a_local,
                                          expert_view(w.down, ch.first_expert, ch.num_experts), offsets, host, false);
-            ops::swiglu_backward(row_view(s.dh_local, pt.first_row, pt.num_rows),
-                                 row_view(s.da_local, pt.first_row, pt.num_rows),
-                                 row_view(a.h_local, pt.first_row, pt.num_rows));
+            expert_act_backward(d.act, row_view(s.dh_local, pt.first_row, pt.num_rows),
+                                row_view(s.da_local, pt.first_row, pt.num_rows),
+                                row_view(a.h_local, pt.first_row, pt.num_rows));
             ops::grouped_matmul_backward(s.dx_local, Tensor(), s.dh_local, a.x_local,
                                          expert_view(w.gate_up, ch.first_expert, ch.num_experts), offsets, host, false);
         },

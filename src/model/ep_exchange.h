@@ -22,8 +22,8 @@
 // back the combine way. Under EP the stacked weights (and their gradients) hold only this rank's
 // E/S experts ([E/S, ...]); the router holds all E. Both backends: CPU tensors over the TCP
 // communicator, CUDA tensors over NCCL, whose collectives (on the legacy default stream) are ordered
-// with the ops:: kernels on the engine's blocking stream. Planning needs the token and row counts on the host, so each forward's plan
-// costs one wait for the device and the peers (with the communicator's timeout); dispatch, expert
+// with the ops:: kernels on the engine's blocking stream. Planning needs the token and row counts on the host, so each
+// forward's plan costs one wait for the device and the peers (with the communicator's timeout); dispatch, expert
 // compute and combine then run without host waits.
 // Pipelining (MoeDims::ep_chunks = C > 1): the local experts are split into C chunks, and a
 // destination is one chunk of one rank (V = S·C of them; a token is sent once per destination it
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/spec.h"
 #include "parallel/communicator.h"
 
 namespace mf::model {
@@ -71,6 +72,13 @@ struct MoeDims {
     // MOEFORGE_EP_COMM_SMS overrides it (16 with MOEFORGE_PEER_COPY=sm). No effect on the CPU.
     int ep_comm_sms = 0;
     int64_t ep_size() const { return ep != nullptr ? ep->size() : 1; }
+    // The experts' activation and the router (spec.h MoeBranch; moe_block_dims fills them).
+    Activation act = Activation::swiglu;
+    RouterKind router = RouterKind::softmax;  // the sigmoid router's options (spec.h MoeBranch):
+    int64_t n_group = 1, topk_group = 1;
+    float routed_scaling = 1.0f, masked_score = -INFINITY;
+    // The experts' first product's width: gate and up rows (2I) for SwiGLU, up rows (I) for relu².
+    int64_t first_width() const { return act == Activation::swiglu ? 2 * intermediate : intermediate; }
 };
 
 // One chunk of the local experts and the tokens that travel for it.

@@ -14,35 +14,50 @@ namespace mf::model {
 
 // --- dense MLP ------------------------------------------------------------------------------------
 
-void MlpActs::alloc(Arena& arena, int64_t N, int64_t I, DType act) {
-    h = arena.alloc(act, {N, 2 * I});
+void expert_act_forward(Activation act, const Tensor& a, const Tensor& h) {
+    if (act == Activation::swiglu)
+        ops::swiglu_forward(a, h);
+    else
+        ops::relu2_forward(a, h);
+}
+
+void expert_act_backward(Activation act, const Tensor& dh, const Tensor& da, const Tensor& h) {
+    if (act == Activation::swiglu)
+        ops::swiglu_backward(dh, da, h);
+    else
+        ops::relu2_backward(dh, da, h);
+}
+
+void MlpActs::alloc(Arena& arena, int64_t N, int64_t I, DType act, Activation activation) {
+    h = arena.alloc(act, {N, first_width(activation, I)});
     a = arena.alloc(act, {N, I});
 }
 
-void MlpScratch::alloc(Arena& arena, int64_t N, int64_t I, DType act) {
-    dh = arena.alloc(act, {N, 2 * I});
+void MlpScratch::alloc(Arena& arena, int64_t N, int64_t I, DType act, Activation activation) {
+    dh = arena.alloc(act, {N, first_width(activation, I)});
     da = arena.alloc(act, {N, I});
 }
 
-void declare_mlp_params(ParamTable& table, const std::string& p, int64_t H, int64_t I) {
+void declare_mlp_params(ParamTable& table, const std::string& p, int64_t H, int64_t I, Activation act) {
     // gate_proj then up_proj, adjacent: together the fused [2I, H] gate_up matrix.
-    table.add(p + "gate_proj.weight", {I, H}, ParamRole::weight);
+    if (act == Activation::swiglu) table.add(p + "gate_proj.weight", {I, H}, ParamRole::weight);
     table.add(p + "up_proj.weight", {I, H}, ParamRole::weight);
     table.add(p + "down_proj.weight", {H, I}, ParamRole::weight);
 }
 
-MlpWeights mlp_weights(const ParamLookup& at, const std::string& p, int64_t H, int64_t I) {
-    const Tensor gate = at(p + "gate_proj.weight");
+MlpWeights mlp_weights(const ParamLookup& at, const std::string& p, int64_t H, int64_t I, Activation act) {
     const Tensor up = at(p + "up_proj.weight");
+    if (act == Activation::relu2) return MlpWeights{up, at(p + "down_proj.weight"), act};
+    const Tensor gate = at(p + "gate_proj.weight");
     MF_CHECK(static_cast<const char*>(up.data()) ==
                  static_cast<const char*>(gate.data()) + gate.numel() * static_cast<int64_t>(dtype_size(gate.dtype())),
              p, "gate_proj and up_proj are not adjacent");
-    return MlpWeights{Tensor(gate.data(), gate.dtype(), {2 * I, H}, gate.device()), at(p + "down_proj.weight")};
+    return MlpWeights{Tensor(gate.data(), gate.dtype(), {2 * I, H}, gate.device()), at(p + "down_proj.weight"), act};
 }
 
 void mlp_block_forward(const Tensor& y, MlpActs& acts, const Tensor& x, const MlpWeights& w) {
     ops::matmul_forward(acts.h, x, w.gate_up);
-    ops::swiglu_forward(acts.a, acts.h);
+    expert_act_forward(w.act, acts.a, acts.h);
     ops::matmul_forward(y, acts.a, w.down);
 }
 
@@ -50,7 +65,7 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& g, MlpScratch& s, co
                         const MlpActs& acts, const MlpWeights& w) {
     ops::zero(s.da);
     ops::matmul_backward(s.da, g.down, dy, acts.a, w.down);
-    ops::swiglu_backward(s.dh, s.da, acts.h);
+    expert_act_backward(w.act, s.dh, s.da, acts.h);
     ops::matmul_backward(dx, g.gate_up, s.dh, x, w.gate_up);
 }
 
@@ -59,19 +74,19 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& g, MlpScratch& s, co
 SharedExpertWeights shared_expert_weights(const ParamLookup& at, const std::string& p, const MoeBranch& moe,
                                           int64_t H) {
     SharedExpertWeights w;
-    w.mlp = mlp_weights(at, p + "shared_expert.", H, moe.shared_intermediate);
+    w.mlp = mlp_weights(at, p + moe.shared_module + ".", H, moe.shared_intermediate, moe.act);
     if (moe.shared_gate) w.gate = at(p + "shared_expert_gate.weight");
     return w;
 }
 
-void SharedExpertActs::alloc(Arena& arena, int64_t N, int64_t H, int64_t I, DType act) {
-    mlp.alloc(arena, N, I, act);
+void SharedExpertActs::alloc(Arena& arena, int64_t N, int64_t H, const MoeBranch& moe, DType act) {
+    mlp.alloc(arena, N, moe.shared_intermediate, act, moe.act);
     out = arena.alloc(act, {N, H});
     gate_logits = arena.alloc(act, {N, 1});
 }
 
-void SharedExpertScratch::alloc(Arena& arena, int64_t N, int64_t H, int64_t I, DType act) {
-    mlp.alloc(arena, N, I, act);
+void SharedExpertScratch::alloc(Arena& arena, int64_t N, int64_t H, const MoeBranch& moe, DType act) {
+    mlp.alloc(arena, N, moe.shared_intermediate, act, moe.act);
     dout = arena.alloc(act, {N, H});
     dgate_logits = arena.alloc(act, {N, 1});
 }
@@ -106,23 +121,47 @@ void declare_moe_params(ParamTable& table, const std::string& lp, const std::str
     ParamStorage router;
     if (disk != p) router.disk_name = disk + "gate.weight";
     table.add(p + "gate.weight", {E, H}, ParamRole::weight, {}, router);
+    if (m.router == RouterKind::sigmoid) {
+        ParamStorage bias;
+        if (disk != p) bias.disk_name = disk + "gate.e_score_correction_bias";
+        table.add(p + "gate.e_score_correction_bias", {E}, ParamRole::buffer, {}, bias);
+    }
+    const bool gated = m.act == Activation::swiglu;
     const std::string experts = disk + "experts.{}.";
-    ParamStorage gate_up{"", {experts + m.disk_gate + ".weight", experts + m.disk_up + ".weight"}};
+    ParamStorage first{"", {experts + m.disk_up + ".weight"}};
+    if (gated) first.expert_pieces.insert(first.expert_pieces.begin(), experts + m.disk_gate + ".weight");
     ParamStorage down{"", {experts + m.disk_down + ".weight"}};
     if (m.disk_stacked) {
-        gate_up = ParamStorage{disk + "experts.gate_up_proj", {}, m.disk_transposed, m.disk_interleaved};
+        first = ParamStorage{disk + experts_first_name(m), {}, m.disk_transposed, gated && m.disk_interleaved};
         down = ParamStorage{disk + "experts.down_proj", {}, m.disk_transposed, false};
     }
-    table.add(p + "experts.gate_up_proj", {E, 2 * I, H}, ParamRole::expert, shard, gate_up);
+    table.add(p + experts_first_name(m), {E, first_width(m.act, I), H}, ParamRole::expert, shard, first);
     table.add(p + "experts.down_proj", {E, H, I}, ParamRole::expert, shard, down);
     if (m.shared_intermediate > 0) {
-        declare_mlp_params(table, p + "shared_expert.", H, m.shared_intermediate);
+        declare_mlp_params(table, p + m.shared_module + ".", H, m.shared_intermediate, m.act);
         if (m.shared_gate) table.add(p + "shared_expert_gate.weight", {1, H}, ParamRole::weight);
     }
 }
 
-MoeWeights moe_weights(const ParamLookup& at, const std::string& p) {
-    return MoeWeights{at(p + "gate.weight"), at(p + "experts.gate_up_proj"), at(p + "experts.down_proj")};
+MoeDims moe_block_dims(const MoeBranch& m, int64_t H) {
+    MoeDims d{H, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob};
+    d.act = m.act;
+    d.router = m.router;
+    d.n_group = m.n_group;
+    d.topk_group = m.topk_group;
+    d.routed_scaling = static_cast<float>(m.routed_scaling);
+    d.masked_score = static_cast<float>(m.masked_score);
+    return d;
+}
+
+std::string experts_first_name(const MoeBranch& m) {
+    return m.act == Activation::swiglu ? "experts.gate_up_proj" : "experts.up_proj";
+}
+
+MoeWeights moe_weights(const ParamLookup& at, const std::string& p, const MoeBranch& m) {
+    MoeWeights w{at(p + "gate.weight"), at(p + experts_first_name(m)), at(p + "experts.down_proj"), Tensor()};
+    if (m.router == RouterKind::sigmoid) w.correction = at(p + "gate.e_score_correction_bias");
+    return w;
 }
 
 void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> local,
@@ -145,7 +184,7 @@ void MoeActs::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::s
     }
     expert_offsets = arena.alloc(DType::i32, {d.num_experts + 1});
     x_perm = arena.alloc(act, {P, d.hidden});
-    h_perm = arena.alloc(act, {P, 2 * d.intermediate});
+    h_perm = arena.alloc(act, {P, d.first_width()});
     a_perm = arena.alloc(act, {P, d.intermediate});
     y_perm = arena.alloc(act, {P, d.hidden});
 }
@@ -160,14 +199,17 @@ void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std
     }
     dy_perm = arena.alloc(act, {P, d.hidden});
     da_perm = arena.alloc(act, {P, d.intermediate});
-    dh_perm = arena.alloc(act, {P, 2 * d.intermediate});
+    dh_perm = arena.alloc(act, {P, d.first_width()});
     dx_perm = arena.alloc(act, {P, d.hidden});
 }
 
-
 void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeights& w, const MoeDims& d) {
     ops::matmul_forward(a.logits, x, w.router);
-    ops::router_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, d.norm_topk_prob);
+    if (d.router == RouterKind::sigmoid)
+        ops::router_sigmoid_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, w.correction, d.n_group, d.topk_group,
+                                    d.norm_topk_prob, d.routed_scaling, d.masked_score);
+    else
+        ops::router_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, d.norm_topk_prob);
     ops::moe_permute_indices(a.expert_offsets, a.sorted_pair, a.pair_row, a.topk_idx, d.num_experts);
     if (d.ep != nullptr) return ep_moe_forward(y, a, x, w, d);
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);
@@ -177,7 +219,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
         ops::copy_to_host(a.host_offsets.data(), a.expert_offsets);
     }
     ops::grouped_matmul_forward(a.h_perm, a.x_perm, w.gate_up, a.expert_offsets, a.host_offsets);
-    ops::swiglu_forward(a.a_perm, a.h_perm);
+    expert_act_forward(d.act, a.a_perm, a.h_perm);
     ops::grouped_matmul_forward(a.y_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets);
     ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
 }
@@ -193,19 +235,24 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
         // Every pair row belongs to a group (offsets run from 0 to N·K), so the input gradients are
         // written rather than zeroed and accumulated.
         const std::span<const int32_t> host[1] = {a.host_offsets};
-        const std::span<const std::span<const int32_t>> hosts = a.host_offsets.empty() ? std::span<const std::span<const int32_t>>() : host;
+        const std::span<const std::span<const int32_t>> hosts =
+            a.host_offsets.empty() ? std::span<const std::span<const int32_t>>() : host;
         ops::grouped_matmul_backward(s.da_perm, Tensor(), s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
                                      false);
         ops::grouped_matmul_backward_weight(g.down, s.dy_perm, a.a_perm, {&a.expert_offsets, 1}, hosts, acc,
                                             squares.down);
-        ops::swiglu_backward(s.dh_perm, s.da_perm, a.h_perm);
+        expert_act_backward(d.act, s.dh_perm, s.da_perm, a.h_perm);
         ops::grouped_matmul_backward(s.dx_perm, Tensor(), s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
                                      a.host_offsets, false);
         ops::grouped_matmul_backward_weight(g.gate_up, s.dh_perm, a.x_perm, {&a.expert_offsets, 1}, hosts, acc,
                                             squares.gate_up);
         ops::moe_gather_backward(dx, s.dx_perm, a.pair_row, d.top_k);
     }
-    ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);
+    if (d.router == RouterKind::sigmoid)  // no aux loss reaches the scores
+        ops::router_sigmoid_backward(s.dlogits, s.dtopk_weight, a.probs, a.topk_idx, d.norm_topk_prob,
+                                     d.routed_scaling);
+    else
+        ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);
     ops::matmul_backward(dx, g.router, s.dlogits, x, w.router);
 }
 

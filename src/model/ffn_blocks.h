@@ -1,13 +1,15 @@
 // The feed-forward blocks: the dense MLP, the dropless MoE and the shared expert.
 //
 // Dense MLP (a dense layer, and the shared expert):  y = (silu(x·Wgᵀ) ⊙ x·Wuᵀ)·Wdᵀ, with Wg and Wu
-// adjacent in the parameter buffer so they act as one fused [2I, H] matrix.
+// adjacent in the parameter buffer so they act as one fused [2I, H] matrix; or non-gated,
+// y = relu(x·Wuᵀ)²·Wdᵀ (Activation::relu2, Nemotron-H), whose first product is Wu alone [I, H].
 //
 // Shared expert (Qwen2-MoE): every token also passes through one MLP of its own width, added to the
 // routed output, gated per token by sigmoid(x·w_gateᵀ) (w_gate [1, H]) when the branch has the gate:
 //   y += sigmoid(x·w_gateᵀ) ⊙ mlp_shared(x)
 //
-// Dropless MoE:  router logits = x·Wrᵀ; fp32 softmax; top-k (optionally renormalised); the N·K
+// Dropless MoE:  router logits = x·Wrᵀ; fp32 softmax, or the sigmoid router (spec.h RouterKind);
+// top-k (optionally renormalised); the N·K
 // token-expert pairs are grouped by expert (every token kept, no capacity); per expert
 // h = x·W_gate_up[e]ᵀ, a = silu(h_gate) ⊙ h_up, y_e = a·W_down[e]ᵀ; y[t] = Σ_k w[t,k]·y_e(t,k).
 // The aux loss needs the full router probabilities of every MoE layer, so they are kept in the
@@ -25,30 +27,41 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/ep_exchange.h"
 #include "model/param_table.h"
 #include "model/spec.h"
-#include "model/ep_exchange.h"
 #include "parallel/communicator.h"
 
 namespace mf::model {
 
 using ParamLookup = std::function<Tensor(const std::string&)>;  // a parameter (or its gradient) by name
 
+// The activation between an MLP's two products: a[N, I] from h[N, 2I] (SwiGLU) or h[N, I] (relu²),
+// and its backward (dh written).
+void expert_act_forward(Activation act, const Tensor& a, const Tensor& h);
+void expert_act_backward(Activation act, const Tensor& dh, const Tensor& da, const Tensor& h);
+// The width of the first product: 2I (SwiGLU) or I (relu²).
+inline int64_t first_width(Activation act, int64_t I) { return act == Activation::swiglu ? 2 * I : I; }
+
 struct MlpWeights {
-    Tensor gate_up, down;  // [2I, H] (gate rows then up rows), [H, I]
+    Tensor gate_up, down;  // [2I, H] (gate rows then up rows; relu²: up_proj [I, H]), [H, I]
+    Activation act = Activation::swiglu;
 };
-// gate_proj, up_proj, down_proj under `prefix` ("model.layers.0.mlp."), and the fused view of them.
-void declare_mlp_params(ParamTable& table, const std::string& prefix, int64_t hidden, int64_t intermediate);
-MlpWeights mlp_weights(const ParamLookup& at, const std::string& prefix, int64_t hidden, int64_t intermediate);
+// gate_proj (SwiGLU only), up_proj, down_proj under `prefix` ("model.layers.0.mlp."), and the fused
+// view of them.
+void declare_mlp_params(ParamTable& table, const std::string& prefix, int64_t hidden, int64_t intermediate,
+                        Activation act = Activation::swiglu);
+MlpWeights mlp_weights(const ParamLookup& at, const std::string& prefix, int64_t hidden, int64_t intermediate,
+                       Activation act = Activation::swiglu);
 
 struct MlpActs {
-    Tensor h, a;  // [N, 2I], [N, I]
-    void alloc(Arena& arena, int64_t N, int64_t I, DType act);
+    Tensor h, a;  // [N, 2I] (relu²: [N, I]), [N, I]
+    void alloc(Arena& arena, int64_t N, int64_t I, DType act, Activation activation = Activation::swiglu);
 };
 
 struct MlpScratch {
     Tensor dh, da;
-    void alloc(Arena& arena, int64_t N, int64_t I, DType act);
+    void alloc(Arena& arena, int64_t N, int64_t I, DType act, Activation activation = Activation::swiglu);
 };
 
 void mlp_block_forward(const Tensor& y, MlpActs& acts, const Tensor& x, const MlpWeights& w);
@@ -56,15 +69,19 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& grads, MlpScratch& s
                         const MlpActs& acts, const MlpWeights& w);
 
 struct MoeWeights {
-    Tensor router, gate_up, down;  // [E, H], [E', 2I, H], [E', H, I]; E' = E / EP size (E without EP)
+    Tensor router, gate_up, down;  // [E, H], [E', 2I, H] (relu²: [E', I, H]), [E', H, I]; E' = E / EP size
+    Tensor correction{};           // the sigmoid router's e_score_correction_bias [E] (a buffer), or undefined
 };
 // The MoE branch's parameters in module `module` of the layer (`layer_prefix` "model.layers.3."):
-// the router `gate.weight`, the stacked experts `experts.gate_up_proj` and `experts.down_proj` (stored
-// per expert as the branch's disk names say), and the shared expert (`shared_expert.*`,
+// the router `gate.weight` (and the sigmoid router's `gate.e_score_correction_bias`), the stacked
+// experts `experts.gate_up_proj` (relu²: `experts.up_proj`) and `experts.down_proj` (stored per
+// expert as the branch's disk names say), and the shared expert (`<shared_module>.*`,
 // `shared_expert_gate.weight`) where it has one.
 void declare_moe_params(ParamTable& table, const std::string& layer_prefix, const std::string& module,
                         const MoeBranch& moe, int64_t hidden, ExpertShard shard);
-MoeWeights moe_weights(const ParamLookup& at, const std::string& prefix);
+MoeWeights moe_weights(const ParamLookup& at, const std::string& prefix, const MoeBranch& moe);
+// The stacked first-product experts' name in the module: experts.gate_up_proj or experts.up_proj.
+std::string experts_first_name(const MoeBranch& moe);
 
 struct SharedExpertWeights {
     MlpWeights mlp;
@@ -77,12 +94,12 @@ struct SharedExpertActs {
     MlpActs mlp;
     Tensor out;          // [N, H] the shared expert's output, before the gate
     Tensor gate_logits;  // [N, 1]
-    void alloc(Arena& arena, int64_t N, int64_t hidden, int64_t intermediate, DType act);
+    void alloc(Arena& arena, int64_t N, int64_t hidden, const MoeBranch& moe, DType act);
 };
 struct SharedExpertScratch {
     MlpScratch mlp;
     Tensor dout, dgate_logits;
-    void alloc(Arena& arena, int64_t N, int64_t hidden, int64_t intermediate, DType act);
+    void alloc(Arena& arena, int64_t N, int64_t hidden, const MoeBranch& moe, DType act);
 };
 // y += [sigmoid(x·w_gateᵀ) ⊙] mlp_shared(x)
 void shared_expert_forward(const Tensor& y, SharedExpertActs& acts, const Tensor& x, const SharedExpertWeights& w);
@@ -91,15 +108,18 @@ void shared_expert_backward(const Tensor& dx, const SharedExpertWeights& grads, 
                             const Tensor& dy, const Tensor& x, const SharedExpertActs& acts,
                             const SharedExpertWeights& w);
 
+// The block dims of a spec's MoE branch in a model of width `hidden` (no EP).
+MoeDims moe_block_dims(const MoeBranch& moe, int64_t hidden);
+
 struct MoeActs {
-    Tensor logits, probs;          // [N, E]
+    Tensor logits, probs;          // [N, E] (the sigmoid router: probs holds the scores σ(logits))
     Tensor topk_idx, topk_weight;  // [N, K]
     Tensor expert_offsets;         // [E + 1] (under EP a view of plan_buffers.plan)
     // expert_offsets read back once per forward when ops::grouped_matmul_uses_host_offsets (else
     // empty), for every grouped matmul of the block, forward and backward (not under EP: the plan's
     // local_offsets serve there).
     std::vector<int32_t> host_offsets;
-    Tensor sorted_pair, pair_row;  // [N·K]
+    Tensor sorted_pair, pair_row;           // [N·K]
     Tensor x_perm, h_perm, a_perm, y_perm;  // [N·K, H], [N·K, 2I], [N·K, I], [N·K, H]; not under EP
     // EP only: the local experts' rows (expert-major), routing.num_local each, and the received
     // tokens' meta rows (ops::ep_pack_meta, [num_received, 2K] i32), carved by the forward from
@@ -140,7 +160,6 @@ struct ExpertGradSquares {
 };
 void moe_block_backward(const Tensor& dx, const MoeWeights& grads, MoeScratch& s, const Tensor& dy,
                         const Tensor& dprobs, const Tensor& x, const MoeActs& acts, const MoeWeights& w,
-                        const MoeDims& d, bool accumulate_expert_grads = true,
-                        const ExpertGradSquares& squares = {});
+                        const MoeDims& d, bool accumulate_expert_grads = true, const ExpertGradSquares& squares = {});
 
 }  // namespace mf::model

@@ -92,12 +92,14 @@ KvCacheDecoder::KvCacheDecoder(const CausalLM& model, int64_t max_tokens, int64_
                 w.v_cache = cache_.as(act_, {max_tokens, Dkv}, static_cast<size_t>(2 * cache_idx + 1) * per);
                 ++cache_idx;
             } else if (b.kind == BranchKind::moe) {
-                w.moe = moe_weights(at, m);
-                w.md = MoeDims{H, b.moe.intermediate, b.moe.num_experts, b.moe.top_k, b.moe.norm_topk_prob};
+                w.moe = moe_weights(at, m, b.moe);
+                w.md = moe_block_dims(b.moe, H);
                 w.has_shared = b.moe.shared_intermediate > 0;
                 if (w.has_shared) w.shared = shared_expert_weights(at, m, b.moe, H);
+            } else if (b.kind == BranchKind::mlp) {
+                w.mlp = mlp_weights(at, m, H, b.mlp.intermediate, b.mlp.act);
             } else {
-                w.mlp = mlp_weights(at, m, H, b.mlp.intermediate);
+                fail("generation: layer ", l, " is a Mamba-2 layer; the decoder does not carry a scan state yet");
             }
             layer.push_back(w);
         }
@@ -126,7 +128,8 @@ size_t KvCacheDecoder::cache_bytes() const { return cache_.nbytes(); }
 
 void KvCacheDecoder::allocate(Arena& A, int64_t n) {
     const ModelSpec& spec = model_.spec();
-    const int64_t H = spec.hidden_size, Dq = dims_.num_heads * dims_.head_dim, Dkv = dims_.num_kv_heads * dims_.head_dim;
+    const int64_t H = spec.hidden_size, Dq = dims_.num_heads * dims_.head_dim,
+                  Dkv = dims_.num_kv_heads * dims_.head_dim;
     Workspace& ws = *ws_;
     ws.n = n;
     ws.ids = A.alloc(DType::i32, {n});
@@ -146,14 +149,15 @@ void KvCacheDecoder::allocate(Arena& A, int64_t n) {
     for (const auto& layer : layers_)
         for (const BranchWeights& w : layer) {
             if (w.spec->kind == BranchKind::moe && moe == nullptr) moe = &w;
-            if (w.spec->kind == BranchKind::mlp && (mlp == nullptr || w.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
+            if (w.spec->kind == BranchKind::mlp &&
+                (mlp == nullptr || w.spec->mlp.intermediate > mlp->spec->mlp.intermediate))
                 mlp = &w;
         }
     if (moe != nullptr) {
         ws.moe.alloc(A, moe->md, n, act_);
-        if (moe->has_shared) ws.shared.alloc(A, n, H, moe->spec->moe.shared_intermediate, act_);
+        if (moe->has_shared) ws.shared.alloc(A, n, H, moe->spec->moe, act_);
     }
-    if (mlp != nullptr) ws.mlp.alloc(A, n, mlp->spec->mlp.intermediate, act_);
+    if (mlp != nullptr) ws.mlp.alloc(A, n, mlp->spec->mlp.intermediate, act_, mlp->spec->mlp.act);
     ws.logits = A.alloc(DType::f32, {1, spec.vocab_size});
 }
 
@@ -189,12 +193,18 @@ void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
     for (const BranchWeights& w : layers_[l]) {
         ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, w.norm, static_cast<float>(w.spec->norm_eps));
         switch (w.spec->kind) {
-            case BranchKind::attention: attention_forward(w, n); break;
-            case BranchKind::mlp: mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp); break;
+            case BranchKind::attention:
+                attention_forward(w, n);
+                break;
+            case BranchKind::mlp:
+                mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
+                break;
             case BranchKind::moe:
                 moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, w.md);
                 if (w.has_shared) shared_expert_forward(ws.block_out, ws.shared, ws.ln, w.shared);
                 break;
+            case BranchKind::mamba:
+                break;  // refused at construction
         }
         ops::add(ws.x, ws.x, ws.block_out);
     }
@@ -226,7 +236,7 @@ std::vector<float> KvCacheDecoder::forward(std::span<const int32_t> ids, bool al
     length_ += n;
 
     const Tensor head = model_.param(head_spec != nullptr ? head_spec->name : embed);
-    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, model_.param("model.norm.weight"),
+    ops::rmsnorm_forward(ws.ln, ws.rstd, ws.x, model_.param(model_.spec().final_norm_module + ".weight"),
                          static_cast<float>(spec.final_norm_eps));
     const int64_t first_row = all_rows ? 0 : n - 1, V = spec.vocab_size;
     std::vector<float> logits(static_cast<size_t>((n - first_row) * V));

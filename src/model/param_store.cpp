@@ -1,6 +1,7 @@
 #include "model/param_store.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 namespace mf::model {
@@ -151,6 +152,35 @@ void ParamStore::get_params_to_host(float* dst) const {
     ops::copy_to_host(dst, f32);
 }
 
+namespace {
+// Element i of parameter s under HF's _init_weights (ParamInit); draws from `rng` only where HF draws.
+float initial_value(const ParamSpec& s, int64_t i, std::mt19937_64& rng, std::normal_distribution<float>& normal) {
+    switch (s.init) {
+        case ParamInit::ones:
+            return 1.0f;
+        case ParamInit::a_log:
+            return std::log(static_cast<float>(i + 1));
+        case ParamInit::dt_bias: {
+            constexpr double kMin = 1e-3, kMax = 1e-1, kFloor = 1e-4;
+            const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+            const double dt = std::max(std::exp(u * (std::log(kMax) - std::log(kMin)) + std::log(kMin)), kFloor);
+            return static_cast<float>(dt + std::log(-std::expm1(-dt)));  // softplus⁻¹(dt)
+        }
+        case ParamInit::by_role:
+            break;
+    }
+    switch (s.role) {
+        case ParamRole::norm:
+            return 1.0f;
+        case ParamRole::bias:
+        case ParamRole::buffer:
+            return 0.0f;
+        default:
+            return normal(rng);
+    }
+}
+}  // namespace
+
 void ParamStore::init_random(uint64_t seed, float std, const std::vector<int64_t>& zero_rows) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, std);
@@ -159,10 +189,8 @@ void ParamStore::init_random(uint64_t seed, float std, const std::vector<int64_t
         const int64_t per_row = s.is_expert ? s.numel / s.shape[0] : s.numel;
         const int64_t first = s.is_expert ? s.expert_first * per_row : 0;
         const int64_t total = s.is_expert ? s.experts_total * per_row : s.numel;
-        const bool drawn = s.role != ParamRole::norm && s.role != ParamRole::bias;
-        const float constant = s.role == ParamRole::norm ? 1.0f : 0.0f;
         for (int64_t i = 0; i < total; ++i) {
-            const float x = drawn ? normal(rng) : constant;
+            const float x = initial_value(s, i, rng, normal);
             if (i >= first && i < first + s.numel) host[static_cast<size_t>(s.offset + i - first)] = x;
         }
     }

@@ -14,35 +14,45 @@ std::string layer_prefix(int64_t layer) { return "model.layers." + std::to_strin
 
 const char* param_role_name(ParamRole role) {
     switch (role) {
-        case ParamRole::embedding: return "embedding";
-        case ParamRole::head: return "head";
-        case ParamRole::norm: return "norm";
-        case ParamRole::bias: return "bias";
-        case ParamRole::weight: return "weight";
-        case ParamRole::expert: return "expert";
+        case ParamRole::embedding:
+            return "embedding";
+        case ParamRole::head:
+            return "head";
+        case ParamRole::norm:
+            return "norm";
+        case ParamRole::bias:
+            return "bias";
+        case ParamRole::weight:
+            return "weight";
+        case ParamRole::expert:
+            return "expert";
+        case ParamRole::buffer:
+            return "buffer";
     }
     return "?";
 }
 
-const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, ExpertShard shard,
-                                 ParamStorage storage) {
+const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, ExpertShard shard, ParamStorage storage,
+                                 ParamInit init) {
     MF_CHECK(find(name) == nullptr, "duplicate parameter ", name);
     const bool is_expert = role == ParamRole::expert;
     MF_CHECK(is_expert || (storage.expert_pieces.empty() && !storage.reshaped()), "per-expert storage for ", name,
              ", which is not stacked");
-    MF_CHECK(!storage.reshaped() || (storage.expert_pieces.empty() && shape.size() == 3 &&
-                                     (!storage.interleaved || shape[1] % 2 == 0)),
+    MF_CHECK(!storage.reshaped() ||
+                 (storage.expert_pieces.empty() && shape.size() == 3 && (!storage.interleaved || shape[1] % 2 == 0)),
              "reshaped storage for ", name, " needs one stacked [E, R, C] tensor (R even when interleaved)");
     ParamSpec spec;
     spec.name = std::move(name);
     spec.role = role;
+    spec.init = init;
     spec.storage = std::move(storage);
     spec.is_expert = is_expert;
     constexpr std::string_view kLayers = "model.layers.";
     if (spec.name.starts_with(kLayers)) {
         int64_t l = 0;
         size_t i = kLayers.size();
-        for (; i < spec.name.size() && spec.name[i] >= '0' && spec.name[i] <= '9'; ++i) l = l * 10 + (spec.name[i] - '0');
+        for (; i < spec.name.size() && spec.name[i] >= '0' && spec.name[i] <= '9'; ++i)
+            l = l * 10 + (spec.name[i] - '0');
         if (i > kLayers.size() && i < spec.name.size() && spec.name[i] == '.') spec.layer = l;
     }
     if (is_expert) {
@@ -67,6 +77,21 @@ const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, 
     }
     specs_.push_back(std::move(spec));
     return specs_.back();
+}
+
+void ParamTable::store_model_prefix_as(const std::string& prefix) {
+    constexpr std::string_view kModel = "model.";
+    auto renamed = [&](const std::string& name) {
+        return name.starts_with(kModel) ? prefix + name.substr(kModel.size()) : name;
+    };
+    for (auto& s : specs_) {
+        if (s.storage.disk_name.empty() && s.storage.expert_pieces.empty()) {
+            if (s.name.starts_with(kModel)) s.storage.disk_name = renamed(s.name);
+        } else if (!s.storage.disk_name.empty()) {
+            s.storage.disk_name = renamed(s.storage.disk_name);
+        }
+        for (auto& piece : s.storage.expert_pieces) piece = renamed(piece);
+    }
 }
 
 const ParamSpec* ParamTable::find_role(ParamRole role) const {

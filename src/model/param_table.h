@@ -33,9 +33,17 @@ struct ExpertShard {
     bool sharded() const { return size > 1; }
 };
 
-// What a parameter is. `expert`: stacked expert weights [E, ...] (split over EP ranks).
-enum class ParamRole { embedding, head, norm, bias, weight, expert };
+// What a parameter is. `expert`: stacked expert weights [E, ...] (split over EP ranks). `buffer`: a
+// tensor the checkpoint holds that training never changes (HF's persistent buffers, such as a sigmoid
+// router's e_score_correction_bias): it gets no gradient, no update and no weight decay.
+enum class ParamRole { embedding, head, norm, bias, weight, expert, buffer };
 const char* param_role_name(ParamRole role);
+
+// How init_random fills a parameter (HF's _init_weights): by its role (norms 1, biases and buffers 0,
+// the rest normal), or as the Mamba-2 mixer's own: `ones` (D), `a_log` (A_log = log(1..n) over the
+// heads), `dt_bias` (softplus⁻¹ of dt drawn log-uniform in [1e-3, 1e-1], floored at 1e-4: HF's
+// time_step_min/max/floor defaults).
+enum class ParamInit { by_role, ones, a_log, dt_bias };
 
 // How an HF checkpoint stores a parameter. By default one tensor of the same name and shape. A
 // renamed module stores it under `disk_name`. Stacked experts are stored one tensor per expert and
@@ -58,14 +66,15 @@ struct ParamStorage {
 struct ParamSpec {
     std::string name;
     ParamRole role = ParamRole::weight;
+    ParamInit init = ParamInit::by_role;
     ParamStorage storage;
-    Shape shape;  // the local shape (stacked experts: [E/S, ...])
+    Shape shape;         // the local shape (stacked experts: [E/S, ...])
     int64_t offset = 0;  // in elements, into the flat buffer
     int64_t numel = 0;
-    bool is_expert = false;    // stacked expert weights (split over EP ranks)
-    int64_t expert_first = 0;  // stacked experts: the global index of local expert 0
-    int64_t experts_total = 0; // stacked experts: E over all ranks
-    int64_t layer = -1;        // N for "model.layers.N.*", else -1
+    bool is_expert = false;     // stacked expert weights (split over EP ranks)
+    int64_t expert_first = 0;   // stacked experts: the global index of local expert 0
+    int64_t experts_total = 0;  // stacked experts: E over all ranks
+    int64_t layer = -1;         // N for "model.layers.N.*", else -1
     // The shape over all ranks (== shape unless the experts are sharded).
     Shape global_shape() const;
     // The name HF checkpoints store it under (storage.disk_name, or name).
@@ -80,7 +89,10 @@ class ParamTable {
     // Appends a parameter; offsets keep the two regions above (experts after everything else).
     // For an expert parameter `shape` is the GLOBAL [E, ...] shape, and `shard` picks the local rows.
     const ParamSpec& add(std::string name, Shape shape, ParamRole role, ExpertShard shard = {},
-                         ParamStorage storage = {});
+                         ParamStorage storage = {}, ParamInit init = ParamInit::by_role);
+    // Every parameter named "model.*" is stored on disk as prefix + "*" (Nemotron-H's "backbone."),
+    // its renamed and per-expert disk names included.
+    void store_model_prefix_as(const std::string& prefix);
     // The parameter of a role outside the layers (the embedding, the untied head), or null.
     const ParamSpec* find_role(ParamRole role) const;
     const ParamSpec* find(std::string_view name) const;

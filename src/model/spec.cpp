@@ -28,18 +28,34 @@ std::string describe_branch(const Branch& b) {
             return s + ")";
         }
         case BranchKind::mlp:
-            return "dense mlp (dim " + n(b.mlp.intermediate) + ")";
+            return "dense mlp (dim " + n(b.mlp.intermediate) +
+                   (b.mlp.act == Activation::swiglu ? "" : std::string(", ") + activation_name(b.mlp.act)) + ")";
         case BranchKind::moe: {
             const MoeBranch& m = b.moe;
-            std::string s = "moe (" + n(m.num_experts) + " experts, top-" + n(m.top_k) +
-                            (m.norm_topk_prob ? " renormalised" : "") + ", expert dim " + n(m.intermediate);
+            std::string s = "moe (" + n(m.num_experts) + " experts, ";
+            if (m.router == RouterKind::sigmoid) {
+                s += "sigmoid router";
+                if (m.n_group > 1) s += " keeping " + n(m.topk_group) + " of " + n(m.n_group) + " groups";
+                s += ", ";
+            }
+            s += "top-" + n(m.top_k) + (m.norm_topk_prob ? " renormalised" : "");
+            if (m.routed_scaling != 1.0) s += " x" + json::Value(m.routed_scaling).dump();
+            s += std::string(", expert dim ") + n(m.intermediate);
+            if (m.act != Activation::swiglu) s += std::string(" ") + activation_name(m.act);
             if (m.shared_intermediate > 0)
                 s += std::string(", shared expert dim ") + n(m.shared_intermediate) + (m.shared_gate ? " gated" : "");
             return s + ")";
         }
+        case BranchKind::mamba: {
+            const MambaBranch& m = b.mamba;
+            return "mamba-2 (" + n(m.num_heads) + " heads of dim " + n(m.head_dim) + ", " + n(m.num_groups) +
+                   " groups, state " + n(m.state_size) + ", conv " + n(m.conv_kernel) + ")";
+        }
     }
     return "?";
 }
+
+const char* activation_name(Activation act) { return act == Activation::swiglu ? "swiglu" : "relu2"; }
 
 const MoeBranch* ModelSpec::moe(int64_t l) const {
     const Branch* b = layers[static_cast<size_t>(l)].find(BranchKind::moe);
@@ -94,6 +110,13 @@ void ModelSpec::validate(const std::string& source) const {
                          l, ": rotary dims ", a.rotary_dim, " of head_dim ", a.head_dim);
             } else if (b.kind == BranchKind::mlp) {
                 MF_CHECK(b.mlp.intermediate > 0, source, ": layer ", l, ": dense MLP without width");
+            } else if (b.kind == BranchKind::mamba) {
+                const MambaBranch& m = b.mamba;
+                MF_CHECK(m.num_heads > 0 && m.head_dim > 0 && m.num_groups > 0 && m.num_heads % m.num_groups == 0 &&
+                             m.state_size > 0 && m.conv_kernel > 0 && m.chunk_size > 0,
+                         source, ": layer ", l, ": Mamba-2 with ", m.num_heads, " heads of dim ", m.head_dim, ", ",
+                         m.num_groups, " groups, state ", m.state_size, ", conv ", m.conv_kernel, ", chunk ",
+                         m.chunk_size);
             } else {
                 const MoeBranch& m = b.moe;
                 ++moe_branches;
@@ -103,6 +126,12 @@ void ModelSpec::validate(const std::string& source) const {
                 MF_CHECK(experts < 0 || experts == m.num_experts, source, ": MoE layers with different expert counts");
                 MF_CHECK(!m.shared_gate || m.shared_intermediate > 0, source,
                          ": a shared-expert gate without a shared expert");
+                MF_CHECK(m.router == RouterKind::sigmoid || (m.n_group == 1 && m.topk_group == 1), source, ": layer ",
+                         l, ": expert groups need the sigmoid router");
+                MF_CHECK(m.n_group >= 1 && m.num_experts % m.n_group == 0 && m.topk_group >= 1 &&
+                             m.topk_group <= m.n_group && m.top_k <= m.topk_group * (m.num_experts / m.n_group),
+                         source, ": layer ", l, ": top-", m.top_k, " of ", m.num_experts, " experts in ", m.n_group,
+                         " groups keeping ", m.topk_group);
                 experts = m.num_experts;
             }
         }

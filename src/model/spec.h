@@ -6,9 +6,9 @@
 //
 // A branch is an RMSNorm and one op: attention, a dense MLP or a dropless MoE, each with the options
 // the families need (QK-norm width, projection biases, partial rotary; router renormalisation, a
-// shared expert with an optional sigmoid gate). A decoder layer of Qwen3-MoE, Mixtral, OLMoE and
-// Qwen2-MoE is two branches (attention, then MLP or MoE); a Nemotron-H layer is one. New mixers
-// (MLA, Mamba-2) arrive as new branch kinds.
+// shared expert with an optional sigmoid gate, sigmoid routers with groups) or a Mamba-2 mixer. A
+// decoder layer of Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE is two branches (attention, then MLP or
+// MoE); a Nemotron-H layer is one. New mixers (MLA, linear attention) arrive as new branch kinds.
 //
 // Names: every branch says which HF modules hold its parameters (`module`, `norm`), so the parameter
 // table speaks HF v5's in-memory names (model/param_table.h), and how its experts are stored on disk
@@ -17,6 +17,7 @@
 // (`config`): that is what an export writes back and what the checkpoint hash covers.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -39,16 +40,34 @@ struct AttentionBranch {
     double rope_theta = 10000.0;
 };
 
-// The expert (and dense) MLP: gated SwiGLU, y = (silu(x·Wgᵀ) ⊙ x·Wuᵀ)·Wdᵀ.
+// The activation of an MLP (dense, shared or expert): gated SwiGLU, y = (silu(x·Wgᵀ) ⊙ x·Wuᵀ)·Wdᵀ
+// (gate_proj, up_proj, down_proj), or non-gated squared ReLU, y = relu(x·Wuᵀ)²·Wdᵀ (up_proj,
+// down_proj; Nemotron-H).
+enum class Activation { swiglu, relu2 };
+const char* activation_name(Activation act);
+
 struct MlpBranch {
     int64_t intermediate = 0;
+    Activation act = Activation::swiglu;
 };
 
-// Router: fp32 softmax over the experts, top-k, optionally renormalised over the k (Qwen3, Mixtral,
-// OLMoE, Qwen2-MoE; Mixtral's top-k → softmax is the same numbers).
+// Router kinds. softmax: fp32 softmax over the experts, top-k, optionally renormalised over the k
+// (Qwen3, Mixtral, OLMoE, Qwen2-MoE; Mixtral's top-k → softmax is the same numbers). sigmoid:
+// scores σ(logits); the choice adds a correction bias (a buffer, `gate.e_score_correction_bias`,
+// never trained) and keeps the topk_group best of n_group expert groups (a group's score: its two
+// best); weights are the chosen scores, optionally renormalised, × routed_scaling (Nemotron-H,
+// DeepSeek-V3; `masked_score` is what a dropped group's experts compete with: −inf or 0).
+enum class RouterKind { softmax, sigmoid };
+
 struct MoeBranch {
     int64_t num_experts = 0, top_k = 0, intermediate = 0;
     bool norm_topk_prob = false;
+    RouterKind router = RouterKind::softmax;
+    int64_t n_group = 1, topk_group = 1;
+    double routed_scaling = 1.0;
+    double masked_score = -INFINITY;
+    Activation act = Activation::swiglu;  // the experts' and the shared expert's
+    std::string shared_module = "shared_expert";
     // A shared expert every token passes through (Qwen2-MoE), of its own width, added to the routed
     // output, times sigmoid(x·w_gateᵀ) when `shared_gate` (w_gate [1, H]).
     int64_t shared_intermediate = 0;
@@ -63,7 +82,21 @@ struct MoeBranch {
     bool disk_stacked = false, disk_transposed = false, disk_interleaved = false;
 };
 
-enum class BranchKind { attention, mlp, moe };
+// The Mamba-2 mixer (Nemotron-H): in_proj → [z | xBC | dt]; xBC = silu(causal depthwise conv(xBC));
+// the SSD scan over x, B, C with dt = clamp(softplus(dt + dt_bias), dt_min, dt_max), A = −exp(A_log)
+// and the D skip; the gated RMSNorm norm(y·silu(z)) over groups of I/G; out_proj. I = num_heads ·
+// head_dim; the conv and the scan restart at every document of a packed row (ops.h, Mamba-2).
+struct MambaBranch {
+    int64_t num_heads = 0, head_dim = 0, num_groups = 1, state_size = 0, conv_kernel = 4;
+    int64_t chunk_size = 128;  // the GPU scan's blocking (the numbers do not depend on it)
+    bool conv_bias = true;
+    double dt_min = 0.0, dt_max = INFINITY;
+    double norm_eps = 1e-5;  // the gated norm's
+    int64_t inner() const { return num_heads * head_dim; }
+    int64_t conv_dim() const { return inner() + 2 * num_groups * state_size; }
+};
+
+enum class BranchKind { attention, mlp, moe, mamba };
 
 struct Branch {
     BranchKind kind = BranchKind::attention;
@@ -73,6 +106,7 @@ struct Branch {
     AttentionBranch attention;
     MlpBranch mlp;
     MoeBranch moe;
+    MambaBranch mamba;
 };
 
 struct LayerSpec {
@@ -86,6 +120,10 @@ std::string describe_branch(const Branch& b);
 struct ModelSpec {
     std::string model_type;
     int64_t vocab_size = 0, hidden_size = 0;
+    // HF v5's in-memory names of the modules outside the layers, and the prefix the checkpoints store
+    // "model." under (Nemotron-H: "backbone."; empty: "model." itself).
+    std::string embedding_module = "model.embed_tokens", final_norm_module = "model.norm";
+    std::string disk_model_prefix;
     bool tie_word_embeddings = false;
     // config.pad_token_id: HF's nn.Embedding(padding_idx=...) keeps that row's gradient zero (the tied
     // head's gradient still reaches it) and _init_weights zeroes it. -1: none.

@@ -71,8 +71,8 @@ AdamW::AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed, par
             segments_.back().specs.push_back(i);
             continue;
         }
-        segments_.push_back({.begin = spec.offset, .end = spec.offset + spec.numel, .stage = stage, .region = region,
-                             .specs = {i}});
+        segments_.push_back(
+            {.begin = spec.offset, .end = spec.offset + spec.numel, .stage = stage, .region = region, .specs = {i}});
     }
     for (size_t s = 0; s < segments_.size(); ++s) {
         Segment& seg = segments_[s];
@@ -101,7 +101,7 @@ AdamW::AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed, par
         });
     }
     for (const auto& spec : model.params().specs()) {
-        bool decay = true;
+        bool decay = spec.role != model::ParamRole::buffer;  // a buffer has no gradient: no update at all
         for (const auto& pattern : optim.no_decay)
             if (matches_pattern(pattern, spec.name)) decay = false;
         decay_.push_back(decay);
@@ -132,9 +132,12 @@ void AdamW::step(double lr, double grad_scale) {
         const size_t off = static_cast<size_t>(at + a - r.begin);
         const Tensor m = m_.as(state_dtype_, {n}, off * es), v = v_.as(state_dtype_, {n}, off * es);
         const Tensor master = master_.data() != nullptr ? master_.as(DType::f32, {n}, off * sizeof(float)) : Tensor();
-        const ops::AdamWHyper h{static_cast<float>(lr), static_cast<float>(optim_.beta1),
-                                static_cast<float>(optim_.beta2), static_cast<float>(optim_.eps),
-                                decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f, step_,
+        const ops::AdamWHyper h{static_cast<float>(lr),
+                                static_cast<float>(optim_.beta1),
+                                static_cast<float>(optim_.beta2),
+                                static_cast<float>(optim_.eps),
+                                decay_[i] ? static_cast<float>(optim_.weight_decay) : 0.0f,
+                                step_,
                                 static_cast<float>(grad_scale)};
         ops::adamw_update(flat_range(params, a, n), master, m, v, flat_range(grads, a, n), h);
     };
@@ -209,7 +212,8 @@ void AdamW::set_state(const std::vector<float>& master, const std::vector<float>
     for_owned([&](const Range& r, int64_t at) {
         const int64_t n = r.end - r.begin;
         if (master_.data() != nullptr)
-            from_host_f32(master_.as(DType::f32, {n}, static_cast<size_t>(at) * sizeof(float)), master.data() + r.begin);
+            from_host_f32(master_.as(DType::f32, {n}, static_cast<size_t>(at) * sizeof(float)),
+                          master.data() + r.begin);
         from_host_f32(m_.as(state_dtype_, {n}, static_cast<size_t>(at) * es), m.data() + r.begin);
         from_host_f32(v_.as(state_dtype_, {n}, static_cast<size_t>(at) * es), v.data() + r.begin);
     });

@@ -757,7 +757,7 @@ TEST_F(Cli, InitRefusesAnUnknownArchAndArchWithConfig) {
     std::string out = run("init --arch llama --preset tiny --out " + bad.string(), &rc);
     EXPECT_NE(rc, 0) << out;
     EXPECT_NE(out.find("--arch"), std::string::npos) << out;
-    EXPECT_NE(out.find("unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe)"),
+    EXPECT_NE(out.find("unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe, nemotron_h)"),
               std::string::npos)
         << out;
     EXPECT_FALSE(fs::exists(bad / "model.safetensors"));

@@ -9,11 +9,12 @@ extern const Architecture kQwen3Moe;
 extern const Architecture kMixtral;
 extern const Architecture kOlmoe;
 extern const Architecture kQwen2Moe;
+extern const Architecture kNemotronH;
 }  // namespace arch
 
 const std::vector<const Architecture*>& architectures() {
     static const std::vector<const Architecture*> table = {&arch::kQwen3Moe, &arch::kMixtral, &arch::kOlmoe,
-                                                           &arch::kQwen2Moe};
+                                                           &arch::kQwen2Moe, &arch::kNemotronH};
     return table;
 }
 

@@ -341,6 +341,10 @@ void check_model_size(const ModelSpec& spec, const std::string& source) {
                 params += 2.0 * static_cast<double>(a.num_heads + a.num_kv_heads) * static_cast<double>(a.head_dim) * H;
             } else if (b.kind == BranchKind::mlp) {
                 params += 3.0 * static_cast<double>(b.mlp.intermediate) * H;
+            } else if (b.kind == BranchKind::mamba) {
+                const MambaBranch& m = b.mamba;
+                params += H * static_cast<double>(2 * m.inner() + m.conv_dim() + m.num_heads) +
+                          static_cast<double>(m.conv_dim()) * static_cast<double>(m.conv_kernel + 1);
             } else {
                 const MoeBranch& m = b.moe;
                 params += static_cast<double>(m.num_experts) * H * (1 + 3 * static_cast<double>(m.intermediate)) +
