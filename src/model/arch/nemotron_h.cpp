@@ -170,7 +170,8 @@ MoeBranch read_moe(const ConfigReader& r) {
 
 // The config as transformers 5.17 writes it: every NemotronHConfig field, the plan as layers_block_type
 // (no hybrid_override_pattern, no num_hidden_layers), the fields the engine does not use as read.
-json::Value write_config(const json::Value& cfg, const ModelSpec& spec, const std::vector<const LayerType*>& plan) {
+json::Value write_config(const ConfigReader& r, const json::Value& cfg, const ModelSpec& spec,
+                         const std::vector<const LayerType*>& plan) {
     // Every layer's branch carries every kind's options (parse), so the first one holds them all.
     const Branch& first = spec.layers.front().branches.front();
     const AttentionBranch& a = first.attention;
@@ -186,7 +187,10 @@ json::Value write_config(const json::Value& cfg, const ModelSpec& spec, const st
     json::Value::Array types;
     for (const LayerType* t : plan) types.emplace_back(t->name);
     const json::Value::Array mtp{json::Value("full_attention"), json::Value("moe")};
-    const json::Value::Array limit{json::Value(0.0), json::Value(INFINITY)};
+    json::Value::Array limit{json::Value(0.0), json::Value(INFINITY)};  // as numbers, however the file spelled them
+    if (const json::Value* v = r.get("time_step_limit"))
+        for (size_t i = 0; i < 2; ++i)
+            limit[i] = json::Value(r.number(&v->as_array()[i], "time_step_limit", 0.0, true));
     put("architectures", json::Value(json::Value::Array{json::Value("NemotronHForCausalLM")}));
     put("attention_bias", json::Value(false));
     put("attention_dropout", json::Value(0.0));
@@ -235,7 +239,7 @@ json::Value write_config(const json::Value& cfg, const ModelSpec& spec, const st
     put("ssm_state_size", json::Value(m.state_size));
     put("tie_word_embeddings", json::Value(false));
     keep("time_step_floor", json::Value(1e-4));
-    keep("time_step_limit", json::Value(limit));
+    put("time_step_limit", json::Value(std::move(limit)));
     keep("time_step_max", json::Value(0.1));
     put("time_step_min", json::Value(m.dt_min));
     put("topk_group", json::Value(e.topk_group));
@@ -300,7 +304,7 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
         b.mlp.act = Activation::relu2;
         spec.layers.push_back(LayerSpec{{b}});
     }
-    spec.config = write_config(cfg, spec, plan);
+    spec.config = write_config(r, cfg, spec, plan);
     return spec;
 }
 
