@@ -58,8 +58,17 @@ int cmd_bench(const Args& args) {
             json::parse(io::read_text_file(cfg_file, 4u << 20), cfg_file.string(), json::ParseOptions::hf_config());
         if (a.has("layers") && config.is_object()) {
             // The first N layers of the geometry (dense layers by index dropped: every layer as the rule says).
-            config.set("num_hidden_layers", parse_int_option(a.get("layers"), "layers"));
+            const int64_t layers = parse_int_option(a.get("layers"), "layers");
+            config.set("num_hidden_layers", layers);
             if (config.find("mlp_only_layers") != nullptr) config.set("mlp_only_layers", json::Value::array());
+            // A hybrid's layer plan (Nemotron-H) is cut to its first N entries.
+            if (const json::Value* p = config.find("hybrid_override_pattern"); p != nullptr && p->is_string())
+                config.set("hybrid_override_pattern", p->as_string().substr(0, static_cast<size_t>(layers)));
+            if (const json::Value* p = config.find("layers_block_type"); p != nullptr && p->is_array()) {
+                json::Value::Array kept(p->as_array().begin(),
+                                        p->as_array().begin() + std::min<int64_t>(layers, p->size()));
+                config.set("layers_block_type", json::Value(std::move(kept)));
+            }
         }
         const model::ModelSpec cfg = model::parse_model_config(config, cfg_file.string());
         const int64_t B = parse_int_option(a.get("micro-batch", "2"), "micro-batch");
