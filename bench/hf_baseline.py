@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""The HF Transformers v5 side of a BENCHMARKS.md workload: Qwen3MoeForCausalLM from the config,
-random-initialised in bf16 on the GPU, sdpa attention, the default experts implementation
-(grouped_mm), fused torch AdamW on bf16 parameters, synthetic ids with labels = inputs, the same
-step as moeforge bench (forward, backward, clip to norm 1.0, AdamW). Prints one JSON line."""
+"""The HF Transformers v5 side of a BENCHMARKS.md workload: the config's model class (Qwen3-MoE for P1,
+Nemotron-H for P4; its first --layers layers, a hybrid's layer pattern cut to them), random-initialised
+in bf16 on the GPU, sdpa attention, the default experts implementation (grouped_mm), fused torch AdamW
+on bf16 parameters, synthetic ids with labels = inputs, the same step as moeforge bench (forward,
+backward, clip to norm 1.0, AdamW). Prints one JSON line."""
 import argparse
 import json
 import time
 
 import torch
 import transformers
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main():
@@ -26,14 +27,18 @@ def main():
 
     with open(args.config) as f:
         cfg = json.load(f)
-    cfg["num_hidden_layers"] = args.layers
     cfg.pop("transformers_version", None)
-    config = Qwen3MoeConfig(**cfg)
+    if "hybrid_override_pattern" in cfg:  # Nemotron-H: the plan's first N layers
+        cfg["hybrid_override_pattern"] = cfg["hybrid_override_pattern"][: args.layers]
+        cfg.pop("num_hidden_layers", None)
+    else:
+        cfg["num_hidden_layers"] = args.layers
+    config = AutoConfig.for_model(cfg.pop("model_type", "qwen3_moe"), **cfg)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     torch.set_default_dtype(torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
