@@ -47,7 +47,7 @@ with open('/tmp/arch_eval.jsonl','w') as f:
         if 'labels' in r: d['labels']=r['labels'][:40]
         f.write(json.dumps(d)+'\n')
 "
-[ "${FAMILIES:-all}" = none ] && ARCHS="" || ARCHS="qwen3_moe mixtral olmoe qwen2_moe"
+[ "${FAMILIES:-all}" = none ] && ARCHS="" || ARCHS="qwen3_moe mixtral olmoe qwen2_moe nemotron_h"
 for arch in $ARCHS; do
   D=/tmp/arch/$arch && rm -rf $D
   build-gpu/moeforge init --arch $arch --preset tiny --seed 3 --out $D/base > /dev/null &&
