@@ -60,6 +60,7 @@ struct CausalLM::Workspace {
         MlpActs mlp;
         SharedExpertActs shared;
         MambaActs mamba;
+        LatentActs latent;
     };
     struct LayerActs {
         std::vector<BranchActs> branches;
@@ -88,6 +89,7 @@ struct CausalLM::Workspace {
     MlpScratch mlp_scratch;
     SharedExpertScratch shared_scratch;
     MambaScratch mamba_scratch;
+    LatentActs latent_scratch;  // LatentMoE backward: the gradients at the latent output (y) and input (x)
     // EP rows sized by the real routing (ep_exchange.h EpRowStore), kept across steps: one per
     // kept set of MoE activations, and one scratch shared by the backward and the forward's exchange.
     std::vector<std::shared_ptr<EpRowStore>> ep_local;
@@ -157,9 +159,11 @@ double model_flops_per_token(const ModelSpec& spec, int64_t T) {
                 attention += 4.0 * static_cast<double>(T) * static_cast<double>(a.num_heads * a.head_dim) / 2.0;
             } else if (b.kind == BranchKind::moe) {
                 const MoeBranch& m = b.moe;
-                const double mats = m.act == Activation::swiglu ? 3.0 : 2.0;  // matrices per expert
-                matmul +=
-                    H * (static_cast<double>(m.num_experts) + mats * static_cast<double>(m.intermediate * m.top_k));
+                const double mats = m.act == Activation::swiglu ? 3.0 : 2.0;          // matrices per expert
+                const double Din = m.latent > 0 ? static_cast<double>(m.latent) : H;  // the experts' width
+                matmul += H * static_cast<double>(m.num_experts) +
+                          mats * Din * static_cast<double>(m.intermediate * m.top_k) +
+                          2.0 * H * static_cast<double>(m.latent);
                 if (m.shared_intermediate > 0) matmul += mats * H * static_cast<double>(m.shared_intermediate);
                 if (m.shared_gate) matmul += H;
             } else if (b.kind == BranchKind::mamba) {
@@ -377,6 +381,7 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
                     la.moe.alloc(A, moe_dims(s->spec->moe), N, act, ws.ep_local_store(static_cast<size_t>(l)),
                                  ws.ep_scratch);
                 if (s->has_shared) ba.shared.alloc(A, N, H, s->spec->moe, act);
+                if (s->spec->moe.latent > 0) ba.latent.alloc(A, N, s->spec->moe.latent, act);
             }
             if (const BranchState* s = serves(l, b, BranchKind::mlp))
                 ba.mlp.alloc(A, N, s->spec->mlp.intermediate, act, s->spec->mlp.act);
@@ -413,6 +418,7 @@ void CausalLM::allocate_step(int64_t B, int64_t T) {
     if (mlp != nullptr) ws.mlp_scratch.alloc(A, N, mlp->spec->mlp.intermediate, act, mlp->spec->mlp.act);
     if (shared != nullptr) ws.shared_scratch.alloc(A, N, H, shared->spec->moe, act);
     if (mamba != nullptr) ws.mamba_scratch.alloc(A, mamba->spec->mamba, N, act);
+    if (!moe_specs.empty() && moe_specs[0]->latent > 0) ws.latent_scratch.alloc(A, N, moe_specs[0]->latent, act);
 }
 
 Recompute parse_recompute(std::string_view name) {
@@ -466,7 +472,14 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
             mlp_block_forward(ba.out, ba.mlp, ba.ln, s.mlp);
             break;
         case BranchKind::moe:
-            moe_block_forward(ba.out, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe));
+            if (s.spec->moe.latent > 0) {  // the experts between the latent projections
+                ops::matmul_forward(ba.latent.x, ba.ln, s.moe.fc1);
+                moe_block_forward(ba.latent.y, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe),
+                                  ba.latent.x);
+                ops::matmul_forward(ba.out, ba.latent.y, s.moe.fc2);
+            } else {
+                moe_block_forward(ba.out, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe));
+            }
             if (s.has_shared) shared_expert_forward(ba.out, ba.shared, ba.ln, s.shared);
             break;
         case BranchKind::mamba:
@@ -519,7 +532,15 @@ void CausalLM::branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const 
             break;
         case BranchKind::moe: {
             const MoeDims md = moe_dims(s.spec->moe);
-            if (recompute_ == Recompute::moe) moe_block_forward(ba.out, ws.shared_moe, ba.ln, s.moe, md);
+            const bool latent = s.spec->moe.latent > 0;
+            if (recompute_ == Recompute::moe)
+                moe_block_forward(latent ? ba.latent.y : ba.out, ws.shared_moe, ba.ln, s.moe, md,
+                                  latent ? ba.latent.x : Tensor());
+            const LatentActs& dl = ws.latent_scratch;
+            if (latent) {
+                ops::matmul_backward(dl.y, s.g_moe.fc2, dy, ba.latent.y, s.moe.fc2, false);
+                ops::zero(dl.x);
+            }
             // Written rather than added where zero_grads() left them undefined.
             const bool marked = store_.expert_marked(l);
             ExpertGradSquares squares;
@@ -530,8 +551,10 @@ void CausalLM::branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const 
                                    grad_square_slots_.device());
                     ops::zero(*slot);
                 }
-            moe_block_backward(ws.d_ln, s.g_moe, ws.moe_scratch, dy, aux_grad ? ws.dprobs : Tensor(), ba.ln,
-                               ws.moe_acts(l, recompute_), s.moe, md, !marked, squares);
+            moe_block_backward(ws.d_ln, s.g_moe, ws.moe_scratch, latent ? dl.y : dy, aux_grad ? ws.dprobs : Tensor(),
+                               ba.ln, ws.moe_acts(l, recompute_), s.moe, md, !marked, squares,
+                               latent ? ba.latent.x : Tensor(), latent ? dl.x : Tensor());
+            if (latent) ops::matmul_backward(ws.d_ln, s.g_moe.fc1, dl.x, ba.ln, s.moe.fc1);
             if (marked) store_.take_expert_mark(l);
             if (s.has_shared)
                 shared_expert_backward(ws.d_ln, s.g_shared, ws.shared_scratch, dy, ba.ln, ba.shared, s.shared);

@@ -135,8 +135,13 @@ void declare_moe_params(ParamTable& table, const std::string& lp, const std::str
         first = ParamStorage{disk + experts_first_name(m), {}, m.disk_transposed, gated && m.disk_interleaved};
         down = ParamStorage{disk + "experts.down_proj", {}, m.disk_transposed, false};
     }
-    table.add(p + experts_first_name(m), {E, first_width(m.act, I), H}, ParamRole::expert, shard, first);
-    table.add(p + "experts.down_proj", {E, H, I}, ParamRole::expert, shard, down);
+    const int64_t Din = m.latent > 0 ? m.latent : H;  // the experts' width
+    table.add(p + experts_first_name(m), {E, first_width(m.act, I), Din}, ParamRole::expert, shard, first);
+    table.add(p + "experts.down_proj", {E, Din, I}, ParamRole::expert, shard, down);
+    if (m.latent > 0) {
+        table.add(p + "fc1_latent_proj.weight", {m.latent, H}, ParamRole::weight);
+        table.add(p + "fc2_latent_proj.weight", {H, m.latent}, ParamRole::weight);
+    }
     if (m.shared_intermediate > 0) {
         declare_mlp_params(table, p + m.shared_module + ".", H, m.shared_intermediate, m.act);
         if (m.shared_gate) table.add(p + "shared_expert_gate.weight", {1, H}, ParamRole::weight);
@@ -144,7 +149,7 @@ void declare_moe_params(ParamTable& table, const std::string& lp, const std::str
 }
 
 MoeDims moe_block_dims(const MoeBranch& m, int64_t H) {
-    MoeDims d{H, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob};
+    MoeDims d{m.latent > 0 ? m.latent : H, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob};
     d.act = m.act;
     d.router = m.router;
     d.n_group = m.n_group;
@@ -154,6 +159,11 @@ MoeDims moe_block_dims(const MoeBranch& m, int64_t H) {
     return d;
 }
 
+void LatentActs::alloc(Arena& arena, int64_t N, int64_t L, DType act) {
+    x = arena.alloc(act, {N, L});
+    y = arena.alloc(act, {N, L});
+}
+
 std::string experts_first_name(const MoeBranch& m) {
     return m.act == Activation::swiglu ? "experts.gate_up_proj" : "experts.up_proj";
 }
@@ -161,6 +171,10 @@ std::string experts_first_name(const MoeBranch& m) {
 MoeWeights moe_weights(const ParamLookup& at, const std::string& p, const MoeBranch& m) {
     MoeWeights w{at(p + "gate.weight"), at(p + experts_first_name(m)), at(p + "experts.down_proj"), Tensor()};
     if (m.router == RouterKind::sigmoid) w.correction = at(p + "gate.e_score_correction_bias");
+    if (m.latent > 0) {
+        w.fc1 = at(p + "fc1_latent_proj.weight");
+        w.fc2 = at(p + "fc2_latent_proj.weight");
+    }
     return w;
 }
 
@@ -203,8 +217,10 @@ void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std
     dx_perm = arena.alloc(act, {P, d.hidden});
 }
 
-void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWeights& w, const MoeDims& d) {
-    ops::matmul_forward(a.logits, x, w.router);
+void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, const MoeWeights& w, const MoeDims& d,
+                       const Tensor& x_experts) {
+    const Tensor& x = x_experts.data() != nullptr ? x_experts : x_router;
+    ops::matmul_forward(a.logits, x_router, w.router);
     if (d.router == RouterKind::sigmoid)
         ops::router_sigmoid_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, w.correction, d.n_group, d.topk_group,
                                     d.norm_topk_prob, d.routed_scaling, d.masked_score);
@@ -224,10 +240,14 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x, const MoeWe
     ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
 }
 
-void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, const Tensor& dy, const Tensor& dprobs,
-                        const Tensor& x, const MoeActs& a, const MoeWeights& w, const MoeDims& d,
-                        bool accumulate_expert_grads, const ExpertGradSquares& squares) {
+void moe_block_backward(const Tensor& dx_router, const MoeWeights& g, MoeScratch& s, const Tensor& dy,
+                        const Tensor& dprobs, const Tensor& x_router, const MoeActs& a, const MoeWeights& w,
+                        const MoeDims& d, bool accumulate_expert_grads, const ExpertGradSquares& squares,
+                        const Tensor& x_experts, const Tensor& dx_experts) {
     const bool acc = accumulate_expert_grads;
+    const bool latent = x_experts.data() != nullptr;
+    const Tensor& x = latent ? x_experts : x_router;
+    const Tensor& dx = latent ? dx_experts : dx_router;
     if (d.ep != nullptr) {
         ep_moe_backward(dx, g, s, dy, x, a, w, d, acc, squares);
     } else {
@@ -253,7 +273,7 @@ void moe_block_backward(const Tensor& dx, const MoeWeights& g, MoeScratch& s, co
                                      d.routed_scaling);
     else
         ops::router_backward(s.dlogits, s.dtopk_weight, dprobs, a.probs, a.topk_idx, d.norm_topk_prob);
-    ops::matmul_backward(dx, g.router, s.dlogits, x, w.router);
+    ops::matmul_backward(dx_router, g.router, s.dlogits, x_router, w.router);
 }
 
 }  // namespace mf::model

@@ -71,6 +71,7 @@ void mlp_block_backward(const Tensor& dx, const MlpWeights& grads, MlpScratch& s
 struct MoeWeights {
     Tensor router, gate_up, down;  // [E, H], [E', 2I, H] (relu²: [E', I, H]), [E', H, I]; E' = E / EP size
     Tensor correction{};           // the sigmoid router's e_score_correction_bias [E] (a buffer), or undefined
+    Tensor fc1{}, fc2{};           // LatentMoE: fc1_latent_proj [L, H], fc2_latent_proj [H, L], or undefined
 };
 // The MoE branch's parameters in module `module` of the layer (`layer_prefix` "model.layers.3."):
 // the router `gate.weight` (and the sigmoid router's `gate.e_score_correction_bias`), the stacked
@@ -148,7 +149,10 @@ struct MoeScratch {
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };
 
-void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const MoeWeights& w, const MoeDims& d);
+// x_router [N, H]: the router's input and, unless x_experts [N, d.hidden] is given (LatentMoE: the
+// latent projection of x), the experts'; y [N, d.hidden].
+void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x_router, const MoeWeights& w, const MoeDims& d,
+                       const Tensor& x_experts = {});
 // dprobs[N, E] f32 (may be undefined): gradient of the loss with respect to the router probabilities.
 // The expert weight gradients (grads.gate_up, grads.down) are accumulated, or with
 // accumulate_expert_grads false written (every expert's, an expert without rows getting zeros), so
@@ -158,8 +162,18 @@ void moe_block_forward(const Tensor& y, MoeActs& acts, const Tensor& x, const Mo
 struct ExpertGradSquares {
     Tensor gate_up, down;
 };
-void moe_block_backward(const Tensor& dx, const MoeWeights& grads, MoeScratch& s, const Tensor& dy,
-                        const Tensor& dprobs, const Tensor& x, const MoeActs& acts, const MoeWeights& w,
-                        const MoeDims& d, bool accumulate_expert_grads = true, const ExpertGradSquares& squares = {});
+// With x_experts (LatentMoE), the experts' input gradient goes to dx_experts (+=) and the router's to
+// dx_router (+=); otherwise both to dx_router.
+void moe_block_backward(const Tensor& dx_router, const MoeWeights& grads, MoeScratch& s, const Tensor& dy,
+                        const Tensor& dprobs, const Tensor& x_router, const MoeActs& acts, const MoeWeights& w,
+                        const MoeDims& d, bool accumulate_expert_grads = true, const ExpertGradSquares& squares = {},
+                        const Tensor& x_experts = {}, const Tensor& dx_experts = {});
+
+// LatentMoE's activations of one branch: the experts' input (x·fc1ᵀ) and output before fc2, and the
+// backward's gradients of both.
+struct LatentActs {
+    Tensor x, y;  // [N, L]
+    void alloc(Arena& arena, int64_t N, int64_t latent, DType act);
+};
 
 }  // namespace mf::model

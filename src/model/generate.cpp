@@ -39,6 +39,7 @@ struct KvCacheDecoder::Workspace {
     Tensor attn;                             // [n, Hq·D]
     MoeActs moe;
     SharedExpertActs shared;
+    LatentActs latent;
     MlpActs mlp;
     Tensor logits;  // [1, V] f32
 };
@@ -156,6 +157,7 @@ void KvCacheDecoder::allocate(Arena& A, int64_t n) {
     if (moe != nullptr) {
         ws.moe.alloc(A, moe->md, n, act_);
         if (moe->has_shared) ws.shared.alloc(A, n, H, moe->spec->moe, act_);
+        if (moe->spec->moe.latent > 0) ws.latent.alloc(A, n, moe->spec->moe.latent, act_);
     }
     if (mlp != nullptr) ws.mlp.alloc(A, n, mlp->spec->mlp.intermediate, act_, mlp->spec->mlp.act);
     ws.logits = A.alloc(DType::f32, {1, spec.vocab_size});
@@ -200,7 +202,13 @@ void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
                 mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
                 break;
             case BranchKind::moe:
-                moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, w.md);
+                if (w.spec->moe.latent > 0) {
+                    ops::matmul_forward(ws.latent.x, ws.ln, w.moe.fc1);
+                    moe_block_forward(ws.latent.y, ws.moe, ws.ln, w.moe, w.md, ws.latent.x);
+                    ops::matmul_forward(ws.block_out, ws.latent.y, w.moe.fc2);
+                } else {
+                    moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, w.md);
+                }
                 if (w.has_shared) shared_expert_forward(ws.block_out, ws.shared, ws.ln, w.shared);
                 break;
             case BranchKind::mamba:

@@ -67,6 +67,10 @@ struct MoeBranch {
     double routed_scaling = 1.0;
     double masked_score = -INFINITY;
     Activation act = Activation::swiglu;  // the experts' and the shared expert's
+    // LatentMoE (Nemotron 3 Super/Ultra): the routed experts work in a width of their own, between
+    // fc1_latent_proj [latent, H] and fc2_latent_proj [H, latent]; the router and the shared expert see
+    // x itself. 0: none.
+    int64_t latent = 0;
     std::string shared_module = "shared_expert";
     // A shared expert every token passes through (Qwen2-MoE), of its own width, added to the routed
     // output, times sigmoid(x·w_gateᵀ) when `shared_gate` (w_gate [1, H]).

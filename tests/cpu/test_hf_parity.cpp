@@ -131,9 +131,10 @@ TEST_P(HfParity, AdamWSteps) {
 // qwen3_moe (norm_topk, no_norm_topk), mixtral, olmoe (its pad_token_id 1 keeps embedding row 1 out of
 // the gradient), qwen2_moe (shared expert with gate, q/k/v biases, a dense layer), qwen2_moe_tied,
 // nemotron_h (every layer kind: Mamba-2 over several chunks, NoPE attention, the sigmoid router with
-// groups and a correction bias that changes the routing, relu² experts and MLP).
+// groups and a correction bias that changes the routing, relu² experts and MLP), nemotron_h_latent
+// (LatentMoE, and a dt clamp that is hit).
 INSTANTIATE_TEST_SUITE_P(Cases, HfParity,
                          ::testing::Values("norm_topk", "no_norm_topk", "mixtral", "olmoe", "qwen2_moe",
-                                           "qwen2_moe_tied", "nemotron_h"));
+                                           "qwen2_moe_tied", "nemotron_h", "nemotron_h_latent"));
 
 }  // namespace

@@ -80,7 +80,7 @@ TEST(NemotronH, EachBrokenFieldIsRefusedByName) {
          "\"num_hidden_layers\" is 5, the layer plan has 6 layers"},
         {"tied embeddings", "tie_word_embeddings", [](json::Value& c) { c.set("tie_word_embeddings", true); },
          "\"tie_word_embeddings\" = true is not supported"},
-        {"LatentMoE", "moe_latent_size", [](json::Value& c) { c.set("moe_latent_size", 32); }, "\"moe_latent_size\""},
+        {"a latent size of 0", "moe_latent_size", [](json::Value& c) { c.set("moe_latent_size", 0); }, "must be >= 1"},
         {"two shared experts", "n_shared_experts", [](json::Value& c) { c.set("n_shared_experts", 2); },
          "\"n_shared_experts\""},
         {"another activation", "mlp_hidden_act", [](json::Value& c) { c.set("mlp_hidden_act", "silu"); },

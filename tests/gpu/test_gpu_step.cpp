@@ -63,8 +63,7 @@ TEST_P(GpuStep, MatchesCpuReference) {
     const fs::path dir = fs::path(test::fixtures_dir()) / "hf" / c.fixture;
     const data::Batch batch = test::load_fixture_batch(dir);
     auto cpu = train::load_hf_model(dir / "model");
-    auto gpu = train::load_hf_model(dir / "model", nullptr,
-                                    {Device::cuda, c.mixed ? DType::f32 : DType::bf16});
+    auto gpu = train::load_hf_model(dir / "model", nullptr, {Device::cuda, c.mixed ? DType::f32 : DType::bf16});
     const double coef = cpu->spec().router_aux_loss_coef;
     const int64_t targets = batch.num_targets();
     const model::LossScales scales{1.0 / static_cast<double>(targets), coef};
@@ -88,9 +87,10 @@ TEST_P(GpuStep, MatchesCpuReference) {
         }
         rerouted[static_cast<size_t>(l)] = moved > 0;
         if (moved > 0)
-            std::printf("[gpu step] layer %lld: %lld of %zu tokens routed to other experts on the GPU (near-ties); its "
-                        "router and expert gradients are not compared\n",
-                        static_cast<long long>(l), static_cast<long long>(moved), rc.size() / K);
+            std::printf(
+                "[gpu step] layer %lld: %lld of %zu tokens routed to other experts on the GPU (near-ties); its "
+                "router and expert gradients are not compared\n",
+                static_cast<long long>(l), static_cast<long long>(moved), rc.size() / K);
     }
     const double lc = sc.ce_sum / targets + coef * sc.aux, lg = sg.ce_sum / targets + coef * sg.aux;
     std::printf("[gpu step] %s %s: loss cpu %.6f gpu %.6f (rel %.2e), aux cpu %.6f gpu %.6f\n", c.fixture,
@@ -210,11 +210,12 @@ TEST_P(GpuStep, MatchesCpuReference) {
         const double bound = 2e-2 * std::sqrt(norm) + motion_share * std::sqrt(moved);
         if (std::sqrt(dist) > 2e-2 * std::sqrt(norm))
             std::printf("[gpu step]   %s: distance %.3g = %.3g of its norm, %.3g of its motion\n", spec.name.c_str(),
-                        std::sqrt(dist), std::sqrt(dist / std::max(norm, 1e-30)), std::sqrt(dist / std::max(moved, 1e-30)));
+                        std::sqrt(dist), std::sqrt(dist / std::max(norm, 1e-30)),
+                        std::sqrt(dist / std::max(moved, 1e-30)));
         const double r = std::sqrt(dist) / std::max(bound, 1e-30);
         if (r > worst) worst = r, worst_name = spec.name;
-        EXPECT_LT(r, 1.0) << spec.name << ": distance " << std::sqrt(dist) << ", norm " << std::sqrt(norm)
-                          << ", moved " << std::sqrt(moved);
+        EXPECT_LT(r, 1.0) << spec.name << ": distance " << std::sqrt(dist) << ", norm " << std::sqrt(norm) << ", moved "
+                          << std::sqrt(moved);
     }
     std::printf("[gpu step] parameters after 3 steps: worst per-tensor distance / bound %.2f (%s)\n", worst,
                 worst_name.c_str());
@@ -226,7 +227,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, GpuStep,
                                            Case{"mixtral", false}, Case{"mixtral", true}, Case{"olmoe", false},
                                            Case{"olmoe", true}, Case{"qwen2_moe", false}, Case{"qwen2_moe", true},
                                            Case{"qwen2_moe_tied", false}, Case{"qwen2_moe_tied", true},
-                                           Case{"nemotron_h", false}, Case{"nemotron_h", true}),
+                                           Case{"nemotron_h", false}, Case{"nemotron_h", true},
+                                           Case{"nemotron_h_latent", false}, Case{"nemotron_h_latent", true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                              return std::string(info.param.fixture) + (info.param.mixed ? "_mixed" : "_bf16");
                          });

@@ -15,9 +15,11 @@
 //          in memory (HF v5): model.embeddings, model.layers.N.mixer.experts.{up,down}_proj stacked, model.norm_f.
 //   HF 5.17 clamps dt at time_step_min (time_step_limit is read and written, never used), always builds one
 //   shared expert (n_shared_experts) and never ties the embeddings; an embedding has no padding row.
+//   LatentMoE (moe_latent_size, Nemotron 3 Super/Ultra): the routed experts between fc1_latent_proj and
+//   fc2_latent_proj; the router and the shared expert see the full width.
 //   refused: tie_word_embeddings, attention_bias, mamba_proj_bias, use_bias, mlp_bias, residual_in_fp32 (HF
-//   ignores or we do not implement them), moe_latent_size (LatentMoE: not yet), num_nextn_predict_layers,
-//   dropout, sliding_window, another activation, n_shared_experts other than 1.
+//   ignores or we do not implement them), num_nextn_predict_layers, dropout, sliding_window, another
+//   activation, n_shared_experts other than 1.
 #include <cmath>
 
 #include "model/arch/architecture.h"
@@ -100,7 +102,6 @@ void refuse_unsupported(const ConfigReader& r) {
     r.require_false("use_bias", "Mamba in_proj/out_proj biases");
     r.require_false("mlp_bias", "MLP biases");
     r.require_false("residual_in_fp32", "an fp32 residual stream");
-    r.require_absent("moe_latent_size", "LatentMoE (Nemotron 3 Super/Ultra)");
     r.require_absent("sliding_window", "sliding-window attention");
     r.require_zero("num_nextn_predict_layers", "multi-token prediction layers");
     r.require_zero("attention_dropout", "attention dropout");
@@ -156,6 +157,7 @@ MoeBranch read_moe(const ConfigReader& r) {
     m.act = Activation::relu2;
     m.shared_intermediate = r.integer("moe_shared_expert_intermediate_size", false, 7688, 1);
     m.shared_module = "shared_experts";
+    m.latent = r.get("moe_latent_size") != nullptr ? r.integer("moe_latent_size", true, 0, 1) : 0;  // null: none
     const std::string& source = r.source();
     if (m.num_experts % m.n_group != 0 || (m.n_group > 1 && m.num_experts / m.n_group < 2))
         fail(source, ": n_routed_experts ", m.num_experts, " cannot form n_group ", m.n_group,
@@ -165,6 +167,7 @@ MoeBranch read_moe(const ConfigReader& r) {
         fail(source, ": num_experts_per_tok ", m.top_k, " exceeds the ", m.topk_group * (m.num_experts / m.n_group),
              " experts of the kept groups");
     if (!(m.routed_scaling > 0)) r.refuse("routed_scaling_factor", "must be > 0");
+    if (m.latent > kMaxMambaDim) r.refuse("moe_latent_size", "is implausibly large");
     return m;
 }
 
@@ -217,7 +220,7 @@ json::Value write_config(const ConfigReader& r, const json::Value& cfg, const Mo
     put("mlp_hidden_act", json::Value("relu2"));
     put("model_type", json::Value("nemotron_h"));
     put("moe_intermediate_size", json::Value(e.intermediate));
-    put("moe_latent_size", json::Value());
+    put("moe_latent_size", e.latent > 0 ? json::Value(e.latent) : json::Value());
     put("moe_shared_expert_intermediate_size", json::Value(e.shared_intermediate));
     keep("moe_shared_expert_overlap", json::Value(true));
     keep("mtp_layers_block_type", json::Value(mtp));
