@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 
+#include "config_test_util.h"
 #include "core/json.h"
 #include "io/file.h"
 #include "io/safetensors.h"
@@ -45,11 +46,6 @@ fs::path fixture_model(const std::string& name) { return fs::path(test::fixtures
 json::Value fixture_config(const std::string& name) {
     const fs::path file = fixture_model(name) / "config.json";
     return json::parse(io::read_text_file(file, 1 << 20), file.string());
-}
-
-void erase_key(json::Value& cfg, const std::string& key) {
-    auto& o = cfg.as_object();
-    o.erase(std::remove_if(o.begin(), o.end(), [&](const auto& kv) { return kv.first == key; }), o.end());
 }
 
 json::Value strings(const std::vector<std::string>& values) {
@@ -124,7 +120,8 @@ std::vector<BadField> family_cases(const std::string& family) {
              "\"num_local_experts\" must be >= 1"},
             {"attention bias", "attention_bias", [](json::Value& c) { c.set("attention_bias", true); },
              "\"attention_bias\" = true is not supported"},
-            {"no intermediate size", "intermediate_size", [](json::Value& c) { erase_key(c, "intermediate_size"); },
+            {"no intermediate size", "intermediate_size",
+             [](json::Value& c) { test::erase_key(c, "intermediate_size"); },
              "missing required field \"intermediate_size\""},
         };
     if (family == "olmoe")
@@ -142,7 +139,7 @@ std::vector<BadField> family_cases(const std::string& family) {
     // qwen2_moe
     return {
         {"no shared expert width", "shared_expert_intermediate_size",
-         [](json::Value& c) { erase_key(c, "shared_expert_intermediate_size"); },
+         [](json::Value& c) { test::erase_key(c, "shared_expert_intermediate_size"); },
          "missing required field \"shared_expert_intermediate_size\""},
         {"sliding window", "use_sliding_window", [](json::Value& c) { c.set("use_sliding_window", true); },
          "\"use_sliding_window\" = true is not supported"},
@@ -166,7 +163,8 @@ std::vector<BadField> family_cases(const std::string& family) {
          "\"mlp_only_layers\" repeats layer 1"},
         {"sparse step 0", "decoder_sparse_step", [](json::Value& c) { c.set("decoder_sparse_step", 0); },
          "\"decoder_sparse_step\" must be >= 1"},
-        {"no expert width", "moe_intermediate_size", [](json::Value& c) { erase_key(c, "moe_intermediate_size"); },
+        {"no expert width", "moe_intermediate_size",
+         [](json::Value& c) { test::erase_key(c, "moe_intermediate_size"); },
          "missing required field \"moe_intermediate_size\""},
         {"qkv bias as a number", "qkv_bias", [](json::Value& c) { c.set("qkv_bias", 1); },
          "\"qkv_bias\" must be true or false"},
@@ -177,31 +175,20 @@ std::string experts_key_of(const std::string& family) {
     return family == "mixtral" ? "num_local_experts" : "num_experts";
 }
 
-// Writes `cfg` as DIR/config.json and reads it as a model directory's config; the error, or "".
-std::string config_error(const fs::path& dir, const json::Value& cfg) {
-    test::write_file(dir / "config.json", cfg.dump(2));
-    try {
-        train::read_hf_config(dir);
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
-
 class Refusals : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Refusals, EachBrokenFieldIsNamedWithTheFile) {
     const std::string family = GetParam();
     const fs::path dir = test::temp_dir("arch_refusals_" + family);
     const std::string source = (dir / "config.json").string();
-    ASSERT_EQ(config_error(dir, fixture_config(family)), "") << "the fixture's own config loads";
+    ASSERT_EQ(test::config_error(dir, fixture_config(family)), "") << "the fixture's own config loads";
     std::vector<BadField> cases = common_cases(experts_key_of(family));
     for (auto& c : family_cases(family)) cases.push_back(std::move(c));
     std::set<std::string> messages;
     for (const BadField& c : cases) {
         json::Value cfg = fixture_config(family);
         c.edit(cfg);
-        const std::string msg = config_error(dir, cfg);
+        const std::string msg = test::config_error(dir, cfg);
         ASSERT_FALSE(msg.empty()) << family << ": " << c.what << " was accepted";
         EXPECT_NE(msg.find(source), std::string::npos) << c.what << ": the file is not named: " << msg;
         EXPECT_NE(msg.find(c.field), std::string::npos) << c.what << ": the field is not named: " << msg;
@@ -229,14 +216,14 @@ TEST(Spellings, ExpertCountAndRopeInEitherSpellingGiveTheSameSpec) {
         const double theta = rope->find("rope_theta")->as_double();
 
         json::Value b = fixture_config(name);  // the other expert spelling, v4's top-level rope_theta
-        erase_key(b, key);
+        test::erase_key(b, key);
         b.set(other, v5.find(key)->as_int());
-        erase_key(b, "rope_parameters");
+        test::erase_key(b, "rope_parameters");
         b.set("rope_theta", theta);
         json::Value c = fixture_config(name);  // both expert spellings, agreeing
         c.set(other, v5.find(key)->as_int());
         json::Value d = fixture_config(name);  // rope_scaling (v4's name of the dict) with the default type
-        erase_key(d, "rope_parameters");
+        test::erase_key(d, "rope_parameters");
         d.set("rope_scaling", json::parse(R"({"type": "default"})", "rope"));
         d.set("rope_theta", theta);
         for (const json::Value* cfg : {&b, &c, &d}) {
@@ -265,18 +252,18 @@ TEST(Spellings, ExpertCountAndRopeInEitherSpellingGiveTheSameSpec) {
 // there means none; the others have no pad token; OLMoE's and Qwen2-MoE's RoPE base is 1e4.
 TEST(Spellings, AbsentFieldsTakeTheFamilysHfDefault) {
     json::Value olmoe = fixture_config("olmoe");
-    erase_key(olmoe, "pad_token_id");
+    test::erase_key(olmoe, "pad_token_id");
     EXPECT_EQ(model::parse_model_config(olmoe, "olmoe").padding_idx, 1);
     olmoe.set("pad_token_id", json::Value());
     EXPECT_EQ(model::parse_model_config(olmoe, "olmoe").padding_idx, -1);
     for (const std::string name : {"qwen2_moe", "mixtral"}) {
         json::Value c = fixture_config(name);
-        erase_key(c, "pad_token_id");
+        test::erase_key(c, "pad_token_id");
         EXPECT_EQ(model::parse_model_config(c, name).padding_idx, -1) << name;
     }
     for (const std::string name : {"qwen2_moe", "olmoe"}) {
         json::Value c = fixture_config(name);
-        erase_key(c, "rope_parameters");
+        test::erase_key(c, "rope_parameters");
         EXPECT_DOUBLE_EQ(model::parse_model_config(c, name).layers[0].branches[0].attention.rope_theta, 1e4) << name;
     }
 }
@@ -286,7 +273,7 @@ TEST(Spellings, AbsentFieldsTakeTheFamilysHfDefault) {
 // default for every family); enable once the family's default reaches read_rope_theta.
 TEST(Spellings, MixtralRopeBaseDefaultsToHfs) {
     json::Value mixtral = fixture_config("mixtral");
-    erase_key(mixtral, "rope_parameters");
+    test::erase_key(mixtral, "rope_parameters");
     EXPECT_DOUBLE_EQ(model::parse_model_config(mixtral, "mixtral").layers[0].branches[0].attention.rope_theta, 1e6);
     mixtral.set("rope_parameters", json::parse(R"({"rope_type": "default"})", "rope"));
     EXPECT_DOUBLE_EQ(model::parse_model_config(mixtral, "mixtral").layers[0].branches[0].attention.rope_theta, 1e6);
@@ -757,8 +744,9 @@ TEST_F(Cli, InitRefusesAnUnknownArchAndArchWithConfig) {
     std::string out = run("init --arch llama --preset tiny --out " + bad.string(), &rc);
     EXPECT_NE(rc, 0) << out;
     EXPECT_NE(out.find("--arch"), std::string::npos) << out;
-    EXPECT_NE(out.find("unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe, nemotron_h)"),
-              std::string::npos)
+    EXPECT_NE(
+        out.find("unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe, nemotron_h)"),
+        std::string::npos)
         << out;
     EXPECT_FALSE(fs::exists(bad / "model.safetensors"));
     const fs::path both = dir_ / "both";
@@ -819,7 +807,8 @@ TEST_F(Cli, FinetuneOfEveryNewFamilyLowersTheLossAndExports) {
 TEST_F(Cli, TokensDataNeedsNoTokenizerAndTextNamesTheMissingFeature) {
     const fs::path base = dir_ / "mixtral_sp", out = dir_ / "mixtral_sp_tuned";
     fs::create_directories(base);
-    for (const auto& entry : fs::directory_iterator(dir_ / "mixtral")) fs::copy(entry.path(), base / entry.path().filename());
+    for (const auto& entry : fs::directory_iterator(dir_ / "mixtral"))
+        fs::copy(entry.path(), base / entry.path().filename());
     test::write_file(base / "tokenizer.json", R"({"version": "1.0", "added_tokens": [], "normalizer": null,
         "pre_tokenizer": null, "post_processor": null, "decoder": null,
         "model": {"type": "BPE", "byte_fallback": true, "unk_token": "<unk>", "fuse_unk": true,
@@ -843,8 +832,8 @@ TEST_F(Cli, TokensDataNeedsNoTokenizerAndTextNamesTheMissingFeature) {
 // (ParamStorage; the layout gpt-oss's checkpoints use): the export writes exactly that layout and
 // reads back to the same parameters, also one EP shard at a time.
 TEST(ReshapedStorage, TransposedInterleavedExpertsRoundTrip) {
-    model::ModelSpec spec = model::parse_model_config(
-        model::find_architecture("qwen3_moe", "test").tiny_preset(), "tiny qwen3_moe");
+    model::ModelSpec spec =
+        model::parse_model_config(model::find_architecture("qwen3_moe", "test").tiny_preset(), "tiny qwen3_moe");
     for (model::LayerSpec& layer : spec.layers)
         for (model::Branch& b : layer.branches)
             if (b.kind == model::BranchKind::moe) {
@@ -882,6 +871,7 @@ TEST(ReshapedStorage, TransposedInterleavedExpertsRoundTrip) {
         const model::ParamSpec& local = shard->params().get(gu.name);
         const std::vector<float> mine = host_params(*shard);
         for (int64_t k = 0; k < local.numel; ++k)
-            ASSERT_EQ(mine[static_cast<size_t>(local.offset + k)], want[static_cast<size_t>(gu.offset + rank * local.numel + k)]);
+            ASSERT_EQ(mine[static_cast<size_t>(local.offset + k)],
+                      want[static_cast<size_t>(gu.offset + rank * local.numel + k)]);
     }
 }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 
+#include "config_test_util.h"
 #include "core/json.h"
 #include "data/batch.h"
 #include "io/file.h"
@@ -31,22 +32,6 @@ json::Value fixture_config() {
     return json::parse(io::read_text_file(file, 1 << 20), file.string());
 }
 
-void erase_key(json::Value& cfg, const std::string& key) {
-    auto& o = cfg.as_object();
-    o.erase(std::remove_if(o.begin(), o.end(), [&](const auto& kv) { return kv.first == key; }), o.end());
-}
-
-// Writes `cfg` as DIR/config.json and reads it as a model directory's config; the error, or "".
-std::string config_error(const fs::path& dir, const json::Value& cfg) {
-    test::write_file(dir / "config.json", cfg.dump(2));
-    try {
-        train::read_hf_config(dir);
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
-
 struct BadField {
     const char* what;
     const char* field;  // named in the error
@@ -57,7 +42,7 @@ struct BadField {
 TEST(NemotronH, EachBrokenFieldIsRefusedByName) {
     const fs::path dir = test::temp_dir("nemotron_h_refusals");
     const std::string source = (dir / "config.json").string();
-    ASSERT_EQ(config_error(dir, fixture_config()), "") << "the fixture's own config loads";
+    ASSERT_EQ(test::config_error(dir, fixture_config()), "") << "the fixture's own config loads";
     const std::vector<BadField> cases = {
         {"unknown layer type", "layers_block_type",
          [](json::Value& c) {
@@ -68,13 +53,13 @@ TEST(NemotronH, EachBrokenFieldIsRefusedByName) {
          "\"layers_block_type\" holds \"sliding_attention\""},
         {"unknown pattern character", "hybrid_override_pattern",
          [](json::Value& c) {
-             erase_key(c, "layers_block_type");
+             test::erase_key(c, "layers_block_type");
              c.set("hybrid_override_pattern", "M*X");
          },
          "holds 'X' (expected M, *, E or -)"},
         {"the two plans disagree", "hybrid_override_pattern",
          [](json::Value& c) { c.set("hybrid_override_pattern", "M*EM-M"); }, "describe different layers"},
-        {"no plan", "layers_block_type", [](json::Value& c) { erase_key(c, "layers_block_type"); },
+        {"no plan", "layers_block_type", [](json::Value& c) { test::erase_key(c, "layers_block_type"); },
          "missing the layer plan"},
         {"layer count", "num_hidden_layers", [](json::Value& c) { c.set("num_hidden_layers", 5); },
          "\"num_hidden_layers\" is 5, the layer plan has 6 layers"},
@@ -109,7 +94,7 @@ TEST(NemotronH, EachBrokenFieldIsRefusedByName) {
     for (const BadField& c : cases) {
         json::Value cfg = fixture_config();
         c.edit(cfg);
-        const std::string msg = config_error(dir, cfg);
+        const std::string msg = test::config_error(dir, cfg);
         ASSERT_FALSE(msg.empty()) << c.what << " was accepted";
         EXPECT_NE(msg.find(source), std::string::npos) << c.what << ": the file is not named: " << msg;
         EXPECT_NE(msg.find(c.field), std::string::npos) << c.what << ": the field is not named: " << msg;
@@ -163,7 +148,7 @@ TEST(NemotronH, ExportWritesWhatTransformersWrites) {
     EXPECT_EQ(seen, expected.size()) << "every tensor transformers writes is written";
     EXPECT_NE(expected.find("backbone.layers.2.mixer.gate.e_score_correction_bias"), expected.end());
     json::Value want = fixture_config();
-    erase_key(want, "transformers_version");
+    test::erase_key(want, "transformers_version");
     const json::Value got = json::parse(io::read_text_file(out / "config.json", 1 << 20), "config.json");
     EXPECT_EQ(got.dump(2), want.dump(2));
     fs::remove_all(out);
