@@ -1051,6 +1051,15 @@ INSTANTIATE_TEST_SUITE_P(
                       "time_step_min": 0.0)",
                    {},
                    true},
+        // LatentMoE: the routed experts between fc1_latent_proj and fc2_latent_proj.
+        FamilyCase{"nemotron_h_latent_moe",
+                   R"("model_type": "nemotron_h", "hybrid_override_pattern": "EM*", "head_dim": 4,
+                      "mamba_num_heads": 2, "mamba_head_dim": 2, "n_groups": 1, "ssm_state_size": 2,
+                      "conv_kernel": 2, "chunk_size": 4, "n_routed_experts": 6, "moe_latent_size": 6,
+                      "moe_intermediate_size": 5, "moe_shared_expert_intermediate_size": 6,
+                      "time_step_min": 0.0)",
+                   {},
+                   true},
         FamilyCase{"full_width_qk_norm_with_biases",
                    R"("model_type": "olmoe", "intermediate_size": 6, "num_experts": 5)",
                    [](model::ModelSpec& s) {
