@@ -39,6 +39,7 @@ struct Regex::CharSet {
     uint8_t props = 0, not_props = 0;    // has one of `props`, or lacks one of `not_props`
     std::vector<CharSet> unions;         // nested classes [..[..]..]
     std::vector<CharSet> intersections;  // [a&&b]: every one must match too
+    bool has_extra = false;              // any of the three above (set by finalize)
     uint32_t category_mask = 0;          // any of these categories
     std::vector<uint32_t> not_category;  // outside one of these masks (\P{..})
     bool white_space = false;            // \s
@@ -60,6 +61,10 @@ struct Regex::CharSet {
             const bool ws = is_white_space(c);
             if ((white_space && ws) || (not_white_space && !ws)) return true;
         }
+        return has_extra && raw_extra(c);
+    }
+    // The properties and nested classes, apart so that the common case stays small.
+    [[gnu::noinline]] bool raw_extra(char32_t c) const {
         if ((props | not_props) != 0) {
             const uint8_t has = static_cast<uint8_t>((is_word_char(c) ? kPropWord : 0) | (is_han(c) ? kPropHan : 0) |
                                                      (is_alphabetic(c) ? kPropAlphabetic : 0));
@@ -81,14 +86,21 @@ struct Regex::CharSet {
                         break;
                     }
         }
-        for (const CharSet& x : intersections) m = m && x.matches(c);
+        if (has_extra) m = m && in_intersections(c);
         return m != negated;
+    }
+    // Out of line (NOTE: they recurse through nested sets; inlined, they bloat the matcher's loop).
+    [[gnu::noinline]] bool in_intersections(char32_t c) const {
+        for (const CharSet& x : intersections)
+            if (!x.matches(c)) return false;
+        return true;
     }
     bool matches(char32_t c) const {
         if (c < 128) return ((ascii[c >> 6] >> (c & 63)) & 1u) != 0;
         return slow(c);
     }
     void finalize() {
+        has_extra = props != 0 || not_props != 0 || !unions.empty() || !intersections.empty();
         for (char32_t c = 0; c < 128; ++c)
             if (slow(c)) ascii[c >> 6] |= uint64_t(1) << (c & 63);
     }

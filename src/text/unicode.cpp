@@ -59,13 +59,13 @@ const Tables& tables() {
         mark(kNfcUnsafeRanges, kNfcUnsafeFlag);
         mark(kAlphabeticRanges, kAlphabeticFlag);
         mark(kHanRanges, kHanFlag);
-        std::map<std::vector<uint16_t>, uint16_t> unique_blocks;
+        std::unordered_map<std::string, uint16_t> unique_blocks;  // a block's bytes -> its index
         out.stage1.resize((kMaxCodePoint + 1) >> 8);
         for (size_t block = 0; block < out.stage1.size(); ++block) {
-            std::vector<uint16_t> key(flat.begin() + static_cast<std::ptrdiff_t>(block * 256),
-                                      flat.begin() + static_cast<std::ptrdiff_t>(block * 256 + 256));
-            auto [it, inserted] = unique_blocks.emplace(key, static_cast<uint16_t>(unique_blocks.size()));
-            if (inserted) out.stage2.insert(out.stage2.end(), key.begin(), key.end());
+            const uint16_t* first = flat.data() + block * 256;
+            std::string key(reinterpret_cast<const char*>(first), 256 * sizeof(uint16_t));
+            auto [it, inserted] = unique_blocks.emplace(std::move(key), static_cast<uint16_t>(unique_blocks.size()));
+            if (inserted) out.stage2.insert(out.stage2.end(), first, first + 256);
             out.stage1[block] = it->second;
         }
         for (size_t i = 0; i + 2 < sizeof(kDecompositions) / sizeof(uint32_t); i += 3) {
