@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "core/check.h"
 #include "io/file.h"
@@ -248,6 +249,7 @@ struct Tokenizer::Impl {
     // Ids -> tokens, over the vocabulary and the added tokens (added ones win).
     std::vector<std::string> tokens;
     std::vector<uint8_t> has_token, special;
+    std::vector<uint8_t> skip_on_decode;  // dropped by decode(skip_special_tokens)
     // Added tokens.
     std::vector<AddedToken> added;
     StringMap<int32_t> added_ids;
@@ -343,16 +345,26 @@ class Loader {
         load_decoder(field(root, "decoder"), "decoder");
         load_post_processor(field(root, "post_processor"), "post_processor");
         // Refresh the tries now that the normalizer is known: normalized tokens are matched
-        // against normalised text, so their contents are normalised too (as HF does).
+        // against normalised text, so their contents are normalised too, and (as HF 0.23) the
+        // normalised form is then the token's string for id_to_token and decode.
         for (size_t k = 0; k < t_.added.size(); ++k) {
             const AddedToken& a = t_.added[k];
             if (a.normalized) {
                 const std::string normalized = t_.normalize(a.content);
                 if (!normalized.empty()) t_.normalized_trie.add(normalized, static_cast<int32_t>(k));
+                t_.tokens[a.id] = normalized;
             } else {
                 t_.raw_trie.add(a.content, static_cast<int32_t>(k));
             }
         }
+        // decode(skip_special_tokens) drops a token whose string is a special token's content
+        // (HF tests the string, so a normalised special token whose form changed is kept).
+        std::unordered_set<std::string_view> special_contents;
+        for (const AddedToken& a : t_.added)
+            if (a.special) special_contents.insert(a.content);
+        t_.skip_on_decode.assign(t_.tokens.size(), 0);
+        for (size_t id = 0; id < t_.tokens.size(); ++id)
+            if (t_.has_token[id] != 0 && special_contents.count(t_.tokens[id]) != 0) t_.skip_on_decode[id] = 1;
     }
 
  private:
@@ -1557,7 +1569,7 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special
         const int32_t id = ids[k];
         if (id < 0 || static_cast<size_t>(id) >= t.tokens.size() || t.has_token[id] == 0)
             fail("decode: id ", id, " at position ", k, " is not a token id (vocabulary size ", t.tokens.size(), ")");
-        if (skip_special_tokens && t.special[id] != 0) continue;
+        if (skip_special_tokens && t.skip_on_decode[id] != 0) continue;
         tokens.push_back(t.tokens[id]);
     }
     if (!t.has_decoder) {
