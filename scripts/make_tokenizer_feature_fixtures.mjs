@@ -20,6 +20,8 @@
 // files HF refuses to load (the C++ loader must refuse them too). kimi_tiktoken/ holds a
 // tiktoken.model (the base's byte-level tokens as ranks), a Kimi-K2 style tokenizer_config.json and
 // expected.json from tiktoken with Kimi's split regex. fixture_info.json: versions and counts.
+// unicode_classes.json: for each regex class the patterns use (\p{L}, \p{Lu}, ..., \s, \w, \d,
+// \p{Han}, Kimi's intersection), the code points HF's Oniguruma puts in it, as ranges.
 // tests/cpu/test_tokenizer_features.cpp reads them (and exits 77, skipped, when they are absent).
 //
 // Usage:
@@ -359,6 +361,42 @@ function kimiTiktoken() {
     return cases.length;
 }
 
+// Which code points HF's regex engine (Oniguruma, Unicode 16) puts in each class the families'
+// patterns use: Split(class, Removed) over every scalar value but the surrogates; what it removes
+// matched. Stored as inclusive [first, last] ranges a class.
+function unicodeClasses() {
+    const classes = ['\\p{L}', '\\p{Lu}', '\\p{Ll}', '\\p{Lt}', '\\p{Lm}', '\\p{Lo}', '\\p{M}', '\\p{Mn}', '\\p{Mc}',
+        '\\p{Me}', '\\p{N}', '\\p{Nd}', '\\p{Nl}', '\\p{No}', '\\p{P}', '\\p{S}', '\\p{Sm}', '\\p{Sc}', '\\p{Sk}',
+        '\\p{So}', '\\p{Z}', '\\p{Zs}', '\\p{C}', '\\p{Cc}', '\\p{Cf}', '\\p{Co}', '\\p{Cn}', '\\s', '\\w', '\\d',
+        '\\p{Han}', '[^\\r\\n\\p{L}\\p{N}]', '[\\p{L}&&[^\\p{Han}]]'];
+    const scalars = [];
+    for (let cp = 0; cp <= 0x10ffff; ++cp)
+        if (cp < 0xd800 || cp > 0xdfff) scalars.push(cp);
+    const chunk = 1 << 15;
+    const result = {};
+    for (const cls of classes) {
+        const tok = Tokenizer.fromString(JSON.stringify({ ...spJson, normalizer: null, pre_tokenizer: split(cls, 'Removed') }));
+        const pre = tok.getPreTokenizer();
+        const matched = new Uint8Array(0x110000);
+        for (let start = 0; start < scalars.length; start += chunk) {
+            const part = scalars.slice(start, start + chunk);
+            part.forEach((cp) => (matched[cp] = 1));
+            for (const [, [b, e]] of pre.preTokenizeString(String.fromCodePoint(...part)))
+                for (let k = b; k < e; ++k) matched[part[k]] = 0;
+        }
+        const ranges = [];
+        for (let cp = 0; cp <= 0x10ffff; ++cp) {
+            if (!matched[cp]) continue;
+            const last = ranges[ranges.length - 1];
+            if (last && last[1] + 1 === cp) last[1] = cp;
+            else ranges.push([cp, cp]);
+        }
+        result[cls] = ranges;
+    }
+    writeFileSync(join(out, 'unicode_classes.json'), JSON.stringify({ note: 'surrogates D800-DFFF not tested', classes: result }) + '\n');
+    return classes.length;
+}
+
 const counts = {};
 const failed = {};
 writeFileSync(join(out, 'sp_base.json'), JSON.stringify(spJson) + '\n');
@@ -382,6 +420,7 @@ const refused = refusals();
 writeFileSync(join(out, 'refusals.json'), JSON.stringify({ base: 'sp_base.json', refusals: refused }, null, 1) + '\n');
 counts.refusals = refused.length;
 counts.kimi_tiktoken = kimiTiktoken();
+counts.unicode_classes = unicodeClasses();
 const total = Object.values(counts).reduce((a, b) => a + b, 0);
 const info = { versions, counts, failed, total };
 writeFileSync(join(out, 'fixture_info.json'), JSON.stringify(info, null, 2) + '\n');

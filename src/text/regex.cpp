@@ -66,8 +66,9 @@ struct Regex::CharSet {
     // The properties and nested classes, apart so that the common case stays small.
     [[gnu::noinline]] bool raw_extra(char32_t c) const {
         if ((props | not_props) != 0) {
-            const uint8_t has = static_cast<uint8_t>((is_word_char(c) ? kPropWord : 0) | (is_han(c) ? kPropHan : 0) |
-                                                     (is_alphabetic(c) ? kPropAlphabetic : 0));
+            const uint8_t has =
+                static_cast<uint8_t>((is_oniguruma_word_char(c) ? kPropWord : 0) | (is_han(c) ? kPropHan : 0) |
+                                     (is_alphabetic(c) ? kPropAlphabetic : 0));
             if ((props & has) != 0 || (not_props & ~has) != 0) return true;
         }
         for (const CharSet& u : unions)

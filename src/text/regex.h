@@ -5,8 +5,8 @@
 // a time. Matching runs over code points, so `.` and classes see whole characters.
 //
 // Syntax: literals; escapes \t \n \r \f \v \e \a \xHH \x{H..} \uHHHH and escaped punctuation;
-// \s \S (White_Space) \d \D (Nd) \w \W (Unicode word characters: Alphabetic, marks, Nd, Pc,
-// Join_Control, as Oniguruma and Rust's regex) \p{..} \P{..} \p{^..} with general categories (short or
+// \s \S (White_Space) \d \D (Nd) \w \W (Oniguruma's word characters: Alphabetic, marks, Nd, Pc, and
+// ² ³ ¹ ¼ ½ ¾) \p{..} \P{..} \p{^..} with general categories (short or
 // long names), White_Space, Alphabetic and the Han script; classes [...] with ranges, negation, the
 // escapes above, nested classes (a union) and `&&` intersection ([\p{L}&&[^\p{Han}]], the syntax of
 // Kimi's tiktoken pattern); `.` (anything but \n); groups (...) (?:...) (?i:...) (?-i:...); lookahead

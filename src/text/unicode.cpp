@@ -197,11 +197,21 @@ bool is_alphabetic(char32_t cp) { return (flags(cp) & kAlphabeticFlag) != 0; }
 
 bool is_han(char32_t cp) { return (flags(cp) & kHanFlag) != 0; }
 
-bool is_word_char(char32_t cp) {
-    constexpr uint32_t kWordCategories = kMarkMask | category_bit(Category::Nd) | category_bit(Category::Pc);
+namespace {
+constexpr uint32_t kWordCategories = kMarkMask | category_bit(Category::Nd) | category_bit(Category::Pc);
+bool alphabetic_mark_nd_pc(char32_t cp) {
     const uint16_t f = flags(cp);
-    return (f & kAlphabeticFlag) != 0 || ((kWordCategories >> (f & kCategoryBits)) & 1u) != 0 || cp == 0x200C ||
-           cp == 0x200D;
+    return (f & kAlphabeticFlag) != 0 || ((kWordCategories >> (f & kCategoryBits)) & 1u) != 0;
+}
+}  // namespace
+
+bool is_word_char(char32_t cp) { return alphabetic_mark_nd_pc(cp) || cp == 0x200C || cp == 0x200D; }
+
+bool is_oniguruma_word_char(char32_t cp) {
+    // Below U+0100 Oniguruma reads its ISO-8859-1 table, which also calls the superscripts and
+    // vulgar fractions ² ³ ¹ ¼ ½ ¾ (No) word characters.
+    if (cp == 0xB2 || cp == 0xB3 || cp == 0xB9 || cp == 0xBC || cp == 0xBD || cp == 0xBE) return true;
+    return alphabetic_mark_nd_pc(cp);
 }
 
 uint8_t combining_class(char32_t cp) {

@@ -74,9 +74,13 @@ inline bool is_mark(char32_t cp) { return in_categories(cp, kMarkMask); }
 bool is_white_space(char32_t cp);  // the White_Space property (= Oniguruma's \s)
 bool is_alphabetic(char32_t cp);   // the Alphabetic property
 bool is_han(char32_t cp);          // Script=Han
-// Unicode's word character (UTS #18, = Oniguruma's and Rust regex's \w): Alphabetic, marks, Nd, Pc,
-// Join_Control.
+// Unicode's word character (UTS #18, Rust regex's \w, which HF's single_word test uses): Alphabetic,
+// marks, Nd, Pc, Join_Control.
 bool is_word_char(char32_t cp);
+// Oniguruma's \w (HF's Split patterns): Alphabetic, marks, Nd, Pc, and below U+0100 its ISO-8859-1
+// table's word characters (adds ² ³ ¹ ¼ ½ ¾; no Join_Control). Checked against HF over all code
+// points by test_tokenizer_features.
+bool is_oniguruma_word_char(char32_t cp);
 uint8_t combining_class(char32_t cp);    // canonical combining class
 char32_t simple_case_fold(char32_t cp);  // cp itself when it has no one-character folding
 // All code points whose simple case folding is `folded` (excluding `folded` itself).

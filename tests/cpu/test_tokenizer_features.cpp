@@ -15,6 +15,7 @@
 
 #include "core/json.h"
 #include "test_util.h"
+#include "text/regex.h"
 #include "text/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -82,7 +83,7 @@ std::vector<fs::path> fixture_files() {
     for (const auto& e : fs::directory_iterator(feature_dir())) {
         const std::string name = e.path().filename().string();
         if (e.is_regular_file() && e.path().extension() == ".json" && name != "sp_base.json" &&
-            name != "refusals.json" && name != "fixture_info.json")
+            name != "refusals.json" && name != "fixture_info.json" && name != "unicode_classes.json")
             out.push_back(e.path());
     }
     std::sort(out.begin(), out.end());
@@ -97,6 +98,12 @@ TEST(TokenizerFeatures, EncodeAndDecodeAsHf) {
     size_t num_fixtures = 0;
     for (const fs::path& file : fixture_files()) {
         const Value fixture = read_json(file);
+        if (fixture.find("name") == nullptr || fixture.find("cases") == nullptr ||
+            fixture.find("decode_cases") == nullptr || fixture.find("base") == nullptr ||
+            fixture.find("set") == nullptr) {
+            ADD_FAILURE() << file << " is not a feature fixture (name, base, set, cases, decode_cases)";
+            continue;
+        }
         const std::string name = fixture.find("name")->as_string();
         Tokenizer tok;
         try {
@@ -182,4 +189,33 @@ TEST(TokenizerFeatures, KimiTiktokenAsTiktoken) {
     }
     std::printf("kimi tiktoken: %zu checks, %zu mismatches\n", tally.records, tally.mismatches);
     EXPECT_EQ(tally.mismatches, 0u);
+}
+
+// Every scalar value (but the surrogates) in each regex class the families' patterns use, against
+// the set HF's Oniguruma gives: the Unicode 16 categories, White_Space, \w, \d, Script=Han.
+TEST(TokenizerFeatures, RegexClassesAsOnigurumaOverAllCodePoints) {
+    require_fixtures();
+    const Value fixture = read_json(feature_dir() / "unicode_classes.json");
+    size_t num_classes = 0, mismatches = 0;
+    for (const auto& [pattern, ranges] : fixture.find("classes")->as_object()) {
+        const mf::text::Regex re(pattern);
+        std::vector<uint8_t> in_hf(0x110000, 0);
+        for (const Value& r : ranges.as_array())
+            for (int64_t cp = r.as_array()[0].as_int(); cp <= r.as_array()[1].as_int(); ++cp) in_hf[cp] = 1;
+        size_t class_mismatches = 0;
+        for (char32_t cp = 0; cp <= 0x10FFFF; ++cp) {
+            if (cp >= 0xD800 && cp <= 0xDFFF) continue;
+            size_t end = 0;
+            const bool ours = re.match_at(std::u32string_view(&cp, 1), 0, &end);
+            if (ours == (in_hf[cp] != 0)) continue;
+            if (++class_mismatches <= 5)
+                ADD_FAILURE() << pattern << ": U+" << std::hex << uint32_t(cp)
+                              << (ours ? " matches here only" : " matches in HF only");
+        }
+        mismatches += class_mismatches;
+        ++num_classes;
+    }
+    std::printf("regex classes: %zu classes over 1,112,064 code points, %zu mismatches\n", num_classes, mismatches);
+    EXPECT_GE(num_classes, 30u);
+    EXPECT_EQ(mismatches, 0u);
 }
