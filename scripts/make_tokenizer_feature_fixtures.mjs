@@ -92,7 +92,7 @@ const HANDWRITTEN = [
     'Cafe\u0301 café re\u0301sume\u0301 A\u030angstro\u0308m \u1100\u1161\u11a8', 'Türkçe İstanbul ığdır Straße Größe',
     '\u{31350}\u{2EBF0} \u1c89\u1c8a \u{10D40}\u{10D41} new in Unicode 15 and 16',
     '▁already▁metaspace ▁', '<s>hello</s>', 'x<s>y</s>z', '<s> <s>', '<|endoftext|>hi<|im_start|>user\nhey<|im_end|>',
-    '<x> a<x> <x>b _<x> (<x>) <x>', 'a  <y> b', 'a <z>  b', '<both>   mid  <both>x', 'new york and New York, i love new york',
+    '<x> a<x> <x>b _<x> (<x>) <x>', 'é<x> 中<x> ²<x> \u200d<x> ①<x> <x>\u200d <x>_ ٣<x>', 'a  <y> b', 'a <z>  b', '<both>   mid  <both>x', 'new york and New York, i love new york',
     'the world, hello world', 'a,b;c!d?e...f--g', '$19.99 & 50% off!!', 'I\'M OK, he\'Ll see; WE\'RE', '<0x41> <0xZZ>',
 ];
 const FRAGMENTS = [
