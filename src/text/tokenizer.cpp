@@ -339,7 +339,7 @@ class Loader {
                 bad(key, "is not supported (must be null; moeforge truncates and pads its batches itself)");
         }
         if (!model_ready) load_model(require(root, "model", "(root)"), "model");
-        load_added_tokens(root);
+        load_added_tokens(root, !model_ready, model_ready);
         load_normalizer(field(root, "normalizer"), "normalizer");
         load_pre_tokenizer(field(root, "pre_tokenizer"), "pre_tokenizer");
         load_decoder(field(root, "decoder"), "decoder");
@@ -466,30 +466,52 @@ class Loader {
         }
     }
 
-    void load_added_tokens(const json::Value& root) {
+    // added_tokens as HF 0.23 reads them: every AddedToken field is required (in tokenizer.json;
+    // `strict_fields` false: tokenizer_config.json's entries, which transformers fills in), an empty
+    // content is skipped, a content listed again takes the new flags; and the ids written in the file
+    // are checked but not used (HF only warns when they differ): a content the model has keeps the
+    // model's id, any other gets the next id after the vocabulary (its number of entries), in order.
+    // `keep_ids`: use the given ids (a tiktoken family's special tokens have fixed ids).
+    void load_added_tokens(const json::Value& root, bool strict_fields, bool keep_ids) {
         const json::Value* list = field(root, "added_tokens");
         if (list == nullptr || list->is_null()) return;
         expect_kind(*list, json::Kind::array, "added_tokens");
+        int64_t next_id = static_cast<int64_t>(t_.vocab.size());
         for (size_t k = 0; k < list->size(); ++k) {
             const std::string path = "added_tokens[" + std::to_string(k) + "]";
             const json::Value& e = list->as_array()[k];
             expect_kind(e, json::Kind::object, path);
             AddedToken a;
-            a.id = get_id(require(e, "id", path), path + ".id");
-            const json::Value& content = require(e, "content", path);
-            expect_kind(content, json::Kind::string, path + ".content");
-            a.content = content.as_string();
-            if (a.content.empty()) bad(path + ".content", "empty added token");
+            const int32_t given_id = get_id(require(e, "id", path), path + ".id");
+            a.content = get_string(e, "content", path);
+            if (strict_fields)
+                for (const char* key : {"single_word", "lstrip", "rstrip", "normalized", "special"})
+                    if (field(e, key) == nullptr) bad(path, "missing field \"", key, "\" (HF requires every AddedToken field)");
             a.special = get_bool(e, "special", path, false);
             a.normalized = get_bool(e, "normalized", path, !a.special);
             a.lstrip = get_bool(e, "lstrip", path, false);
             a.rstrip = get_bool(e, "rstrip", path, false);
             a.single_word = get_bool(e, "single_word", path, false);
-            if (t_.added_ids.count(a.content) != 0) bad(path + ".content", show_token(a.content), " is added twice");
-            t_.added_ids.emplace(a.content, a.id);
+            if (a.content.empty()) continue;
+            if (keep_ids) {
+                a.id = given_id;
+            } else if (auto it = t_.added_ids.find(a.content); it != t_.added_ids.end()) {
+                a.id = it->second;
+            } else if (auto v = t_.vocab.find(a.content); v != t_.vocab.end()) {
+                a.id = v->second;
+            } else {
+                if (next_id > kMaxTokenId) bad(path, "the token would get id ", next_id, ", above ", kMaxTokenId);
+                a.id = static_cast<int32_t>(next_id++);
+            }
             set_token(a.id, a.content);
             t_.special[a.id] = a.special ? 1 : 0;
-            t_.added.push_back(std::move(a));
+            auto same = std::find_if(t_.added.begin(), t_.added.end(),
+                                     [&](const AddedToken& b) { return b.content == a.content; });
+            t_.added_ids[a.content] = a.id;
+            if (same != t_.added.end())
+                *same = std::move(a);
+            else
+                t_.added.push_back(std::move(a));
         }
     }
 

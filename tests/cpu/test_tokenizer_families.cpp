@@ -59,10 +59,11 @@ Value sp_model(bool byte_fallback, bool fuse_unk) {
     return model;
 }
 
+// HF requires every AddedToken field; these are in the vocabulary, so they keep its ids.
 const char* kSpAddedTokens = R"([
-    {"id": 0, "content": "<unk>", "special": true, "normalized": false},
-    {"id": 1, "content": "<s>", "special": true, "normalized": false},
-    {"id": 2, "content": "</s>", "special": true, "normalized": false}])";
+    {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+    {"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+    {"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}])";
 
 // Mistral 7B v0.1's pipeline: Prepend("▁") + Replace(" ", "▁") normalizers, no pre-tokenizer, and
 // the decoders Replace("▁", " "), ByteFallback, Fuse, Strip(" ", 1, 0); BOS added by the template.
@@ -323,34 +324,62 @@ TEST(PreTokenizers, SequenceAppliesEachInTurn) {
 
 TEST(AddedTokens, SingleWordLstripRstripNormalized) {
     const Pieces vocab = {"a", "b", " ", "<", "x", ">", "y", "z", "_"};
+    // Not in the vocabulary (9 entries): ids 9, 10, 11, 12 in order, as HF assigns them.
     const std::string added = R"([
-        {"id": 20, "content": "<x>", "single_word": true, "special": false, "normalized": false},
-        {"id": 21, "content": "<y>", "lstrip": true, "special": true, "normalized": false},
-        {"id": 22, "content": "<z>", "rstrip": true, "special": true, "normalized": false},
-        {"id": 23, "content": "ay", "special": false, "normalized": true}])";
+        {"id": 9, "content": "<x>", "single_word": true, "lstrip": false, "rstrip": false, "special": false, "normalized": false},
+        {"id": 10, "content": "<y>", "single_word": false, "lstrip": true, "rstrip": false, "special": true, "normalized": false},
+        {"id": 11, "content": "<z>", "single_word": false, "lstrip": false, "rstrip": true, "special": true, "normalized": false},
+        {"id": 12, "content": "ay", "single_word": false, "lstrip": false, "rstrip": false, "special": false, "normalized": true}])";
     // The normalizer turns every "y" into "z": normalized=true tokens are matched after it, with their
     // content normalised the same way ("ay" -> "az").
     const Value replace = parse(R"({"type": "Replace", "pattern": {"String": "y"}, "content": "z"})");
     const Tokenizer tok = piece_tokenizer(Value(), vocab, added, replace);
     // single_word: "<x>" between spaces (or at the ends) is the token; touching a word character it
     // is not, and its characters are encoded one by one.
-    EXPECT_EQ(tok.encode("<x> b"), Ids({20, 2, 1}));
+    EXPECT_EQ(tok.encode("<x> b"), Ids({9, 2, 1}));
     EXPECT_EQ(tok.encode("a<x>"), Ids({0, 3, 4, 5}));
     EXPECT_EQ(tok.encode("<x>b"), Ids({3, 4, 5, 1}));
     EXPECT_EQ(tok.encode("_<x>"), Ids({8, 3, 4, 5}));  // "_" is a word character (\w)
     // lstrip takes the spaces before "<y>", rstrip those after "<z>"; the others stay.
-    EXPECT_EQ(tok.encode("a  <y> b"), Ids({0, 21, 2, 1}));
-    EXPECT_EQ(tok.encode("a <z>  b"), Ids({0, 2, 22, 1}));
-    // "ay" in the raw text normalises to "az", which is the normalised content of token 23.
-    EXPECT_EQ(tok.encode("bay"), Ids({1, 23}));
+    EXPECT_EQ(tok.encode("a  <y> b"), Ids({0, 10, 2, 1}));
+    EXPECT_EQ(tok.encode("a <z>  b"), Ids({0, 2, 11, 1}));
+    // "ay" in the raw text normalises to "az", which is the normalised content of token 12.
+    EXPECT_EQ(tok.encode("bay"), Ids({1, 12}));
     // "az" typed directly normalises to itself and matches too (HF compares normalised forms).
-    EXPECT_EQ(tok.encode("az"), Ids({23}));
+    EXPECT_EQ(tok.encode("az"), Ids({12}));
     // Without the token, "y" alone is normalised to "z".
     EXPECT_EQ(tok.encode("y"), Ids({7}));
     // special: skipped on request.
-    EXPECT_EQ(tok.decode({0, 21, 22}, true), "a");
-    EXPECT_TRUE(tok.is_special(21));
-    EXPECT_FALSE(tok.is_special(20));
+    EXPECT_EQ(tok.decode({0, 10, 11}, true), "a");
+    EXPECT_TRUE(tok.is_special(10));
+    EXPECT_FALSE(tok.is_special(9));
+}
+
+TEST(AddedTokens, IdsAreAssignedAsHfDoes) {
+    // HF ignores the ids a file gives (it warns): "<p>" is not in the vocabulary (2 entries) and gets
+    // id 2; "a" is, and keeps 0; "<q>" gets 3. A second "<p>" entry keeps id 2 and takes its flags
+    // (special), and an empty content is skipped.
+    const std::string added = R"([
+        {"id": 50, "content": "<p>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false},
+        {"id": 7, "content": "a", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false},
+        {"id": 9, "content": "", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false},
+        {"id": 3, "content": "<q>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false},
+        {"id": 4, "content": "<p>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}])";
+    const Tokenizer tok = piece_tokenizer(Value(), {"a", "b"}, added);
+    EXPECT_EQ(tok.token_to_id("<p>"), 2);
+    EXPECT_EQ(tok.token_to_id("a"), 0);
+    EXPECT_EQ(tok.token_to_id("<q>"), 3);
+    EXPECT_EQ(tok.vocab_size(), 4u);
+    EXPECT_EQ(tok.encode("<p>a<q>b"), Ids({2, 0, 3, 1}));
+    EXPECT_TRUE(tok.is_special(2));
+    // Every AddedToken field is required, as in HF.
+    try {
+        piece_tokenizer(Value(), {"a"}, R"([{"id": 1, "content": "<p>", "special": true}])");
+        ADD_FAILURE() << "loaded";
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("added_tokens[0]: missing field \"single_word\""), std::string::npos)
+            << e.what();
+    }
 }
 
 // --- normalizers -------------------------------------------------------------------------------------------
