@@ -486,7 +486,8 @@ class Loader {
             a.content = get_string(e, "content", path);
             if (strict_fields)
                 for (const char* key : {"single_word", "lstrip", "rstrip", "normalized", "special"})
-                    if (field(e, key) == nullptr) bad(path, "missing field \"", key, "\" (HF requires every AddedToken field)");
+                    if (field(e, key) == nullptr)
+                        bad(path, "missing field \"", key, "\" (HF requires every AddedToken field)");
             a.special = get_bool(e, "special", path, false);
             a.normalized = get_bool(e, "normalized", path, !a.special);
             a.lstrip = get_bool(e, "lstrip", path, false);
@@ -1083,6 +1084,12 @@ Tokenizer Tokenizer::load(const std::filesystem::path& dir) {
     json::Value added = tiktoken_added_tokens(config, config_file, num_ranks, family);
     return from_tiktoken(ranks, file.string(), family.pattern, std::move(added), std::move(config),
                          std::move(special_map));
+}
+
+bool Tokenizer::found_in(const std::filesystem::path& dir) {
+    std::error_code ec;
+    return std::filesystem::is_regular_file(dir / "tokenizer.json", ec) ||
+           std::filesystem::is_regular_file(dir / "tiktoken.model", ec);
 }
 
 const Tokenizer::Impl& Tokenizer::impl() const {

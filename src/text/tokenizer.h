@@ -51,6 +51,8 @@ class Tokenizer {
     // family, known by the module tokenizer_config.json's auto_map.AutoTokenizer names, gives the
     // split regex; its added_tokens_decoder and reserved ids give the special tokens.
     static Tokenizer load(const std::filesystem::path& dir);
+    // True when `dir` holds a tokenizer load() reads (tokenizer.json, or else tiktoken.model).
+    static bool found_in(const std::filesystem::path& dir);
     // Builds a tokenizer from tokenizer.json text; `source` names it in errors. `config` is the
     // parsed tokenizer_config.json (or null) and `special_tokens_map` special_tokens_map.json (or null).
     static Tokenizer from_json(std::string_view tokenizer_json, const std::string& source, json::Value config = {},

@@ -539,7 +539,10 @@ fs::path kimi_dir(const std::string& name, const std::string& ranks) {
 }  // namespace
 
 TEST(Tiktoken, KimiDirectoryLoadsWithItsPatternAndSpecialTokens) {
-    const Tokenizer tok = Tokenizer::load(kimi_dir("kimi_tok", tiktoken_ranks()));
+    const fs::path dir = kimi_dir("kimi_tok", tiktoken_ranks());
+    EXPECT_TRUE(Tokenizer::found_in(dir));
+    EXPECT_FALSE(Tokenizer::found_in(mf::test::temp_dir("no_tokenizer_here")));
+    const Tokenizer tok = Tokenizer::load(dir);
     // 262 ranks + 256 reserved special ids.
     EXPECT_EQ(tok.vocab_size(), size_t(kNumRanks + 256));
     EXPECT_EQ(tok.bos_id, std::optional<int32_t>(262));
