@@ -580,7 +580,8 @@ TEST(Tiktoken, HostileFilesAreRefusedByName) {
     EXPECT_NE(error_of("kt2", good + base64("zz") + " 5\n").find("rank 5 is also"), std::string::npos);
     EXPECT_NE(error_of("kt3", good + base64("he") + " 262\n").find("listed twice"), std::string::npos);
     EXPECT_NE(error_of("kt4", good + base64("zz") + " 99999999999\n").find("not in [0,"), std::string::npos);
-    EXPECT_NE(error_of("kt5", good + base64("zz") + " 300\n").find("ranks are not 0.."), std::string::npos);
+    EXPECT_NE(error_of("kt5", good + base64("zz") + " 300\n").find("rank 300 is not below the number of tokens, 263"),
+              std::string::npos);
     EXPECT_NE(error_of("kt6", good + base64("zz") + "\n").find("expected \"<base64 token> <rank>\""),
               std::string::npos);
     // Rank 0 given to another token: the ranks stay dense, byte 0x00 has no token.
@@ -642,6 +643,9 @@ TEST(FamilyRefusals, UnsupportedOrMalformedPartsNameTheirJsonPath) {
         {with("normalizer", R"({"type": "Replace", "pattern": {"String": ""}, "content": "x"})"),
          {"normalizer.pattern.String: empty pattern string"}},
         {with("normalizer", R"({"type": "Prepend"})"), {"normalizer: missing field \"prepend\""}},
+        {with("normalizer",
+              R"({"type": "Replace", "pattern": {"String": " "}, "content": ")" + std::string(300, 'x') + "\"}"),
+         {"normalizer.content: a string of 300 bytes is not supported (at most 256)"}},
         {with("added_tokens", R"([{"id": 1099511627776, "content": "<big>"}])"),
          {"added_tokens[0].id", "out of range"}},
         {[](Value& r) {
