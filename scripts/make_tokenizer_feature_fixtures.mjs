@@ -233,6 +233,14 @@ function fixtureSpecs() {
             added(spNext + 4, 'new york', { normalized: true, special: false }),
             added(spNext + 5, 'café', { normalized: true, special: false })],
     }));
+    specs.push(sp('metaspace_first_added_flags', 'Metaspace (first, split) with normalized and raw added tokens', {
+        normalizer: null, pre_tokenizer: metaspace('first', true), decoder: metaDecoder('first', true),
+        added_tokens: [...SP_ADDED,
+            added(spNext, '<x>', { single_word: true, special: false }),
+            added(spNext + 1, '<y>', { lstrip: true }),
+            added(spNext + 2, '<z>', { rstrip: true }),
+            added(spNext + 4, 'new york', { normalized: true, special: false })],
+    }));
     const blNext = nextId(blJson);
     specs.push(bl('bl_added_flags', 'byte-level: single_word, lstrip, rstrip, normalized added tokens (NFC normalizer)', {
         added_tokens: [...BL_ADDED,
@@ -245,8 +253,8 @@ function fixtureSpecs() {
     }));
     specs.push(bl('o200k', 'gpt-oss: o200k split + ByteLevel', { pre_tokenizer: seq([split(O200K), byteLevel()]) }));
     specs.push(bl('o200k_ignore_merges', 'o200k split with ignore_merges', { pre_tokenizer: seq([split(O200K), byteLevel()]), 'model.ignore_merges': true }));
-    specs.push(bl('deepseek_v3', 'DeepSeek-V3: three Splits (numbers, CJK, main) + ByteLevel, no normalizer',
-        { normalizer: null, pre_tokenizer: seq([...DEEPSEEK_V3.map((p) => split(p)), byteLevel()]) }));
+    specs.push(bl('deepseek_v3', 'DeepSeek-V3: three Splits (numbers, CJK, main) + ByteLevel, an empty normalizer Sequence',
+        { normalizer: { type: 'Sequence', normalizers: [] }, pre_tokenizer: seq([...DEEPSEEK_V3.map((p) => split(p)), byteLevel()]) }));
     specs.push(bl('glm45', 'GLM-4.5: Llama-3 style split + ByteLevel', { normalizer: null, pre_tokenizer: seq([split(GLM45), byteLevel()]) }));
     specs.push(bl('nemotron_tekken', 'Nemotron 3: tekken split + ByteLevel', { normalizer: null, pre_tokenizer: seq([split(TEKKEN), byteLevel()]) }));
     specs.push(bl('kimi_split', "Kimi-K2's Han-aware split (class intersection) + ByteLevel, ignore_merges",

@@ -1,7 +1,10 @@
-// HF byte-level BPE tokenizer (see tokenizer.h for the pipeline).
+// HF BPE tokenizers: tokenizer.json or a tiktoken ranks file (see tokenizer.h for the pipeline).
 //
-// Layout: a Loader turns tokenizer.json into an Impl (validating every field it reads and naming
-// the JSON path of anything it refuses); encode/decode run the pipeline over that Impl.
+// Layout: a Loader turns tokenizer.json (or a tiktoken file plus a synthesised tokenizer.json for
+// its split regex, ByteLevel and special tokens) into an Impl, validating every field it reads and
+// naming the JSON path of anything it refuses; encode/decode run the pipeline over that Impl:
+// normalizers and decoders are flat lists (Sequences unrolled), pre-tokenizers cut views into the
+// text or into arenas that never reallocate.
 // BPE keeps HF's merge order exactly: a heap of candidate pairs keyed by (merge rank, position),
 // symbols in a linked list, stale heap entries skipped when popped. Words already seen come from a
 // cache (mutex-guarded, cleared when it reaches kCacheCapacity entries).
