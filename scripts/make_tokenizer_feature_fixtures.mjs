@@ -376,7 +376,7 @@ function unicodeClasses() {
     const classes = ['\\p{L}', '\\p{Lu}', '\\p{Ll}', '\\p{Lt}', '\\p{Lm}', '\\p{Lo}', '\\p{M}', '\\p{Mn}', '\\p{Mc}',
         '\\p{Me}', '\\p{N}', '\\p{Nd}', '\\p{Nl}', '\\p{No}', '\\p{P}', '\\p{S}', '\\p{Sm}', '\\p{Sc}', '\\p{Sk}',
         '\\p{So}', '\\p{Z}', '\\p{Zs}', '\\p{C}', '\\p{Cc}', '\\p{Cf}', '\\p{Co}', '\\p{Cn}', '\\s', '\\w', '\\d',
-        '\\p{Han}', '[^\\r\\n\\p{L}\\p{N}]', '[\\p{L}&&[^\\p{Han}]]'];
+        '\\p{Han}', '[^\\r\\n\\p{L}\\p{N}]', '[\\p{L}&&[^\\p{Han}]]', '(?i:[a-z])', '(?i:[sdtmlvre])', '(?i:k|s)'];
     const scalars = [];
     for (let cp = 0; cp <= 0x10ffff; ++cp)
         if (cp < 0xd800 || cp > 0xdfff) scalars.push(cp);
