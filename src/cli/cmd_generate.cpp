@@ -182,9 +182,9 @@ int cmd_generate(const Args& args) {
     const GenerateArgs g = parse_generate_args(args);
     json::Value raw_config;
     const model::ModelSpec cfg = train::read_hf_config(g.model_dir, &raw_config);
-    if (!fs::exists(g.model_dir / "tokenizer.json"))
+    if (!text::Tokenizer::found_in(g.model_dir))
         fail("generate: --model ", g.model_dir.string(),
-             " has no tokenizer.json (generate needs the model's tokenizer in its directory)");
+             " has no tokenizer.json or tiktoken.model (generate needs the model's tokenizer in its directory)");
     const text::Tokenizer tok = text::Tokenizer::load(g.model_dir);
     const std::vector<int32_t> prompt = encode_prompt(g, tok);
     if (prompt.empty()) fail("generate: --prompt encodes to no tokens");

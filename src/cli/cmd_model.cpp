@@ -207,7 +207,7 @@ bool has_tokenizer(const fs::path& model_dir) {
     const bool found = fs::is_regular_file(model_dir / "tokenizer.json", ec);
     if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory)
         fail((model_dir / "tokenizer.json").string(), ": cannot be read: ", ec.message());
-    return found;
+    return found || text::Tokenizer::found_in(model_dir);  // or a tiktoken ranks file (Kimi)
 }
 
 }  // namespace

@@ -31,7 +31,8 @@ std::string expert_piece_name(const std::string& pattern, int64_t expert) {
 const std::vector<std::string>& tokenizer_file_names() {
     static const std::vector<std::string> names = {"tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json",
                                                    "vocab.json",      "merges.txt",            "added_tokens.json",
-                                                   "chat_template.jinja", "generation_config.json"};
+                                                   "chat_template.jinja", "generation_config.json",
+                                                   "tiktoken.model",  "tokenization_kimi.py"};
     return names;
 }
 

@@ -60,7 +60,7 @@ data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir,
     data::SftOptions opt;
     opt.format = data::parse_sft_format(recipe.data.format);
     std::optional<text::Tokenizer> tokenizer;
-    if (opt.format != data::SftFormat::tokens && fs::exists(model_dir / "tokenizer.json"))
+    if (opt.format != data::SftFormat::tokens && text::Tokenizer::found_in(model_dir))
         tokenizer = text::Tokenizer::load(model_dir);
     opt.chat_format = recipe.data.chat_format;
     opt.tokenizer_dir = model_dir;
