@@ -43,7 +43,7 @@ struct Limits {
     int64_t max_iterations = 1'000'000;    // loop iterations in one render, all loops together
     size_t max_output = size_t{32} << 20;  // bytes of rendered text
     size_t max_string = size_t{16} << 20;  // bytes of any string or elements of any list built
-    int64_t max_work = 200'000'000;        // evaluation steps plus bytes/elements copied
+    int64_t max_work = 50'000'000;         // evaluation steps plus bytes/elements copied (a macro call: 100)
 };
 
 struct RenderOptions {

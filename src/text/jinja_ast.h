@@ -65,9 +65,9 @@ struct Value {
     static Value undefined(std::string hint);  // hint: "'x' is undefined", shown when it is used
     static Value list(std::vector<Value> items, bool tuple = false);
 
-    const std::string& str() const;         // kind string
+    const std::string& str() const;           // kind string
     const std::vector<Value>& items() const;  // kind list
-    const struct DictObj& dict() const;     // kind dict or ns
+    const struct DictObj& dict() const;       // kind dict or ns
     std::string undefined_hint() const;
 };
 
@@ -96,7 +96,7 @@ struct Callable : Heap {
     const Stmt* macro = nullptr;  // a macro or a call block's body; else a builtin
     Builtin builtin = Builtin::range;
     std::shared_ptr<Frame> closure;  // where the macro was defined
-    Value caller;                     // the {% call %} body passed to the macro
+    Value caller;                    // the {% call %} body passed to the macro
     std::string name;
 };
 struct LoopObj : Heap {
@@ -111,13 +111,13 @@ enum class Op : uint8_t {
     name,
     list,
     tuple,
-    dict,      // kids: key, value, key, value, ...
-    attr,      // kids[0].name
-    item,      // kids[0][kids[1]]
-    slice,     // kids[0][kids[1]:kids[2]:kids[3]] (null kid: omitted)
-    call,      // kids[0](kids[1..]); kw_names name the last kw_names.size() arguments
-    filter,    // code: the filter; kids[0] | f(kids[1..])
-    test,      // code: the test; kids[0] is t(kids[1..]); negate for `is not`
+    dict,    // kids: key, value, key, value, ...
+    attr,    // kids[0].name
+    item,    // kids[0][kids[1]]
+    slice,   // kids[0][kids[1]:kids[2]:kids[3]] (null kid: omitted)
+    call,    // kids[0](kids[1..]); kw_names name the last kw_names.size() arguments
+    filter,  // code: the filter; kids[0] | f(kids[1..])
+    test,    // code: the test; kids[0] is t(kids[1..]); negate for `is not`
     neg,
     pos,
     not_,
@@ -135,7 +135,7 @@ struct Expr {
     uint8_t code = 0;
     bool negate = false;
     uint32_t line = 0, col = 0;
-    int symbol = -1;  // name: the interned variable
+    int symbol = -1;   // name: the interned variable
     std::string name;  // name, attr, filter/test/call names
     Value constant;
     std::vector<std::unique_ptr<Expr>> kids;
@@ -173,7 +173,7 @@ struct Stmt {
     // output, set value, for iterable, call block's call; set/filter block's filter chain, whose
     // innermost operand is a placeholder (Op::constant with code 1) standing for the block's text.
     ExprPtr expr;
-    ExprPtr cond;      // for: the loop filter
+    ExprPtr cond;  // for: the loop filter
     Target target;
     std::vector<std::pair<ExprPtr, std::vector<std::unique_ptr<Stmt>>>> branches;  // if/elif (else: null condition)
     std::vector<std::unique_ptr<Stmt>> body, else_body;
@@ -199,26 +199,27 @@ std::shared_ptr<Program> parse_program(std::string_view source, std::string name
 // --- builtins (jinja_builtins.cpp) -------------------------------------------------------------------
 
 // The filters and tests, declared once: X(enumerator, "name"), then aliases A(enumerator, "alias").
-#define MF_JINJA_FILTERS(X)                                                                                \
-    X(abs, "abs") X(batch, "batch") X(capitalize, "capitalize") X(default_, "default")                      \
-    X(dictsort, "dictsort") X(escape, "escape") X(first, "first") X(float_, "float") X(indent, "indent")     \
-    X(int_, "int") X(items, "items") X(join, "join") X(last, "last") X(length, "length") X(list, "list")    \
-    X(lower, "lower") X(map, "map") X(max, "max") X(min, "min") X(reject, "reject")                         \
-    X(rejectattr, "rejectattr") X(replace, "replace") X(reverse, "reverse") X(round, "round")               \
-    X(safe, "safe") X(select, "select") X(selectattr, "selectattr") X(sort, "sort") X(string, "string")     \
-    X(sum, "sum") X(title, "title") X(tojson, "tojson") X(trim, "trim") X(unique, "unique")                 \
-    X(upper, "upper") X(wordcount, "wordcount")
+#define MF_JINJA_FILTERS(X)                                                                                          \
+    X(abs, "abs")                                                                                                    \
+    X(batch, "batch") X(capitalize, "capitalize") X(default_, "default") X(dictsort, "dictsort") X(escape, "escape") \
+        X(first, "first") X(float_, "float") X(indent, "indent") X(int_, "int") X(items, "items") X(join, "join")    \
+            X(last, "last") X(length, "length") X(list, "list") X(lower, "lower") X(map, "map") X(max, "max")        \
+                X(min, "min") X(reject, "reject") X(rejectattr, "rejectattr") X(replace, "replace")                  \
+                    X(reverse, "reverse") X(round, "round") X(safe, "safe") X(select, "select")                      \
+                        X(selectattr, "selectattr") X(sort, "sort") X(string, "string") X(sum, "sum")                \
+                            X(title, "title") X(tojson, "tojson") X(trim, "trim") X(unique, "unique")                \
+                                X(upper, "upper") X(wordcount, "wordcount")
 #define MF_JINJA_FILTER_ALIASES(A) A(length, "count") A(default_, "d") A(escape, "e")
-#define MF_JINJA_TESTS(X)                                                                                  \
-    X(boolean, "boolean") X(callable, "callable") X(defined, "defined") X(divisibleby, "divisibleby")         \
-    X(eq, "eq") X(even, "even") X(false_, "false") X(float_, "float") X(ge, "ge") X(gt, "gt") X(in, "in")   \
-    X(integer, "integer") X(iterable, "iterable") X(le, "le") X(lower, "lower") X(lt, "lt")                 \
-    X(mapping, "mapping") X(ne, "ne") X(none, "none") X(number, "number") X(odd, "odd")                     \
-    X(sameas, "sameas") X(sequence, "sequence") X(string, "string") X(true_, "true")                        \
-    X(undefined, "undefined") X(upper, "upper")
-#define MF_JINJA_TEST_ALIASES(A)                                                                           \
-    A(eq, "equalto") A(eq, "==") A(ne, "!=") A(lt, "lessthan") A(lt, "<") A(le, "<=") A(gt, "greaterthan")    \
-    A(gt, ">") A(ge, ">=")
+#define MF_JINJA_TESTS(X)                                                                                       \
+    X(boolean, "boolean")                                                                                       \
+    X(callable, "callable") X(defined, "defined") X(divisibleby, "divisibleby") X(eq, "eq") X(even, "even")     \
+        X(false_, "false") X(float_, "float") X(ge, "ge") X(gt, "gt") X(in, "in") X(integer, "integer")         \
+            X(iterable, "iterable") X(le, "le") X(lower, "lower") X(lt, "lt") X(mapping, "mapping") X(ne, "ne") \
+                X(none, "none") X(number, "number") X(odd, "odd") X(sameas, "sameas") X(sequence, "sequence")   \
+                    X(string, "string") X(true_, "true") X(undefined, "undefined") X(upper, "upper")
+#define MF_JINJA_TEST_ALIASES(A) \
+    A(eq, "equalto")             \
+    A(eq, "==") A(ne, "!=") A(lt, "lessthan") A(lt, "<") A(le, "<=") A(gt, "greaterthan") A(gt, ">") A(ge, ">=")
 
 #define MF_JINJA_ENUMERATOR(e, name) e,
 enum class Filter : uint8_t { MF_JINJA_FILTERS(MF_JINJA_ENUMERATOR) };

@@ -77,10 +77,14 @@ Value make_namespace(std::vector<std::pair<Value, Value>> entries) {
 
 Value from_json(const json::Value& v) {
     switch (v.kind()) {
-        case json::Kind::null: return Value::none();
-        case json::Kind::boolean: return Value::boolean(v.as_bool());
-        case json::Kind::number: return v.is_int() ? Value::integer(v.as_int()) : Value::floating(v.as_double());
-        case json::Kind::string: return Value::string(v.as_string());
+        case json::Kind::null:
+            return Value::none();
+        case json::Kind::boolean:
+            return Value::boolean(v.as_bool());
+        case json::Kind::number:
+            return v.is_int() ? Value::integer(v.as_int()) : Value::floating(v.as_double());
+        case json::Kind::string:
+            return Value::string(v.as_string());
         case json::Kind::array: {
             std::vector<Value> items;
             items.reserve(v.size());
@@ -105,30 +109,49 @@ Value from_json(const json::Value& v) {
 bool truthy(const Value& v) {
     switch (v.kind) {
         case Kind::undefined:
-        case Kind::none: return false;
-        case Kind::boolean: return v.b;
-        case Kind::integer: return v.i != 0;
-        case Kind::floating: return v.f != 0;
-        case Kind::string: return !v.str().empty();
-        case Kind::list: return !v.items().empty();
-        case Kind::dict: return !v.dict().entries.empty();
-        default: return true;
+        case Kind::none:
+            return false;
+        case Kind::boolean:
+            return v.b;
+        case Kind::integer:
+            return v.i != 0;
+        case Kind::floating:
+            return v.f != 0;
+        case Kind::string:
+            return !v.str().empty();
+        case Kind::list:
+            return !v.items().empty();
+        case Kind::dict:
+            return !v.dict().entries.empty();
+        default:
+            return true;
     }
 }
 
 const char* type_name(const Value& v) {
     switch (v.kind) {
-        case Kind::undefined: return "Undefined";
-        case Kind::none: return "NoneType";
-        case Kind::boolean: return "bool";
-        case Kind::integer: return "int";
-        case Kind::floating: return "float";
-        case Kind::string: return "str";
-        case Kind::list: return v.tuple ? "tuple" : "list";
-        case Kind::dict: return "dict";
-        case Kind::ns: return "Namespace";
-        case Kind::callable: return "function";
-        case Kind::loop: return "LoopContext";
+        case Kind::undefined:
+            return "Undefined";
+        case Kind::none:
+            return "NoneType";
+        case Kind::boolean:
+            return "bool";
+        case Kind::integer:
+            return "int";
+        case Kind::floating:
+            return "float";
+        case Kind::string:
+            return "str";
+        case Kind::list:
+            return v.tuple ? "tuple" : "list";
+        case Kind::dict:
+            return "dict";
+        case Kind::ns:
+            return "Namespace";
+        case Kind::callable:
+            return "function";
+        case Kind::loop:
+            return "LoopContext";
     }
     return "?";
 }
@@ -155,8 +178,10 @@ bool equals(const Value& a, const Value& b) {
     if (a.kind != b.kind) return false;
     switch (a.kind) {
         case Kind::undefined:
-        case Kind::none: return true;
-        case Kind::string: return a.str() == b.str();
+        case Kind::none:
+            return true;
+        case Kind::string:
+            return a.str() == b.str();
         case Kind::list: {
             if (a.tuple != b.tuple) return false;
             const auto &x = a.items(), &y = b.items();
@@ -174,7 +199,8 @@ bool equals(const Value& a, const Value& b) {
             }
             return true;
         }
-        default: return a.obj == b.obj;
+        default:
+            return a.obj == b.obj;
     }
 }
 
@@ -228,8 +254,10 @@ bool printable(char32_t cp) {
         case Category::Cn:
         case Category::Zl:
         case Category::Zp:
-        case Category::Zs: return false;
-        default: return true;
+        case Category::Zs:
+            return false;
+        default:
+            return true;
     }
 }
 
@@ -269,7 +297,8 @@ std::string str_repr(const std::string& s) {
 
 std::string to_repr(const Value& v) {
     switch (v.kind) {
-        case Kind::string: return str_repr(v.str());
+        case Kind::string:
+            return str_repr(v.str());
         case Kind::list: {
             std::string out(1, v.tuple ? '(' : '[');
             const auto& items = v.items();
@@ -291,24 +320,36 @@ std::string to_repr(const Value& v) {
             }
             return out + "}";
         }
-        case Kind::undefined: return "Undefined";
-        default: return to_str(v);
+        case Kind::undefined:
+            return "Undefined";
+        default:
+            return to_str(v);
     }
 }
 
 std::string to_str(const Value& v) {
     switch (v.kind) {
-        case Kind::undefined: return "";
-        case Kind::none: return "None";
-        case Kind::boolean: return v.b ? "True" : "False";
-        case Kind::integer: return std::to_string(v.i);
-        case Kind::floating: return float_repr(v.f);
-        case Kind::string: return v.str();
+        case Kind::undefined:
+            return "";
+        case Kind::none:
+            return "None";
+        case Kind::boolean:
+            return v.b ? "True" : "False";
+        case Kind::integer:
+            return std::to_string(v.i);
+        case Kind::floating:
+            return float_repr(v.f);
+        case Kind::string:
+            return v.str();
         case Kind::list:
-        case Kind::dict: return to_repr(v);
-        case Kind::ns: return "<Namespace " + to_repr(make_dict(v.dict().entries)) + ">";
-        case Kind::callable: return "<function " + static_cast<const Callable&>(*v.obj).name + ">";
-        case Kind::loop: return "<LoopContext>";
+        case Kind::dict:
+            return to_repr(v);
+        case Kind::ns:
+            return "<Namespace " + to_repr(make_dict(v.dict().entries)) + ">";
+        case Kind::callable:
+            return "<function " + static_cast<const Callable&>(*v.obj).name + ">";
+        case Kind::loop:
+            return "<LoopContext>";
     }
     return "";
 }

@@ -38,6 +38,10 @@ using Args = std::vector<Value>;
 using Kwargs = std::vector<std::pair<std::string, Value>>;
 using FramePtr = std::shared_ptr<Frame>;
 
+// Work units a macro call costs beyond its body (a frame, a capture buffer): about what 100
+// expression steps cost, so a template that recurses exponentially stops in well under a second.
+constexpr size_t kMacroCallWork = 100;
+
 bool is_py_space(char32_t c) {
     return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 || c == 0x1680 ||
            (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 || c == 0x202f || c == 0x205f || c == 0x3000;
@@ -87,7 +91,8 @@ class Evaluator {
             const json::Value* v = context.is_object() ? context.find(n) : nullptr;
             if (v != nullptr) {
                 globals_[s] = from_json(*v);
-            } else if (n == "range" || n == "dict" || n == "namespace" || n == "raise_exception" || n == "strftime_now") {
+            } else if (n == "range" || n == "dict" || n == "namespace" || n == "raise_exception" ||
+                       n == "strftime_now") {
                 auto c = std::make_shared<Callable>();
                 c->name = n;
                 c->builtin = n == "range"             ? Builtin::range
@@ -129,7 +134,8 @@ class Evaluator {
     }
     void check_size(const Expr& e, size_t n, const char* what) const {
         if (n > lim_.max_string)
-            error(e, what, " would hold ", n, " bytes or elements, more than ", lim_.max_string, " (Limits::max_string)");
+            error(e, what, " would hold ", n, " bytes or elements, more than ", lim_.max_string,
+                  " (Limits::max_string)");
     }
     [[noreturn]] void undefined_error(const Expr& e, const Value& v) const { error(e, v.undefined_hint()); }
     void require_defined(const Expr& e, const Value& v) const {
@@ -163,8 +169,13 @@ class Evaluator {
 
     Flow exec(const Stmt& s, const FramePtr& frame) {
         Depth d(*this, s.line, s.col);
+        if (++work_ > lim_.max_work)
+            error(s.line, s.col, "the template needs more than ", lim_.max_work,
+                  " evaluation steps (Limits::max_work)");
         switch (s.kind) {
-            case StmtKind::text: write(s.text, s.line, s.col); return Flow::normal;
+            case StmtKind::text:
+                write(s.text, s.line, s.col);
+                return Flow::normal;
             case StmtKind::output: {
                 const Value v = eval(*s.expr, frame);
                 if (v.kind != Kind::string) {
@@ -178,8 +189,12 @@ class Evaluator {
                 for (const auto& [cond, body] : s.branches)
                     if (cond == nullptr || truthy(eval(*cond, frame))) return exec_body(body, frame);
                 return Flow::normal;
-            case StmtKind::for_: exec_for(s, frame); return Flow::normal;
-            case StmtKind::set: assign(s, s.target, eval(*s.expr, frame), frame); return Flow::normal;
+            case StmtKind::for_:
+                exec_for(s, frame);
+                return Flow::normal;
+            case StmtKind::set:
+                assign(s, s.target, eval(*s.expr, frame), frame);
+                return Flow::normal;
             case StmtKind::set_block: {
                 Value text = Value::string(capture(s.body, std::make_shared<Frame>(Frame{{}, frame})));
                 if (s.expr) text = eval_with_placeholder(*s.expr, frame, std::move(text));
@@ -197,14 +212,18 @@ class Evaluator {
                 frame->set(s.macro_symbol, std::move(v));
                 return Flow::normal;
             }
-            case StmtKind::call_block: exec_call_block(s, frame); return Flow::normal;
+            case StmtKind::call_block:
+                exec_call_block(s, frame);
+                return Flow::normal;
             case StmtKind::filter_block: {
                 Value text = Value::string(capture(s.body, frame));
                 write(to_str(eval_with_placeholder(*s.expr, frame, std::move(text))), s.line, s.col);
                 return Flow::normal;
             }
-            case StmtKind::break_: return Flow::break_;
-            case StmtKind::continue_: return Flow::continue_;
+            case StmtKind::break_:
+                return Flow::break_;
+            case StmtKind::continue_:
+                return Flow::continue_;
             case StmtKind::generation: {
                 const bool top = out_ == &result_.text;
                 const size_t before = out_->size();
@@ -247,8 +266,8 @@ class Evaluator {
         }
         const std::vector<Value> items = iterate(v, s.line, s.col);
         if (items.size() != t.symbols.size())
-            error(s.line, s.col, items.size() < t.symbols.size() ? "not enough" : "too many", " values to unpack (expected ",
-                  t.symbols.size(), ", got ", items.size(), ")");
+            error(s.line, s.col, items.size() < t.symbols.size() ? "not enough" : "too many",
+                  " values to unpack (expected ", t.symbols.size(), ", got ", items.size(), ")");
         for (size_t k = 0; k < items.size(); ++k) frame.set(t.symbols[k], items[k]);
     }
 
@@ -260,16 +279,19 @@ class Evaluator {
         const Value* target = frame->find(t.symbols[0]);
         if (target == nullptr) target = &globals_[static_cast<size_t>(t.symbols[0])];
         if (target->kind != Kind::ns)
-            error(s.line, s.col, "cannot assign attribute '", t.attr, "' on '", prog_.symbols[static_cast<size_t>(t.symbols[0])],
-                  "': it is a ", type_name(*target), ", not a namespace()");
+            error(s.line, s.col, "cannot assign attribute '", t.attr, "' on '",
+                  prog_.symbols[static_cast<size_t>(t.symbols[0])], "': it is a ", type_name(*target),
+                  ", not a namespace()");
         const_cast<DictObj&>(target->dict()).set(Value::string(t.attr), std::move(v));
     }
 
     // The items a for loop (or list()) visits: list elements, dict keys, a string's characters.
     std::vector<Value> iterate(const Value& v, uint32_t line, uint32_t col) {
         switch (v.kind) {
-            case Kind::undefined: return {};
-            case Kind::list: return v.items();
+            case Kind::undefined:
+                return {};
+            case Kind::list:
+                return v.items();
             case Kind::dict: {
                 std::vector<Value> keys;
                 keys.reserve(v.dict().entries.size());
@@ -286,7 +308,8 @@ class Evaluator {
                 }
                 return chars;
             }
-            default: error(line, col, "'", type_name(v), "' object is not iterable");
+            default:
+                error(line, col, "'", type_name(v), "' object is not iterable");
         }
     }
 
@@ -343,18 +366,21 @@ class Evaluator {
         Args args;
         Kwargs kwargs;
         eval_args(call, 1, frame, args, kwargs);
-        write(to_str(call_macro(call, static_cast<const Callable&>(*callee.obj), args, kwargs, &caller)), s.line, s.col);
+        write(to_str(call_macro(call, static_cast<const Callable&>(*callee.obj), args, kwargs, &caller)), s.line,
+              s.col);
     }
 
     Value call_macro(const Expr& at, const Callable& m, const Args& args, const Kwargs& kwargs, const Value* caller) {
         if (++call_depth_ > lim_.max_call_depth) {
             --call_depth_;
-            error(at, "macro calls nest deeper than ", lim_.max_call_depth, " (Limits::max_call_depth): infinite recursion?");
+            error(at, "macro calls nest deeper than ", lim_.max_call_depth,
+                  " (Limits::max_call_depth): infinite recursion?");
         }
         struct Guard {
             int& d;
             ~Guard() { --d; }
         } guard{call_depth_};
+        charge(at, kMacroCallWork);
         const Stmt& s = *m.macro;
         auto frame = std::make_shared<Frame>(Frame{{}, m.closure});
         std::vector<bool> given(s.params.size(), false);
@@ -398,14 +424,16 @@ class Evaluator {
         const size_t num_pos = e.kids.size() - first - num_kw;
         args.reserve(num_pos);
         for (size_t k = 0; k < num_pos; ++k) args.push_back(eval(*e.kids[first + k], frame));
-        for (size_t k = 0; k < num_kw; ++k) kwargs.emplace_back(e.kw_names[k], eval(*e.kids[first + num_pos + k], frame));
+        for (size_t k = 0; k < num_kw; ++k)
+            kwargs.emplace_back(e.kw_names[k], eval(*e.kids[first + num_pos + k], frame));
     }
 
     Value eval(const Expr& e, const FramePtr& frame) {
         Depth d(*this, e.line, e.col);
         charge(e, 1);
         switch (e.op) {
-            case Op::constant: return e.code == 1 ? placeholder_ : e.constant;
+            case Op::constant:
+                return e.code == 1 ? placeholder_ : e.constant;
             case Op::name: {
                 const Value* v = frame->find(e.symbol);
                 return v != nullptr ? *v : globals_[static_cast<size_t>(e.symbol)];
@@ -426,10 +454,14 @@ class Evaluator {
                 }
                 return make_dict(std::move(entries));
             }
-            case Op::attr: return get_attr(e, eval(*e.kids[0], frame), e.name);
-            case Op::item: return get_item(e, eval(*e.kids[0], frame), eval(*e.kids[1], frame));
-            case Op::slice: return eval_slice(e, frame);
-            case Op::call: return eval_call(e, frame);
+            case Op::attr:
+                return get_attr(e, eval(*e.kids[0], frame), e.name);
+            case Op::item:
+                return get_item(e, eval(*e.kids[0], frame), eval(*e.kids[1], frame));
+            case Op::slice:
+                return eval_slice(e, frame);
+            case Op::call:
+                return eval_call(e, frame);
             case Op::filter: {
                 Value v = eval(*e.kids[0], frame);
                 Args args;
@@ -448,13 +480,15 @@ class Evaluator {
             case Op::pos: {
                 const Value v = eval(*e.kids[0], frame);
                 require_defined(e, v);
-                if (!is_numeric(v)) error(e, "bad operand type for unary ", e.op == Op::neg ? "-" : "+", ": '", type_name(v), "'");
+                if (!is_numeric(v))
+                    error(e, "bad operand type for unary ", e.op == Op::neg ? "-" : "+", ": '", type_name(v), "'");
                 if (e.op == Op::pos) return is_intlike(v) ? Value::integer(as_int(v)) : v;
                 if (v.kind == Kind::floating) return Value::floating(-v.f);
                 if (as_int(v) == INT64_MIN) error(e, "integer overflow");
                 return Value::integer(-as_int(v));
             }
-            case Op::not_: return Value::boolean(!truthy(eval(*e.kids[0], frame)));
+            case Op::not_:
+                return Value::boolean(!truthy(eval(*e.kids[0], frame)));
             case Op::and_: {
                 Value a = eval(*e.kids[0], frame);
                 return truthy(a) ? eval(*e.kids[1], frame) : a;
@@ -508,22 +542,26 @@ class Evaluator {
 
     Value get_attr(const Expr& e, const Value& obj, const std::string& name) {
         switch (obj.kind) {
-            case Kind::undefined: undefined_error(e, obj);
+            case Kind::undefined:
+                undefined_error(e, obj);
             case Kind::dict:
             case Kind::ns: {
                 const Value* v = obj.dict().find(std::string_view(name));
                 if (v != nullptr) return *v;
                 break;
             }
-            case Kind::loop: return loop_attr(e, static_cast<const LoopObj&>(*obj.obj), name);
-            default: break;
+            case Kind::loop:
+                return loop_attr(e, static_cast<const LoopObj&>(*obj.obj), name);
+            default:
+                break;
         }
         return Value::undefined("'" + std::string(type_name(obj)) + " object' has no attribute '" + name + "'");
     }
 
     Value get_item(const Expr& e, const Value& obj, const Value& key) {
         switch (obj.kind) {
-            case Kind::undefined: undefined_error(e, obj);
+            case Kind::undefined:
+                undefined_error(e, obj);
             case Kind::dict:
             case Kind::ns: {
                 const Value* v = obj.dict().find(key);
@@ -533,7 +571,8 @@ class Evaluator {
             case Kind::list:
             case Kind::string:
                 if (is_intlike(key)) {
-                    const int64_t n = static_cast<int64_t>(obj.kind == Kind::list ? obj.items().size() : cp_count(obj.str()));
+                    const int64_t n =
+                        static_cast<int64_t>(obj.kind == Kind::list ? obj.items().size() : cp_count(obj.str()));
                     int64_t i = as_int(key);
                     if (i < 0) i += n;
                     if (i < 0 || i >= n) break;
@@ -541,13 +580,15 @@ class Evaluator {
                     const std::string& s = obj.str();
                     if (is_ascii(s)) return Value::string(s.substr(static_cast<size_t>(i), 1));
                     const std::vector<size_t> off = cp_offsets(s);
-                    return Value::string(s.substr(off[static_cast<size_t>(i)], off[static_cast<size_t>(i) + 1] - off[static_cast<size_t>(i)]));
+                    return Value::string(s.substr(off[static_cast<size_t>(i)],
+                                                  off[static_cast<size_t>(i) + 1] - off[static_cast<size_t>(i)]));
                 }
                 break;
             case Kind::loop:
                 if (key.kind == Kind::string) return loop_attr(e, static_cast<const LoopObj&>(*obj.obj), key.str());
                 break;
-            default: break;
+            default:
+                break;
         }
         return Value::undefined("'" + std::string(type_name(obj)) + " object' has no attribute " + to_repr(key));
     }
@@ -600,7 +641,8 @@ class Evaluator {
             const std::vector<size_t> off = cp_offsets(s);
             std::string out;
             for (int64_t i : slice_positions(static_cast<int64_t>(off.size() - 1), ptr[0], ptr[1], ptr[2]))
-                out.append(s, off[static_cast<size_t>(i)], off[static_cast<size_t>(i) + 1] - off[static_cast<size_t>(i)]);
+                out.append(s, off[static_cast<size_t>(i)],
+                           off[static_cast<size_t>(i) + 1] - off[static_cast<size_t>(i)]);
             charge(e, s.size());
             return Value::string(std::move(out));
         }
@@ -633,17 +675,22 @@ class Evaluator {
             items.insert(items.end(), b.items().begin(), b.items().end());
             return Value::list(std::move(items), a.tuple);
         }
-        if (op == BinOp::mul && (a.kind == Kind::string || a.kind == Kind::list) && is_intlike(b)) return repeat(e, a, as_int(b));
-        if (op == BinOp::mul && (b.kind == Kind::string || b.kind == Kind::list) && is_intlike(a)) return repeat(e, b, as_int(a));
+        if (op == BinOp::mul && (a.kind == Kind::string || a.kind == Kind::list) && is_intlike(b))
+            return repeat(e, a, as_int(b));
+        if (op == BinOp::mul && (b.kind == Kind::string || b.kind == Kind::list) && is_intlike(a))
+            return repeat(e, b, as_int(a));
         if (op == BinOp::mod && a.kind == Kind::string)
             error(e, "'%' string formatting is not supported in chat templates (use ~ or the format-free filters)");
         if (!is_numeric(a) || !is_numeric(b)) return bad();
         if (is_intlike(a) && is_intlike(b) && op != BinOp::div) return int_op(e, op, as_int(a), as_int(b));
         const double x = as_double(a), y = as_double(b);
         switch (op) {
-            case BinOp::add: return Value::floating(x + y);
-            case BinOp::sub: return Value::floating(x - y);
-            case BinOp::mul: return Value::floating(x * y);
+            case BinOp::add:
+                return Value::floating(x + y);
+            case BinOp::sub:
+                return Value::floating(x - y);
+            case BinOp::mul:
+                return Value::floating(x * y);
             case BinOp::div:
                 if (y == 0) error(e, "division by zero");
                 return Value::floating(x / y);
@@ -656,8 +703,10 @@ class Evaluator {
                 if (r != 0 && ((r < 0) != (y < 0))) r += y;
                 return Value::floating(r);
             }
-            case BinOp::pow: return Value::floating(std::pow(x, y));
-            default: return bad();
+            case BinOp::pow:
+                return Value::floating(std::pow(x, y));
+            default:
+                return bad();
         }
     }
 
@@ -697,7 +746,8 @@ class Evaluator {
                 }
                 return Value::integer(acc);
             }
-            default: return Value();
+            default:
+                return Value();
         }
     }
 
@@ -705,7 +755,8 @@ class Evaluator {
         if (n <= 0) return v.kind == Kind::string ? Value::string("") : Value::list({}, v.tuple);
         const size_t unit = v.kind == Kind::string ? v.str().size() : v.items().size();
         if (unit != 0 && static_cast<uint64_t>(n) > lim_.max_string / unit)
-            error(e, "repeating a ", type_name(v), " ", n, " times exceeds ", lim_.max_string, " bytes or elements (Limits::max_string)");
+            error(e, "repeating a ", type_name(v), " ", n, " times exceeds ", lim_.max_string,
+                  " bytes or elements (Limits::max_string)");
         charge(e, unit * static_cast<size_t>(n));
         if (v.kind == Kind::string) {
             std::string s;
@@ -741,7 +792,8 @@ class Evaluator {
 
     bool contains(const Expr& e, const Value& item, const Value& seq) {
         switch (seq.kind) {
-            case Kind::undefined: return false;
+            case Kind::undefined:
+                return false;
             case Kind::string:
                 if (item.kind != Kind::string)
                     error(e, "'in <string>' requires string as left operand, not ", type_name(item));
@@ -752,21 +804,31 @@ class Evaluator {
                     if (equals(v, item)) return true;
                 return false;
             case Kind::dict:
-            case Kind::ns: return seq.dict().find(item) != nullptr;
-            default: error(e, "argument of type '", type_name(seq), "' is not iterable");
+            case Kind::ns:
+                return seq.dict().find(item) != nullptr;
+            default:
+                error(e, "argument of type '", type_name(seq), "' is not iterable");
         }
     }
 
     bool compare(const Expr& e, CmpOp op, const Value& a, const Value& b) {
         switch (op) {
-            case CmpOp::eq: return equals(a, b);
-            case CmpOp::ne: return !equals(a, b);
-            case CmpOp::lt: return order(e, a, b, "<") < 0;
-            case CmpOp::le: return order(e, a, b, "<=") <= 0;
-            case CmpOp::gt: return order(e, a, b, ">") > 0;
-            case CmpOp::ge: return order(e, a, b, ">=") >= 0;
-            case CmpOp::in: return contains(e, a, b);
-            case CmpOp::not_in: return !contains(e, a, b);
+            case CmpOp::eq:
+                return equals(a, b);
+            case CmpOp::ne:
+                return !equals(a, b);
+            case CmpOp::lt:
+                return order(e, a, b, "<") < 0;
+            case CmpOp::le:
+                return order(e, a, b, "<=") <= 0;
+            case CmpOp::gt:
+                return order(e, a, b, ">") > 0;
+            case CmpOp::ge:
+                return order(e, a, b, ">=") >= 0;
+            case CmpOp::in:
+                return contains(e, a, b);
+            case CmpOp::not_in:
+                return !contains(e, a, b);
         }
         return false;
     }
@@ -777,8 +839,10 @@ class Evaluator {
         if (callee.op == Op::attr) {
             const Value obj = eval(*callee.kids[0], frame);
             require_defined(callee, obj);
-            if (obj.kind == Kind::string || obj.kind == Kind::list || obj.kind == Kind::dict || obj.kind == Kind::loop) {
-                const bool shadowed = obj.kind == Kind::dict && obj.dict().find(std::string_view(callee.name)) != nullptr &&
+            if (obj.kind == Kind::string || obj.kind == Kind::list || obj.kind == Kind::dict ||
+                obj.kind == Kind::loop) {
+                const bool shadowed = obj.kind == Kind::dict &&
+                                      obj.dict().find(std::string_view(callee.name)) != nullptr &&
                                       !is_dict_method(callee.name);
                 if (!shadowed) {
                     Args args;
@@ -835,7 +899,8 @@ class Evaluator {
     Value call_builtin(const Expr& e, const Callable& c, const Args& args, const Kwargs& kwargs) {
         switch (c.builtin) {
             case Builtin::range: {
-                if (!kwargs.empty() || args.empty() || args.size() > 3) error(e, "range() takes 1 to 3 integer arguments");
+                if (!kwargs.empty() || args.empty() || args.size() > 3)
+                    error(e, "range() takes 1 to 3 integer arguments");
                 for (const Value& a : args)
                     if (!is_intlike(a)) error(e, "range() takes integers, got a ", type_name(a));
                 const int64_t start = args.size() == 1 ? 0 : as_int(args[0]);
@@ -845,8 +910,8 @@ class Evaluator {
                 const long double len = step > 0 ? std::ceil((static_cast<long double>(stop) - start) / step)
                                                  : std::ceil((static_cast<long double>(start) - stop) / -step);
                 if (len > static_cast<long double>(lim_.max_iterations))
-                    error(e, "range() of ", static_cast<double>(len), " numbers exceeds the loop limit of ", lim_.max_iterations,
-                          " iterations (Limits::max_iterations)");
+                    error(e, "range() of ", static_cast<double>(len), " numbers exceeds the loop limit of ",
+                          lim_.max_iterations, " iterations (Limits::max_iterations)");
                 std::vector<Value> out;
                 for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) out.push_back(Value::integer(i));
                 charge(e, out.size());
@@ -867,7 +932,8 @@ class Evaluator {
                 error(e, "the template raised an exception: ", msg);
             }
             case Builtin::strftime_now: {
-                if (args.size() != 1 || args[0].kind != Kind::string) error(e, "strftime_now() takes one format string");
+                if (args.size() != 1 || args[0].kind != Kind::string)
+                    error(e, "strftime_now() takes one format string");
                 const std::time_t t = now_ ? *now_ : std::time(nullptr);
                 std::tm tm{};
                 localtime_r(&t, &tm);
@@ -878,7 +944,8 @@ class Evaluator {
                 if (n == 0 && !fmt.empty()) error(e, "strftime_now(): the format renders nothing or too much");
                 return Value::string(std::string(buf, n));
             }
-            default: error(e, "'", c.name, "' cannot be called here");
+            default:
+                error(e, "'", c.name, "' cannot be called here");
         }
     }
 
@@ -982,7 +1049,8 @@ class Evaluator {
             using mf::text::Category;
             const Category cat = mf::text::category(c);
             if (cat == Category::Lu || cat == Category::Ll || cat == Category::Lt)
-                error(e, what, ": case mapping of non-ASCII letters is not supported (", json::quote(s.substr(0, 40)), ")");
+                error(e, what, ": case mapping of non-ASCII letters is not supported (", json::quote(s.substr(0, 40)),
+                      ")");
         }
     }
     std::string map_case(const Expr& e, const std::string& s, int mode, const char* what) {
@@ -994,8 +1062,12 @@ class Evaluator {
             char& c = out[k];
             const bool alpha = std::isalpha(static_cast<unsigned char>(c)) != 0;
             switch (mode) {
-                case 0: c = static_cast<char>(std::tolower(static_cast<unsigned char>(c))); break;
-                case 1: c = static_cast<char>(std::toupper(static_cast<unsigned char>(c))); break;
+                case 0:
+                    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+                    break;
+                case 1:
+                    c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+                    break;
                 case 2:
                     c = static_cast<char>(prev_cased ? std::tolower(static_cast<unsigned char>(c))
                                                      : std::toupper(static_cast<unsigned char>(c)));
@@ -1017,7 +1089,8 @@ class Evaluator {
         return out;
     }
 
-    Value call_method(const Expr& e, const Value& obj, const std::string& name, const Args& args, const Kwargs& kwargs) {
+    Value call_method(const Expr& e, const Value& obj, const std::string& name, const Args& args,
+                      const Kwargs& kwargs) {
         const std::string what = std::string(type_name(obj)) + "." + name + "()";
         if (obj.kind == Kind::string) {
             const std::string& s = obj.str();
@@ -1036,17 +1109,21 @@ class Evaluator {
                 check_arity(e, what.c_str(), args, kwargs, 3, {"count"});
                 if (args.size() < 2 || args[0].kind != Kind::string || args[1].kind != Kind::string)
                     error(e, what, " takes two strings");
-                return Value::string(py_replace(e, s, args[0].str(), args[1].str(), int_arg(e, arg(args, kwargs, 2, "count"), -1, "count")));
+                return Value::string(py_replace(e, s, args[0].str(), args[1].str(),
+                                                int_arg(e, arg(args, kwargs, 2, "count"), -1, "count")));
             }
             if (name == "startswith" || name == "endswith") {
                 check_arity(e, what.c_str(), args, kwargs, 1, {});
                 if (args.empty()) error(e, what, " takes a string or a tuple of strings");
-                std::vector<Value> options = args[0].kind == Kind::list && args[0].tuple ? args[0].items() : Args{args[0]};
+                std::vector<Value> options =
+                    args[0].kind == Kind::list && args[0].tuple ? args[0].items() : Args{args[0]};
                 for (const Value& o : options) {
-                    if (o.kind != Kind::string) error(e, what, " takes a string or a tuple of strings, got a ", type_name(o));
+                    if (o.kind != Kind::string)
+                        error(e, what, " takes a string or a tuple of strings, got a ", type_name(o));
                     const std::string& p = o.str();
                     if (p.size() <= s.size() &&
-                        (name == "startswith" ? s.compare(0, p.size(), p) == 0 : s.compare(s.size() - p.size(), p.size(), p) == 0))
+                        (name == "startswith" ? s.compare(0, p.size(), p) == 0
+                                              : s.compare(s.size() - p.size(), p.size(), p) == 0))
                         return Value::boolean(true);
                 }
                 return Value::boolean(false);
@@ -1128,7 +1205,8 @@ class Evaluator {
             }
             if (name == "copy") return make_dict(entries);
             if (name == "pop" || name == "popitem" || name == "setdefault" || name == "update" || name == "clear")
-                error(e, "access to attribute '", name, "' of 'dict' object is unsafe (the sandbox keeps values immutable)");
+                error(e, "access to attribute '", name,
+                      "' of 'dict' object is unsafe (the sandbox keeps values immutable)");
         }
         if (obj.kind == Kind::list) {
             const auto& items = obj.items();
@@ -1172,13 +1250,27 @@ class Evaluator {
             if (c < 0x80) {
                 ++i;
                 switch (c) {
-                    case '"': out += "\\\""; break;
-                    case '\\': out += "\\\\"; break;
-                    case '\n': out += "\\n"; break;
-                    case '\r': out += "\\r"; break;
-                    case '\t': out += "\\t"; break;
-                    case '\b': out += "\\b"; break;
-                    case '\f': out += "\\f"; break;
+                    case '"':
+                        out += "\\\"";
+                        break;
+                    case '\\':
+                        out += "\\\\";
+                        break;
+                    case '\n':
+                        out += "\\n";
+                        break;
+                    case '\r':
+                        out += "\\r";
+                        break;
+                    case '\t':
+                        out += "\\t";
+                        break;
+                    case '\b':
+                        out += "\\b";
+                        break;
+                    case '\f':
+                        out += "\\f";
+                        break;
                     default:
                         if (c < 0x20) {
                             char buf[8];
@@ -1215,13 +1307,23 @@ class Evaluator {
             for (int k = 0; k < lvl; ++k) out += st.indent;
         };
         switch (v.kind) {
-            case Kind::none: out += "null"; return;
-            case Kind::boolean: out += v.b ? "true" : "false"; return;
-            case Kind::integer: out += std::to_string(v.i); return;
-            case Kind::floating:
-                out += std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f < 0 ? "-Infinity" : "Infinity") : float_repr(v.f);
+            case Kind::none:
+                out += "null";
                 return;
-            case Kind::string: json_string(out, v.str(), st.ensure_ascii); return;
+            case Kind::boolean:
+                out += v.b ? "true" : "false";
+                return;
+            case Kind::integer:
+                out += std::to_string(v.i);
+                return;
+            case Kind::floating:
+                out += std::isnan(v.f)   ? "NaN"
+                       : std::isinf(v.f) ? (v.f < 0 ? "-Infinity" : "Infinity")
+                                         : float_repr(v.f);
+                return;
+            case Kind::string:
+                json_string(out, v.str(), st.ensure_ascii);
+                return;
             case Kind::list: {
                 const auto& items = v.items();
                 if (items.empty()) {
@@ -1273,8 +1375,10 @@ class Evaluator {
                 out += '}';
                 return;
             }
-            case Kind::undefined: error(e, "tojson: ", v.undefined_hint(), " (Object of type Undefined is not JSON serializable)");
-            default: error(e, "tojson: Object of type ", type_name(v), " is not JSON serializable");
+            case Kind::undefined:
+                error(e, "tojson: ", v.undefined_hint(), " (Object of type Undefined is not JSON serializable)");
+            default:
+                error(e, "tojson: Object of type ", type_name(v), " is not JSON serializable");
         }
     }
     Value tojson(const Expr& e, const Value& v, const Args& args, const Kwargs& kwargs) {
@@ -1317,14 +1421,17 @@ class Evaluator {
         for (;;) {  // "a.b.c", as Jinja's make_attrgetter
             const size_t dot = path.find('.', i);
             const std::string part = path.substr(i, dot == std::string::npos ? std::string::npos : dot - i);
-            bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; });
+            bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) {
+                return std::isdigit(static_cast<unsigned char>(c)) != 0;
+            });
             cur = digits ? get_item(e, cur, Value::integer(std::stoll(part))) : get_item(e, cur, Value::string(part));
             if (dot == std::string::npos) return cur;
             i = dot + 1;
         }
     }
 
-    Value sorted_values(const Expr& e, std::vector<Value> items, bool reverse, bool case_sensitive, const Value* attribute) {
+    Value sorted_values(const Expr& e, std::vector<Value> items, bool reverse, bool case_sensitive,
+                        const Value* attribute) {
         std::vector<std::pair<Value, Value>> keyed;
         for (Value& v : items) {
             Value key = attribute_of(e, v, attribute);
@@ -1344,7 +1451,8 @@ class Evaluator {
         std::vector<Value> out;
         const size_t first = attr ? 1 : 0;
         const Value* attribute = attr ? arg(args, kwargs, 0, "") : nullptr;
-        if (attr && (attribute == nullptr || attribute->kind != Kind::string)) error(e, "selectattr/rejectattr need an attribute name");
+        if (attr && (attribute == nullptr || attribute->kind != Kind::string))
+            error(e, "selectattr/rejectattr need an attribute name");
         int test = -1;
         if (args.size() > first) {
             if (args[first].kind != Kind::string) error(e, "the test name must be a string");
@@ -1369,8 +1477,10 @@ class Evaluator {
             return x.str();
         };
         switch (f) {
-            case Filter::safe: return v;
-            case Filter::string: return v.kind == Kind::string ? v : Value::string(to_str(v));
+            case Filter::safe:
+                return v;
+            case Filter::string:
+                return v.kind == Kind::string ? v : Value::string(to_str(v));
             case Filter::default_: {
                 check_arity(e, fname, args, kwargs, 2, {"default_value", "boolean"});
                 const Value* def = arg(args, kwargs, 0, "default_value");
@@ -1380,12 +1490,17 @@ class Evaluator {
             }
             case Filter::length:
                 switch (v.kind) {
-                    case Kind::undefined: return Value::integer(0);
-                    case Kind::string: return Value::integer(static_cast<int64_t>(cp_count(v.str())));
-                    case Kind::list: return Value::integer(static_cast<int64_t>(v.items().size()));
+                    case Kind::undefined:
+                        return Value::integer(0);
+                    case Kind::string:
+                        return Value::integer(static_cast<int64_t>(cp_count(v.str())));
+                    case Kind::list:
+                        return Value::integer(static_cast<int64_t>(v.items().size()));
                     case Kind::dict:
-                    case Kind::ns: return Value::integer(static_cast<int64_t>(v.dict().entries.size()));
-                    default: error(e, "object of type '", type_name(v), "' has no len()");
+                    case Kind::ns:
+                        return Value::integer(static_cast<int64_t>(v.dict().entries.size()));
+                    default:
+                        error(e, "object of type '", type_name(v), "' has no len()");
                 }
             case Filter::first:
             case Filter::last: {
@@ -1394,7 +1509,8 @@ class Evaluator {
                 if (items.empty()) return Value::undefined("the sequence is empty");
                 return f == Filter::first ? items.front() : items.back();
             }
-            case Filter::list: return Value::list(iterate(v, e.line, e.col));
+            case Filter::list:
+                return Value::list(iterate(v, e.line, e.col));
             case Filter::items: {
                 if (v.kind == Kind::undefined) return Value::list({});
                 if (v.kind != Kind::dict) error(e, "the 'items' filter needs a mapping, got a ", type_name(v));
@@ -1416,13 +1532,18 @@ class Evaluator {
                 charge(e, out.size());
                 return Value::string(std::move(out));
             }
-            case Filter::lower: return Value::string(map_case(e, to_str(v), 0, "lower"));
-            case Filter::upper: return Value::string(map_case(e, to_str(v), 1, "upper"));
-            case Filter::title: return Value::string(map_case(e, to_str(v), 4, "title"));
-            case Filter::capitalize: return Value::string(map_case(e, to_str(v), 3, "capitalize"));
+            case Filter::lower:
+                return Value::string(map_case(e, to_str(v), 0, "lower"));
+            case Filter::upper:
+                return Value::string(map_case(e, to_str(v), 1, "upper"));
+            case Filter::title:
+                return Value::string(map_case(e, to_str(v), 4, "title"));
+            case Filter::capitalize:
+                return Value::string(map_case(e, to_str(v), 3, "capitalize"));
             case Filter::trim: {
                 check_arity(e, fname, args, kwargs, 1, {"chars"});
-                return Value::string(py_strip(to_str(v), str_arg(e, arg(args, kwargs, 0, "chars"), "chars"), true, true));
+                return Value::string(
+                    py_strip(to_str(v), str_arg(e, arg(args, kwargs, 0, "chars"), "chars"), true, true));
             }
             case Filter::replace: {
                 check_arity(e, fname, args, kwargs, 3, {"old", "new", "count"});
@@ -1449,7 +1570,8 @@ class Evaluator {
                     char* end = nullptr;
                     errno = 0;
                     const long long x = std::strtoll(digits.c_str(), &end, 10);
-                    if (!digits.empty() && end == digits.c_str() + digits.size() && errno == 0) return Value::integer(x);
+                    if (!digits.empty() && end == digits.c_str() + digits.size() && errno == 0)
+                        return Value::integer(x);
                     const double d = std::strtod(s.c_str(), &end);
                     if (!s.empty() && end == s.c_str() + s.size() && std::isfinite(d) && std::fabs(d) < 9.2e18)
                         return Value::integer(static_cast<int64_t>(d));
@@ -1468,7 +1590,8 @@ class Evaluator {
                 }
                 return def != nullptr ? *def : Value::floating(0.0);
             }
-            case Filter::indent: return indent(e, to_str(v), args, kwargs);
+            case Filter::indent:
+                return indent(e, to_str(v), args, kwargs);
             case Filter::unique: {
                 check_arity(e, fname, args, kwargs, 2, {"case_sensitive", "attribute"});
                 const Value* cs = arg(args, kwargs, 0, "case_sensitive");
@@ -1518,21 +1641,37 @@ class Evaluator {
                 }
                 return Value::list(std::move(out));
             }
-            case Filter::select: return select(e, v, args, kwargs, false, true);
-            case Filter::reject: return select(e, v, args, kwargs, false, false);
-            case Filter::selectattr: return select(e, v, args, kwargs, true, true);
-            case Filter::rejectattr: return select(e, v, args, kwargs, true, false);
-            case Filter::tojson: return tojson(e, v, args, kwargs);
+            case Filter::select:
+                return select(e, v, args, kwargs, false, true);
+            case Filter::reject:
+                return select(e, v, args, kwargs, false, false);
+            case Filter::selectattr:
+                return select(e, v, args, kwargs, true, true);
+            case Filter::rejectattr:
+                return select(e, v, args, kwargs, true, false);
+            case Filter::tojson:
+                return tojson(e, v, args, kwargs);
             case Filter::escape: {
                 std::string out;
                 for (char c : to_str(v)) {
                     switch (c) {
-                        case '&': out += "&amp;"; break;
-                        case '<': out += "&lt;"; break;
-                        case '>': out += "&gt;"; break;
-                        case '"': out += "&#34;"; break;
-                        case '\'': out += "&#39;"; break;
-                        default: out += c;
+                        case '&':
+                            out += "&amp;";
+                            break;
+                        case '<':
+                            out += "&lt;";
+                            break;
+                        case '>':
+                            out += "&gt;";
+                            break;
+                        case '"':
+                            out += "&#34;";
+                            break;
+                        case '\'':
+                            out += "&#39;";
+                            break;
+                        default:
+                            out += c;
                     }
                 }
                 return Value::string(std::move(out));
@@ -1546,7 +1685,8 @@ class Evaluator {
                 error(e, "bad operand type for abs(): '", type_name(v), "'");
             case Filter::round: {
                 check_arity(e, fname, args, kwargs, 2, {"precision", "method"});
-                const int64_t precision = std::clamp<int64_t>(int_arg(e, arg(args, kwargs, 0, "precision"), 0, "precision"), -20, 20);
+                const int64_t precision =
+                    std::clamp<int64_t>(int_arg(e, arg(args, kwargs, 0, "precision"), 0, "precision"), -20, 20);
                 const std::string* method = str_arg(e, arg(args, kwargs, 1, "method"), "method");
                 if (!is_numeric(v)) error(e, "round needs a number, got a ", type_name(v));
                 const double x = as_double(v);
@@ -1570,15 +1710,16 @@ class Evaluator {
                 const Value* attribute = arg(args, kwargs, 0, "attribute");
                 const Value* start = arg(args, kwargs, 1, "start");
                 Value acc = start != nullptr ? *start : Value::integer(0);
-                for (const Value& x : iterate(v, e.line, e.col)) acc = binary(e, BinOp::add, acc, attribute_of(e, x, attribute));
+                for (const Value& x : iterate(v, e.line, e.col))
+                    acc = binary(e, BinOp::add, acc, attribute_of(e, x, attribute));
                 return acc;
             }
             case Filter::sort: {
                 check_arity(e, fname, args, kwargs, 3, {"reverse", "case_sensitive", "attribute"});
                 const Value* rev = arg(args, kwargs, 0, "reverse");
                 const Value* cs = arg(args, kwargs, 1, "case_sensitive");
-                return sorted_values(e, iterate(v, e.line, e.col), rev != nullptr && truthy(*rev), cs != nullptr && truthy(*cs),
-                                     arg(args, kwargs, 2, "attribute"));
+                return sorted_values(e, iterate(v, e.line, e.col), rev != nullptr && truthy(*rev),
+                                     cs != nullptr && truthy(*cs), arg(args, kwargs, 2, "attribute"));
             }
             case Filter::dictsort: {
                 if (v.kind != Kind::dict) error(e, "dictsort needs a mapping");
@@ -1586,8 +1727,10 @@ class Evaluator {
                 const Value* cs = arg(args, kwargs, 0, "case_sensitive");
                 const Value* by = arg(args, kwargs, 1, "by");
                 const Value* rev = arg(args, kwargs, 2, "reverse");
-                const Value index = Value::integer(by != nullptr && by->kind == Kind::string && by->str() == "value" ? 1 : 0);
-                return sorted_values(e, std::move(pairs), rev != nullptr && truthy(*rev), cs != nullptr && truthy(*cs), &index);
+                const Value index =
+                    Value::integer(by != nullptr && by->kind == Kind::string && by->str() == "value" ? 1 : 0);
+                return sorted_values(e, std::move(pairs), rev != nullptr && truthy(*rev), cs != nullptr && truthy(*cs),
+                                     &index);
             }
             case Filter::reverse: {
                 if (v.kind == Kind::string) {
@@ -1689,21 +1832,35 @@ class Evaluator {
             return args[0];
         };
         switch (t) {
-            case Test::defined: return v.kind != Kind::undefined;
-            case Test::undefined: return v.kind == Kind::undefined;
-            case Test::none: return v.kind == Kind::none;
-            case Test::boolean: return v.kind == Kind::boolean;
-            case Test::true_: return v.kind == Kind::boolean && v.b;
-            case Test::false_: return v.kind == Kind::boolean && !v.b;
-            case Test::integer: return v.kind == Kind::integer;
-            case Test::float_: return v.kind == Kind::floating;
-            case Test::number: return is_numeric(v);
-            case Test::string: return v.kind == Kind::string;
-            case Test::mapping: return v.kind == Kind::dict;
+            case Test::defined:
+                return v.kind != Kind::undefined;
+            case Test::undefined:
+                return v.kind == Kind::undefined;
+            case Test::none:
+                return v.kind == Kind::none;
+            case Test::boolean:
+                return v.kind == Kind::boolean;
+            case Test::true_:
+                return v.kind == Kind::boolean && v.b;
+            case Test::false_:
+                return v.kind == Kind::boolean && !v.b;
+            case Test::integer:
+                return v.kind == Kind::integer;
+            case Test::float_:
+                return v.kind == Kind::floating;
+            case Test::number:
+                return is_numeric(v);
+            case Test::string:
+                return v.kind == Kind::string;
+            case Test::mapping:
+                return v.kind == Kind::dict;
             case Test::iterable:
-                return v.kind == Kind::string || v.kind == Kind::list || v.kind == Kind::dict || v.kind == Kind::undefined;
-            case Test::sequence: return v.kind == Kind::string || v.kind == Kind::list || v.kind == Kind::dict;
-            case Test::callable: return v.kind == Kind::callable;
+                return v.kind == Kind::string || v.kind == Kind::list || v.kind == Kind::dict ||
+                       v.kind == Kind::undefined;
+            case Test::sequence:
+                return v.kind == Kind::string || v.kind == Kind::list || v.kind == Kind::dict;
+            case Test::callable:
+                return v.kind == Kind::callable;
             case Test::odd:
             case Test::even:
             case Test::divisibleby: {
@@ -1715,13 +1872,20 @@ class Evaluator {
                 if (!is_intlike(d) || as_int(d) == 0) error(e, "divisibleby needs a non-zero integer");
                 return as_int(v) % as_int(d) == 0;
             }
-            case Test::eq: return equals(v, need_arg());
-            case Test::ne: return !equals(v, need_arg());
-            case Test::lt: return order(e, v, need_arg(), "<") < 0;
-            case Test::le: return order(e, v, need_arg(), "<=") <= 0;
-            case Test::gt: return order(e, v, need_arg(), ">") > 0;
-            case Test::ge: return order(e, v, need_arg(), ">=") >= 0;
-            case Test::in: return contains(e, v, need_arg());
+            case Test::eq:
+                return equals(v, need_arg());
+            case Test::ne:
+                return !equals(v, need_arg());
+            case Test::lt:
+                return order(e, v, need_arg(), "<") < 0;
+            case Test::le:
+                return order(e, v, need_arg(), "<=") <= 0;
+            case Test::gt:
+                return order(e, v, need_arg(), ">") > 0;
+            case Test::ge:
+                return order(e, v, need_arg(), ">=") >= 0;
+            case Test::in:
+                return contains(e, v, need_arg());
             case Test::sameas: {
                 const Value& o = need_arg();
                 if (v.kind != o.kind) return false;

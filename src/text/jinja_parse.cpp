@@ -85,10 +85,11 @@ class Lexer {
                 break;
             }
             const char kind = src_[open + 1];
-            const char sign = open + 2 < src_.size() && (src_[open + 2] == '-' || src_[open + 2] == '+') ? src_[open + 2] : 0;
+            const char sign =
+                open + 2 < src_.size() && (src_[open + 2] == '-' || src_[open + 2] == '+') ? src_[open + 2] : 0;
             if (sign == '-') {
                 text = text.substr(0, rstrip_len(text));
-            } else if (sign != '+' && kind != '{') {  // lstrip_blocks
+            } else if (sign != '+' && kind != '{') {        // lstrip_blocks
                 const size_t l_pos = text.rfind('\n') + 1;  // npos + 1 == 0
                 if (l_pos > 0 || line_starting) {
                     bool all_space = l_pos < text.size();
@@ -237,7 +238,8 @@ class Lexer {
             }
             if (std::isalpha(static_cast<unsigned char>(c)) || c == '_') {
                 const size_t start = pos_;
-                while (pos_ < src_.size() && (std::isalnum(static_cast<unsigned char>(src_[pos_])) || src_[pos_] == '_'))
+                while (pos_ < src_.size() &&
+                       (std::isalnum(static_cast<unsigned char>(src_[pos_])) || src_[pos_] == '_'))
                     ++pos_;
                 push(Tok::name, start, src_.substr(start, pos_ - start));
             } else if (std::isdigit(static_cast<unsigned char>(c))) {
@@ -288,7 +290,8 @@ class Lexer {
         } else {
             t.type = Tok::integer;
             const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), t.int_value);
-            if (r.ec != std::errc()) error(start, "integer literal " + digits + " is out of range (64-bit integers only)");
+            if (r.ec != std::errc())
+                error(start, "integer literal " + digits + " is out of range (64-bit integers only)");
         }
         tokens_.push_back(std::move(t));
     }
@@ -308,17 +311,38 @@ class Lexer {
             if (pos_ >= src_.size()) error(start, "unterminated string literal");
             const char e = src_[pos_++];
             switch (e) {
-                case 'n': out += '\n'; break;
-                case 't': out += '\t'; break;
-                case 'r': out += '\r'; break;
-                case '\\': out += '\\'; break;
-                case '\'': out += '\''; break;
-                case '"': out += '"'; break;
-                case 'a': out += '\a'; break;
-                case 'b': out += '\b'; break;
-                case 'f': out += '\f'; break;
-                case 'v': out += '\v'; break;
-                case '\n': break;  // line continuation
+                case 'n':
+                    out += '\n';
+                    break;
+                case 't':
+                    out += '\t';
+                    break;
+                case 'r':
+                    out += '\r';
+                    break;
+                case '\\':
+                    out += '\\';
+                    break;
+                case '\'':
+                    out += '\'';
+                    break;
+                case '"':
+                    out += '"';
+                    break;
+                case 'a':
+                    out += '\a';
+                    break;
+                case 'b':
+                    out += '\b';
+                    break;
+                case 'f':
+                    out += '\f';
+                    break;
+                case 'v':
+                    out += '\v';
+                    break;
+                case '\n':
+                    break;  // line continuation
                 case 'x':
                 case 'u':
                 case 'U': {
@@ -328,8 +352,9 @@ class Lexer {
                         const char h = pos_ < src_.size() ? src_[pos_] : 0;
                         if (!std::isxdigit(static_cast<unsigned char>(h)))
                             error(pos_, std::string("truncated \\") + e + " escape in a string literal");
-                        cp = cp * 16 + static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h)) ? h - '0'
-                                                                                                       : (h | 0x20) - 'a' + 10);
+                        cp = cp * 16 + static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h))
+                                                                 ? h - '0'
+                                                                 : (h | 0x20) - 'a' + 10);
                         ++pos_;
                     }
                     if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
@@ -371,8 +396,8 @@ class Lexer {
             pos_ += n;
             return;
         }
-        error(pos_, std::string("unexpected character ") + json::quote(src_.substr(pos_, mf::text::utf8_length(
-                                                                                             static_cast<unsigned char>(src_[pos_])))));
+        error(pos_, std::string("unexpected character ") +
+                        json::quote(src_.substr(pos_, mf::text::utf8_length(static_cast<unsigned char>(src_[pos_])))));
     }
 
     std::string src_;
@@ -387,17 +412,27 @@ class Lexer {
 
 std::string describe(const Token& t) {
     switch (t.type) {
-        case Tok::text: return "text";
-        case Tok::var_begin: return "'{{'";
-        case Tok::var_end: return "'}}'";
-        case Tok::block_begin: return "'{%'";
-        case Tok::block_end: return "'%}'";
-        case Tok::name: return "'" + t.value + "'";
-        case Tok::string: return "a string";
+        case Tok::text:
+            return "text";
+        case Tok::var_begin:
+            return "'{{'";
+        case Tok::var_end:
+            return "'}}'";
+        case Tok::block_begin:
+            return "'{%'";
+        case Tok::block_end:
+            return "'%}'";
+        case Tok::name:
+            return "'" + t.value + "'";
+        case Tok::string:
+            return "a string";
         case Tok::integer:
-        case Tok::floating: return "a number";
-        case Tok::op: return "'" + t.value + "'";
-        case Tok::eof: return "the end of the template";
+        case Tok::floating:
+            return "a number";
+        case Tok::op:
+            return "'" + t.value + "'";
+        case Tok::eof:
+            return "the end of the template";
     }
     return "?";
 }
@@ -512,19 +547,19 @@ class Parser {
 
     static std::string join_ends(const std::vector<std::string>& ends) {
         std::string s;
-        for (size_t k = 0; k < ends.size(); ++k) s += (k == 0 ? "'" : k + 1 == ends.size() ? " or '" : ", '") + ends[k] + "'";
+        for (size_t k = 0; k < ends.size(); ++k)
+            s += (k == 0 ? "'" : k + 1 == ends.size() ? " or '" : ", '") + ends[k] + "'";
         return s;
     }
 
     // The body of a block that `open` started; returns at the end tag named in `ends` (consumed name).
-    std::vector<StmtPtr> parse_block_body(const Token& open, const std::string& what, const std::vector<std::string>& ends,
-                                          std::string* ended_with) {
+    std::vector<StmtPtr> parse_block_body(const Token& open, const std::string& what,
+                                          const std::vector<std::string>& ends, std::string* ended_with) {
         DepthGuard g(*this);
         std::vector<StmtPtr> body = parse_body(ends);
         if (cur().type == Tok::eof)
-            error_at(cur(), "expected " + join_ends(ends) + " before the end of the template (the '" + what +
-                                "' at " + std::to_string(open.line) + ":" + std::to_string(open.col) +
-                                " is not closed)");
+            error_at(cur(), "expected " + join_ends(ends) + " before the end of the template (the '" + what + "' at " +
+                                std::to_string(open.line) + ":" + std::to_string(open.col) + " is not closed)");
         *ended_with = cur().value;
         next();
         return body;
@@ -563,7 +598,8 @@ class Parser {
         if (n == "extends" || n == "include" || n == "import" || n == "from" || n == "block" || n == "do" ||
             n == "with" || n == "autoescape" || n == "trans")
             error_at(t, "the '" + n + "' tag is not supported in chat templates");
-        std::string msg = "unknown tag '" + n + "'";
+        std::string msg =
+            (n.rfind("end", 0) == 0 || n == "elif" || n == "else" ? "unexpected '" : "unknown tag '") + n + "'";
         if (!outer_ends.empty()) msg += " (expected " + join_ends(outer_ends) + ")";
         error_at(t, msg);
     }
@@ -733,8 +769,8 @@ class Parser {
                 comma = true;
             }
             if (cur().type == Tok::var_end || cur().type == Tok::block_end || is_op(")") ||
-                (cur().type == Tok::name && (cur().value == "if" || cur().value == "in" || cur().value == "recursive") &&
-                 !items.empty()))
+                (cur().type == Tok::name &&
+                 (cur().value == "if" || cur().value == "in" || cur().value == "recursive") && !items.empty()))
                 break;
             if (explicit_parens && items.empty() && is_op(")")) break;
             items.push_back(with_condexpr ? parse_expression() : parse_or());
@@ -806,13 +842,20 @@ class Parser {
         ExprPtr e;
         for (;;) {
             CmpOp op;
-            if (is_op("==")) op = CmpOp::eq;
-            else if (is_op("!=")) op = CmpOp::ne;
-            else if (is_op("<")) op = CmpOp::lt;
-            else if (is_op("<=")) op = CmpOp::le;
-            else if (is_op(">")) op = CmpOp::gt;
-            else if (is_op(">=")) op = CmpOp::ge;
-            else if (is_name("in")) op = CmpOp::in;
+            if (is_op("=="))
+                op = CmpOp::eq;
+            else if (is_op("!="))
+                op = CmpOp::ne;
+            else if (is_op("<"))
+                op = CmpOp::lt;
+            else if (is_op("<="))
+                op = CmpOp::le;
+            else if (is_op(">"))
+                op = CmpOp::gt;
+            else if (is_op(">="))
+                op = CmpOp::ge;
+            else if (is_name("in"))
+                op = CmpOp::in;
             else if (is_name("not") && peek().type == Tok::name && peek().value == "in") {
                 next();
                 op = CmpOp::not_in;
@@ -852,11 +895,16 @@ class Parser {
         ExprPtr left = parse_pow();
         for (;;) {
             BinOp op;
-            if (is_op("*")) op = BinOp::mul;
-            else if (is_op("/")) op = BinOp::div;
-            else if (is_op("//")) op = BinOp::floordiv;
-            else if (is_op("%")) op = BinOp::mod;
-            else break;
+            if (is_op("*"))
+                op = BinOp::mul;
+            else if (is_op("/"))
+                op = BinOp::div;
+            else if (is_op("//"))
+                op = BinOp::floordiv;
+            else if (is_op("%"))
+                op = BinOp::mod;
+            else
+                break;
             const Token t = cur();
             next();
             left = binary_node(Op::binary, t, std::move(left), parse_pow(), static_cast<uint8_t>(op));
@@ -893,9 +941,12 @@ class Parser {
         if (t.type == Tok::name) {
             next();
             ExprPtr e = node(Op::constant, t);
-            if (t.value == "true" || t.value == "True") e->constant = Value::boolean(true);
-            else if (t.value == "false" || t.value == "False") e->constant = Value::boolean(false);
-            else if (t.value == "none" || t.value == "None") e->constant = Value::none();
+            if (t.value == "true" || t.value == "True")
+                e->constant = Value::boolean(true);
+            else if (t.value == "false" || t.value == "False")
+                e->constant = Value::boolean(false);
+            else if (t.value == "none" || t.value == "None")
+                e->constant = Value::none();
             else {
                 e->op = Op::name;
                 e->name = t.value;
