@@ -295,8 +295,19 @@ TEST(ChatDetect, RealTemplatesAndHarmlessRewrites) {
               ChatFormat::chatml_qwen2);
     // The fixture tokenizer's own template, found through the tokenizer.
     EXPECT_EQ(mf::text::resolve_chat_format("auto", fixture_tokenizer(), tokenizer_dir()), ChatFormat::chatml_qwen2);
-    EXPECT_EQ(mf::text::resolve_chat_format("chatml_qwen3", fixture_tokenizer(), tokenizer_dir()),
-              ChatFormat::chatml_qwen3);
+    EXPECT_EQ(mf::text::resolve_chat_format("chatml_qwen2", fixture_tokenizer(), tokenizer_dir()),
+              ChatFormat::chatml_qwen2);
+    // Forcing a format the model's template does not render is an error naming the difference.
+    for (const char* forced : {"chatml", "chatml_qwen2_5", "chatml_qwen3"}) {
+        try {
+            mf::text::resolve_chat_format(forced, fixture_tokenizer(), tokenizer_dir());
+            ADD_FAILURE() << forced << " was accepted for the Qwen2 template";
+        } catch (const mf::Error& e) {
+            EXPECT_NE(std::string(e.what()).find(std::string("renders conversations differently from ") + forced),
+                      std::string::npos)
+                << e.what();
+        }
+    }
 }
 
 TEST(ChatDetect, RefusesTemplatesWeDoNotRender) {

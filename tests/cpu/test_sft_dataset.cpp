@@ -107,14 +107,17 @@ TEST_F(SftTest, MessagesUseTheTokenizersTemplate) {
     EXPECT_EQ(tok().decode(learned_ids(ds.docs[0])), "4<|im_end|>\n");
     EXPECT_EQ(tok().decode(learned_ids(ds.docs[1])), "Hello<|im_end|>\nBye!<|im_end|>\n");
 
-    // An explicit chat format overrides the template; loss_on: all learns every token.
+    // A named chat format must be the template's own (naming another is an error: test_chat); loss_on: all
+    // learns every token.
     SftOptions o = options(SftFormat::messages);
-    o.chat_format = "chatml";
+    o.chat_format = "chatml_qwen2";
     o.loss_on = mf::text::LossOn::all;
     const TokenDataset plain =
         read(R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})", o);
-    EXPECT_EQ(plain.docs[0].input_ids,
-              tok().encode("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"));
+    EXPECT_EQ(
+        plain.docs[0].input_ids,
+        tok().encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>"
+                     "\n<|im_start|>assistant\n4<|im_end|>\n"));
     EXPECT_EQ(plain.docs[0].labels, plain.docs[0].input_ids);
 }
 
@@ -293,8 +296,14 @@ TEST_F(SftTest, SetupErrorsStopEvenInSkipMode) {
     } catch (const mf::Error& e) {
         EXPECT_NE(std::string(e.what()).find("data.chat_format"), std::string::npos) << e.what();
     }
-    o.chat_format = "chatml_qwen3";  // naming a format works
-    EXPECT_EQ(mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o).docs.size(), 1u);
+    o.chat_format = "chatml_qwen3";  // naming a format the template does not render is an error too
+    try {
+        mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
+        FAIL() << "a chat format unlike the model's template was accepted";
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("renders conversations differently from chatml_qwen3"), std::string::npos)
+            << e.what();
+    }
     // Text without a tokenizer; text with a tokenizer that has no eos token.
     try {
         mf::data::read_sft_jsonl(write("t.jsonl", "{\"text\": \"a\"}\n"), nullptr, o);
