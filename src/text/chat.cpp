@@ -394,12 +394,13 @@ std::vector<std::vector<ChatMessage>> probe_conversations() {
 }
 
 // An mf::Error unless the model's template renders the probe conversations as `format` does.
-void check_forced_format(ChatFormat format, const std::string& chat_template, const std::string& where) {
+void check_forced_format(ChatFormat format, const Tokenizer& tokenizer, const std::filesystem::path& dir,
+                         const std::string& where) {
     const std::string hint = std::string(" (data.chat_format: ") + chat_format_name(format) +
                              " was set; use auto to train the model's own format)";
     std::optional<ChatTemplate> t;
     try {
-        t = ChatTemplate::from_source(chat_template, json::Value::object(), where + " chat_template");
+        t = ChatTemplate::load(tokenizer, dir);
     } catch (const Error& e) {
         fail(where, ": cannot check the chat template against ", chat_format_name(format), ": ", e.what(), hint);
     }
@@ -431,7 +432,7 @@ ChatFormat resolve_chat_format(std::string_view setting, const Tokenizer& tokeni
     const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
     if (setting != "auto") {
         const ChatFormat format = parse_chat_format(setting);
-        if (t) check_forced_format(format, *t, where);
+        if (t) check_forced_format(format, tokenizer, tokenizer_dir, where);
         return format;
     }
     if (!t)
@@ -574,7 +575,10 @@ std::optional<TemplateTexts> find_template_texts(const Tokenizer& tokenizer, con
     t.where = dir.empty() ? std::string("tokenizer") : dir.string();
     const json::Value& config = tokenizer.config();
     const json::Value* list = config.is_object() ? config.find("chat_template") : nullptr;
-    if (list != nullptr && list->is_array())
+    const bool from_file =
+        !dir.empty() &&
+        std::filesystem::exists((std::filesystem::is_directory(dir) ? dir : dir.parent_path()) / "chat_template.jinja");
+    if (list != nullptr && list->is_array() && !from_file)
         for (const json::Value& e : list->as_array()) {
             const json::Value* name = e.is_object() ? e.find("name") : nullptr;
             const json::Value* body = e.is_object() ? e.find("template") : nullptr;
@@ -713,11 +717,11 @@ ChatTemplate::Spans ChatTemplate::learned_spans(const json::Value& conversation,
     auto is_prefix = [&](const std::string& p) { return out.text.compare(0, p.size(), p) == 0; };
     size_t prompt_end = 0;  // text before it belongs to messages[:first_learnable]
     if (first_learnable > 0 && first_learnable <= msgs.size()) {
-        const std::string p = render_prefix(first_learnable, true);
+        const std::string p = render_prefix(first_learnable, false);
         if (!is_prefix(p))
             fail(name(), ": the rendering of the prompt's ", first_learnable,
-                 " messages with the generation prompt is not a prefix of the whole conversation's, so the prompt "
-                 "cannot be told apart from the completion");
+                 " messages is not a prefix of the whole conversation's, so the prompt cannot be told apart from the "
+                 "completion");
         prompt_end = p.size();
     }
     if (t.has_generation_blocks()) {
@@ -825,7 +829,7 @@ ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& to
             // Recognised, and rendering the probes as the interpreter does (a safety net for the
             // recogniser): the fast path.
             const ChatFormat format = detect_chat_format(*t, where + " chat_template");
-            check_forced_format(format, *t, where);
+            check_forced_format(format, tokenizer, tokenizer_dir, where);
             r.format = format;
             return r;
         } catch (const Error&) {

@@ -147,7 +147,8 @@ class ChatTemplate {
     // the generation prompt and that of messages[:i+1] (TRL's prefix rule), both of which must be
     // prefixes of the whole rendering, else mf::Error naming the message (the template's
     // assistant spans cannot be found: give it {% generation %} blocks). Messages before
-    // `first_learnable` (a prompt) are never learned. add_generation_prompt is false here.
+    // `first_learnable` (a prompt) are never learned: nothing inside the rendering of
+    // messages[:first_learnable]. add_generation_prompt is false here.
     struct Spans {
         std::string text;
         std::vector<std::pair<size_t, size_t>> learned;
