@@ -761,31 +761,46 @@ TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const ChatTemplate& chat
     }
     const ChatTemplate::Spans spans = chat_template.learned_spans(conversation, first_learnable);
     out.input_ids = tokenizer.encode(spans.text, false);
-    out.labels.assign(out.input_ids.size(), kIgnoreLabel);
+    std::vector<int32_t> mask;
+    try {
+        mask = spans_to_token_mask(tokenizer, spans.text, out.input_ids, spans.learned);
+    } catch (const Error& e) {
+        fail(chat_template.name(), ": ", e.what());
+    }
+    out.labels.resize(out.input_ids.size());
+    for (size_t t = 0; t < mask.size(); ++t) out.labels[t] = mask[t] != 0 ? out.input_ids[t] : kIgnoreLabel;
+    return out;
+}
+
+std::vector<int32_t> spans_to_token_mask(const Tokenizer& tokenizer, const std::string& text,
+                                         const std::vector<int32_t>& ids,
+                                         const std::vector<std::pair<size_t, size_t>>& spans) {
+    std::vector<int32_t> mask(ids.size(), 0);
     std::vector<size_t> cuts;
-    for (const auto& [b, e] : spans.learned)
+    for (const auto& [b, e] : spans) {
+        if (e > text.size() || b > e) fail("an assistant span [", b, ", ", e, ") lies outside the text");
         if (e > b) {
             cuts.push_back(b);
             cuts.push_back(e);
         }
+    }
     std::vector<Boundary> where;
     try {
-        where = locate_boundaries(tokenizer, spans.text, out.input_ids, cuts);
+        where = locate_boundaries(tokenizer, text, ids, cuts);
     } catch (const Error& e) {
-        fail(chat_template.name(), ": an assistant span does not start or end on a character boundary (", e.what(),
-             ")");
+        fail("an assistant span does not start or end on a character boundary (", e.what(), ")");
     }
-    const size_t n = out.input_ids.size();
+    const size_t n = ids.size();
     for (size_t k = 0; k + 1 < where.size(); k += 2) {
-        // HF: from the token holding the first byte to the one holding the last (end_token of 0 or
-        // none: to the end).
+        // HF: from the token holding the first byte to the one holding the last (an end token of
+        // 0 or none: to the end).
         const size_t first = where[k].tokens_before;
         if (first >= n) break;
         size_t last = where[k + 1].inside_token ? where[k + 1].tokens_before : where[k + 1].tokens_before - 1;
         if (last == 0 || last >= n) last = n - 1;
-        for (size_t t = first; t <= last; ++t) out.labels[t] = out.input_ids[t];
+        for (size_t t = first; t <= last; ++t) mask[t] = 1;
     }
-    return out;
+    return mask;
 }
 
 json::Value conversation_json(const std::vector<ChatMessage>& messages) {

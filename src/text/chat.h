@@ -173,6 +173,12 @@ class ChatTemplate {
 TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
                             const json::Value& conversation, LossOn loss_on, size_t first_learnable = 0);
 
+// HF's assistant mask of byte spans over `text`'s encoding `ids`: 1 from the token holding a span's
+// first byte to the one holding its last byte, 0 elsewhere; empty spans mark nothing.
+std::vector<int32_t> spans_to_token_mask(const Tokenizer& tokenizer, const std::string& text,
+                                         const std::vector<int32_t>& ids,
+                                         const std::vector<std::pair<size_t, size_t>>& spans);
+
 // The conversation object for `messages` (what sft_dataset reads is turned into this).
 json::Value conversation_json(const std::vector<ChatMessage>& messages);
 

@@ -681,3 +681,43 @@ TEST(ChatTemplate, FamilyTemplatesMatchTransformersFixtures) {
     }
     EXPECT_GT(n, 0);
 }
+
+TEST(ChatTemplate, TokenizeChatCommand) {
+    const fs::path dir = mf::test::temp_dir("chat_cli");
+    const fs::path in = dir / "conv.json";
+    mf::test::write_file(
+        in, R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})");
+    const std::string cmd =
+        mf::test::moeforge_binary() + " tokenize --tokenizer " + tokenizer_dir().string() + " --chat";
+    std::string out;
+    out.clear();
+    ASSERT_EQ(mf::test::run_command(cmd + " < " + in.string(), &out), 0) << out;
+    const std::string expected =
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello<|im_end|>\n";
+    EXPECT_EQ(out, expected);
+    out.clear();
+    ASSERT_EQ(mf::test::run_command(cmd + " --json < " + in.string(), &out), 0) << out;
+    const Value v = mf::json::parse(out, "tokenize --chat --json");
+    EXPECT_EQ(v.find("text")->as_string(), expected);
+    const std::vector<int32_t> ids = ints(*v.find("ids"));
+    EXPECT_EQ(ids, fixture_tokenizer().encode(expected, false));
+    const std::vector<int32_t> mask = ints(*v.find("assistant_mask"));
+    ASSERT_EQ(mask.size(), ids.size());
+    std::vector<int32_t> learned;
+    for (size_t k = 0; k < ids.size(); ++k)
+        if (mask[k] == 1) learned.push_back(ids[k]);
+    EXPECT_EQ(fixture_tokenizer().decode(learned), "Hello<|im_end|>\n");
+    // A generation prompt; a malformed conversation is an error naming what was expected.
+    mf::test::write_file(in, R"({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": true})");
+    out.clear();
+    ASSERT_EQ(mf::test::run_command(cmd + " < " + in.string(), &out), 0) << out;
+    EXPECT_EQ(out,
+              "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+              "<|im_start|>assistant\n");
+    mf::test::write_file(in, R"([1, 2])");
+    out.clear();
+    EXPECT_NE(mf::test::run_command(cmd + " < " + in.string(), &out), 0);
+    EXPECT_NE(out.find("expected a JSON object {\"messages\""), std::string::npos) << out;
+    fs::remove_all(dir);
+}
