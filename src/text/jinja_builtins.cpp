@@ -1,5 +1,6 @@
 // Jinja values as Python sees them (jinja_ast.h): construction, str() and repr() (floats as
 // Python's shortest repr), truth, equality, conversion from JSON, and the filter/test name tables.
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -75,6 +76,19 @@ Value make_namespace(std::vector<std::pair<Value, Value>> entries) {
     return v;
 }
 
+namespace {
+
+const std::string& checked_utf8(const std::string& s) {
+    const size_t bad = find_invalid_utf8(s);
+    if (bad != std::string::npos)
+        fail("the chat template's input holds a string that is not valid UTF-8 (byte ", bad, " of ",
+             json::quote(s.substr(0, std::min<size_t>(bad, 40))), "...)");
+    return s;
+}
+
+}  // namespace
+
+// Strings are checked to be UTF-8: the string methods and filters index code points.
 Value from_json(const json::Value& v) {
     switch (v.kind()) {
         case json::Kind::null:
@@ -94,7 +108,8 @@ Value from_json(const json::Value& v) {
         case json::Kind::object: {
             auto d = std::make_shared<DictObj>();
             d->entries.reserve(v.size());
-            for (const auto& [k, e] : v.as_object()) d->entries.emplace_back(Value::string(k), from_json(e));
+            for (const auto& [k, e] : v.as_object())
+                d->entries.emplace_back(Value::string(checked_utf8(k)), from_json(e));
             Value out;
             out.kind = Kind::dict;
             out.obj = std::move(d);

@@ -108,6 +108,15 @@ class Evaluator {
         }
     }
 
+    // A namespace can be made to hold itself ({% set ns.x = ns %}): its entries are dropped when
+    // the render ends so that no cycle of shared pointers outlives it.
+    ~Evaluator() {
+        for (const std::shared_ptr<const Heap>& ns : namespaces_)
+            const_cast<DictObj&>(static_cast<const DictObj&>(*ns)).entries.clear();
+    }
+    Evaluator(const Evaluator&) = delete;
+    Evaluator& operator=(const Evaluator&) = delete;
+
     Rendered run() {
         auto root = std::make_shared<Frame>();
         out_ = &result_.text;
@@ -382,7 +391,9 @@ class Evaluator {
         } guard{call_depth_};
         charge(at, kMacroCallWork);
         const Stmt& s = *m.macro;
-        auto frame = std::make_shared<Frame>(Frame{{}, m.closure});
+        std::shared_ptr<Frame> closure = m.closure.lock();
+        if (!closure) error(at, "macro '", m.name, "' is called after the block that defined it has ended");
+        auto frame = std::make_shared<Frame>(Frame{{}, std::move(closure)});
         std::vector<bool> given(s.params.size(), false);
         std::vector<Value> extra;
         for (size_t k = 0; k < args.size(); ++k) {
@@ -925,7 +936,10 @@ class Evaluator {
                     for (const auto& kv : a.dict().entries) entries.push_back(kv);
                 }
                 for (const auto& [k, v] : kwargs) entries.emplace_back(Value::string(k), v);
-                return c.builtin == Builtin::dict ? make_dict(std::move(entries)) : make_namespace(std::move(entries));
+                if (c.builtin == Builtin::dict) return make_dict(std::move(entries));
+                Value ns = make_namespace(std::move(entries));
+                namespaces_.push_back(ns.obj);
+                return ns;
             }
             case Builtin::raise_exception: {
                 const std::string msg = args.empty() ? std::string() : to_str(args[0]);
@@ -1913,6 +1927,7 @@ class Evaluator {
     const Limits& lim_;
     std::optional<std::time_t> now_;
     std::vector<Value> globals_;
+    std::vector<std::shared_ptr<const Heap>> namespaces_;
     Rendered result_;
     std::string* out_ = nullptr;
     Value placeholder_;
