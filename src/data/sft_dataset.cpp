@@ -124,7 +124,8 @@ class Reader {
         }
         if (kind == SftFormat::messages || kind == SftFormat::prompt_completion) {
             try {
-                chat_ = text::resolve_chat_format(opt_.chat_format, *tok_, opt_.tokenizer_dir);
+                chat_ =
+                    text::resolve_chat_renderer(opt_.chat_format, *tok_, opt_.tokenizer_dir, opt_.chat_template_kwargs);
             } catch (const Error& e) {
                 if (kind == SftFormat::messages) throw;
                 chat_error_ = e.what();  // only an error if a conversational record shows up
@@ -160,7 +161,7 @@ class Reader {
         return d;
     }
 
-    std::optional<text::ChatFormat> chat_format() const { return chat_; }
+    std::optional<text::ChatFormat> chat_format() const { return chat_ ? chat_->format : std::nullopt; }
 
  private:
     Document tokens(const json::Value& v) const {
@@ -184,7 +185,7 @@ class Reader {
 
     Document chat(const std::vector<text::ChatMessage>& msgs, size_t first_learnable) const {
         if (!chat_) throw SetupError(chat_error_);
-        text::TokenizedChat tc = text::tokenize_chat(*tok_, msgs, *chat_, opt_.loss_on, first_learnable);
+        text::TokenizedChat tc = text::tokenize_chat(*tok_, *chat_, msgs, opt_.loss_on, first_learnable);
         if (!any_learned(tc.labels))
             fail(first_learnable > 0 ? "the completion has no assistant message" : "no assistant message",
                  ": nothing to learn with loss_on: assistant");
@@ -237,7 +238,7 @@ class Reader {
 
     const text::Tokenizer* tok_;
     const SftOptions& opt_;
-    std::optional<text::ChatFormat> chat_;
+    std::optional<text::ChatRenderer> chat_;
     std::string chat_error_ = "no chat format";
     bool eos_missing_ = false;
 };

@@ -42,9 +42,10 @@ const char* sft_format_name(SftFormat format);  // "auto" for auto_detect
 
 struct SftOptions {
     SftFormat format = SftFormat::auto_detect;
-    // A chat format name or "auto" (from the tokenizer's template, see text::resolve_chat_format);
-    // resolved only when the dataset holds messages.
+    // A chat format name, "auto" or "jinja" (see text::resolve_chat_renderer: the ChatML fast path or
+    // the model's template through the interpreter); resolved only when the dataset holds messages.
     std::string chat_format = "auto";
+    json::Value chat_template_kwargs;     // data.chat_template_kwargs: an object of template variables, or null
     std::filesystem::path tokenizer_dir;  // where chat_template.jinja may lie (may be empty)
     text::LossOn loss_on = text::LossOn::assistant;
     bool skip_bad_lines = false;

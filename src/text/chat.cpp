@@ -851,7 +851,13 @@ ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& to
             // not one of the ChatML formats: the interpreter renders it
         }
     }
-    r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+    try {
+        r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+    } catch (const Error& e) {
+        fail(e.what(),
+             " (data.chat_format: auto runs the model's chat template through the Jinja interpreter, since it is not "
+             "one of the ChatML formats; name one of them if the model renders as it does)");
+    }
     return r;
 }
 

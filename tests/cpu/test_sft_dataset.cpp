@@ -121,6 +121,30 @@ TEST_F(SftTest, MessagesUseTheTokenizersTemplate) {
     EXPECT_EQ(plain.docs[0].labels, plain.docs[0].input_ids);
 }
 
+// A model whose template is not ChatML: chat_format auto runs it through the interpreter, with
+// data.chat_template_kwargs among its variables.
+TEST_F(SftTest, MessagesThroughTheModelsOwnTemplate) {
+    const fs::path tdir = dir_ / "mistral";
+    fs::create_directories(tdir);
+    fs::copy_file(tokenizer_dir() / "tokenizer.json", tdir / "tokenizer.json");
+    mf::test::write_file(tdir / "tokenizer_config.json",
+                         R"({"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})");
+    mf::test::write_file(tdir / "chat_template.jinja",
+                         "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }}"
+                         "{{ suffix }}[/INST]{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}");
+    const Tokenizer t = Tokenizer::load(tdir);
+    SftOptions o = options(SftFormat::messages);
+    o.tokenizer_dir = tdir;
+    o.chat_template_kwargs = mf::json::parse(R"({"suffix": "!"})", "kwargs");
+    const TokenDataset ds = mf::data::read_sft_jsonl(
+        write("m.jsonl", R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})"
+                         "\n"),
+        &t, o);
+    ASSERT_EQ(ds.docs.size(), 1u);
+    EXPECT_EQ(ds.docs[0].input_ids, t.encode("<|endoftext|>[INST] 2+2?![/INST] 4<|im_end|>"));
+    EXPECT_EQ(t.decode(learned_ids(ds.docs[0])), " 4<|im_end|>");
+}
+
 TEST_F(SftTest, PromptCompletionStrings) {
     const int32_t eos = *tok().eos_id;
     const std::string p = "Question: what is 2 + 2?\nAnswer:", c = " 4";
@@ -281,18 +305,17 @@ TEST_F(SftTest, SetupErrorsStopEvenInSkipMode) {
     o.skip_bad_lines = true;
     const std::string msg =
         R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})";
-    // A tokenizer whose template we cannot recognise, with chat_format auto.
+    // A tokenizer whose template does not parse, with chat_format auto.
     const fs::path tdir = dir_ / "tokenizer";
     fs::create_directories(tdir);
     fs::copy_file(tokenizer_dir() / "tokenizer.json", tdir / "tokenizer.json");
-    mf::test::write_file(
-        tdir / "tokenizer_config.json",
-        R"({"eos_token": "<|im_end|>", "chat_template": "{{ bos_token }}{% for m in messages %}{% endfor %}"})");
+    mf::test::write_file(tdir / "tokenizer_config.json",
+                         R"({"eos_token": "<|im_end|>", "chat_template": "{{ bos_token }}{% for m in messages %}"})");
     const Tokenizer odd = Tokenizer::load(tdir);
     o.tokenizer_dir = tdir;
     try {
         mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
-        FAIL() << "an unrecognised template was accepted";
+        FAIL() << "a template that does not parse was accepted";
     } catch (const mf::Error& e) {
         EXPECT_NE(std::string(e.what()).find("data.chat_format"), std::string::npos) << e.what();
     }
@@ -301,7 +324,7 @@ TEST_F(SftTest, SetupErrorsStopEvenInSkipMode) {
         mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
         FAIL() << "a chat format unlike the model's template was accepted";
     } catch (const mf::Error& e) {
-        EXPECT_NE(std::string(e.what()).find("renders conversations differently from chatml_qwen3"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("cannot check the chat template against chatml_qwen3"), std::string::npos)
             << e.what();
     }
     // Text without a tokenizer; text with a tokenizer that has no eos token.
