@@ -201,28 +201,28 @@ std::shared_ptr<Program> parse_program(std::string_view source, std::string name
 // --- builtins (jinja_builtins.cpp) -------------------------------------------------------------------
 
 // The filters and tests, declared once: X(enumerator, "name"), then aliases A(enumerator, "alias").
-#define MF_JINJA_FILTERS(X)                                                                                           \
-    X(abs, "abs")                                                                                                     \
-    X(batch, "batch")                                                                                                 \
-    X(capitalize, "capitalize") X(default_, "default") X(dictsort, "dictsort") X(escape, "escape") X(first, "first")  \
-        X(float_, "float") X(indent, "indent") X(int_, "int") X(items, "items") X(join, "join") X(last, "last")       \
-            X(length, "length") X(list, "list") X(lower, "lower") X(map, "map") X(max, "max") X(min, "min")           \
-                X(reject, "reject") X(rejectattr, "rejectattr") X(replace, "replace") X(reverse, "reverse")           \
-                    X(round, "round") X(safe, "safe") X(select, "select") X(selectattr, "selectattr") X(sort, "sort") \
-                        X(string, "string") X(sum, "sum") X(title, "title") X(tojson, "tojson") X(trim, "trim")       \
-                            X(unique, "unique") X(upper, "upper") X(wordcount, "wordcount")
+// clang-format off
+#define MF_JINJA_FILTERS(X)                                                                             \
+    X(abs, "abs") X(batch, "batch") X(capitalize, "capitalize") X(default_, "default")                  \
+    X(dictsort, "dictsort") X(escape, "escape") X(first, "first") X(float_, "float") X(indent, "indent") \
+    X(int_, "int") X(items, "items") X(join, "join") X(last, "last") X(length, "length") X(list, "list") \
+    X(lower, "lower") X(map, "map") X(max, "max") X(min, "min") X(reject, "reject")                     \
+    X(rejectattr, "rejectattr") X(replace, "replace") X(reverse, "reverse") X(round, "round")           \
+    X(safe, "safe") X(select, "select") X(selectattr, "selectattr") X(sort, "sort") X(string, "string") \
+    X(sum, "sum") X(title, "title") X(tojson, "tojson") X(trim, "trim") X(unique, "unique")             \
+    X(upper, "upper") X(wordcount, "wordcount")
 #define MF_JINJA_FILTER_ALIASES(A) A(length, "count") A(default_, "d") A(escape, "e")
-#define MF_JINJA_TESTS(X)                                                                                         \
-    X(boolean, "boolean")                                                                                         \
-    X(callable, "callable")                                                                                       \
-    X(defined, "defined") X(divisibleby, "divisibleby") X(eq, "eq") X(even, "even") X(false_, "false")            \
-        X(float_, "float") X(ge, "ge") X(gt, "gt") X(in, "in") X(integer, "integer") X(iterable, "iterable")      \
-            X(le, "le") X(lower, "lower") X(lt, "lt") X(mapping, "mapping") X(ne, "ne") X(none, "none")           \
-                X(number, "number") X(odd, "odd") X(sameas, "sameas") X(sequence, "sequence") X(string, "string") \
-                    X(true_, "true") X(undefined, "undefined") X(upper, "upper")
-#define MF_JINJA_TEST_ALIASES(A) \
-    A(eq, "equalto")             \
-    A(eq, "==") A(ne, "!=") A(lt, "lessthan") A(lt, "<") A(le, "<=") A(gt, "greaterthan") A(gt, ">") A(ge, ">=")
+#define MF_JINJA_TESTS(X)                                                                               \
+    X(boolean, "boolean") X(callable, "callable") X(defined, "defined") X(divisibleby, "divisibleby")    \
+    X(eq, "eq") X(even, "even") X(false_, "false") X(float_, "float") X(ge, "ge") X(gt, "gt") X(in, "in") \
+    X(integer, "integer") X(iterable, "iterable") X(le, "le") X(lower, "lower") X(lt, "lt")            \
+    X(mapping, "mapping") X(ne, "ne") X(none, "none") X(number, "number") X(odd, "odd")                \
+    X(sameas, "sameas") X(sequence, "sequence") X(string, "string") X(true_, "true")                   \
+    X(undefined, "undefined") X(upper, "upper")
+#define MF_JINJA_TEST_ALIASES(A)                                                                        \
+    A(eq, "equalto") A(eq, "==") A(ne, "!=") A(lt, "lessthan") A(lt, "<") A(le, "<=")                  \
+    A(gt, "greaterthan") A(gt, ">") A(ge, ">=")
+// clang-format on
 
 #define MF_JINJA_ENUMERATOR(e, name) e,
 enum class Filter : uint8_t { MF_JINJA_FILTERS(MF_JINJA_ENUMERATOR) };
