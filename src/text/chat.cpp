@@ -830,6 +830,8 @@ ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& to
     }
     if (setting != "auto") {
         r.format = resolve_chat_format(setting, tokenizer, tokenizer_dir);
+        if (find_chat_template(tokenizer, tokenizer_dir))  // for what the fast path does not render
+            r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
         return r;
     }
     const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
@@ -846,6 +848,7 @@ ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& to
             const ChatFormat format = detect_chat_format(*t, where + " chat_template");
             check_forced_format(format, tokenizer, tokenizer_dir, where);
             r.format = format;
+            r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
             return r;
         } catch (const Error&) {
             // not one of the ChatML formats: the interpreter renders it

@@ -187,9 +187,11 @@ json::Value conversation_json(const std::vector<ChatMessage>& messages);
 //            the same, faster), else the model's template through the interpreter
 //   jinja    always the interpreter
 //   chatml*  that fast-path format, checked against the tokenizer's template as in resolve_chat_format
+// The model's template is kept beside a fast-path format when the tokenizer has one: it renders
+// what the fast path does not (tool calls, tool messages, tools, content parts).
 struct ChatRenderer {
-    std::optional<ChatFormat> format;            // set: the fast path
-    std::optional<ChatTemplate> model_template;  // else
+    std::optional<ChatFormat> format;            // set: the fast path for system/user/assistant text
+    std::optional<ChatTemplate> model_template;  // the model's template, when the tokenizer has one
     std::string describe() const;                // "chatml_qwen2" or "the model's chat template (jinja)"
 };
 ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& tokenizer,

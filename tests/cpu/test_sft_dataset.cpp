@@ -145,6 +145,31 @@ TEST_F(SftTest, MessagesThroughTheModelsOwnTemplate) {
     EXPECT_EQ(t.decode(learned_ids(ds.docs[0])), " 4<|im_end|>");
 }
 
+// Tool calls and tool messages: the fast path does not render them, the model's template does
+// (here the fixture tokenizer's Qwen2 template, which prints a tool message as a turn of its own).
+TEST_F(SftTest, ToolCallsGoThroughTheModelsTemplate) {
+    const std::string rec =
+        R"({"messages": [{"role": "user", "content": "Sum?"},)"
+        R"( {"role": "assistant", "content": "Calling.", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},)"
+        R"( {"role": "tool", "content": "2"}, {"role": "assistant", "content": "It is 2."}]})";
+    const TokenDataset ds = read(rec + "\n", options(SftFormat::messages));
+    ASSERT_EQ(ds.docs.size(), 1u);
+    const std::string text =
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSum?<|im_end|>\n"
+        "<|im_start|>assistant\nCalling.<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\nIt is "
+        "2.<|im_end|>\n";
+    EXPECT_EQ(ds.docs[0].input_ids, tok().encode(text));
+    EXPECT_EQ(tok().decode(learned_ids(ds.docs[0])), "Calling.<|im_end|>\nIt is 2.<|im_end|>\n");
+    // The record itself is not changed by a prompt/completion split.
+    const TokenDataset pc =
+        read(R"({"prompt": [{"role": "user", "content": "Sum?"}], "completion": [{"role": "assistant", "content": "x",)"
+             R"( "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}]}]})"
+             "\n",
+             options(SftFormat::prompt_completion));
+    ASSERT_EQ(pc.docs.size(), 1u);
+    EXPECT_EQ(tok().decode(learned_ids(pc.docs[0])), "x<|im_end|>\n");
+}
+
 TEST_F(SftTest, PromptCompletionStrings) {
     const int32_t eos = *tok().eos_id;
     const std::string p = "Question: what is 2 + 2?\nAnswer:", c = " 4";
@@ -239,15 +264,17 @@ TEST_F(SftTest, EveryMalformedLineNamesFileLineAndProblem) {
         {R"({"messages": []})", "is empty"},
         {R"({"messages": ["Hi"]})", "messages[0]: expected an object"},
         {R"({"messages": [{"content": "Hi"}]})", "messages[0]: missing field \"role\""},
-        {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]})",
-         "messages[1]: role \"tool\" is not supported"},
+        // Tool messages, tool calls and content parts go through the model's template, which decides.
+        {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}, {"role": "assistant", "content": 5}]})",
+         "unsupported operand type(s) for +: 'str' and 'int'"},
         {R"({"messages": [{"role": "user"}]})", "messages[0]: missing field \"content\""},
-        {R"({"messages": [{"role": "user", "content": ["Hi"]}]})", "field \"content\" must be a string"},
+        {R"({"messages": [{"role": "user", "content": ["Hi"]}]})",
+         "unsupported operand type(s) for +: 'str' and 'list'"},
         {R"({"messages": [{"role": 3, "content": "Hi"}]})", "field \"role\" must be a string"},
         {R"({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 1}]})",
          "\"reasoning_content\" must be a string"},
         {R"({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]})",
-         "tool calls are not supported"},
+         "cannot find assistant message 0's span"},
         {R"({"messages": [{"role": "user", "content": "no answer"}]})", "nothing to learn"},
         {R"({"text": "Hi"})", "a text record, but the file holds messages records (from line 1)"},
         {R"({"messages": [], "text": "x"})", "fields of two record kinds"},
