@@ -203,8 +203,26 @@ def tokenizer_corpus():
     write(t, "tiktoken", "tiktoken\n" + lines + "\0hello world [BOS]中文Hello\n")
 
 
+def jinja_corpus():
+    t = "jinja"
+    fam = os.path.join(ROOT, "..", "tests", "fixtures", "chat", "families")
+    for name in sorted(os.listdir(fam)):
+        if name.endswith(".jinja"):
+            with open(os.path.join(fam, name), encoding="utf-8") as f:
+                write(t, name[:-len(".jinja")], f.read())
+    write(t, "loops_and_filters", "{% for m in messages if m.role != 'tool' %}{{ loop.index }}:{{ m.role|upper }}"
+          "{% if not loop.last %}, {% endif %}{% else %}none{% endfor %}|{{ tools|map(attribute='type')|join }}")
+    write(t, "macro_recursion", "{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(5) }}")
+    write(t, "namespace", "{%- set ns = namespace(x=0) -%}{%- for i in range(5) -%}{%- set ns.x = ns.x + i -%}"
+          "{%- endfor -%}{{ ns.x }}")
+    write(t, "with_context", "{{ a.b[0] ~ c|tojson(indent=2) }}\0" + '{"a": {"b": ["x"]}, "c": {"d": [1, 2.5]}}')
+    write(t, "bad_unclosed", "{% if x %}")
+    write(t, "bad_filter", "{{ x|nosuch }}")
+
+
 def main():
     shutil.rmtree(os.path.join(ROOT, "corpus"), ignore_errors=True)
+    jinja_corpus()
     json_corpus()
     config_corpus()
     recipe_corpus()

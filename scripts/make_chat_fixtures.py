@@ -22,8 +22,25 @@ Qwen2-Instruct (the fixture tokenizer's own), Qwen2.5-Instruct, Qwen3 (hybrid th
 Qwen3-30B-A3B) and Qwen3-Instruct-2507. They are test inputs: moeforge must recognise and render
 them. The generation-tagged copies are ours and cover system/user/assistant messages only.
 
+With --families it renders instead the family-style templates of tests/fixtures/chat/families/
+(*.jinja, ours, written in the style of DeepSeek-V3, GLM-4.5, Mistral, gpt-oss harmony, Nemotron 3,
+Kimi-K2) on the cases of families/cases.json, whose expected texts were worked out by hand, and
+writes families_hf.jsonl, one line per case:
+  {name, text}             apply_chat_template(tokenize=False) with the case's tools,
+                           add_generation_prompt and variables; or {name, error} when HF raises
+  train_input_ids          apply_chat_template(tokenize=True, add_generation_prompt=False)
+  train_assistant_masks    return_assistant_tokens_mask=True (templates with {% generation %})
+  train_prefix_masks       templates without it: TRL's prefix rule done here with HF renderings
+                           (messages[:i] with the generation prompt, messages[:i+1] without) and
+                           HF's char_to_token rule on the offsets; or prefix_refused: the reason
+  hand_text_equal          whether HF's text equals the hand-worked one (the script reports each
+                           difference: a mismatch means the hand-worked expectation is wrong)
+tests/cpu/test_chat.cpp (ChatTemplate.FamilyTemplatesMatchTransformersFixtures) compares moeforge
+with it when the file is present.
+
 Usage (needs `transformers`, on the GPU machine):
     python3 scripts/make_chat_fixtures.py --out $OUT/chat
+    python3 scripts/make_chat_fixtures.py --families --out $OUT/chat   # then copy families_hf.jsonl
 Without transformers, --render-only checks the tagged copies against the originals with jinja2 alone.
 The outputs are committed; this script is only re-run when the fixtures must change.
 """
@@ -445,12 +462,94 @@ def render_only(templates):
     print(f"render-only: {len(templates)} templates x {len(CONVERSATIONS)} conversations agree")
 
 
+FAMILIES_DIR = os.path.join(HERE, "..", "tests", "fixtures", "chat", "families")
+
+
+def family_records(tok):
+    """One record per case of families/cases.json, rendered by transformers (see the docstring)."""
+    import re
+    with open(os.path.join(FAMILIES_DIR, "cases.json"), encoding="utf-8") as f:
+        cases = json.load(f)["cases"]
+    out, problems = [], []
+    for c in cases:
+        with open(os.path.join(FAMILIES_DIR, c["template"] + ".jinja"), encoding="utf-8") as f:
+            tmpl = f.read()
+        has_generation = re.search(r"\{\%-?\s*generation\s*-?\%\}", tmpl) is not None
+        variables = c.get("variables", {})
+        tools = c.get("tools")
+        msgs = c["messages"]
+        rec = {"name": c["name"]}
+
+        def render(messages, agp):
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=agp,
+                                           chat_template=tmpl, **variables)
+
+        try:
+            rec["text"] = render(msgs, c.get("add_generation_prompt", False))
+        except Exception as e:  # the template raised: record it
+            rec["error"] = f"{type(e).__name__}: {e}"
+            out.append(rec)
+            continue
+        if "text" in c:
+            rec["hand_text_equal"] = rec["text"] == c["text"]
+            if not rec["hand_text_equal"]:
+                problems.append(f"{c['name']}: HF renders {rec['text']!r}, the hand-worked text is {c['text']!r}")
+        enc = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True, add_generation_prompt=False,
+                                      chat_template=tmpl, return_assistant_tokens_mask=has_generation, **variables)
+        rec["train_input_ids"] = flat(enc["input_ids"])
+        if has_generation:
+            rec["train_assistant_masks"] = flat(enc["assistant_masks"])
+        else:
+            full = render(msgs, False)
+            spans, refused = [], None
+            for i, m in enumerate(msgs):
+                if m.get("role") != "assistant":
+                    continue
+                try:
+                    before, through = render(msgs[:i], True), render(msgs[:i + 1], False)
+                except Exception as e:
+                    refused = f"message {i}: {type(e).__name__}: {e}"
+                    break
+                if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
+                    refused = f"message {i}: the prefixes are not prefixes of the whole rendering"
+                    break
+                spans.append((len(before), len(through)))
+            if refused is not None:
+                rec["prefix_refused"] = refused
+            else:
+                plain = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+                offsets = plain["offset_mapping"]
+                if offsets and isinstance(offsets[0], list) and offsets[0] and isinstance(offsets[0][0], (list, tuple)):
+                    offsets = offsets[0]
+                rec["train_prefix_masks"] = mask_from_offsets([tuple(o) for o in offsets], spans)
+        out.append(rec)
+    return out, problems
+
+
+def write_families(args, tok, transformers_version):
+    records, problems = family_records(tok)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "families_hf.jsonl"), "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(records)} family records (transformers {transformers_version}) to {args.out}; "
+          f"{len(problems)} differences from the hand-worked texts")
+    for p in problems:
+        print("DIFFERENCE:", p)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures", "chat"))
     ap.add_argument("--tokenizer", default=TOKENIZER_DIR)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--families", action="store_true", help="render the family-style templates (families_hf.jsonl)")
     args = ap.parse_args()
+    if args.families:
+        import transformers
+        from transformers import AutoTokenizer
+        write_families(args, AutoTokenizer.from_pretrained(args.tokenizer), transformers.__version__)
+        return
     templates = load_templates()
     if args.render_only:
         render_only(templates)

@@ -70,15 +70,19 @@ std::vector<CommandHelp> make_table() {
            "an error when there is none"},
           {"force-resume", "", "resume even when the recipe changed in a way that matters for the checkpoint"}}},
         {"tokenize",
-         "--tokenizer DIR [--json] [--special] | --tokenizer DIR --decode [--skip-special]",
-         "encode standard input with an HF tokenizer, or decode a JSON id array",
+         "--tokenizer DIR [--json] [--special] | --tokenizer DIR --decode [--skip-special] | --tokenizer DIR --chat "
+         "[--json]",
+         "encode standard input with an HF tokenizer, decode a JSON id array, or render a chat",
          "Encoding: all of stdin (UTF-8) is one text; prints its ids, space-separated or as a JSON array.\n"
-         "Decoding: stdin is a JSON array of ids; prints the text.",
+         "Decoding: stdin is a JSON array of ids; prints the text.\n"
+         "Chat: stdin is {\"messages\": [...], \"tools\"?, \"add_generation_prompt\"?}; prints what DIR's chat\n"
+         "template renders (as apply_chat_template); with --json {\"text\", \"ids\", \"assistant_mask\"}.",
          {{"tokenizer", "DIR", "directory holding tokenizer.json (required)"},
           {"json", "", "print the ids as a JSON array"},
           {"special", "", "parse special tokens written in the text (e.g. <|im_start|>) as their ids"},
           {"decode", "", "decode a JSON array of ids from stdin instead of encoding"},
-          {"skip-special", "", "with --decode: leave special tokens out of the text"}}},
+          {"skip-special", "", "with --decode: leave special tokens out of the text"},
+          {"chat", "", "render the conversation on stdin with the tokenizer's chat template (Jinja)"}}},
         {"bench",
          "--config CONFIG.json [--layers N --micro-batch B --seq-len T --steps S --warmup W --device cuda|cpu] "
          "[--ep-size N --ep-chunks C --no-zero1 --profile --phases]",

@@ -124,7 +124,8 @@ class Reader {
         }
         if (kind == SftFormat::messages || kind == SftFormat::prompt_completion) {
             try {
-                chat_ = text::resolve_chat_format(opt_.chat_format, *tok_, opt_.tokenizer_dir);
+                chat_ =
+                    text::resolve_chat_renderer(opt_.chat_format, *tok_, opt_.tokenizer_dir, opt_.chat_template_kwargs);
             } catch (const Error& e) {
                 if (kind == SftFormat::messages) throw;
                 chat_error_ = e.what();  // only an error if a conversational record shows up
@@ -138,7 +139,12 @@ class Reader {
             case SftFormat::tokens:
                 return tokens(v);
             case SftFormat::messages: {
-                const std::vector<text::ChatMessage> msgs = read_messages(*v.find("messages"), "messages");
+                const json::Value& m = *v.find("messages");
+                if (needs_template(v, m)) {
+                    d = template_chat(v, m, 0);
+                    break;
+                }
+                const std::vector<text::ChatMessage> msgs = read_messages(m, "messages");
                 d = chat(msgs, 0);
                 break;
             }
@@ -160,7 +166,7 @@ class Reader {
         return d;
     }
 
-    std::optional<text::ChatFormat> chat_format() const { return chat_; }
+    std::optional<text::ChatFormat> chat_format() const { return chat_ ? chat_->format : std::nullopt; }
 
  private:
     Document tokens(const json::Value& v) const {
@@ -182,9 +188,63 @@ class Reader {
         return d;
     }
 
+    // A record the ChatML fast path does not render (tools, tool calls, tool messages, content
+    // parts) goes through the model's template as it is; without a fast path every record does.
+    bool needs_template(const json::Value& record, const json::Value& messages) const {
+        if (!chat_ || !chat_->format) return chat_.has_value();
+        if (const json::Value* t = record.find("tools"); t != nullptr && !t->is_null()) return true;
+        if (!messages.is_array()) return false;
+        for (const json::Value& m : messages.as_array()) {
+            if (!m.is_object()) return false;
+            const json::Value* role = m.find("role");
+            const json::Value* content = m.find("content");
+            const json::Value* tc = m.find("tool_calls");
+            if (role != nullptr && role->is_string() && role->as_string() != "system" && role->as_string() != "user" &&
+                role->as_string() != "assistant")
+                return true;
+            if (content != nullptr && !content->is_string()) return true;
+            if (tc != nullptr && !tc->is_null() && !(tc->is_array() && tc->size() == 0)) return true;
+        }
+        return false;
+    }
+
+    Document template_chat(const json::Value& record, const json::Value& messages, size_t first_learnable) const {
+        if (!chat_) throw SetupError(chat_error_);
+        if (!chat_->model_template)
+            fail(
+                "this record has tools, tool calls, tool messages or content parts, which only the model's own chat "
+                "template renders, and the tokenizer has none");
+        check_message_shapes(messages, "messages");
+        json::Value conv = json::Value::object();
+        conv.set("messages", messages);
+        if (const json::Value* t = record.find("tools"); t != nullptr && !t->is_null()) {
+            if (!t->is_array())
+                fail("field \"tools\" must be a list of tool schemas, got ", json::kind_name(t->kind()));
+            conv.set("tools", *t);
+        }
+        text::TokenizedChat tc =
+            text::tokenize_chat(*tok_, *chat_->model_template, conv, opt_.loss_on, first_learnable);
+        if (!any_learned(tc.labels))
+            fail(first_learnable > 0 ? "the completion has no assistant message" : "no assistant message",
+                 ": nothing to learn with loss_on: assistant");
+        return {std::move(tc.input_ids), std::move(tc.labels)};
+    }
+
+    static void check_message_shapes(const json::Value& v, const char* field) {
+        if (!v.is_array()) fail("field \"", field, "\" must be an array of messages, got ", json::kind_name(v.kind()));
+        if (v.size() == 0) fail("field \"", field, "\" is empty");
+        for (size_t i = 0; i < v.size(); ++i) {
+            const json::Value& m = v.as_array()[i];
+            const std::string where = std::string(field) + "[" + std::to_string(i) + "]: ";
+            if (!m.is_object())
+                fail(where, "expected an object {\"role\", \"content\"}, got ", json::kind_name(m.kind()));
+            string_field(m, "role", where);
+        }
+    }
+
     Document chat(const std::vector<text::ChatMessage>& msgs, size_t first_learnable) const {
         if (!chat_) throw SetupError(chat_error_);
-        text::TokenizedChat tc = text::tokenize_chat(*tok_, msgs, *chat_, opt_.loss_on, first_learnable);
+        text::TokenizedChat tc = text::tokenize_chat(*tok_, *chat_, msgs, opt_.loss_on, first_learnable);
         if (!any_learned(tc.labels))
             fail(first_learnable > 0 ? "the completion has no assistant message" : "no assistant message",
                  ": nothing to learn with loss_on: assistant");
@@ -197,6 +257,13 @@ class Reader {
         if (p == nullptr) fail("missing field \"prompt\" (a prompt/completion record needs both)");
         if (c == nullptr) fail("missing field \"completion\" (a prompt/completion record needs both)");
         if (p->is_array() && c->is_array()) {
+            json::Value all(json::Value::Array(p->as_array()));  // a copy: Value shares its array
+            for (const json::Value& m : c->as_array()) all.push_back(m);
+            if (needs_template(v, all)) {
+                check_message_shapes(*p, "prompt");
+                check_message_shapes(*c, "completion");
+                return template_chat(v, all, p->size());
+            }
             std::vector<text::ChatMessage> msgs = read_messages(*p, "prompt");
             const std::vector<text::ChatMessage> completion = read_messages(*c, "completion");
             const size_t first = msgs.size();
@@ -237,7 +304,7 @@ class Reader {
 
     const text::Tokenizer* tok_;
     const SftOptions& opt_;
-    std::optional<text::ChatFormat> chat_;
+    std::optional<text::ChatRenderer> chat_;
     std::string chat_error_ = "no chat format";
     bool eos_missing_ = false;
 };

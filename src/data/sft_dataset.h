@@ -1,8 +1,10 @@
 // Supervised fine-tuning datasets: JSONL, one record a line, in one of four kinds.
 //
 //   messages           {"messages": [{"role": "system"|"user"|"assistant", "content": "...",
-//                                     "reasoning_content"?: "..."}, ...]}
-//                      rendered with the chat format (text/chat.h); loss_on decides what is learned
+//                                     "reasoning_content"?: "..."}, ...], "tools"?: [...]}
+//                      rendered with the chat format (text/chat.h); loss_on decides what is learned.
+//                      Tools, tool calls, other roles (tool, ...) and content parts are passed as
+//                      they are to the model's own chat template, which renders them or fails.
 //   prompt_completion  {"prompt": "...", "completion": "..."}: tokens of prompt + completion (one
 //                      encoding, special tokens added as HF's tokenizer(text) does) + eos; the
 //                      prompt's tokens are not learned (loss_on: all learns them too). The first
@@ -19,7 +21,7 @@
 // A bad line (invalid JSON, wrong types, unknown role, empty messages, missing content, nothing to
 // learn, ids outside the vocabulary, a line of another kind, ...) is an mf::Error "FILE:LINE: what",
 // or with skip_bad_lines is counted in skipped_lines (the first one's message kept). Errors that are
-// not about a line (no tokenizer, a chat template we cannot recognise, no eos token) always stop.
+// not about a line (no tokenizer, a chat template that does not parse, no eos token) always stop.
 // Documents longer than the loader's seq_len are cut there, not here.
 #pragma once
 
@@ -42,9 +44,10 @@ const char* sft_format_name(SftFormat format);  // "auto" for auto_detect
 
 struct SftOptions {
     SftFormat format = SftFormat::auto_detect;
-    // A chat format name or "auto" (from the tokenizer's template, see text::resolve_chat_format);
-    // resolved only when the dataset holds messages.
+    // A chat format name, "auto" or "jinja" (see text::resolve_chat_renderer: the ChatML fast path or
+    // the model's template through the interpreter); resolved only when the dataset holds messages.
     std::string chat_format = "auto";
+    json::Value chat_template_kwargs;     // data.chat_template_kwargs: an object of template variables, or null
     std::filesystem::path tokenizer_dir;  // where chat_template.jinja may lie (may be empty)
     text::LossOn loss_on = text::LossOn::assistant;
     bool skip_bad_lines = false;

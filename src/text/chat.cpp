@@ -377,11 +377,64 @@ std::optional<std::string> find_chat_template(const Tokenizer& tokenizer, const 
     fail("tokenizer_config.json: chat_template is ", t->dump().substr(0, 40), ", expected a string");
 }
 
+namespace {
+
+// Conversations on which a named format and the model's template must render alike.
+std::vector<std::vector<ChatMessage>> probe_conversations() {
+    return {
+        {{"system", "You are terse.", std::nullopt},
+         {"user", "Hi", std::nullopt},
+         {"assistant", "Hello.", std::nullopt}},
+        {{"user", "2+2?", std::nullopt},
+         {"assistant", "4", std::nullopt},
+         {"user", "3+3?", std::nullopt},
+         {"assistant", "6", std::nullopt}},
+        {{"user", "Think.", std::nullopt}, {"assistant", "<think>\nsum\n</think>\n\nDone.", std::nullopt}},
+    };
+}
+
+// An mf::Error unless the model's template renders the probe conversations as `format` does.
+void check_forced_format(ChatFormat format, const Tokenizer& tokenizer, const std::filesystem::path& dir,
+                         const std::string& where) {
+    const std::string hint = std::string(" (data.chat_format: ") + chat_format_name(format) +
+                             " was set; use auto to train the model's own format)";
+    std::optional<ChatTemplate> t;
+    try {
+        t = ChatTemplate::load(tokenizer, dir);
+    } catch (const Error& e) {
+        fail(where, ": cannot check the chat template against ", chat_format_name(format), ": ", e.what(), hint);
+    }
+    for (const std::vector<ChatMessage>& conv : probe_conversations()) {
+        const std::string expected = render_chat_text(conv, format);
+        std::string got;
+        try {
+            got = t->render_text(conversation_json(conv));
+        } catch (const Error& e) {
+            fail(where, ": the model's chat template does not render like ", chat_format_name(format), ": ", e.what(),
+                 hint);
+        }
+        if (got != expected) {
+            size_t at = 0;
+            while (at < got.size() && at < expected.size() && got[at] == expected[at]) ++at;
+            const size_t from = at > 30 ? at - 30 : 0;
+            fail(where, ": the model's chat template renders conversations differently from ", chat_format_name(format),
+                 ": at byte ", at, " it renders ", show(std::string_view(got).substr(from), 80), " where ",
+                 chat_format_name(format), " renders ", show(std::string_view(expected).substr(from), 80), hint);
+        }
+    }
+}
+
+}  // namespace
+
 ChatFormat resolve_chat_format(std::string_view setting, const Tokenizer& tokenizer,
                                const std::filesystem::path& tokenizer_dir) {
-    if (setting != "auto") return parse_chat_format(setting);
     const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
     const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
+    if (setting != "auto") {
+        const ChatFormat format = parse_chat_format(setting);
+        if (t) check_forced_format(format, tokenizer, tokenizer_dir, where);
+        return format;
+    }
     if (!t)
         fail(where,
              ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
@@ -481,6 +534,341 @@ TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMe
             "the tokenizer encodes this conversation differently as a whole than message by message (do its special "
             "tokens strip neighbouring whitespace?), so the loss mask cannot be placed exactly");
     return out;
+}
+
+}  // namespace mf::text
+
+// --- the model's own template --------------------------------------------------------------------------
+
+namespace mf::text {
+
+namespace {
+
+constexpr const char* kSpecialTokenKeys[] = {"bos_token", "eos_token", "unk_token", "sep_token",
+                                             "pad_token", "cls_token", "mask_token"};
+
+// A special token from tokenizer_config.json: a string, or an AddedToken object {"content": ...}.
+std::optional<std::string> special_token_text(const json::Value& v, const char* key) {
+    if (v.is_string()) return v.as_string();
+    if (v.is_object()) {
+        const json::Value* c = v.find("content");
+        if (c != nullptr && c->is_string()) return c->as_string();
+        fail("tokenizer_config.json: ", key, " is an object without a string \"content\"");
+    }
+    if (v.is_null()) return std::nullopt;
+    fail("tokenizer_config.json: ", key, " is ", json::kind_name(v.kind()),
+         ", expected a string or {\"content\": ...}");
+}
+
+// The named templates of tokenizer_config.json's list form, or the single template.
+struct TemplateTexts {
+    std::string default_text;
+    std::optional<std::string> tool_use;
+    std::string where;
+};
+
+std::optional<TemplateTexts> find_template_texts(const Tokenizer& tokenizer, const std::filesystem::path& dir) {
+    const std::optional<std::string> main = find_chat_template(tokenizer, dir);  // .jinja, string or "default"
+    if (!main) return std::nullopt;
+    TemplateTexts t;
+    t.default_text = *main;
+    t.where = dir.empty() ? std::string("tokenizer") : dir.string();
+    const json::Value& config = tokenizer.config();
+    const json::Value* list = config.is_object() ? config.find("chat_template") : nullptr;
+    const bool from_file =
+        !dir.empty() &&
+        std::filesystem::exists((std::filesystem::is_directory(dir) ? dir : dir.parent_path()) / "chat_template.jinja");
+    if (list != nullptr && list->is_array() && !from_file)
+        for (const json::Value& e : list->as_array()) {
+            const json::Value* name = e.is_object() ? e.find("name") : nullptr;
+            const json::Value* body = e.is_object() ? e.find("template") : nullptr;
+            if (name != nullptr && name->is_string() && name->as_string() == "tool_use" && body != nullptr &&
+                body->is_string())
+                t.tool_use = body->as_string();
+        }
+    return t;
+}
+
+// Byte offset -> token index maps for a text cut at `boundaries`: the number of tokens of the
+// whole encoding that lie entirely before each boundary, or, for a boundary inside a token, the
+// index of that token (flagged). Segments are encoded on their own first (exact when their
+// concatenation is the whole encoding, the usual case); otherwise each boundary's prefix is
+// encoded and compared with the whole encoding.
+struct Boundary {
+    size_t tokens_before = 0;
+    bool inside_token = false;
+};
+
+std::vector<Boundary> locate_boundaries(const Tokenizer& tok, const std::string& text, const std::vector<int32_t>& ids,
+                                        const std::vector<size_t>& boundaries) {
+    std::vector<size_t> cuts(boundaries);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    std::vector<size_t> counts;
+    std::vector<int32_t> joined;
+    size_t prev = 0;
+    for (const size_t c : cuts) {
+        const std::vector<int32_t> part = tok.encode(std::string_view(text).substr(prev, c - prev), false);
+        joined.insert(joined.end(), part.begin(), part.end());
+        counts.push_back(joined.size());
+        prev = c;
+    }
+    const std::vector<int32_t> tail = tok.encode(std::string_view(text).substr(prev), false);
+    joined.insert(joined.end(), tail.begin(), tail.end());
+    std::vector<Boundary> out;
+    out.reserve(boundaries.size());
+    const bool exact = joined == ids;
+    for (const size_t b : boundaries) {
+        const size_t k = static_cast<size_t>(std::lower_bound(cuts.begin(), cuts.end(), b) - cuts.begin());
+        if (exact) {
+            out.push_back({counts[k], false});
+            continue;
+        }
+        const std::vector<int32_t> prefix = tok.encode(std::string_view(text).substr(0, b), false);
+        size_t n = 0;
+        while (n < prefix.size() && n < ids.size() && prefix[n] == ids[n]) ++n;
+        out.push_back({n, n != prefix.size()});
+    }
+    return out;
+}
+
+}  // namespace
+
+ChatTemplate ChatTemplate::from_source(std::string_view source, const json::Value& variables, std::string name) {
+    if (!variables.is_null() && !variables.is_object()) fail(name, ": the template variables must be a JSON object");
+    ChatTemplate t;
+    t.default_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source, std::move(name)));
+    t.variables_ = variables.is_null() ? json::Value::object() : variables;
+    return t;
+}
+
+ChatTemplate ChatTemplate::load(const Tokenizer& tokenizer, const std::filesystem::path& tokenizer_dir,
+                                const json::Value& kwargs) {
+    if (!kwargs.is_null() && !kwargs.is_object())
+        fail("data.chat_template_kwargs must be a mapping of template variables, got ", json::kind_name(kwargs.kind()));
+    const std::optional<TemplateTexts> texts = find_template_texts(tokenizer, tokenizer_dir);
+    const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
+    if (!texts) fail(where, ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)");
+    json::Value vars = json::Value::object();
+    const json::Value& config = tokenizer.config();
+    for (const char* key : kSpecialTokenKeys) {
+        std::optional<std::string> text;
+        const json::Value* v = config.is_object() ? config.find(key) : nullptr;
+        if (v != nullptr) text = special_token_text(*v, key);
+        const std::optional<int32_t> id = std::string_view(key) == "bos_token"   ? tokenizer.bos_id
+                                          : std::string_view(key) == "eos_token" ? tokenizer.eos_id
+                                          : std::string_view(key) == "pad_token" ? tokenizer.pad_id
+                                                                                 : std::nullopt;
+        if (!text && id) text = tokenizer.id_to_token(*id);
+        if (text) vars.set(key, *text);
+    }
+    if (kwargs.is_object())
+        for (const auto& [k, v] : kwargs.as_object()) vars.set(k, v);
+    ChatTemplate t = from_source(texts->default_text, vars, where + " chat_template");
+    if (texts->tool_use)
+        t.tool_use_ = std::make_shared<const jinja::Template>(
+            jinja::Template::parse(*texts->tool_use, where + " chat_template (tool_use)"));
+    return t;
+}
+
+bool ChatTemplate::has_generation_blocks() const { return default_->has_generation_blocks(); }
+const std::string& ChatTemplate::name() const { return default_->name(); }
+
+const jinja::Template& ChatTemplate::pick(const json::Value& conversation) const {
+    const json::Value* tools = conversation.is_object() ? conversation.find("tools") : nullptr;
+    if (tool_use_ && tools != nullptr && !tools->is_null()) return *tool_use_;
+    return *default_;
+}
+
+json::Value ChatTemplate::context(const json::Value& conversation, const json::Value& messages,
+                                  bool add_generation_prompt) const {
+    json::Value ctx = variables_;
+    ctx.set("tools", nullptr);
+    ctx.set("documents", nullptr);
+    for (const auto& [k, v] : conversation.as_object())
+        if (k != "messages" && k != "add_generation_prompt") ctx.set(k, v);
+    ctx.set("messages", messages);
+    ctx.set("add_generation_prompt", add_generation_prompt);
+    return ctx;
+}
+
+jinja::Rendered ChatTemplate::render(const json::Value& conversation) const {
+    if (!conversation.is_object()) fail(name(), ": a conversation must be a JSON object with \"messages\"");
+    const json::Value* messages = conversation.find("messages");
+    if (messages == nullptr || !messages->is_array()) fail(name(), ": the conversation has no \"messages\" array");
+    const json::Value* agp = conversation.find("add_generation_prompt");
+    if (agp != nullptr && !agp->is_bool()) fail(name(), ": add_generation_prompt must be true or false");
+    return pick(conversation).render(context(conversation, *messages, agp != nullptr && agp->as_bool()));
+}
+
+ChatTemplate::Spans ChatTemplate::learned_spans(const json::Value& conversation, size_t first_learnable) const {
+    if (!conversation.is_object() || conversation.find("messages") == nullptr ||
+        !conversation.find("messages")->is_array())
+        fail(name(), ": the conversation has no \"messages\" array");
+    const json::Value::Array& msgs = conversation.find("messages")->as_array();
+    const jinja::Template& t = pick(conversation);
+    auto render_prefix = [&](size_t n, bool agp) {
+        const json::Value prefix(json::Value::Array(msgs.begin(), msgs.begin() + static_cast<std::ptrdiff_t>(n)));
+        return t.render(context(conversation, prefix, agp)).text;
+    };
+    Spans out;
+    jinja::Rendered whole = t.render(context(conversation, *conversation.find("messages"), false));
+    out.text = std::move(whole.text);
+    auto is_prefix = [&](const std::string& p) { return out.text.compare(0, p.size(), p) == 0; };
+    size_t prompt_end = 0;  // text before it belongs to messages[:first_learnable]
+    if (first_learnable > 0 && first_learnable <= msgs.size()) {
+        const std::string p = render_prefix(first_learnable, false);
+        if (!is_prefix(p))
+            fail(name(), ": the rendering of the prompt's ", first_learnable,
+                 " messages is not a prefix of the whole conversation's, so the prompt cannot be told apart from the "
+                 "completion");
+        prompt_end = p.size();
+    }
+    if (t.has_generation_blocks()) {
+        for (const auto& span : whole.generation_spans)
+            if (span.first >= prompt_end && span.second <= out.text.size()) out.learned.push_back(span);
+        return out;
+    }
+    for (size_t i = first_learnable; i < msgs.size(); ++i) {
+        const json::Value* role = msgs[i].is_object() ? msgs[i].find("role") : nullptr;
+        if (role == nullptr || !role->is_string() || role->as_string() != "assistant") continue;
+        std::string before, through;
+        try {
+            before = render_prefix(i, true);
+            through = render_prefix(i + 1, false);
+        } catch (const Error& e) {
+            fail(name(), ": cannot find assistant message ", i,
+                 "'s span: the template fails on the conversation up to it (", e.what(),
+                 "); give the template {% generation %} blocks");
+        }
+        if (!is_prefix(before) || !is_prefix(through) || through.size() < before.size())
+            fail(name(), ": cannot find assistant message ", i,
+                 "'s span: the rendering of the messages before it (with the generation prompt) and up to it are not "
+                 "both prefixes of the whole conversation's rendering (the template renders a message differently "
+                 "once others follow); give the template {% generation %} blocks to mark what is learned");
+        out.learned.emplace_back(before.size(), through.size());
+    }
+    return out;
+}
+
+TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const ChatTemplate& chat_template,
+                            const json::Value& conversation, LossOn loss_on, size_t first_learnable) {
+    TokenizedChat out;
+    if (loss_on == LossOn::all) {
+        out.input_ids = tokenizer.encode(chat_template.render(conversation).text, false);
+        out.labels = out.input_ids;
+        return out;
+    }
+    const ChatTemplate::Spans spans = chat_template.learned_spans(conversation, first_learnable);
+    out.input_ids = tokenizer.encode(spans.text, false);
+    std::vector<int32_t> mask;
+    try {
+        mask = spans_to_token_mask(tokenizer, spans.text, out.input_ids, spans.learned);
+    } catch (const Error& e) {
+        fail(chat_template.name(), ": ", e.what());
+    }
+    out.labels.resize(out.input_ids.size());
+    for (size_t t = 0; t < mask.size(); ++t) out.labels[t] = mask[t] != 0 ? out.input_ids[t] : kIgnoreLabel;
+    return out;
+}
+
+std::vector<int32_t> spans_to_token_mask(const Tokenizer& tokenizer, const std::string& text,
+                                         const std::vector<int32_t>& ids,
+                                         const std::vector<std::pair<size_t, size_t>>& spans) {
+    std::vector<int32_t> mask(ids.size(), 0);
+    std::vector<size_t> cuts;
+    for (const auto& [b, e] : spans) {
+        if (e > text.size() || b > e) fail("an assistant span [", b, ", ", e, ") lies outside the text");
+        if (e > b) {
+            cuts.push_back(b);
+            cuts.push_back(e);
+        }
+    }
+    std::vector<Boundary> where;
+    try {
+        where = locate_boundaries(tokenizer, text, ids, cuts);
+    } catch (const Error& e) {
+        fail("an assistant span does not start or end on a character boundary (", e.what(), ")");
+    }
+    const size_t n = ids.size();
+    for (size_t k = 0; k + 1 < where.size(); k += 2) {
+        // HF: from the token holding the first byte to the one holding the last (an end token of
+        // 0 or none: to the end).
+        const size_t first = where[k].tokens_before;
+        if (first >= n) break;
+        size_t last = where[k + 1].inside_token ? where[k + 1].tokens_before : where[k + 1].tokens_before - 1;
+        if (last == 0 || last >= n) last = n - 1;
+        for (size_t t = first; t <= last; ++t) mask[t] = 1;
+    }
+    return mask;
+}
+
+json::Value conversation_json(const std::vector<ChatMessage>& messages) {
+    json::Value msgs = json::Value::array();
+    for (const ChatMessage& m : messages) {
+        json::Value o = json::Value::object();
+        o.set("role", m.role);
+        o.set("content", m.content);
+        if (m.reasoning_content) o.set("reasoning_content", *m.reasoning_content);
+        msgs.push_back(std::move(o));
+    }
+    json::Value c = json::Value::object();
+    c.set("messages", std::move(msgs));
+    return c;
+}
+
+std::string ChatRenderer::describe() const {
+    return format ? std::string(chat_format_name(*format)) : "the model's chat template (jinja)";
+}
+
+ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& tokenizer,
+                                   const std::filesystem::path& tokenizer_dir, const json::Value& kwargs) {
+    ChatRenderer r;
+    if (setting == "jinja") {
+        r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+        return r;
+    }
+    if (setting != "auto") {
+        r.format = resolve_chat_format(setting, tokenizer, tokenizer_dir);
+        if (find_chat_template(tokenizer, tokenizer_dir))  // for what the fast path does not render
+            r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+        return r;
+    }
+    const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
+    const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
+    if (!t)
+        fail(where,
+             ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
+             "data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3");
+    const bool has_kwargs = kwargs.is_object() && kwargs.size() > 0;
+    if (!has_kwargs) {
+        try {
+            // Recognised, and rendering the probes as the interpreter does (a safety net for the
+            // recogniser): the fast path.
+            const ChatFormat format = detect_chat_format(*t, where + " chat_template");
+            check_forced_format(format, tokenizer, tokenizer_dir, where);
+            r.format = format;
+            r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+            return r;
+        } catch (const Error&) {
+            // not one of the ChatML formats: the interpreter renders it
+        }
+    }
+    try {
+        r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+    } catch (const Error& e) {
+        fail(e.what(),
+             " (data.chat_format: auto runs the model's chat template through the Jinja interpreter, since it is not "
+             "one of the ChatML formats; name one of them if the model renders as it does)");
+    }
+    return r;
+}
+
+TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const ChatRenderer& renderer,
+                            const std::vector<ChatMessage>& messages, LossOn loss_on, size_t first_learnable) {
+    if (renderer.format) return tokenize_chat(tokenizer, messages, *renderer.format, loss_on, first_learnable);
+    MF_CHECK(renderer.model_template.has_value(), "a ChatRenderer with neither a format nor a template");
+    return tokenize_chat(tokenizer, *renderer.model_template, conversation_json(messages), loss_on, first_learnable);
 }
 
 }  // namespace mf::text

@@ -287,6 +287,13 @@ class Converter {
         beta2 = arr[1].as_double();
     }
 
+    void get_mapping(const std::string& path, Value& out) const {
+        const Entry* e = find(path);
+        if (e == nullptr || e->value.is_null()) return;
+        if (!e->value.is_object()) bad(path, "a mapping of template variables, e.g. {enable_thinking: false}");
+        out = e->value;
+    }
+
     void get_string_list(const std::string& path, std::vector<std::string>& out) const {
         const Entry* e = find(path);
         if (e == nullptr) return;
@@ -410,8 +417,23 @@ std::vector<KeyDecl> make_key_table() {
                          "pack consecutive documents into one row of seq_len tokens (attention stays inside each)"));
     t.push_back(choice_key("data.on_error", {"stop", "skip"}, MF_FIELD(data.on_error),
                            "a malformed record stops the run, or is skipped and counted"));
-    t.push_back(choice_key("data.chat_format", {"auto", "chatml", "chatml_qwen2", "chatml_qwen2_5", "chatml_qwen3"},
-                           MF_FIELD(data.chat_format), "chat rendering; auto: from the tokenizer's chat template"));
+    t.push_back(choice_key("data.chat_format",
+                           {"auto", "jinja", "chatml", "chatml_qwen2", "chatml_qwen2_5", "chatml_qwen3"},
+                           MF_FIELD(data.chat_format),
+                           "chat rendering; auto: the tokenizer's chat template (ChatML ones on the fast path), "
+                           "jinja: always through the template interpreter"));
+    KeyDecl kwargs{"data.chat_template_kwargs",
+                   "a mapping of template variables",
+                   "extra variables for the model's chat template, e.g. {enable_thinking: false}",
+                   "",
+                   "",
+                   nullptr,
+                   nullptr};
+    kwargs.read = [](const Converter& c, Recipe& r) {
+        c.get_mapping("data.chat_template_kwargs", r.data.chat_template_kwargs);
+    };
+    kwargs.write = [](const Recipe& r) { return r.data.chat_template_kwargs; };
+    t.push_back(kwargs);
     t.push_back(choice_key("data.loss_on", {"assistant", "all"}, MF_FIELD(data.loss_on),
                            "which chat tokens count in the loss"));
     t.push_back(choice_key("data.on_empty", {"stop", "warn"}, MF_FIELD(data.on_empty),

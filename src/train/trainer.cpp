@@ -63,6 +63,7 @@ data::TokenDataset read_dataset(const Recipe& recipe, const fs::path& model_dir,
     if (opt.format != data::SftFormat::tokens && text::Tokenizer::found_in(model_dir))
         tokenizer = text::Tokenizer::load(model_dir);
     opt.chat_format = recipe.data.chat_format;
+    opt.chat_template_kwargs = recipe.data.chat_template_kwargs;
     opt.tokenizer_dir = model_dir;
     opt.loss_on = text::parse_loss_on(recipe.data.loss_on);
     opt.skip_bad_lines = recipe.data.on_error == "skip";

@@ -510,7 +510,7 @@ TEST(Recipe, ToJsonHasEveryKey) {
     const Recipe r = parse_recipe(
         "model: m\n"
         "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip, chat_format: chatml_qwen3, "
-        "loss_on: all}\n"
+        "loss_on: all, chat_template_kwargs: {enable_thinking: false, effort: high}}\n"
         "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
         "full, on_nonfinite: skip}\n"
         "checkpoint: {every: 3, keep: 5}\n"
@@ -549,6 +549,21 @@ TEST(Recipe, ToJsonHasEveryKey) {
     EXPECT_EQ(back.dist.ep_size, 2);
     EXPECT_EQ(back.dist.timeout_s, 7.5);
     EXPECT_EQ(j.find("optim")->find("betas")->as_array()[0].as_double(), 0.5);
+}
+
+TEST(Recipe, ChatTemplateKwargs) {
+    const Recipe r = parse_recipe(kMinimal, "x.yaml", {"data.chat_template_kwargs={enable_thinking: false}"});
+    ASSERT_TRUE(r.data.chat_template_kwargs.is_object());
+    ASSERT_NE(r.data.chat_template_kwargs.find("enable_thinking"), nullptr);
+    EXPECT_FALSE(r.data.chat_template_kwargs.find("enable_thinking")->as_bool());
+    EXPECT_EQ(parse_recipe(kMinimal, "x.yaml", {}).data.chat_template_kwargs.size(), 0u);
+    EXPECT_EQ(parse_recipe(kMinimal, "x.yaml", {"data.chat_format=jinja"}).data.chat_format, "jinja");
+    try {
+        parse_recipe(kMinimal, "x.yaml", {"data.chat_template_kwargs=3"});
+        FAIL() << "a number was taken as template variables";
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("a mapping of template variables"), std::string::npos) << e.what();
+    }
 }
 
 TEST(Recipe, LoadFromFile) {

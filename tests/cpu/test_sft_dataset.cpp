@@ -107,15 +107,67 @@ TEST_F(SftTest, MessagesUseTheTokenizersTemplate) {
     EXPECT_EQ(tok().decode(learned_ids(ds.docs[0])), "4<|im_end|>\n");
     EXPECT_EQ(tok().decode(learned_ids(ds.docs[1])), "Hello<|im_end|>\nBye!<|im_end|>\n");
 
-    // An explicit chat format overrides the template; loss_on: all learns every token.
+    // A named chat format must be the template's own (naming another is an error: test_chat); loss_on: all
+    // learns every token.
     SftOptions o = options(SftFormat::messages);
-    o.chat_format = "chatml";
+    o.chat_format = "chatml_qwen2";
     o.loss_on = mf::text::LossOn::all;
     const TokenDataset plain =
         read(R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})", o);
-    EXPECT_EQ(plain.docs[0].input_ids,
-              tok().encode("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"));
+    EXPECT_EQ(
+        plain.docs[0].input_ids,
+        tok().encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>"
+                     "\n<|im_start|>assistant\n4<|im_end|>\n"));
     EXPECT_EQ(plain.docs[0].labels, plain.docs[0].input_ids);
+}
+
+// A model whose template is not ChatML: chat_format auto runs it through the interpreter, with
+// data.chat_template_kwargs among its variables.
+TEST_F(SftTest, MessagesThroughTheModelsOwnTemplate) {
+    const fs::path tdir = dir_ / "mistral";
+    fs::create_directories(tdir);
+    fs::copy_file(tokenizer_dir() / "tokenizer.json", tdir / "tokenizer.json");
+    mf::test::write_file(tdir / "tokenizer_config.json",
+                         R"({"eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})");
+    mf::test::write_file(tdir / "chat_template.jinja",
+                         "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }}"
+                         "{{ suffix }}[/INST]{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}");
+    const Tokenizer t = Tokenizer::load(tdir);
+    SftOptions o = options(SftFormat::messages);
+    o.tokenizer_dir = tdir;
+    o.chat_template_kwargs = mf::json::parse(R"({"suffix": "!"})", "kwargs");
+    const TokenDataset ds = mf::data::read_sft_jsonl(
+        write("m.jsonl", R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})"
+                         "\n"),
+        &t, o);
+    ASSERT_EQ(ds.docs.size(), 1u);
+    EXPECT_EQ(ds.docs[0].input_ids, t.encode("<|endoftext|>[INST] 2+2?![/INST] 4<|im_end|>"));
+    EXPECT_EQ(t.decode(learned_ids(ds.docs[0])), " 4<|im_end|>");
+}
+
+// Tool calls and tool messages: the fast path does not render them, the model's template does
+// (here the fixture tokenizer's Qwen2 template, which prints a tool message as a turn of its own).
+TEST_F(SftTest, ToolCallsGoThroughTheModelsTemplate) {
+    const std::string rec =
+        R"({"messages": [{"role": "user", "content": "Sum?"},)"
+        R"( {"role": "assistant", "content": "Calling.", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]},)"
+        R"( {"role": "tool", "content": "2"}, {"role": "assistant", "content": "It is 2."}]})";
+    const TokenDataset ds = read(rec + "\n", options(SftFormat::messages));
+    ASSERT_EQ(ds.docs.size(), 1u);
+    const std::string text =
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nSum?<|im_end|>\n"
+        "<|im_start|>assistant\nCalling.<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\nIt is "
+        "2.<|im_end|>\n";
+    EXPECT_EQ(ds.docs[0].input_ids, tok().encode(text));
+    EXPECT_EQ(tok().decode(learned_ids(ds.docs[0])), "Calling.<|im_end|>\nIt is 2.<|im_end|>\n");
+    // The record itself is not changed by a prompt/completion split.
+    const TokenDataset pc =
+        read(R"({"prompt": [{"role": "user", "content": "Sum?"}], "completion": [{"role": "assistant", "content": "x",)"
+             R"( "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {}}}]}]})"
+             "\n",
+             options(SftFormat::prompt_completion));
+    ASSERT_EQ(pc.docs.size(), 1u);
+    EXPECT_EQ(tok().decode(learned_ids(pc.docs[0])), "x<|im_end|>\n");
 }
 
 TEST_F(SftTest, PromptCompletionStrings) {
@@ -212,15 +264,17 @@ TEST_F(SftTest, EveryMalformedLineNamesFileLineAndProblem) {
         {R"({"messages": []})", "is empty"},
         {R"({"messages": ["Hi"]})", "messages[0]: expected an object"},
         {R"({"messages": [{"content": "Hi"}]})", "messages[0]: missing field \"role\""},
-        {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}]})",
-         "messages[1]: role \"tool\" is not supported"},
+        // Tool messages, tool calls and content parts go through the model's template, which decides.
+        {R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "42"}, {"role": "assistant", "content": 5}]})",
+         "unsupported operand type(s) for +: 'str' and 'int'"},
         {R"({"messages": [{"role": "user"}]})", "messages[0]: missing field \"content\""},
-        {R"({"messages": [{"role": "user", "content": ["Hi"]}]})", "field \"content\" must be a string"},
+        {R"({"messages": [{"role": "user", "content": ["Hi"]}]})",
+         "unsupported operand type(s) for +: 'str' and 'list'"},
         {R"({"messages": [{"role": 3, "content": "Hi"}]})", "field \"role\" must be a string"},
         {R"({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 1}]})",
          "\"reasoning_content\" must be a string"},
         {R"({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}]})",
-         "tool calls are not supported"},
+         "cannot find assistant message 0's span"},
         {R"({"messages": [{"role": "user", "content": "no answer"}]})", "nothing to learn"},
         {R"({"text": "Hi"})", "a text record, but the file holds messages records (from line 1)"},
         {R"({"messages": [], "text": "x"})", "fields of two record kinds"},
@@ -278,23 +332,28 @@ TEST_F(SftTest, SetupErrorsStopEvenInSkipMode) {
     o.skip_bad_lines = true;
     const std::string msg =
         R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})";
-    // A tokenizer whose template we cannot recognise, with chat_format auto.
+    // A tokenizer whose template does not parse, with chat_format auto.
     const fs::path tdir = dir_ / "tokenizer";
     fs::create_directories(tdir);
     fs::copy_file(tokenizer_dir() / "tokenizer.json", tdir / "tokenizer.json");
-    mf::test::write_file(
-        tdir / "tokenizer_config.json",
-        R"({"eos_token": "<|im_end|>", "chat_template": "{{ bos_token }}{% for m in messages %}{% endfor %}"})");
+    mf::test::write_file(tdir / "tokenizer_config.json",
+                         R"({"eos_token": "<|im_end|>", "chat_template": "{{ bos_token }}{% for m in messages %}"})");
     const Tokenizer odd = Tokenizer::load(tdir);
     o.tokenizer_dir = tdir;
     try {
         mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
-        FAIL() << "an unrecognised template was accepted";
+        FAIL() << "a template that does not parse was accepted";
     } catch (const mf::Error& e) {
         EXPECT_NE(std::string(e.what()).find("data.chat_format"), std::string::npos) << e.what();
     }
-    o.chat_format = "chatml_qwen3";  // naming a format works
-    EXPECT_EQ(mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o).docs.size(), 1u);
+    o.chat_format = "chatml_qwen3";  // naming a format the template does not render is an error too
+    try {
+        mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
+        FAIL() << "a chat format unlike the model's template was accepted";
+    } catch (const mf::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot check the chat template against chatml_qwen3"), std::string::npos)
+            << e.what();
+    }
     // Text without a tokenizer; text with a tokenizer that has no eos token.
     try {
         mf::data::read_sft_jsonl(write("t.jsonl", "{\"text\": \"a\"}\n"), nullptr, o);
