@@ -1,13 +1,14 @@
 // `moeforge generate`: text from an HF model directory, to sanity-check a (fine-tuned) model.
 //
-//   moeforge generate --model DIR --prompt TEXT [--chat [--chat-format auto|chatml|...]]
+//   moeforge generate --model DIR --prompt TEXT [--chat [--chat-format auto|jinja|chatml|...]]
 //                     [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S]
 //                     [--device auto|cpu|cuda] [--json]
 //
 // The prompt is encoded with DIR's tokenizer as `tokenizer(TEXT)` does (its post-processor's special
 // tokens included); with --chat it is one user message rendered by the directory's chat template
-// (text/chat.h) with the generation prompt "<|im_start|>assistant\n" appended and encoded without
-// special tokens, as apply_chat_template(..., add_generation_prompt=True, tokenize=True) does.
+// (text/chat.h: a ChatML fast path, or the model's own template through the interpreter) with its
+// generation prompt, encoded without special tokens, as apply_chat_template(...,
+// add_generation_prompt=True, tokenize=True) does.
 // Generation (model/generate.h) stops after max-new-tokens or an EOS id, which HF's rule takes from
 // DIR/generation_config.json when that file exists, else from config.json. The new text, decoded
 // without special tokens, streams to stdout; a summary goes to stderr. --json prints one object
@@ -71,7 +72,8 @@ GenerateArgs parse_generate_args(const Args& args) {
     if (a.has("chat-format")) {
         if (!g.chat) fail("generate: --chat-format only applies with --chat");
         g.chat_format = a.get("chat-format");
-        if (g.chat_format != "auto") text::parse_chat_format(g.chat_format);  // names the choices
+        if (g.chat_format != "auto" && g.chat_format != "jinja")
+            text::parse_chat_format(g.chat_format);  // names the choices
     }
     g.options.max_new_tokens = parse_int_option(a.get("max-new-tokens", "64"), "max-new-tokens");
     g.options.sampling.temperature = parse_number_option(a.get("temperature", "0"), "temperature");
@@ -114,11 +116,16 @@ std::vector<int32_t> read_eos_ids(const fs::path& dir, const json::Value& config
 
 std::vector<int32_t> encode_prompt(const GenerateArgs& g, const text::Tokenizer& tok) {
     if (!g.chat) return tok.encode(g.prompt, true);
-    const text::ChatFormat format = text::resolve_chat_format(g.chat_format, tok, g.model_dir);
-    // Every supported format is ChatML: the generation prompt opens the assistant's turn.
-    const std::string rendered =
-        text::render_chat_text({text::ChatMessage{"user", g.prompt, std::nullopt}}, format) + "<|im_start|>assistant\n";
-    return tok.encode(rendered, false);
+    const std::vector<text::ChatMessage> messages{text::ChatMessage{"user", g.prompt, std::nullopt}};
+    const text::ChatRenderer renderer = text::resolve_chat_renderer(g.chat_format, tok, g.model_dir);
+    if (renderer.format) {  // a ChatML fast path: the generation prompt opens the assistant's turn
+        const std::string rendered = text::render_chat_text(messages, *renderer.format) + "<|im_start|>assistant\n";
+        return tok.encode(rendered, false);
+    }
+    // The model's own template, with its generation prompt (apply_chat_template's add_generation_prompt).
+    json::Value conversation = text::conversation_json(messages);
+    conversation.set("add_generation_prompt", true);
+    return tok.encode(renderer.model_template->render_text(conversation), false);
 }
 
 // The new tokens' text, decoded as tokenizer.decode(ids, skip_special_tokens=True) does; ids the

@@ -23,10 +23,11 @@
 #include "io/file.h"
 #include "io/safetensors.h"
 #include "model/arch/architecture.h"
-#include "model/generate.h"
 #include "model/causal_lm.h"
+#include "model/generate.h"
 #include "qwen3_config.h"
 #include "test_util.h"
+#include "text/tokenizer.h"
 #include "train/hf_checkpoint.h"
 
 namespace mf {
@@ -259,6 +260,28 @@ json::Value last_json_line(const std::string& out) {
     return json::parse(out.substr(start == std::string::npos ? 0 : start + 1), "generate --json output");
 }
 
+// A template that is not ChatML is rendered by the interpreter, with its own generation prompt: the
+// prompt ids are the encoding of "[INST] <prompt> [/INST]ANSWER:" (worked out from the template below).
+TEST(GenerateCli, ChatPromptThroughANonChatmlTemplate) {
+    const fs::path dir = chat_model_dir("chat_jinja");
+    json::Value cfg = json::parse(io::read_text_file(dir / "tokenizer_config.json", 1 << 20), "tokenizer_config.json");
+    cfg.set("chat_template",
+            "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+            "{% if add_generation_prompt %}ANSWER:{% endif %}");
+    test::write_file(dir / "tokenizer_config.json", cfg.dump(2));
+    std::string out;
+    ASSERT_EQ(run_generate("--model " + dir.string() +
+                               " --chat --prompt 'two words' --max-new-tokens 1 --device cpu "
+                               "--json",
+                           &out),
+              0)
+        << out;
+    const std::vector<int32_t> ids = ids_of(last_json_line(out), "prompt_ids");
+    const text::Tokenizer tok = text::Tokenizer::load(dir);
+    EXPECT_EQ(ids, tok.encode("[INST] two words [/INST]ANSWER:", false));
+    fs::remove_all(dir);
+}
+
 TEST(GenerateCli, ChatPromptMatchesHfApplyChatTemplateAndGreedyGenerate) {
     const fs::path dir = chat_model_dir("chat");
     const json::Value e = expected_json("chat");
@@ -444,7 +467,8 @@ TEST(GenerateKvCache, CachedLogitsEqualFullForwardForEveryFamily) {
         m.get_params_to_host(host.data());
         for (const model::ParamSpec& s : m.params().specs())
             if (s.role == model::ParamRole::bias)
-                for (int64_t i = 0; i < s.numel; ++i) host[static_cast<size_t>(s.offset + i)] = 0.05f * static_cast<float>(i % 7) - 0.15f;
+                for (int64_t i = 0; i < s.numel; ++i)
+                    host[static_cast<size_t>(s.offset + i)] = 0.05f * static_cast<float>(i % 7) - 0.15f;
         m.set_params_from_host(host.data());
         std::vector<int32_t> seq;
         for (int i = 0; i < 29; ++i) seq.push_back((i * 37 + 11) % 97);
