@@ -1257,51 +1257,20 @@ class Evaluator {
         std::string item_sep = ", ", key_sep = ": ";
         bool sort_keys = false;
     };
+    // A JSON string as Python's json.dumps writes it: json::quote's escapes, and with ensure_ascii every
+    // non-ASCII code point as \uXXXX (a UTF-16 surrogate pair above the BMP).
     static void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
-        out += '"';
-        for (size_t i = 0; i < s.size();) {
-            const unsigned char c = static_cast<unsigned char>(s[i]);
-            if (c < 0x80) {
-                ++i;
-                switch (c) {
-                    case '"':
-                        out += "\\\"";
-                        break;
-                    case '\\':
-                        out += "\\\\";
-                        break;
-                    case '\n':
-                        out += "\\n";
-                        break;
-                    case '\r':
-                        out += "\\r";
-                        break;
-                    case '\t':
-                        out += "\\t";
-                        break;
-                    case '\b':
-                        out += "\\b";
-                        break;
-                    case '\f':
-                        out += "\\f";
-                        break;
-                    default:
-                        if (c < 0x20) {
-                            char buf[8];
-                            std::snprintf(buf, sizeof buf, "\\u%04x", c);
-                            out += buf;
-                        } else {
-                            out += static_cast<char>(c);
-                        }
-                }
+        const std::string quoted = json::quote(s);
+        if (!ensure_ascii) {
+            out += quoted;
+            return;
+        }
+        for (size_t i = 0; i < quoted.size();) {
+            if (static_cast<unsigned char>(quoted[i]) < 0x80) {
+                out += quoted[i++];
                 continue;
             }
-            const size_t start = i;
-            const char32_t cp = mf::text::next_code_point(s, i);
-            if (!ensure_ascii) {
-                out.append(s, start, i - start);
-                continue;
-            }
+            const char32_t cp = mf::text::next_code_point(quoted, i);
             char buf[16];
             if (cp >= 0x10000) {
                 const uint32_t v = static_cast<uint32_t>(cp) - 0x10000;
@@ -1311,7 +1280,6 @@ class Evaluator {
             }
             out += buf;
         }
-        out += '"';
     }
     void json_dump(const Expr& e, std::string& out, const Value& v, const JsonStyle& st, int level) {
         Depth d(*this, e.line, e.col);
