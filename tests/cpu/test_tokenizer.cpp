@@ -17,6 +17,7 @@
 #include "text/regex.h"
 #include "text/tokenizer.h"
 #include "text/unicode.h"
+#include "token_ids_test_util.h"
 
 namespace fs = std::filesystem;
 using mf::json::Value;
@@ -45,21 +46,8 @@ std::vector<Value> expected_records() {
     return out;
 }
 
-std::vector<int32_t> ids_of(const Value& v) {
-    std::vector<int32_t> ids;
-    for (const Value& e : v.as_array()) ids.push_back(static_cast<int32_t>(e.as_int()));
-    return ids;
-}
-
-std::string show(const std::vector<int32_t>& ids) {
-    std::string s = "[";
-    for (size_t k = 0; k < ids.size(); ++k) {
-        if (k > 0) s += ',';
-        s += std::to_string(ids[k]);
-    }
-    s += ']';
-    return s;
-}
+using mf::test::ids_of;
+using mf::test::show;
 
 // Replaces a top-level field of a JSON object, or one level down with "outer.inner".
 void set_path(Value& root, const std::string& key, const Value& v) {

@@ -17,6 +17,7 @@
 #include "test_util.h"
 #include "text/regex.h"
 #include "text/tokenizer.h"
+#include "token_ids_test_util.h"
 
 namespace fs = std::filesystem;
 using mf::json::Value;
@@ -38,21 +39,8 @@ void require_fixtures() {
 
 Value read_json(const fs::path& p) { return mf::json::parse(mf::test::read_file(p), p.string()); }
 
-std::vector<int32_t> ids_of(const Value& v) {
-    std::vector<int32_t> ids;
-    for (const Value& e : v.as_array()) ids.push_back(static_cast<int32_t>(e.as_int()));
-    return ids;
-}
-
-std::string show(const std::vector<int32_t>& ids) {
-    std::string s = "[";
-    for (size_t k = 0; k < ids.size(); ++k) {
-        if (k > 0) s += ',';
-        s += std::to_string(ids[k]);
-    }
-    s += ']';
-    return s;
-}
+using mf::test::ids_of;
+using mf::test::show;
 
 // The base tokenizer.json with the fixture's "set" applied ("a.b" sets field b of object a).
 std::string fixture_tokenizer_json(const Value& fixture) {
