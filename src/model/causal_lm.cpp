@@ -472,14 +472,7 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
             mlp_block_forward(ba.out, ba.mlp, ba.ln, s.mlp);
             break;
         case BranchKind::moe:
-            if (s.spec->moe.latent > 0) {  // the experts between the latent projections
-                ops::matmul_forward(ba.latent.x, ba.ln, s.moe.fc1);
-                moe_block_forward(ba.latent.y, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe),
-                                  ba.latent.x);
-                ops::matmul_forward(ba.out, ba.latent.y, s.moe.fc2);
-            } else {
-                moe_block_forward(ba.out, ws.moe_acts(l, recompute_), ba.ln, s.moe, moe_dims(s.spec->moe));
-            }
+            routed_moe_forward(ba.out, ws.moe_acts(l, recompute_), ba.latent, ba.ln, s.moe, moe_dims(s.spec->moe));
             if (s.has_shared) shared_expert_forward(ba.out, ba.shared, ba.ln, s.shared);
             break;
         case BranchKind::mamba:

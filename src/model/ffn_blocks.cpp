@@ -164,6 +164,14 @@ void LatentActs::alloc(Arena& arena, int64_t N, int64_t L, DType act) {
     y = arena.alloc(act, {N, L});
 }
 
+void routed_moe_forward(const Tensor& y, MoeActs& acts, LatentActs& latent, const Tensor& x, const MoeWeights& w,
+                        const MoeDims& d) {
+    if (w.fc1.data() == nullptr) return moe_block_forward(y, acts, x, w, d);
+    ops::matmul_forward(latent.x, x, w.fc1);
+    moe_block_forward(latent.y, acts, x, w, d, latent.x);
+    ops::matmul_forward(y, latent.y, w.fc2);
+}
+
 std::string experts_first_name(const MoeBranch& m) {
     return m.act == Activation::swiglu ? "experts.gate_up_proj" : "experts.up_proj";
 }

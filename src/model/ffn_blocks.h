@@ -176,4 +176,9 @@ struct LatentActs {
     void alloc(Arena& arena, int64_t N, int64_t latent, DType act);
 };
 
+// A MoE branch's routed part, y [N, H] written: moe(x), or with LatentMoE (w.fc1 defined; `latent`
+// its activations) fc2(moe(fc1·x)) with the router on x.
+void routed_moe_forward(const Tensor& y, MoeActs& acts, LatentActs& latent, const Tensor& x, const MoeWeights& w,
+                        const MoeDims& d);
+
 }  // namespace mf::model

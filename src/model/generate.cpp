@@ -202,13 +202,7 @@ void KvCacheDecoder::layer_forward(size_t l, int64_t n) {
                 mlp_block_forward(ws.block_out, ws.mlp, ws.ln, w.mlp);
                 break;
             case BranchKind::moe:
-                if (w.spec->moe.latent > 0) {
-                    ops::matmul_forward(ws.latent.x, ws.ln, w.moe.fc1);
-                    moe_block_forward(ws.latent.y, ws.moe, ws.ln, w.moe, w.md, ws.latent.x);
-                    ops::matmul_forward(ws.block_out, ws.latent.y, w.moe.fc2);
-                } else {
-                    moe_block_forward(ws.block_out, ws.moe, ws.ln, w.moe, w.md);
-                }
+                routed_moe_forward(ws.block_out, ws.moe, ws.latent, ws.ln, w.moe, w.md);
                 if (w.has_shared) shared_expert_forward(ws.block_out, ws.shared, ws.ln, w.shared);
                 break;
             case BranchKind::mamba:

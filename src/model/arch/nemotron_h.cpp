@@ -89,11 +89,19 @@ std::vector<const LayerType*> read_layer_plan(const ConfigReader& r) {
     return plan;
 }
 
-// The fields HF accepts under an older name (NemotronHConfig's __post_init__), read as the new one.
-int64_t integer_alias(const ConfigReader& r, const char* key, const char* legacy, int64_t fallback) {
-    if (r.get(key) == nullptr && r.get(legacy) != nullptr) return r.integer(legacy, true, 0, 1);
-    return r.integer(key, false, fallback, 1);
+// The key a field is read under: `key`, or the older `legacy` NemotronHConfig's __post_init__ still
+// accepts when only that one is written.
+const char* spelled(const ConfigReader& r, const char* key, const char* legacy) {
+    return r.get(key) == nullptr && r.get(legacy) != nullptr ? legacy : key;
 }
+
+// Each mixer kind's options, read once; a layer's branch takes those of its kind.
+struct Mixers {
+    AttentionBranch attention;
+    MambaBranch mamba;
+    MoeBranch moe;
+    MlpBranch mlp;
+};
 
 void refuse_unsupported(const ConfigReader& r) {
     r.require_false("tie_word_embeddings", "tied embeddings (transformers' Nemotron-H never ties them)");
@@ -121,15 +129,12 @@ MambaBranch read_mamba(const ConfigReader& r, double eps) {
     MambaBranch m;
     m.num_heads = r.integer("mamba_num_heads", false, 128, 1);
     m.head_dim = r.integer("mamba_head_dim", false, 64, 1);
-    m.num_groups = integer_alias(r, "n_groups", "mamba_n_groups", 8);
+    m.num_groups = r.integer(spelled(r, "n_groups", "mamba_n_groups"), false, 8, 1);
     m.state_size = r.integer("ssm_state_size", false, 128, 1);
-    m.conv_kernel = integer_alias(r, "conv_kernel", "mamba_d_conv", 4);
-    m.chunk_size = integer_alias(r, "chunk_size", "mamba_chunk_size", 128);
-    m.conv_bias = r.get("use_conv_bias") == nullptr && r.get("mamba_conv_bias") != nullptr
-                      ? r.boolean("mamba_conv_bias", true)
-                      : r.boolean("use_conv_bias", true);
-    const char* dt_key =
-        r.get("time_step_min") == nullptr && r.get("mamba_dt_min") != nullptr ? "mamba_dt_min" : "time_step_min";
+    m.conv_kernel = r.integer(spelled(r, "conv_kernel", "mamba_d_conv"), false, 4, 1);
+    m.chunk_size = r.integer(spelled(r, "chunk_size", "mamba_chunk_size"), false, 128, 1);
+    m.conv_bias = r.boolean(spelled(r, "use_conv_bias", "mamba_conv_bias"), true);
+    const char* dt_key = spelled(r, "time_step_min", "mamba_dt_min");
     m.dt_min = r.number(dt_key, 0.001);
     m.dt_max = INFINITY;
     m.norm_eps = eps;
@@ -174,12 +179,10 @@ MoeBranch read_moe(const ConfigReader& r) {
 // The config as transformers 5.17 writes it: every NemotronHConfig field, the plan as layers_block_type
 // (no hybrid_override_pattern, no num_hidden_layers), the fields the engine does not use as read.
 json::Value write_config(const ConfigReader& r, const json::Value& cfg, const ModelSpec& spec,
-                         const std::vector<const LayerType*>& plan) {
-    // Every layer's branch carries every kind's options (parse), so the first one holds them all.
-    const Branch& first = spec.layers.front().branches.front();
-    const AttentionBranch& a = first.attention;
-    const MambaBranch& m = first.mamba;
-    const MoeBranch& e = first.moe;
+                         const std::vector<const LayerType*>& plan, const Mixers& mixers) {
+    const AttentionBranch& a = mixers.attention;
+    const MambaBranch& m = mixers.mamba;
+    const MoeBranch& e = mixers.moe;
     json::Value::Object out;
     auto put = [&](const char* key, json::Value v) { out.emplace_back(key, std::move(v)); };
     // A field the engine only carries: the file's value, or HF's default.
@@ -207,7 +210,7 @@ json::Value write_config(const ConfigReader& r, const json::Value& cfg, const Mo
     put("hidden_dropout", json::Value(0.0));
     put("hidden_size", json::Value(spec.hidden_size));
     keep("initializer_range", json::Value(0.02));
-    put("intermediate_size", json::Value(first.mlp.intermediate));
+    put("intermediate_size", json::Value(mixers.mlp.intermediate));
     put("layer_norm_epsilon", json::Value(spec.final_norm_eps));
     put("layers_block_type", json::Value(std::move(types)));
     put("mamba_head_dim", json::Value(m.head_dim));
@@ -254,12 +257,27 @@ json::Value write_config(const ConfigReader& r, const json::Value& cfg, const Mo
     return sorted_config(std::move(out));
 }
 
-Branch mixer(BranchKind kind, double eps) {
+// Layer l's one branch: x += mixer(norm(x)) with the options of its kind.
+Branch mixer(BranchKind kind, double eps, const Mixers& mixers) {
     Branch b;
     b.kind = kind;
     b.norm = "norm";
     b.module = "mixer";
     b.norm_eps = eps;
+    switch (kind) {
+        case BranchKind::attention:
+            b.attention = mixers.attention;
+            break;
+        case BranchKind::mamba:
+            b.mamba = mixers.mamba;
+            break;
+        case BranchKind::moe:
+            b.moe = mixers.moe;
+            break;
+        case BranchKind::mlp:
+            b.mlp = mixers.mlp;
+            break;
+    }
     return b;
 }
 
@@ -284,7 +302,8 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     spec.final_norm_module = "model.norm_f";
     spec.disk_model_prefix = "backbone.";
 
-    AttentionBranch attention;
+    Mixers mixers;
+    AttentionBranch& attention = mixers.attention;
     attention.num_heads = r.integer("num_attention_heads", false, 32, 1);
     attention.num_kv_heads = r.get("num_key_value_heads") == nullptr && r.find_raw("num_key_value_heads") != nullptr
                                  ? attention.num_heads  // null: as many as the query heads
@@ -294,20 +313,13 @@ ModelSpec parse(const json::Value& cfg, const std::string& source) {
     if (attention.num_heads % attention.num_kv_heads != 0)
         fail(source, ": num_attention_heads ", attention.num_heads, " is not a multiple of num_key_value_heads ",
              attention.num_kv_heads);
-    const MambaBranch mamba = read_mamba(r, eps);
-    const MoeBranch moe = read_moe(r);
-    const int64_t intermediate = r.integer("intermediate_size", false, 21504, 1);
+    mixers.mamba = read_mamba(r, eps);
+    mixers.moe = read_moe(r);
+    mixers.mlp.intermediate = r.integer("intermediate_size", false, 21504, 1);
+    mixers.mlp.act = Activation::relu2;
 
-    for (const LayerType* type : plan) {
-        Branch b = mixer(type->kind, eps);
-        b.attention = attention;
-        b.mamba = mamba;
-        b.moe = moe;
-        b.mlp.intermediate = intermediate;
-        b.mlp.act = Activation::relu2;
-        spec.layers.push_back(LayerSpec{{b}});
-    }
-    spec.config = write_config(r, cfg, spec, plan);
+    for (const LayerType* type : plan) spec.layers.push_back(LayerSpec{{mixer(type->kind, eps, mixers)}});
+    spec.config = write_config(r, cfg, spec, plan, mixers);
     return spec;
 }
 
