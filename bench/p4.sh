@@ -3,7 +3,8 @@
 # under torch.compile) and moeforge, one after the other; one JSON line per system, then the
 # ratios. Usage (on the GPU machine, from the repo root): bench/p4.sh [BUILD_DIR] [OUT_DIR]
 #   MICRO_BATCH=1 (the speed target) or 2 (the memory target); STEPS, WARMUP; SKIP_COMPILE=1 (default)
-#   leaves out the torch.compile run. HF runs its torch Mamba path (no mamba_ssm on that machine).
+#   leaves out the torch.compile run; SKIP_HF=1 leaves out HF (it runs out of memory at micro-batch 2).
+#   HF runs its torch Mamba path (no mamba_ssm on that machine).
 set -uo pipefail
 BUILD=${1:-build}
 OUT=${2:-bench/results}
@@ -21,7 +22,7 @@ common=(--config "$CFG" --layers "$LAYERS" --micro-batch "$MICRO_BATCH" --seq-le
 FLOPS=$(python3 -c "import json,sys; print(json.loads(open('$LOG').readline())['flops_per_token'])")
 "$BUILD/moeforge" bench "${common[@]}" --precision bf16 --steps 2 --warmup 1 --profile 2>/dev/null \
     | python3 -c "import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({'system':'moeforge_profile','ms_per_step_by_op':d['ms_per_step_by_op']}))" | tee -a "$LOG"
-python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" 2> "$OUT/hf_stderr.log" | tee -a "$LOG"
+[ "${SKIP_HF:-0}" = 1 ] || python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" 2> "$OUT/hf_stderr.log" | tee -a "$LOG"
 if [ "${SKIP_COMPILE:-1}" != 1 ]; then
   python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" --compile 2> "$OUT/hf_compile_stderr.log" | tee -a "$LOG"
 fi

@@ -20,7 +20,8 @@ def main():
     model.eval()
     with torch.no_grad():
         out = model(input_ids=ids, labels=labels)
-    aux = float(out.aux_loss) if out.aux_loss is not None else 0.0
+    aux = getattr(out, "aux_loss", None)  # None for models without a load-balancing loss (nemotron_h)
+    aux = float(aux) if aux is not None else 0.0
     print(json.dumps({"loss": float(out.loss), "aux_loss": aux, "tokens": int((labels[:, 1:] != -100).sum())}))
 
 

@@ -22,9 +22,7 @@ namespace mf::cli {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 int cmd_init(const Args& args) {
     return with_path_errors("init", [&] {
@@ -40,14 +38,15 @@ int cmd_init(const Args& args) {
         } else {
             const std::string arch = a.get("arch", "qwen3_moe");
             const std::string preset = a.get("preset", "tiny");
-            if (preset != "tiny") fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
+            if (preset != "tiny")
+                fail("init: unknown --preset \"", preset, "\" (supported: tiny; or pass --config FILE)");
             source = "init: --arch " + arch + " --preset " + preset;
             config = model::find_architecture(arch, "init: --arch").tiny_preset();
         }
         // Token ids are int32 (data/batch.h).
         if (a.has("vocab-size") && config.is_object())
-            config.set("vocab_size", parse_int_option(a.get("vocab-size"), "vocab-size", 1,
-                                                      std::numeric_limits<int32_t>::max()));
+            config.set("vocab_size",
+                       parse_int_option(a.get("vocab-size"), "vocab-size", 1, std::numeric_limits<int32_t>::max()));
         model::ModelSpec cfg = model::parse_model_config(config, source);
         // A new model is written in float32, or bfloat16 where the config asks for it.
         if (cfg.dtype != "bfloat16") cfg.dtype = "float32";
@@ -80,8 +79,8 @@ int cmd_init(const Args& args) {
         train::save_hf_model(staged.staging(), m, nullptr, tokenizer_dir);
         staged.commit({"config.json"});
         std::printf("wrote %s: %s, %lld parameters (%lld active per token), seed %llu\n", out.string().c_str(),
-                    cfg.model_type.c_str(), static_cast<long long>(m.num_params()), static_cast<long long>(m.num_active_params()),
-                    static_cast<unsigned long long>(seed));
+                    cfg.model_type.c_str(), static_cast<long long>(m.num_params_total()),
+                    static_cast<long long>(m.num_active_params()), static_cast<unsigned long long>(seed));
         return 0;
     });
 }
@@ -141,7 +140,7 @@ int cmd_info(const Args& args) {
         const model::ModelSpec cfg = train::read_hf_config(dir);
         const model::ParamTable table = model::model_param_table(cfg);
         const int64_t T = parse_int_option(a.get("seq-len", "4096"), "seq-len");
-        const int64_t total = table.total(), active = model::model_active_params(cfg, table);
+        const int64_t total = table.count(), active = model::model_active_params(cfg, table);
         const double flops = model::model_flops_per_token(cfg, T);
         const RankPlan plan = plan_rank_memory(cfg, a);
         if (a.has("json")) {
@@ -232,7 +231,8 @@ int cmd_eval(const Args& args) {
         data::SftOptions opt;
         opt.format = data::parse_sft_format(a.get("format", "auto"));
         std::optional<text::Tokenizer> tokenizer;  // token-id data needs none
-        if (opt.format != data::SftFormat::tokens && has_tokenizer(model_dir)) tokenizer = text::Tokenizer::load(model_dir);
+        if (opt.format != data::SftFormat::tokens && has_tokenizer(model_dir))
+            tokenizer = text::Tokenizer::load(model_dir);
         opt.tokenizer_dir = model_dir;
         opt.vocab_size = cfg.vocab_size;
         const data::TokenDataset ds = data::read_sft_jsonl(data_file, tokenizer ? &*tokenizer : nullptr, opt);

@@ -48,6 +48,7 @@ struct CausalLM::BranchState {
 struct CausalLM::Layer {
     std::vector<BranchState> branches;
     bool is_moe = false;
+    std::vector<int32_t> replay;  // set_routing_replay's experts, or empty
 };
 
 struct CausalLM::Workspace {
@@ -187,7 +188,7 @@ CausalLM::CausalLM(ModelSpec spec, ModelPlacement placement)
     : spec_(std::move(spec)),
       act_dtype_(placement.device == Device::cpu ? DType::f32 : DType::bf16),
       store_(model_param_table(spec_, placement.shard), spec_.num_layers(), placement),
-      total_params_(placement.shard.sharded() ? model_param_table(spec_).total() : store_.table().total()),
+      total_params_(placement.shard.sharded() ? model_param_table(spec_).count() : store_.table().count()),
       ws_(std::make_unique<Workspace>()) {
     const int64_t E = spec_.num_experts();
     if (placement.shard.sharded() && (E == 0 || E % placement.shard.size != 0))
@@ -299,6 +300,15 @@ std::vector<int32_t> CausalLM::routing(int64_t layer) const {
     std::vector<int32_t> out(static_cast<size_t>(idx.numel()));
     ops::copy_to_host(out.data(), idx);
     return out;
+}
+
+void CausalLM::set_routing_replay(int64_t layer, std::vector<int32_t> experts) {
+    MF_CHECK(device() == Device::cpu, "set_routing_replay: routing replay runs on the CPU only");
+    MF_CHECK(layer >= 0 && layer < spec_.num_layers() && layers_[static_cast<size_t>(layer)].is_moe,
+             "set_routing_replay: layer ", layer, " is not a MoE layer");
+    MF_CHECK(experts.size() % static_cast<size_t>(spec_.moe(layer)->top_k) == 0, "set_routing_replay: ", experts.size(),
+             " experts is not a whole number of top-", spec_.moe(layer)->top_k, " rows");
+    layers_[static_cast<size_t>(layer)].replay = std::move(experts);
 }
 
 std::string CausalLM::locate_nonfinite_gradient() const {
@@ -471,8 +481,12 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
         case BranchKind::mlp:
             mlp_block_forward(ba.out, ba.mlp, ba.ln, s.mlp);
             break;
-        case BranchKind::moe:
-            routed_moe_forward(ba.out, ws.moe_acts(l, recompute_), ba.latent, ba.ln, s.moe, moe_dims(s.spec->moe));
+        case BranchKind::moe: {
+            MoeDims md = moe_dims(s.spec->moe);
+            const std::vector<int32_t>& replay = layers_[static_cast<size_t>(l)].replay;
+            if (!replay.empty()) md.replay = &replay;
+            routed_moe_forward(ba.out, ws.moe_acts(l, recompute_), ba.latent, ba.ln, s.moe, md);
+        }
             if (s.has_shared) shared_expert_forward(ba.out, ba.shared, ba.ln, s.shared);
             break;
         case BranchKind::mamba:

@@ -149,13 +149,18 @@ class CausalLM {
     // The top-k experts [N·K] of MoE layer l in the last forward (host copy), e.g. to see whether a
     // perturbation changed the routing. Needs recompute none (otherwise the layers share one set).
     std::vector<int32_t> routing(int64_t layer) const;
+    // Routing replay (CPU models): from the next forward on, MoE layer l's tokens go to `experts`
+    // ([N·K], what routing() of another run returned) instead of their own top-k, weighted by this
+    // model's router; empty: the router chooses again. A reference run follows a bf16 run's choice
+    // at near-ties this way, so the two compare the same computation (tests/gpu/test_gpu_step.cpp).
+    void set_routing_replay(int64_t layer, std::vector<int32_t> experts);
 
     // Bytes of activation memory the last step used (the arena's high-water mark, plus the EP row
     // stores, which grow to the largest routing met).
     size_t activation_bytes() const;
 
-    // Parameter counts: held by this rank (its buffer), of the whole model, and those a single token
-    // touches (top-k experts only).
+    // Parameter counts: the elements of this rank's flat buffer (padding included, see param_table.h),
+    // the parameters of the whole model, and those a single token touches (top-k experts only).
     int64_t num_params() const { return params().total(); }
     int64_t num_params_total() const { return total_params_; }
     int64_t num_active_params() const { return model_active_params(spec_, params()); }

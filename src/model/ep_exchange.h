@@ -79,6 +79,10 @@ struct MoeDims {
     float routed_scaling = 1.0f, masked_score = -INFINITY;
     // The experts' first product's width: gate and up rows (2I) for SwiGLU, up rows (I) for relu².
     int64_t first_width() const { return act == Activation::swiglu ? 2 * intermediate : intermediate; }
+    // Routing replay (CPU only): when set, every token takes these experts ([N·K], as routing() returns
+    // them) instead of its own top-k; the weights are the router's for those experts, formed as the
+    // router forms them (CausalLM::replay_routing).
+    const std::vector<int32_t>* replay = nullptr;
 };
 
 // One chunk of the local experts and the tokens that travel for it.

@@ -225,6 +225,36 @@ void MoeScratch::alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std
     dx_perm = arena.alloc(act, {P, d.hidden});
 }
 
+// The experts of `replay` in place of the router's choice, weighted as the router weights its own: the
+// probability (softmax) or score (sigmoid, without the correction bias) of each, divided by their sum
+// (norm_topk_prob; the sigmoid router's guard added), times the routed scaling (sigmoid). The sums run
+// over k ascending, as in the CPU router kernels.
+void replay_routing(MoeActs& a, const std::vector<int32_t>& replay, const MoeDims& d) {
+    const int64_t N = a.topk_idx.shape()[0], K = d.top_k, E = d.num_experts;
+    MF_CHECK(a.topk_idx.device() == Device::cpu, "routing replay runs on the CPU only");
+    MF_CHECK(static_cast<int64_t>(replay.size()) == N * K, "routing replay: ", replay.size(), " experts for ", N,
+             " tokens of top-", K);
+    const bool sigmoid = d.router == RouterKind::sigmoid;
+    const float* p = a.probs.ptr<float>();
+    int32_t* idx = a.topk_idx.ptr<int32_t>();
+    float* w = a.topk_weight.ptr<float>();
+    for (int64_t n = 0; n < N; ++n) {
+        float total = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            const int32_t e = replay[static_cast<size_t>(n * K + k)];
+            MF_CHECK(e >= 0 && e < E, "routing replay: expert ", e, " of token ", n, " is not in [0, ", E, ")");
+            idx[n * K + k] = e;
+            w[n * K + k] = p[n * E + e];
+            total += w[n * K + k];
+        }
+        const float denom = sigmoid ? total + 1e-20f : total;
+        for (int64_t k = 0; k < K; ++k) {
+            if (d.norm_topk_prob) w[n * K + k] = w[n * K + k] / denom;
+            if (sigmoid) w[n * K + k] = w[n * K + k] * d.routed_scaling;
+        }
+    }
+}
+
 void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, const MoeWeights& w, const MoeDims& d,
                        const Tensor& x_experts) {
     const Tensor& x = x_experts.data() != nullptr ? x_experts : x_router;
@@ -234,6 +264,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, cons
                                     d.norm_topk_prob, d.routed_scaling, d.masked_score);
     else
         ops::router_forward(a.probs, a.topk_idx, a.topk_weight, a.logits, d.norm_topk_prob);
+    if (d.replay != nullptr) replay_routing(a, *d.replay, d);
     ops::moe_permute_indices(a.expert_offsets, a.sorted_pair, a.pair_row, a.topk_idx, d.num_experts);
     if (d.ep != nullptr) return ep_moe_forward(y, a, x, w, d);
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);

@@ -68,15 +68,21 @@ const ParamSpec& ParamTable::add(std::string name, Shape shape, ParamRole role, 
     // Replicated parameters are packed first: shift every expert parameter up by the newcomer.
     if (is_expert) {
         spec.offset = replicated_ + experts_;
-        experts_ += spec.numel;
+        experts_ += spec.extent();
     } else {
         spec.offset = replicated_;
         for (auto& s : specs_)
-            if (s.is_expert) s.offset += spec.numel;
-        replicated_ += spec.numel;
+            if (s.is_expert) s.offset += spec.extent();
+        replicated_ += spec.extent();
     }
     specs_.push_back(std::move(spec));
     return specs_.back();
+}
+
+int64_t ParamTable::count() const {
+    int64_t n = 0;
+    for (const auto& s : specs_) n += s.numel;
+    return n;
 }
 
 void ParamTable::store_model_prefix_as(const std::string& prefix) {

@@ -12,6 +12,13 @@
 // holds only its E/S experts: stacked specs have shape [E/S, ...] and say which global experts
 // they hold (expert_first); the replicated region is the same on every rank.
 //
+// Every parameter starts at a multiple of kParamAlign elements (16 bytes of bf16), as the GEMM
+// libraries ask of their pointers: a small tensor (Mamba-2's A_log of 4 heads) is followed by zero
+// padding, never updated and zero in the gradient. A parameter occupies extent() elements; the
+// padding is counted in total() (the buffer's length) but not in count() (the model's parameters).
+// The published geometries need no padding (their sizes are multiples of 8), so their layout is the
+// plain concatenation it always was.
+//
 // Each parameter has a role (what initialisation, data parallelism and the optimizer's stages key on,
 // never its name) and says how HF checkpoints store it (ParamStorage), which is all the checkpoint
 // reader and writer (train/hf_checkpoint.h) know of an architecture.
@@ -25,6 +32,8 @@
 #include "core/tensor.h"
 
 namespace mf::model {
+
+inline constexpr int64_t kParamAlign = 8;
 
 // This rank's share of the experts: experts [rank·E/size, (rank+1)·E/size) of every MoE layer.
 struct ExpertShard {
@@ -71,6 +80,8 @@ struct ParamSpec {
     Shape shape;         // the local shape (stacked experts: [E/S, ...])
     int64_t offset = 0;  // in elements, into the flat buffer
     int64_t numel = 0;
+    // The elements it occupies in the flat buffer: numel, then the padding up to the next parameter.
+    int64_t extent() const { return (numel + kParamAlign - 1) / kParamAlign * kParamAlign; }
     bool is_expert = false;     // stacked expert weights (split over EP ranks)
     int64_t expert_first = 0;   // stacked experts: the global index of local expert 0
     int64_t experts_total = 0;  // stacked experts: E over all ranks
@@ -98,7 +109,10 @@ class ParamTable {
     const ParamSpec* find(std::string_view name) const;
     const ParamSpec& get(std::string_view name) const;  // throws naming the parameter
     const std::vector<ParamSpec>& specs() const { return specs_; }
+    // Elements of the flat buffer, padding included.
     int64_t total() const { return replicated_ + experts_; }
+    // The parameters' elements (what a model's size is reported as), padding excluded.
+    int64_t count() const;
     // Elements in the replicated region = the offset of the expert region.
     int64_t expert_offset() const { return replicated_; }
 

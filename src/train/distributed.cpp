@@ -129,10 +129,13 @@ void DistContext::reduce_specs(model::CausalLM& model, const std::vector<size_t>
         if (reduced_[i]) continue;
         reduced_[i] = true;
         auto& r = ranges[specs[i].is_expert ? 1 : 0];
-        const int64_t a = specs[i].offset, b = a + specs[i].numel;
-        if (!r.empty() && r.back().second == a) r.back().second = b;
-        else if (!r.empty() && r.back().first == b) r.back().first = a;
-        else r.emplace_back(a, b);
+        const int64_t a = specs[i].offset, b = a + specs[i].extent();  // padding included: ranges merge
+        if (!r.empty() && r.back().second == a)
+            r.back().second = b;
+        else if (!r.empty() && r.back().first == b)
+            r.back().first = a;
+        else
+            r.emplace_back(a, b);
     }
     for (int region = 0; region < 2; ++region) {
         parallel::Communicator* comm = region == 1 && ep_size() > 1 ? impl_->groups.dp.get() : impl_->world.get();
@@ -154,8 +157,8 @@ void DistContext::begin_grad_sync(model::CausalLM& model) {
     for (size_t i = 0; i < specs.size(); ++i) experts[i] = specs[i].is_expert && final_in_backward(specs[i]);
     if (std::find(experts.begin(), experts.end(), true) != experts.end()) {
         ensure_square_sums(model);
-        const std::vector<bool> filled = model.set_grad_square_sums(
-            square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), experts);
+        const std::vector<bool> filled =
+            model.set_grad_square_sums(square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), experts);
         for (size_t i = 0; i < filled.size(); ++i)
             if (filled[i]) squares_done_[i] = true;
     }
@@ -240,7 +243,8 @@ void DistContext::start_square_sums(model::CausalLM& model, const std::vector<si
             todo.push_back(i);
     if (todo.empty()) return;
     ensure_square_sums(model);
-    const Tensor g = model.grads_tensor_in_backward(), sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
+    const Tensor g = model.grads_tensor_in_backward(),
+                 sums = square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())});
     squares_ticket_ = ops::background(model.device(), [&] { gradient_square_sums_to(sums, g, specs, todo); });
     for (const size_t i : todo) squares_done_[i] = true;
 }
@@ -250,15 +254,13 @@ std::vector<double> DistContext::gradient_square_sums(model::CausalLM& model) {
     if (squares_done_.size() != specs.size()) return train::gradient_square_sums(model);
     if (squares_ticket_ != 0) ops::wait_background(model.device(), squares_ticket_);
     squares_ticket_ = 0;
-    std::vector<double> out =
-        train::gradient_square_sums(model, square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), squares_done_);
+    std::vector<double> out = train::gradient_square_sums(
+        model, square_sums_.as(DType::f64, {static_cast<int64_t>(specs.size())}), squares_done_);
     squares_done_.assign(specs.size(), false);
     return out;
 }
 
-model::ExpertShard DistContext::expert_shard() const {
-    return {layout_.ep_rank(rank_), layout_.ep_size};
-}
+model::ExpertShard DistContext::expert_shard() const { return {layout_.ep_rank(rank_), layout_.ep_size}; }
 
 namespace {
 
@@ -290,9 +292,7 @@ void gather_expert_tensor(parallel::Communicator& ep, Device device, const float
 
 }  // namespace
 
-bool DistContext::serves_export() const {
-    return layout_.ep_size > 1 && layout_.dp_rank(rank_) == 0 && rank_ != 0;
-}
+bool DistContext::serves_export() const { return layout_.ep_size > 1 && layout_.dp_rank(rank_) == 0 && rank_ != 0; }
 
 train::ParamSource DistContext::export_source(const model::CausalLM& model, const std::vector<float>& local) {
     const model::ParamTable& mine = model.params();
@@ -348,9 +348,12 @@ parallel::Communicator* DistContext::dp_group() const { return impl_ ? impl_->gr
 parallel::Communicator* DistContext::group(Group g) const {
     if (!impl_) return nullptr;
     switch (g) {
-        case Group::ep: return impl_->groups.ep.get();
-        case Group::dp: return impl_->groups.dp.get();
-        case Group::world: break;
+        case Group::ep:
+            return impl_->groups.ep.get();
+        case Group::dp:
+            return impl_->groups.dp.get();
+        case Group::world:
+            break;
     }
     return impl_->world.get();
 }

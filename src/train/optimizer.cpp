@@ -55,7 +55,8 @@ AdamW::AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed, par
     for (int k = 0; k < 2; ++k)
         if (groups[k] != nullptr && groups[k]->size() > 1)
             regions_[k] = {groups[k], groups[k]->rank(), groups[k]->size()};
-    // The segments: the parameters in buffer order, in runs of one stage within one region.
+    // The segments: the parameters in buffer order, in runs of one stage within one region (a run
+    // covers its parameters' padding, so padding never splits it).
     const auto& specs = model.params().specs();
     std::vector<size_t> order(specs.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -67,12 +68,12 @@ AdamW::AdamW(model::CausalLM& model, const Recipe::Optim& optim, bool mixed, par
         const int64_t stage = model.param_stage(spec);
         if (!segments_.empty() && segments_.back().end == spec.offset && segments_.back().stage == stage &&
             segments_.back().region == region) {
-            segments_.back().end += spec.numel;
+            segments_.back().end += spec.extent();
             segments_.back().specs.push_back(i);
             continue;
         }
         segments_.push_back(
-            {.begin = spec.offset, .end = spec.offset + spec.numel, .stage = stage, .region = region, .specs = {i}});
+            {.begin = spec.offset, .end = spec.offset + spec.extent(), .stage = stage, .region = region, .specs = {i}});
     }
     for (size_t s = 0; s < segments_.size(); ++s) {
         Segment& seg = segments_[s];

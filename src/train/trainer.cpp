@@ -314,7 +314,7 @@ void print_start(const Run& run) {
     }
     if (run.logs && run.dist->distributed())
         std::printf("%sthis rank holds %lld parameters (%s), AdamW state %.1f MiB%s\n", run.who.c_str(),
-                    static_cast<long long>(model.num_params()),
+                    static_cast<long long>(model.params().count()),
                     run.dist->ep_size() > 1 ? "replicated + its expert shard" : "all",
                     static_cast<double>(run.optimizer->state_bytes()) / (1024.0 * 1024.0),
                     recipe.dist.shard_optimizer ? " (ZeRO-1 shard)" : "");

@@ -19,6 +19,7 @@
 #include "model/causal_lm.h"
 #include "test_util.h"
 #include "train/hf_checkpoint.h"
+#include "train/optimizer.h"
 
 namespace fs = std::filesystem;
 using namespace mf;
@@ -200,6 +201,95 @@ Result run(const model::ModelSpec& spec, const data::Batch& batch) {
     const model::LossScales scales{1.0, 0.0};
     const model::StepStats st = m.step(batch, &scales);
     return {st.ce_sum, std::vector<float>(m.grad_data(), m.grad_data() + m.num_params())};
+}
+
+// The fixture's Mamba-2 layers hold 4-element tensors (A_log, D, dt_bias): every parameter still starts
+// 16-byte aligned in bf16 (the GEMM libraries refuse anything else), and the padding after the small
+// ones stays zero through a step and an AdamW update, in the parameters and the gradients.
+TEST(NemotronH, ParametersAreAlignedAndThePaddingStaysZero) {
+    auto m = train::load_hf_model(fixture_dir("model"));
+    const auto& specs = m->params().specs();
+    std::vector<char> used(static_cast<size_t>(m->num_params()), 0);
+    int64_t padded = 0, stored = 0;
+    for (const auto& s : specs) {
+        EXPECT_EQ(s.offset % model::kParamAlign, 0) << s.name;
+        std::fill(used.begin() + s.offset, used.begin() + s.offset + s.numel, 1);
+        padded += s.extent() - s.numel;
+    }
+    EXPECT_GT(padded, 0) << "the fixture has a tensor that needs padding (the test can fail)";
+    EXPECT_EQ(m->num_params_total() + padded, m->num_params());
+    const io::SafetensorsFile file = io::SafetensorsFile::open(fixture_dir("model") / "model.safetensors");
+    for (const auto& t : file.tensors()) stored += shape_numel(t.shape);
+    EXPECT_EQ(m->num_params_total(), stored) << "the parameter count leaves the padding out";
+    train::Recipe::Optim optim;
+    train::AdamW adam(*m, optim, false, nullptr, nullptr);
+    m->zero_grads();
+    const model::LossScales scales{1.0, 0.1};
+    m->step(test::load_fixture_batch(fixture_dir("")), &scales);
+    adam.step(1e-2);
+    for (size_t i = 0; i < used.size(); ++i)
+        if (!used[i]) {
+            ASSERT_EQ(m->param_data()[i], 0.0f) << "padding element " << i;
+            ASSERT_EQ(m->grad_data()[i], 0.0f) << "padding element " << i;
+        }
+}
+
+// Routing replay (what the GPU step test uses at near-ties): replaying a model's own routing is the same
+// step bit for bit, its top-k in another order the same within fp32 rounding, other experts another step;
+// for the sigmoid router (here) and the softmax one (qwen2_moe's fixture).
+TEST(NemotronH, RoutingReplayOfItsOwnChoiceIsTheSameStep) {
+    for (const char* fixture : {"nemotron_h", "qwen2_moe"}) {
+        SCOPED_TRACE(fixture);
+        const fs::path dir = fs::path(test::fixtures_dir()) / "hf" / fixture;
+        const data::Batch batch = test::load_fixture_batch(dir);
+        auto m = train::load_hf_model(dir / "model");
+        const model::LossScales scales{1.0, 0.01};
+        auto run = [&] {
+            m->zero_grads();
+            const model::StepStats st = m->step(batch, &scales);
+            return std::make_pair(st.ce_sum + st.aux,
+                                  std::vector<float>(m->grad_data(), m->grad_data() + m->num_params()));
+        };
+        const auto own = run();
+        int64_t layer = -1;
+        for (int64_t l = 0; l < m->spec().num_layers() && layer < 0; ++l)
+            if (m->spec().is_moe_layer(l)) layer = l;
+        ASSERT_GE(layer, 0);
+        const std::vector<int32_t> chosen = m->routing(layer);
+        const size_t K = static_cast<size_t>(m->spec().moe(layer)->top_k);
+        m->set_routing_replay(layer, chosen);
+        const auto replayed = run();
+        EXPECT_EQ(replayed.first, own.first);
+        EXPECT_EQ(replayed.second, own.second);
+        std::vector<int32_t> reversed = chosen, other = chosen;
+        for (size_t t = 0; t < chosen.size(); t += K) std::reverse(reversed.begin() + t, reversed.begin() + t + K);
+        const int32_t E = static_cast<int32_t>(m->spec().num_experts());
+        for (size_t t = 0; t < chosen.size(); t += K) {  // each token: its first expert swapped for one it did not take
+            int32_t e = 0;
+            while (std::find(chosen.begin() + t, chosen.begin() + t + K, e) != chosen.begin() + t + K) ++e;
+            ASSERT_LT(e, E);
+            other[t] = e;
+        }
+        m->set_routing_replay(layer, reversed);
+        EXPECT_NEAR(run().first, own.first, 1e-5 * std::fabs(own.first));
+        m->set_routing_replay(layer, other);
+        const auto moved = run();
+        double num = 0, den = 0;  // the layer's expert gradients change well past rounding
+        for (const auto& s : m->params().specs()) {
+            if (!s.is_expert || s.layer != layer) continue;
+            for (int64_t i = s.offset; i < s.offset + s.numel; ++i) {
+                const double a = moved.second[static_cast<size_t>(i)], b = own.second[static_cast<size_t>(i)];
+                num += (a - b) * (a - b);
+                den += b * b;
+            }
+        }
+        EXPECT_GT(std::sqrt(num / den), 1e-3) << "another expert, another step";
+        EXPECT_NE(moved.first, own.first);
+        EXPECT_EQ(m->routing(layer), other);
+        EXPECT_THROW(m->set_routing_replay(layer, std::vector<int32_t>(K + 1, 0)), Error);
+        m->set_routing_replay(layer, {});
+        EXPECT_EQ(run().first, own.first);
+    }
 }
 
 TEST(NemotronH, PackedDocumentsEqualTheDocumentsAlone) {

@@ -68,12 +68,18 @@ TEST_P(GpuStep, MatchesCpuReference) {
     const int64_t targets = batch.num_targets();
     const model::LossScales scales{1.0 / static_cast<double>(targets), coef};
 
-    const model::StepStats sc = cpu->step(batch, &scales);
+    model::StepStats sc = cpu->step(batch, &scales);
     const model::StepStats sg = gpu->step(batch, &scales);
     // A token whose top-k ends in a near-tie can be routed to another expert once bf16 rounds the
-    // router's input: that moves a whole token's contribution between experts, so the layer's router
-    // and expert gradients are compared only where both devices routed every token alike.
-    std::vector<char> rerouted(static_cast<size_t>(cpu->spec().num_layers()), 0);
+    // router's input or weights: that moves a whole token's contribution between experts, and through
+    // the residual stream every gradient upstream. A few such tokens are rounding; many would be a
+    // wrong router. The CPU reference then replays the GPU's choice (set_routing_replay: the same
+    // experts, weighted by its own fp32 router) so both compute the same function from here on.
+    bool rerouted = false;
+    const auto follow_gpu_routing = [&] {
+        for (int64_t l = 0; l < cpu->spec().num_layers(); ++l)
+            if (cpu->spec().is_moe_layer(l)) cpu->set_routing_replay(l, gpu->routing(l));
+    };
     for (int64_t l = 0; l < cpu->spec().num_layers(); ++l) {
         if (!cpu->spec().is_moe_layer(l)) continue;
         const std::vector<int32_t> rc = cpu->routing(l), rg = gpu->routing(l);
@@ -85,12 +91,19 @@ TEST_P(GpuStep, MatchesCpuReference) {
             std::sort(b.begin(), b.end());
             moved += a != b;
         }
-        rerouted[static_cast<size_t>(l)] = moved > 0;
+        rerouted = rerouted || moved > 0;
+        const int64_t tokens = static_cast<int64_t>(rc.size() / K);
+        EXPECT_LE(moved, std::max<int64_t>(2, tokens / 10)) << "layer " << l << ": more than near-ties moved";
         if (moved > 0)
             std::printf(
-                "[gpu step] layer %lld: %lld of %zu tokens routed to other experts on the GPU (near-ties); its "
-                "router and expert gradients are not compared\n",
-                static_cast<long long>(l), static_cast<long long>(moved), rc.size() / K);
+                "[gpu step] layer %lld: %lld of %lld tokens routed to other experts on the GPU (near-ties); "
+                "the CPU reference replays the GPU's routing\n",
+                static_cast<long long>(l), static_cast<long long>(moved), static_cast<long long>(tokens));
+    }
+    if (rerouted) {
+        follow_gpu_routing();
+        cpu->zero_grads();
+        sc = cpu->step(batch, &scales);
     }
     const double lc = sc.ce_sum / targets + coef * sc.aux, lg = sg.ce_sum / targets + coef * sg.aux;
     std::printf("[gpu step] %s %s: loss cpu %.6f gpu %.6f (rel %.2e), aux cpu %.6f gpu %.6f\n", c.fixture,
@@ -119,8 +132,6 @@ TEST_P(GpuStep, MatchesCpuReference) {
         return std::sqrt(n);
     };
     for (const auto& spec : cpu->params().specs()) {
-        const bool routed = spec.is_expert || spec.name.ends_with(".gate.weight");  // experts, router
-        if (spec.layer >= 0 && rerouted[static_cast<size_t>(spec.layer)] && routed) continue;
         if (spec.role == model::ParamRole::buffer) {  // no gradient on either device
             for (int64_t i = spec.offset; i < spec.offset + spec.numel; ++i) ASSERT_EQ(gg[i], 0.0f) << spec.name;
             continue;
@@ -182,7 +193,9 @@ TEST_P(GpuStep, MatchesCpuReference) {
         ag.step(o.lr, train::clip_coefficient(train::grad_norm(*gpu), 1.0));
         cpu->zero_grads();
         gpu->zero_grads();
-        const model::StepStats a = cpu->step(batch, &scales), b = gpu->step(batch, &scales);
+        const model::StepStats b = gpu->step(batch, &scales);
+        if (rerouted) follow_gpu_routing();
+        const model::StepStats a = cpu->step(batch, &scales);
         const double la = a.ce_sum / targets + coef * a.aux, lb = b.ce_sum / targets + coef * b.aux;
         std::printf("[gpu step] after step %d: loss cpu %.6f gpu %.6f\n", step + 1, la, lb);
         EXPECT_LT(rel(lb, la), 3e-2) << "after step " << step + 1;
