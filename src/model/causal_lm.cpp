@@ -12,8 +12,11 @@ namespace mf::model {
 
 namespace {
 // A phase clock mark named after a block and its layer (ops::phase_mark; nothing when the clock is off).
-void mark_layer(const char* what, int64_t l) {
-    if (ops::phase_clock_on()) ops::phase_mark(std::string(what) + " " + std::to_string(l));
+// "fwd attention 5", "bwd mamba 0", "fwd ffn 1" (MLP and MoE).
+void mark_layer(const char* pass, BranchKind kind, int64_t l) {
+    if (!ops::phase_clock_on()) return;
+    const char* block = kind == BranchKind::attention ? "attention" : kind == BranchKind::mamba ? "mamba" : "ffn";
+    ops::phase_mark(std::string(pass) + " " + block + " " + std::to_string(l));
 }
 
 const char* output_name(BranchKind kind) {
@@ -494,7 +497,7 @@ void CausalLM::branch_forward(int64_t l, size_t b, int64_t B, int64_t T) {
             break;
     }
     ops::add(sum, in, ba.out);
-    mark_layer(s.spec->kind == BranchKind::attention ? "fwd attention" : "fwd ffn", l);
+    mark_layer("fwd", s.spec->kind, l);
 }
 
 void CausalLM::layer_forward(int64_t l, int64_t B, int64_t T) {
@@ -573,7 +576,7 @@ void CausalLM::branch_backward(int64_t l, size_t b, int64_t B, int64_t T, const 
             break;
     }
     ops::rmsnorm_backward(dx, s.g_norm, ws.d_ln, in, s.norm, ba.ln_rstd);
-    mark_layer(s.spec->kind == BranchKind::attention ? "bwd attention" : "bwd ffn", l);
+    mark_layer("bwd", s.spec->kind, l);
 }
 
 // --- the step ------------------------------------------------------------------------------------------
