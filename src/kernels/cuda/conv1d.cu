@@ -1,9 +1,10 @@
 // Causal depthwise conv1d + SiLU, CUDA.
-//   forward   one thread per (token, channel): the visible taps (those inside the token's segment),
-//             the fp32 dot with the channel's weights, silu, one bf16 store. Consecutive threads take
-//             consecutive channels, so every load of a tap row is coalesced.
+//   forward   a thread walks 16 consecutive tokens of one channel with the channel's taps in a register
+//             window (TapWindow: each input loaded once, cleared where a segment starts): the fp32 dot
+//             with the channel's weights, silu, one bf16 store. Consecutive threads take consecutive
+//             channels, so every row load is coalesced.
 //   backward  a block takes 128 channels and kRowsPerBlock consecutive tokens and each thread walks
-//             its channel's tokens in order: it recomputes pre and dpre = dout · silu'(pre), adds
+//             its channel's tokens in order: it recomputes pre (the same window) and dpre = dout · silu'(pre), adds
 //             dpre · tap into its K weight sums and dpre into its bias sum, and keeps the last K dpre
 //             values in registers, so dinp[m] = Σ_d [m visible to m+d] weight[K−1−d] · dpre[m+d] is
 //             written once the walk has passed m + K − 1 (the walk runs K−1 tokens past its range,
@@ -11,6 +12,7 @@
 //             adds them in a fixed order. Everything is a function of N, C and K: bitwise reproducible.
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/conv1d.cuh"
@@ -21,13 +23,15 @@ namespace mf::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int64_t kRowsPerBlock = 64;
+constexpr int64_t kRowsPerBlock = 64;  // backward
+constexpr int64_t kForwardRows = 16;
 constexpr int kMaxK = static_cast<int>(kConv1dMaxTaps);
+static_assert(kMaxK == 8, "with_taps dispatches K = 1..8");
 
 int64_t backward_row_blocks(int64_t N) { return std::max<int64_t>(1, (N + kRowsPerBlock - 1) / kRowsPerBlock); }
 
 // ----------------------------------------------------------------------------------------------
-// kernels
+// kernels (templated on the taps K, so the windows below live in registers)
 
 // How many tokens before n are visible to n (0 .. K−1): the run of tokens n−1, n−2, ... of n's row
 // with n's document id, cut at K−1.
@@ -42,95 +46,155 @@ __device__ __forceinline__ int visible_back(const int32_t* doc_ids, int64_t n, i
     return back;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-
-// pre[n, c] with the taps (0 where not visible) left in taps[j].
-__device__ __forceinline__ float pre_activation(float (&taps)[kMaxK], const bf16* inp, const float* w, float bias,
-                                                int back, int64_t n, int64_t C, int64_t c, int K) {
-    float pre = bias;
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-        taps[j] = 0.0f;
-        if (j < K) {
-            const int d = K - 1 - j;
-            if (d <= back) taps[j] = __bfloat162float(inp[(n - d) * C + c]);
-            pre += w[j] * taps[j];
-        }
-    }
-    return pre;
+// Whether token n opens a segment (a row or a document): nothing before it is visible to it or later.
+__device__ __forceinline__ bool starts_segment(const int32_t* doc_ids, int64_t n, int64_t T) {
+    return n % T == 0 || (doc_ids != nullptr && doc_ids[n] != doc_ids[n - 1]);
 }
 
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// The input window of channel c at token n: taps[j] = inp[n − (K−1) + j] where visible from n, else 0.
+// It starts at token n0 (the taps visible from it loaded), then advance() moves it one token on:
+// the oldest tap leaves, the segment's start (if n opens one) clears the older ones, inp[n] enters.
+template <int K>
+struct TapWindow {
+    float taps[K];
+    __device__ __forceinline__ void start(const bf16* inp, const int32_t* doc_ids, int64_t n0, int64_t T, int64_t C,
+                                          int64_t c) {
+        const int back = visible_back(doc_ids, n0, T, K);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) {
+            const int d = K - 1 - j;
+            taps[j] = d <= back ? __bfloat162float(inp[(n0 - d) * C + c]) : 0.0f;
+        }
+        taps[K - 1] = __bfloat162float(inp[n0 * C + c]);
+    }
+    __device__ __forceinline__ void advance(const bf16* inp, const int32_t* doc_ids, int64_t n, int64_t T, int64_t C,
+                                            int64_t c) {
+        const bool fresh = starts_segment(doc_ids, n, T);
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) taps[j] = fresh ? 0.0f : taps[j + 1];
+        taps[K - 1] = __bfloat162float(inp[n * C + c]);
+    }
+    // pre = bias + Σ_j w[j]·taps[j], j ascending (the CPU reference's order).
+    __device__ __forceinline__ float pre(const float (&w)[K], float bias) const {
+        float p = bias;
+#pragma unroll
+        for (int j = 0; j < K; ++j) p += w[j] * taps[j];
+        return p;
+    }
+};
+
+// grid (ceil(C / kThreads), forward row blocks): a thread walks kForwardRows tokens of one channel,
+// each input element loaded once (plus the K−1 before its first token).
+template <int K>
 __global__ void __launch_bounds__(kThreads)
     conv1d_silu_forward_kernel(bf16* out, const bf16* inp, const float* weight, const float* bias,
-                               const int32_t* doc_ids, int64_t N, int64_t T, int64_t C, int K) {
-    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= N * C) return;
-    const int64_t n = idx / C, c = idx % C;
-    float w[kMaxK], taps[kMaxK];
+                               const int32_t* doc_ids, int64_t N, int64_t T, int64_t C) {
+    const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kForwardRows;
+    const int64_t r1 = std::min<int64_t>(r0 + kForwardRows, N);
+    float w[K];
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) w[j] = j < K ? weight[c * K + j] : 0.0f;
-    const int back = visible_back(doc_ids, n, T, K);
-    const float pre = pre_activation(taps, inp, w, bias != nullptr ? bias[c] : 0.0f, back, n, C, c, K);
-    out[idx] = __float2bfloat16_rn(pre * sigmoid(pre));
+    for (int j = 0; j < K; ++j) w[j] = weight[c * K + j];
+    const float b = bias != nullptr ? bias[c] : 0.0f;
+    TapWindow<K> win;
+    win.start(inp, doc_ids, r0, T, C, c);
+    for (int64_t n = r0; n < r1; ++n) {
+        if (n > r0) win.advance(inp, doc_ids, n, T, C, c);
+        const float pre = win.pre(w, b);
+        out[n * C + c] = __float2bfloat16_rn(pre * sigmoid(pre));
+    }
 }
 
 // grid (ceil(C / kThreads), row blocks). partial_w [row blocks, C·K], partial_b [row blocks, C] (may be null).
+template <int K>
 __global__ void __launch_bounds__(kThreads)
     conv1d_silu_backward_kernel(bf16* dinp, float* partial_w, float* partial_b, const bf16* dout, const bf16* inp,
                                 const float* weight, const float* bias, const int32_t* doc_ids, int64_t N, int64_t T,
-                                int64_t C, int K) {
+                                int64_t C) {
     const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
     const int64_t r1 = std::min<int64_t>(r0 + kRowsPerBlock, N);
-    float w[kMaxK], dw[kMaxK], taps[kMaxK];
-    float window[kMaxK];  // window[d] = dpre[n − d]
-    int window_back[kMaxK];
+    float w[K], dw[K];
+    float window[K];  // window[d] = dpre[n − d]
+    int window_back[K];
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-        w[j] = j < K ? weight[c * K + j] : 0.0f;
+    for (int j = 0; j < K; ++j) {
+        w[j] = weight[c * K + j];
         dw[j] = 0.0f;
         window[j] = 0.0f;
         window_back[j] = 0;
     }
     const float b = bias != nullptr ? bias[c] : 0.0f;
     float db = 0.0f;
+    TapWindow<K> win;
+    win.start(inp, doc_ids, r0, T, C, c);
+    int back = visible_back(doc_ids, r0, T, K);  // the taps visible from n, kept as the walk moves on
     for (int64_t n = r0; n < r1 + K - 1; ++n) {
         float dpre = 0.0f;
-        int back = 0;
+        int back_n = 0;
         if (n < N) {
-            back = visible_back(doc_ids, n, T, K);
-            const float pre = pre_activation(taps, inp, w, b, back, n, C, c, K);
+            if (n > r0) {
+                win.advance(inp, doc_ids, n, T, C, c);
+                back = starts_segment(doc_ids, n, T) ? 0 : std::min(back + 1, K - 1);
+            }
+            back_n = back;
+            const float pre = win.pre(w, b);
             const float s = sigmoid(pre);
             dpre = __bfloat162float(dout[n * C + c]) * (s * (1.0f + pre * (1.0f - s)));
             if (n < r1) {
 #pragma unroll
-                for (int j = 0; j < kMaxK; ++j) dw[j] += dpre * taps[j];
+                for (int j = 0; j < K; ++j) dw[j] += dpre * win.taps[j];
                 db += dpre;
             }
         }
 #pragma unroll
-        for (int d = kMaxK - 1; d > 0; --d) {
+        for (int d = K - 1; d > 0; --d) {
             window[d] = window[d - 1];
             window_back[d] = window_back[d - 1];
         }
         window[0] = dpre;
-        window_back[0] = back;
+        window_back[0] = back_n;
         const int64_t m = n - (K - 1);  // every token m .. m+K−1 that m feeds has been seen
         if (m >= r0 && m < r1) {
             float g = 0.0f;
 #pragma unroll
-            for (int d = 0; d < kMaxK; ++d) {
-                if (d < K && window_back[K - 1 - d] >= d) g += w[K - 1 - d] * window[K - 1 - d];
+            for (int d = 0; d < K; ++d) {
+                if (window_back[K - 1 - d] >= d) g += w[K - 1 - d] * window[K - 1 - d];
             }
             dinp[m * C + c] = __float2bfloat16_rn(g);
         }
     }
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-        if (j < K) partial_w[static_cast<int64_t>(blockIdx.y) * C * K + c * K + j] = dw[j];
-    }
+    for (int j = 0; j < K; ++j) partial_w[static_cast<int64_t>(blockIdx.y) * C * K + c * K + j] = dw[j];
     if (partial_b != nullptr) partial_b[static_cast<int64_t>(blockIdx.y) * C + c] = db;
+}
+
+// Calls f(std::integral_constant<int, K>{}) for the runtime K in 1..kMaxK.
+template <typename F>
+void with_taps(int64_t K, F&& f) {
+    switch (K) {
+        case 1:
+            return f(std::integral_constant<int, 1>{});
+        case 2:
+            return f(std::integral_constant<int, 2>{});
+        case 3:
+            return f(std::integral_constant<int, 3>{});
+        case 4:
+            return f(std::integral_constant<int, 4>{});
+        case 5:
+            return f(std::integral_constant<int, 5>{});
+        case 6:
+            return f(std::integral_constant<int, 6>{});
+        case 7:
+            return f(std::integral_constant<int, 7>{});
+        case 8:
+            return f(std::integral_constant<int, 8>{});
+    }
+    MF_CHECK(false, "conv1d_silu: K = ", K, " taps, supported 1..", kMaxK);
 }
 
 void check_shape(const char* op, int64_t N, int64_t T, int64_t C, int64_t K) {
@@ -150,10 +214,12 @@ void conv1d_silu_forward(bf16* out, const bf16* inp, const float* weight, const 
     check_shape("conv1d_silu_forward", N, T, C, K);
     if (N == 0) return;
     MF_CHECK(out != nullptr && inp != nullptr && weight != nullptr, "conv1d_silu_forward: null buffer");
-    const int64_t blocks = (N * C + kThreads - 1) / kThreads;
-    MF_CHECK(blocks < std::numeric_limits<int32_t>::max(), "conv1d_silu_forward: N·C = ", N * C, " is too large");
-    conv1d_silu_forward_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, inp, weight, bias, doc_ids,
-                                                                                       N, T, C, static_cast<int>(K));
+    const int64_t row_blocks = (N + kForwardRows - 1) / kForwardRows;
+    MF_CHECK(row_blocks < 65536, "conv1d_silu_forward: N = ", N, " is too large");
+    const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(row_blocks));
+    with_taps(K, [&](auto k) {
+        conv1d_silu_forward_kernel<k.value><<<grid, kThreads, 0, stream>>>(out, inp, weight, bias, doc_ids, N, T, C);
+    });
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -181,8 +247,10 @@ void conv1d_silu_backward(bf16* dinp, void* dweight, DType dweight_dtype, void* 
     float* partial_w = static_cast<float*>(scratch);
     float* partial_b = dbias != nullptr ? partial_w + row_blocks * C * K : nullptr;
     const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(row_blocks));
-    conv1d_silu_backward_kernel<<<grid, kThreads, 0, stream>>>(dinp, partial_w, partial_b, dout, inp, weight, bias,
-                                                               doc_ids, N, T, C, static_cast<int>(K));
+    with_taps(K, [&](auto k) {
+        conv1d_silu_backward_kernel<k.value>
+            <<<grid, kThreads, 0, stream>>>(dinp, partial_w, partial_b, dout, inp, weight, bias, doc_ids, N, T, C);
+    });
     MF_CHECK_CUDA(cudaGetLastError());
     reduce_partial_rows(dweight, dweight_dtype, partial_w, row_blocks, C * K, /*accumulate=*/true, stream);
     if (dbias != nullptr)
