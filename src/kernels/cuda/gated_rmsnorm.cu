@@ -1,14 +1,15 @@
-// Gated RMSNorm, CUDA. One block of kThreads takes one group of channels and kRowsPerBlock
-// consecutive tokens; each thread owns the channels tid, tid + kThreads, ... of the group
-// (kMaxPerThread at most) and the block walks its tokens in order.
-//   forward   per token: g = x · silu(z) in registers, Σ g² by a fixed-order block sum, rstd, out.
-//   backward  per token: the same g, Σ (dout·w)·x̂ by a fixed-order block sum, dx and dz, and each
-//             thread adds dout·x̂ into its channels' dweight sums in token order; the sums go to
-//             scratch [row blocks, I] and reduce_partial_rows adds the row blocks in a fixed order.
-// The block sum is a warp xor butterfly and the warps' sums added in warp order by every thread,
-// so every thread holds the same bits. The grid depends on N and I only: bitwise reproducible.
+// Gated RMSNorm, CUDA. A block of kThreads takes one group of channels and a run of consecutive tokens
+// (at most kMaxRowBlocks runs over the tokens); each of its warps takes every kWarps-th token of the
+// run, whole: lane l holds the group's channels l, l + 32, ... in registers.
+//   forward   per token: g = x · silu(z), Σ g² by a warp xor butterfly (every lane the same bits),
+//             rstd, out.
+//   backward  per token: the same g, Σ (dout·w)·x̂ by the butterfly, dx and dz, and each lane adds
+//             dout·x̂ into its channels' dweight sums in token order; the warps' sums go to scratch
+//             [row blocks · kWarps, I] and reduce_partial_rows adds them in a fixed order.
+// No block synchronisation; the grid depends on N and I only: bitwise reproducible.
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/gated_rmsnorm.cuh"
@@ -20,44 +21,38 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxPerThread = static_cast<int>(kGatedRmsnormMaxGroup) / kThreads;
-constexpr int64_t kRowsPerBlock = 32;
+constexpr int64_t kMaxRowBlocks = 256;  // bounds the backward's partial sums: kMaxRowBlocks · kWarps rows of I
+constexpr int64_t kMinRowsPerBlock = 8;
 
-int64_t row_blocks(int64_t N) { return std::max<int64_t>(1, (N + kRowsPerBlock - 1) / kRowsPerBlock); }
+// Tokens per block: at least kMinRowsPerBlock, and no more than kMaxRowBlocks blocks over the tokens.
+int64_t rows_per_block(int64_t N) {
+    return std::max<int64_t>(kMinRowsPerBlock, (N + kMaxRowBlocks - 1) / kMaxRowBlocks);
+}
+int64_t row_blocks(int64_t N) { return std::max<int64_t>(1, (N + rows_per_block(N) - 1) / rows_per_block(N)); }
 
 // ----------------------------------------------------------------------------------------------
-// kernels
+// kernels: a warp per (token, group), lane l holding channels l, l + 32, ... (kPerLane slots, a
+// power of two with 32·kPerLane >= group_size), the token's sums by a warp butterfly (no block sync).
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
-// Σ v over the block, the same bits in every thread. `slots`: kWarps floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* slots) {
-    v = detail::group_sum<32>(v);
-    __syncthreads();  // the previous call's readers are done with slots
-    if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
-    __syncthreads();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += slots[w];
-    return total;
-}
-
-// grid (groups, row blocks).
+// grid (groups, row blocks); warp w of a block takes tokens r0 + w, r0 + w + kWarps, ...
+template <int kPerLane>
 __global__ void __launch_bounds__(kThreads)
     gated_rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* x, const bf16* z, const float* weight, int64_t N,
-                                 int64_t I, int group_size, float eps) {
-    __shared__ float slots[kWarps];
+                                 int64_t I, int group_size, int64_t rows, float eps) {
+    const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
     const int64_t group_idx = blockIdx.x;
     const int64_t num_groups = I / group_size;
     const int64_t c0 = group_idx * group_size;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-    const int64_t r1 = std::min<int64_t>(r0 + kRowsPerBlock, N);
-    for (int64_t n = r0; n < r1; ++n) {
-        float g[kMaxPerThread];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows;
+    const int64_t r1 = std::min<int64_t>(r0 + rows, N);
+    for (int64_t n = r0 + warp; n < r1; n += kWarps) {
+        float g[kPerLane];
         float sum_sq = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kMaxPerThread; ++k) {
-            const int i = threadIdx.x + k * kThreads;
+        for (int k = 0; k < kPerLane; ++k) {
+            const int i = lane + 32 * k;
             g[k] = 0.0f;
             if (i < group_size) {
                 const int64_t at = n * I + c0 + i;
@@ -66,36 +61,39 @@ __global__ void __launch_bounds__(kThreads)
                 sum_sq += g[k] * g[k];
             }
         }
-        const float r = 1.0f / sqrtf(block_sum(sum_sq, slots) / static_cast<float>(group_size) + eps);
-        if (threadIdx.x == 0) rstd[n * num_groups + group_idx] = r;
+        const float r = 1.0f / sqrtf(detail::group_sum<32>(sum_sq) / static_cast<float>(group_size) + eps);
+        if (lane == 0) rstd[n * num_groups + group_idx] = r;
 #pragma unroll
-        for (int k = 0; k < kMaxPerThread; ++k) {
-            const int i = threadIdx.x + k * kThreads;
+        for (int k = 0; k < kPerLane; ++k) {
+            const int i = lane + 32 * k;
             if (i < group_size) out[n * I + c0 + i] = __float2bfloat16_rn(weight[c0 + i] * (g[k] * r));
         }
     }
 }
 
-// grid (groups, row blocks); partial [row blocks, I].
+// grid (groups, row blocks); partial [row blocks · kWarps, I]: warp w of block b sums its tokens' dout·x̂
+// into row b·kWarps + w (zeros where it had no token).
+template <int kPerLane>
 __global__ void __launch_bounds__(kThreads)
     gated_rmsnorm_backward_kernel(bf16* dx, bf16* dz, float* partial, const bf16* dout, const bf16* x, const bf16* z,
-                                  const float* weight, const float* rstd, int64_t N, int64_t I, int group_size) {
-    __shared__ float slots[kWarps];
+                                  const float* weight, const float* rstd, int64_t N, int64_t I, int group_size,
+                                  int64_t rows) {
+    const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
     const int64_t group_idx = blockIdx.x;
     const int64_t num_groups = I / group_size;
     const int64_t c0 = group_idx * group_size;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowsPerBlock;
-    const int64_t r1 = std::min<int64_t>(r0 + kRowsPerBlock, N);
-    float dw[kMaxPerThread];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows;
+    const int64_t r1 = std::min<int64_t>(r0 + rows, N);
+    float dw[kPerLane];
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread; ++k) dw[k] = 0.0f;
-    for (int64_t n = r0; n < r1; ++n) {
+    for (int k = 0; k < kPerLane; ++k) dw[k] = 0.0f;
+    for (int64_t n = r0 + warp; n < r1; n += kWarps) {
         const float r = rstd[n * num_groups + group_idx];
-        float xv[kMaxPerThread], zv[kMaxPerThread], x_hat[kMaxPerThread], dgw[kMaxPerThread];
+        float xv[kPerLane], zv[kPerLane], x_hat[kPerLane], dgw[kPerLane];
         float sum_gx = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kMaxPerThread; ++k) {
-            const int i = threadIdx.x + k * kThreads;
+        for (int k = 0; k < kPerLane; ++k) {
+            const int i = lane + 32 * k;
             xv[k] = zv[k] = x_hat[k] = dgw[k] = 0.0f;
             if (i < group_size) {
                 const int64_t at = n * I + c0 + i;
@@ -108,10 +106,10 @@ __global__ void __launch_bounds__(kThreads)
                 dw[k] += dy * x_hat[k];
             }
         }
-        const float mean_gx = block_sum(sum_gx, slots) / static_cast<float>(group_size);
+        const float mean_gx = detail::group_sum<32>(sum_gx) / static_cast<float>(group_size);
 #pragma unroll
-        for (int k = 0; k < kMaxPerThread; ++k) {
-            const int i = threadIdx.x + k * kThreads;
+        for (int k = 0; k < kPerLane; ++k) {
+            const int i = lane + 32 * k;
             if (i < group_size) {
                 const int64_t at = n * I + c0 + i;
                 const float dg = r * (dgw[k] - x_hat[k] * mean_gx);
@@ -121,12 +119,22 @@ __global__ void __launch_bounds__(kThreads)
             }
         }
     }
+    const int64_t row = static_cast<int64_t>(blockIdx.y) * kWarps + warp;
 #pragma unroll
-    for (int k = 0; k < kMaxPerThread; ++k) {
-        const int i = threadIdx.x + k * kThreads;
-        if (i < group_size) partial[static_cast<int64_t>(blockIdx.y) * I + c0 + i] = dw[k];
+    for (int k = 0; k < kPerLane; ++k) {
+        const int i = lane + 32 * k;
+        if (i < group_size) partial[row * I + c0 + i] = dw[k];
     }
 }
+
+// Calls f(std::integral_constant<int, kPerLane>{}) with the slots per lane the group needs.
+template <typename F>
+void with_lanes(int64_t group_size, F&& f) {
+    if (group_size <= 32 * 4) return f(std::integral_constant<int, 4>{});
+    if (group_size <= 32 * 16) return f(std::integral_constant<int, 16>{});
+    return f(std::integral_constant<int, 64>{});
+}
+static_assert(kGatedRmsnormMaxGroup <= 32 * 64, "with_lanes covers groups up to 2048 channels");
 
 void check_shape(const char* op, int64_t N, int64_t I, int64_t group_size) {
     MF_CHECK(N >= 0 && I > 0 && group_size > 0 && I % group_size == 0, op, ": bad shape N=", N, " I=", I,
@@ -153,13 +161,15 @@ void gated_rmsnorm_forward(bf16* out, float* rstd, const bf16* x, const bf16* z,
     if (N == 0) return;
     MF_CHECK(out != nullptr && rstd != nullptr && x != nullptr && z != nullptr && weight != nullptr,
              "gated_rmsnorm_forward: null buffer");
-    gated_rmsnorm_forward_kernel<<<grid_of(N, I, group_size), kThreads, 0, stream>>>(out, rstd, x, z, weight, N, I,
-                                                                                     static_cast<int>(group_size), eps);
+    with_lanes(group_size, [&](auto lanes) {
+        gated_rmsnorm_forward_kernel<lanes.value><<<grid_of(N, I, group_size), kThreads, 0, stream>>>(
+            out, rstd, x, z, weight, N, I, static_cast<int>(group_size), rows_per_block(N), eps);
+    });
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
 size_t gated_rmsnorm_backward_scratch_bytes(int64_t N, int64_t I) {
-    return static_cast<size_t>(row_blocks(N) * I) * sizeof(float);
+    return static_cast<size_t>(row_blocks(N) * kWarps * I) * sizeof(float);
 }
 
 void gated_rmsnorm_backward(bf16* dx, bf16* dz, void* dweight, DType dweight_dtype, const bf16* dout, const bf16* x,
@@ -176,10 +186,12 @@ void gated_rmsnorm_backward(bf16* dx, bf16* dz, void* dweight, DType dweight_dty
     MF_CHECK(scratch != nullptr && scratch_bytes >= needed && aligned_to(16, scratch),
              "gated_rmsnorm_backward: scratch has ", scratch_bytes, " bytes, needs ", needed, " (16-byte aligned)");
     float* partial = static_cast<float*>(scratch);
-    gated_rmsnorm_backward_kernel<<<grid_of(N, I, group_size), kThreads, 0, stream>>>(
-        dx, dz, partial, dout, x, z, weight, rstd, N, I, static_cast<int>(group_size));
+    with_lanes(group_size, [&](auto lanes) {
+        gated_rmsnorm_backward_kernel<lanes.value><<<grid_of(N, I, group_size), kThreads, 0, stream>>>(
+            dx, dz, partial, dout, x, z, weight, rstd, N, I, static_cast<int>(group_size), rows_per_block(N));
+    });
     MF_CHECK_CUDA(cudaGetLastError());
-    reduce_partial_rows(dweight, dweight_dtype, partial, row_blocks(N), I, /*accumulate=*/true, stream);
+    reduce_partial_rows(dweight, dweight_dtype, partial, row_blocks(N) * kWarps, I, /*accumulate=*/true, stream);
 }
 
 }  // namespace mf::cuda
