@@ -141,8 +141,16 @@ TEST_P(GpuStep, MatchesCpuReference) {
             num += (double(gg[i]) - gc[i]) * (double(gg[i]) - gc[i]);
         const double own = norm_of(gc, spec);
         double floor = 0;
-        if (spec.role == model::ParamRole::bias) {
-            const std::string weight = spec.name.substr(0, spec.name.size() - 4) + "weight";  // "...q_proj.bias"
+        // The same holds for a Mamba-2 mixer's per-head scalars (D, dt_bias, A_log): each gradient is a sum
+        // over the tokens and the head's channels of the mixer's inner gradients times its activations, the
+        // terms whose per-channel sums form the gradient of the mixer's in_proj.
+        const std::string mixer = spec.name.substr(0, spec.name.rfind('.') + 1);  // "model.layers.0.mixer."
+        const bool per_head = spec.name.ends_with(".mixer.D") || spec.name.ends_with(".mixer.dt_bias") ||
+                              spec.name.ends_with(".mixer.A_log");
+        if (spec.role == model::ParamRole::bias || per_head) {
+            const std::string weight = per_head
+                                           ? mixer + "in_proj.weight"
+                                           : spec.name.substr(0, spec.name.size() - 4) + "weight";  // "...q_proj.bias"
             floor = std::ldexp(norm_of(gc, cpu->params().get(weight)), -8);
             std::printf("[gpu step]   %s gradient: distance %.3g, norm %.3g, floor %.3g\n", spec.name.c_str(),
                         std::sqrt(num), own, floor);
