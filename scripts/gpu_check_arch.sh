@@ -36,7 +36,7 @@ if [ "${PHASE:-build}" = build ]; then
 fi
 
 # --- PHASE=check ------------------------------------------------------------------------------------
-# FAMILIES=none skips the per-family fine-tunes; HF=0 skips the HF v5 baseline of P1.
+# FAMILIES=none skips the per-family fine-tunes (ARCHS="a b" picks some); HF=0 skips the HF v5 baseline of P1.
 python3 -c "
 import json
 rows=[json.loads(l) for l in open('demo/data/tokens.jsonl')]
@@ -47,7 +47,7 @@ with open('/tmp/arch_eval.jsonl','w') as f:
         if 'labels' in r: d['labels']=r['labels'][:40]
         f.write(json.dumps(d)+'\n')
 "
-[ "${FAMILIES:-all}" = none ] && ARCHS="" || ARCHS="qwen3_moe mixtral olmoe qwen2_moe nemotron_h"
+[ "${FAMILIES:-all}" = none ] && ARCHS="" || ARCHS=${ARCHS:-"qwen3_moe mixtral olmoe qwen2_moe nemotron_h"}
 for arch in $ARCHS; do
   D=/tmp/arch/$arch && rm -rf $D
   build-gpu/moeforge init --arch $arch --preset tiny --seed 3 --out $D/base > /dev/null &&
