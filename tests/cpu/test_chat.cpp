@@ -370,6 +370,15 @@ TEST(ChatDetect, OurTemplatesAndHarmlessRewrites) {
                   std::nullopt)
             << name << " generation prompt";
     }
+    // Beyond the probes: the interpreter renders every training conversation of the fixtures as the
+    // fast path does.
+    for (const auto& [name, s] : t) {
+        const mf::text::ChatTemplate tmpl = mf::text::ChatTemplate::from_source(s, Value::object(), name);
+        for (const std::vector<ChatMessage>& msgs : conversations())
+            EXPECT_EQ(tmpl.render_text(mf::text::conversation_json(msgs)),
+                      mf::text::render_chat_text(msgs, listed_format(name)))
+                << name << " " << mf::text::conversation_json(msgs).dump();
+    }
     // The default system message is read off the rendering, whatever its text.
     const std::string oneliner = t.at("tokenizer_default");
     EXPECT_EQ(detect(replace_all(oneliner, "You are a helpful assistant.", "Ты — пират. 🏴‍☠️")),
