@@ -493,8 +493,12 @@ json::Value conversation_json(const std::vector<ChatMessage>& messages) {
 
 namespace {
 
-// A conversation every fast-path format renders its own way where it differs from the others; the
-// first is the one chatml_system reads its default system message from.
+// The probe conversations: together they take each branch where the fast-path formats differ from
+// one another (a default system message, think blocks before and after the last query, reasoning
+// from the content or the field, an empty field, tool-response-looking user turns) and the places
+// where other templates tend to differ from all of them (system messages later on, an assistant
+// turn first, empty content, the generation prompt). chatml_system reads its default system
+// message off the first.
 struct Probe {
     const char* what;
     std::vector<ChatMessage> messages;
