@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "chat_fixture_test_util.h"
 #include "core/json.h"
 #include "test_util.h"
 #include "text/chat.h"
@@ -33,31 +34,6 @@ fs::path chat_dir() { return fs::path(mf::test::fixtures_dir()) / "chat"; }
 const Tokenizer& fixture_tokenizer() {
     static const Tokenizer tok = Tokenizer::load(tokenizer_dir());
     return tok;
-}
-
-// FNV-1a 64 of a file's bytes, as scripts/make_chat_fixtures.py records it in fixture_info.json.
-std::string fnv1a64_hex(const std::string& bytes) {
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-    return buf;
-}
-
-// Empty when expected.jsonl was made by transformers from the templates.json beside it (the
-// hashes fixture_info.json records match both files), else why not.
-std::string stale_fixtures() {
-    const std::string hint = ": regenerate with scripts/make_chat_fixtures.py on the GPU machine";
-    for (const char* f : {"expected.jsonl", "fixture_info.json"})
-        if (!fs::exists(chat_dir() / f)) return (chat_dir() / f).string() + " is absent" + hint;
-    const Value info = mf::json::parse(mf::test::read_file(chat_dir() / "fixture_info.json"), "fixture_info.json");
-    for (const auto& [file, key] :
-         {std::pair{"templates.json", "templates_fnv1a64"}, std::pair{"expected.jsonl", "expected_fnv1a64"}}) {
-        const Value* h = info.find(key);
-        if (h == nullptr || !h->is_string() || h->as_string() != fnv1a64_hex(mf::test::read_file(chat_dir() / file)))
-            return std::string(file) + " is not the one fixture_info.json was made with (" + key + ")" + hint;
-    }
-    return "";
 }
 
 std::vector<Value> records() {
@@ -166,7 +142,7 @@ fs::path template_dir(const std::string& name, const std::string& chat_template)
 // templates.json lists; conversations without tools render on that fast path, with ids and masks
 // equal to HF's; the others render through the interpreter with HF's text and ids.
 TEST(ChatParity, IdsAndAssistantMasksMatchTransformers) {
-    const std::string stale = stale_fixtures();
+    const std::string stale = mf::test::stale_chat_fixtures(chat_dir());
     ASSERT_TRUE(stale.empty()) << stale;
     const Tokenizer& tok = fixture_tokenizer();
     const std::map<std::string, std::string> tmpl = templates();
@@ -611,7 +587,7 @@ TEST(ChatTemplate, ChatMLTemplateMatchesTheFastPath) {
 // differently once a later one follows, so it is refused there (never mis-masked), and so is a
 // conversation that opens with the assistant (nothing renders before it to find its start by).
 TEST(ChatTemplate, OurTemplatesThroughTheInterpreterMatchTransformersMasks) {
-    const std::string stale = stale_fixtures();
+    const std::string stale = mf::test::stale_chat_fixtures(chat_dir());
     ASSERT_TRUE(stale.empty()) << stale;
     const Tokenizer& tok = fixture_tokenizer();
     const std::map<std::string, std::string> tmpl = templates();
