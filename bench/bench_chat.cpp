@@ -11,6 +11,12 @@
 // A conversation the template refuses (Mistral's alternation check on tool turns) counts in
 // render_raised; one whose learned spans the prefix rule cannot find in train_refused.
 //
+// Then the ChatML fast path (one JSON line per tokenizer template: the fixture tokenizer's, the
+// family chatml template and each of tests/fixtures/chat/templates.json): data.chat_format auto is
+// resolved (resolve_ms: reading the template and deciding its renderer), and the same
+// system/user/assistant conversations (every third answer with inline <think> reasoning) are
+// tokenised with their masks by what auto chose and by the interpreter (chat_format jinja).
+//
 //   bench_chat [--conversations N] [--reps N] [--templates a,b,...]
 #include <time.h>
 
@@ -18,6 +24,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -82,6 +89,19 @@ mf::json::Value make_conversation(Lcg& r) {
     return c;
 }
 
+std::vector<mf::text::ChatMessage> make_messages(Lcg& r) {
+    std::vector<mf::text::ChatMessage> msgs;
+    if (r.below(2) == 0) msgs.push_back({"system", words(r, 60), std::nullopt});
+    const size_t turns = 1 + r.below(4);
+    for (size_t t = 0; t < turns; ++t) {
+        msgs.push_back({"user", words(r, 20 + r.below(200)), std::nullopt});
+        std::string answer = words(r, 20 + r.below(380));
+        if (r.below(3) == 0) answer = "<think>" + words(r, 40) + "</think>" + answer;
+        msgs.push_back({"assistant", answer, std::nullopt});
+    }
+    return msgs;
+}
+
 double thread_cpu_seconds() {
     timespec ts{};
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -91,6 +111,79 @@ double thread_cpu_seconds() {
 double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
+}
+
+// tokenize_chat of every conversation with `renderer`, median CPU seconds of `reps` passes; -1 when
+// the renderer refuses one.
+double tokenize_all(const mf::text::Tokenizer& tok, const mf::text::ChatRenderer& renderer,
+                    const std::vector<std::vector<mf::text::ChatMessage>>& convs, int reps, size_t* tokens) {
+    std::vector<double> cpu;
+    for (int rep = 0; rep < reps; ++rep) {
+        const double c0 = thread_cpu_seconds();
+        *tokens = 0;
+        for (const auto& m : convs) {
+            try {
+                *tokens += mf::text::tokenize_chat(tok, renderer, m, mf::text::LossOn::assistant).input_ids.size();
+            } catch (const mf::Error&) {
+                return -1;
+            }
+        }
+        cpu.push_back(thread_cpu_seconds() - c0);
+    }
+    return median(cpu);
+}
+
+void bench_fast_path(const std::string& label, const std::filesystem::path& dir,
+                     const std::vector<std::vector<mf::text::ChatMessage>>& convs, int reps) {
+    const mf::text::Tokenizer tok = mf::text::Tokenizer::load(dir);
+    std::vector<double> resolve;
+    mf::text::ChatRenderer chosen;
+    for (int rep = 0; rep < reps; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        chosen = mf::text::resolve_chat_renderer("auto", tok, dir);
+        resolve.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    const mf::text::ChatRenderer jinja = mf::text::resolve_chat_renderer("jinja", tok, dir);
+    size_t tokens = 0, jinja_tokens = 0;
+    const double auto_cpu = tokenize_all(tok, chosen, convs, reps, &tokens);
+    const double jinja_cpu = tokenize_all(tok, jinja, convs, 1, &jinja_tokens);
+    std::printf(
+        "{\"bench\": \"chat_fast_path\", \"template\": \"%s\", \"auto\": \"%s\", \"conversations\": %zu, "
+        "\"resolve_ms\": %.2f, \"auto_cpu_s\": %.4f, \"auto_conversations_per_s\": %.0f, \"tokens\": %zu, "
+        "\"jinja_cpu_s\": %.4f}\n",
+        label.c_str(), chosen.describe().c_str(), convs.size(), 1e3 * median(resolve), auto_cpu,
+        auto_cpu > 0 ? static_cast<double>(convs.size()) / auto_cpu : 0.0, tokens, jinja_cpu);
+    std::fflush(stdout);
+}
+
+// A tokenizer directory holding the fixture tokenizer and `chat_template`.
+std::filesystem::path template_dir(const std::string& fixtures, const std::string& name,
+                                   const std::string& chat_template) {
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moeforge_bench_chat_" + name);
+    std::filesystem::create_directories(dir);
+    std::filesystem::copy_file(fixtures + "/tokenizer/tokenizer.json", dir / "tokenizer.json",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::ofstream(dir / "tokenizer_config.json") << "{\"eos_token\": \"<|im_end|>\"}";
+    std::ofstream(dir / "chat_template.jinja", std::ios::binary) << chat_template;
+    return dir;
+}
+
+void bench_fast_paths(const std::string& fixtures, size_t num, int reps) {
+    Lcg r;
+    std::vector<std::vector<mf::text::ChatMessage>> convs;
+    for (size_t k = 0; k < num; ++k) convs.push_back(make_messages(r));
+    bench_fast_path("fixture tokenizer", fixtures + "/tokenizer", convs, reps);
+    const std::filesystem::path chatml =
+        template_dir(fixtures, "chatml", read_file(fixtures + "/chat/families/chatml.jinja"));
+    bench_fast_path("families/chatml", chatml, convs, reps);
+    std::filesystem::remove_all(chatml);
+    const mf::json::Value all = mf::json::parse(read_file(fixtures + "/chat/templates.json"), "templates.json");
+    const mf::json::Value* listed = all.find("templates");
+    for (const auto& [name, t] : (listed != nullptr ? *listed : all).as_object()) {
+        const std::filesystem::path dir = template_dir(fixtures, name, t.find("template")->as_string());
+        bench_fast_path("templates.json " + name, dir, convs, reps);
+        std::filesystem::remove_all(dir);
+    }
 }
 
 }  // namespace
@@ -164,6 +257,7 @@ int main(int argc, char** argv) {
                 median(wall), median(cpu), static_cast<double>(num) / median(cpu), train_cpu, tokens, refused);
             std::fflush(stdout);
         }
+        bench_fast_paths(fixtures, num, reps);
         return 0;
     } catch (const std::exception& e) {
         std::fprintf(stderr, "bench_chat: %s\n", e.what());

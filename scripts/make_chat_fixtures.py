@@ -1,26 +1,41 @@
 #!/usr/bin/env python3
 """Builds the chat-template parity fixtures in tests/fixtures/chat/ with Hugging Face `transformers`.
 
-For each Qwen ChatML template below and each conversation below, it records what
+The templates are ours, written for these tests: ChatML-family templates in the layouts moeforge's
+fast path renders (chatml, chatml_system, chatml_think, text/chat.h), each with its own tools system
+turn, tool calls, tool responses and generation prompt:
+
+  chatml_tools        ChatML turns; tools described in the system turn, tool calls as JSON in
+                      <tool_call> tags, tool results gathered into a user turn of <tool_response>s
+  system_default      a default system message of its own text when the conversation opens without
+                      one; tools appended to that system turn; tool results as `tool` turns
+  hybrid_think        hybrid thinking: answers after the last real question carry a <think> block
+                      (empty on the final answer when it has no reasoning), earlier answers drop
+                      theirs; enable_thinking=false closes an empty block in the generation prompt
+  tokenizer_default   the fixture tokenizer's own template (tests/fixtures/tokenizer/tokenizer_config.json)
+
+Each is written once with {% generation %} blocks around what moeforge learns in an assistant turn
+(everything after "<|im_start|>assistant\n" up to and including "<|im_end|>\n"); the model's
+template is that text with the generation tags removed (they render nothing), so the two cannot
+drift apart. For each template and each conversation below it records what
 `tokenizer.apply_chat_template` answers with the fixture tokenizer (tests/fixtures/tokenizer):
 
   expected.jsonl  one JSON object a line:
-                  {template, format, messages, text, input_ids, assistant_masks}
-                  text       apply_chat_template(messages, tokenize=False) with the model's template
-                  input_ids  apply_chat_template(messages, tokenize=True) (checked equal to
+                  {template, format, messages, tools?, add_generation_prompt?, variables?, text,
+                   input_ids, assistant_masks?}
+                  text       apply_chat_template(messages, tools=..., tokenize=False, ...) with the
+                             model's template
+                  input_ids  apply_chat_template(..., tokenize=True) (checked equal to
                              tokenizer(text, add_special_tokens=False))
-                  assistant_masks  HF's return_assistant_tokens_mask=True, computed with a
-                             generation-tagged copy of the template (below) that marks what moeforge
-                             learns in an assistant turn: everything after "<|im_start|>assistant\\n"
-                             up to and including "<|im_end|>\\n". The script checks that the tagged
-                             copy renders exactly the model's template text for every conversation.
-  templates.json  {name: {"template": the model's chat_template, "format": moeforge's chat format}}
-  fixture_info.json  versions and counts
-
-The templates are the chat_template strings Qwen ships (Apache-2.0) in tokenizer_config.json:
-Qwen2-Instruct (the fixture tokenizer's own), Qwen2.5-Instruct, Qwen3 (hybrid thinking, incl.
-Qwen3-30B-A3B) and Qwen3-Instruct-2507. They are test inputs: moeforge must recognise and render
-them. The generation-tagged copies are ours and cover system/user/assistant messages only.
+                  assistant_masks  (conversations without the generation prompt) HF's
+                             return_assistant_tokens_mask=True with the generation-tagged template,
+                             checked against the tags' spans mapped through the offsets
+  templates.json  {"templates": {name: {"template", "format", "default_system"?}},
+                   "conversations": [...]}: the model templates, the fast-path format each must be
+                  recognised as (by moeforge's probes), and the training conversations
+  fixture_info.json  versions, counts, problems, and the FNV-1a 64 hashes of templates.json and
+                  expected.jsonl as written together: tests/cpu/test_chat.cpp refuses to compare
+                  with an expected.jsonl that was not made from the templates.json beside it
 
 With --families it renders instead the family-style templates of tests/fixtures/chat/families/
 (*.jinja, ours, written in the style of DeepSeek-V3, GLM-4.5, Mistral, gpt-oss harmony, Nemotron 3,
@@ -39,9 +54,12 @@ tests/cpu/test_chat.cpp (ChatTemplate.FamilyTemplatesMatchTransformersFixtures) 
 with it when the file is present.
 
 Usage (needs `transformers`, on the GPU machine):
-    python3 scripts/make_chat_fixtures.py --out $OUT/chat
+    python3 scripts/make_chat_fixtures.py --out $OUT/chat     # then copy expected.jsonl,
+                                                              # templates.json, fixture_info.json
     python3 scripts/make_chat_fixtures.py --families --out $OUT/chat   # then copy families_hf.jsonl
-Without transformers, --render-only checks the tagged copies against the originals with jinja2 alone.
+Without transformers, --render-only renders every template and conversation with jinja2 alone
+(HF's environment and tojson), checks the tagged and untagged templates agree and the generation
+spans, and writes templates.json (only) to --out when given.
 The outputs are committed; this script is only re-run when the fixtures must change.
 """
 import argparse
@@ -52,280 +70,185 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(HERE, "..", "tests", "fixtures", "tokenizer")
 
-# --- the models' templates --------------------------------------------------------------------------
+# --- our templates, generation-tagged ----------------------------------------------------------------
+# NOTE: every tag opens with "-", so removing the generation tags (and the newline trim_blocks
+# drops after them) leaves the rendering unchanged.
 
-QWEN2_5 = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
+GEN_OPEN, GEN_CLOSE = "{%- generation %}", "{%- endgeneration %}"
+
+# Shared by chatml_tools and hybrid_think: the tools paragraph of the system turn, and one tool call.
+TOOL_MACROS = r"""{%- macro tools_paragraph(tools) %}
+    {{- '## Available tools\n\nEach line inside <tools></tools> describes one function you may call:\n<tools>' }}
+    {%- for t in tools %}
+        {{- '\n' ~ (t | tojson) }}
     {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {{- '\n</tools>\n\nTo call one, reply with {"name": <the function>, "arguments": <a JSON object>} between <tool_call> and </tool_call>.' }}
+{%- endmacro %}
+{%- macro one_call(call) %}
+    {%- set f = call.function if call.function is defined else call %}
+    {{- '<tool_call>\n{"name": "' ~ f.name ~ '", "arguments": ' }}
+    {%- if f.arguments is string %}
+        {{- f.arguments }}
     {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+        {{- f.arguments | tojson }}
     {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
+    {{- '}\n</tool_call>' }}
+{%- endmacro %}
+{%- macro system_turn(messages, tools) %}
+    {%- set opens_with_system = messages | length > 0 and messages[0].role == 'system' %}
+    {%- if tools %}
+        {{- '<|im_start|>system\n' }}
+        {%- if opens_with_system %}
+            {{- messages[0].content ~ '\n\n' }}
         {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
+        {{- tools_paragraph(tools) ~ '<|im_end|>\n' }}
+    {%- elif opens_with_system %}
+        {{- '<|im_start|>system\n' ~ messages[0].content ~ '<|im_end|>\n' }}
+    {%- endif %}
+{%- endmacro %}
+{%- macro tool_result(messages, i, text) %}
+    {%- if i == 0 or messages[i - 1].role != 'tool' %}
+        {{- '<|im_start|>user' }}
+    {%- endif %}
+    {{- '\n<tool_response>\n' ~ text ~ '\n</tool_response>' }}
+    {%- if i + 1 == messages | length or messages[i + 1].role != 'tool' %}
         {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
     {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
+{%- endmacro %}
 """
 
-QWEN3 = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
+CHATML_TOOLS = r"""{#- moeforge test template: ChatML turns, tools in the system turn, tool calls in <tool_call>
+    tags, tool results gathered into a user turn. -#}
+""" + TOOL_MACROS + r"""{{- system_turn(messages, tools) }}
+{%- for m in messages %}
+    {%- set text = m.content if m.content is string else '' %}
+    {%- if m.role == 'tool' %}
+        {{- tool_result(messages, loop.index0, text) }}
+    {%- elif m.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}{%- generation %}
+        {{- text }}
+        {%- for call in m.tool_calls or [] %}
+            {{- ('\n' if text or not loop.first else '') ~ one_call(call) }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}{%- endgeneration %}
+    {%- elif not (loop.first and m.role == 'system') %}
+        {{- '<|im_start|>' ~ m.role ~ '\n' ~ text ~ '<|im_end|>\n' }}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
+{%- endif %}"""
+
+SYSTEM_DEFAULT_TEXT = "You are the moeforge test assistant: answer plainly, and check your arithmetic."
+
+SYSTEM_DEFAULT = r"""{#- moeforge test template: ChatML with a default system message of its own when the
+    conversation opens without one; tools are appended to the system turn, tool results are turns
+    of their own. -#}
+{%- if messages | length > 0 and messages[0].role == 'system' %}
+    {%- set system_text = messages[0].content %}
+    {%- set turns = messages[1:] %}
+{%- else %}
+    {%- set system_text = '""" + SYSTEM_DEFAULT_TEXT + r"""' %}
+    {%- set turns = messages %}
+{%- endif %}
+{{- '<|im_start|>system\n' ~ system_text }}
+{%- if tools %}
+    {{- '\n\n# Functions\n\nThese functions are available; their JSON schemas follow, one per line.\n<tools>' }}
+    {{- '\n' ~ (tools | map('tojson') | join('\n')) }}
+    {{- '\n</tools>\nCall one by writing <tool_call>{"name": ..., "arguments": {...}}</tool_call>.' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- for m in turns %}
+    {%- if m.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}{%- generation %}
+        {{- m.content if m.content is string else '' }}
+        {%- if m.tool_calls %}
+            {%- for c in m.tool_calls %}
+                {%- set f = c.function if c.function is defined else c %}
+                {{- '\n<tool_call>\n' ~ ({'name': f.name, 'arguments': f.arguments} | tojson) ~ '\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}{%- endgeneration %}
+    {%- else %}
+        {{- '<|im_start|>' ~ m.role ~ '\n' ~ m.content ~ '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
+
+HYBRID_THINK = r"""{#- moeforge test template: ChatML with hybrid thinking. An answer after the last real question
+    (a user turn that is not a whole <tool_response>) carries a <think> block, an empty one when it
+    is the final answer and has no reasoning; earlier answers drop their reasoning. Reasoning is the
+    reasoning_content field, else the text before </think>. -#}
+""" + TOOL_MACROS + r"""{%- set seen = namespace(query=messages | length - 1) %}
+{%- for m in messages %}
+    {%- set is_result = m.content is string and m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>') %}
+    {%- if m.role == 'user' and not is_result %}
+        {%- set seen.query = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{{- system_turn(messages, tools) }}
+{%- for m in messages %}
+    {%- set text = m.content if m.content is string else '' %}
+    {%- if m.role == 'tool' %}
+        {{- tool_result(messages, loop.index0, text) }}
+    {%- elif m.role == 'assistant' %}
+        {%- set part = namespace(thought='', answer=text) %}
+        {%- if m.reasoning_content is string %}
+            {%- set part.thought = m.reasoning_content %}
+        {%- elif '</think>' in text %}
+            {%- set pieces = text.split('</think>') %}
+            {%- set part.thought = ((pieces | first).rstrip('\n').split('<think>') | last).lstrip('\n') %}
+            {%- set part.answer = (pieces | last).lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\n' }}{%- generation %}
+        {%- if loop.index0 > seen.query and (loop.last or part.thought) %}
+            {{- '<think>\n' ~ part.thought.strip('\n') ~ '\n</think>\n\n' ~ part.answer.lstrip('\n') }}
+        {%- else %}
+            {{- part.answer }}
+        {%- endif %}
+        {%- for call in m.tool_calls or [] %}
+            {{- ('\n' if part.answer or not loop.first else '') ~ one_call(call) }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}{%- endgeneration %}
+    {%- elif not (loop.first and m.role == 'system') %}
+        {{- '<|im_start|>' ~ m.role ~ '\n' ~ text ~ '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and not enable_thinking %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""
 
-QWEN3_INSTRUCT_2507 = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}"""
-
-# --- generation-tagged copies (ours): what moeforge learns in an assistant turn ---------------------
-
-def tagged_default_system(system_text):
-    return (
-        "{%- if messages[0]['role'] != 'system' %}"
-        "{{- '<|im_start|>system\\n" + system_text + "<|im_end|>\\n' }}"
-        "{%- endif %}"
-        "{%- for message in messages %}"
-        "{%- if message['role'] == 'assistant' %}"
-        "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message['content'] + '<|im_end|>\\n' }}{%- endgeneration %}"
-        "{%- else %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{%- endif %}"
-        "{%- endfor %}")
+# The fixture tokenizer's template (tests/fixtures/tokenizer/tokenizer_config.json, written by
+# scripts/make_tokenizer_fixtures.py) with generation blocks; the script checks both render alike.
+TOKENIZER_DEFAULT_TAGGED = (
+    "{%- if messages and messages[0].role != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' %}{%- generation %}{{- m.content + '<|im_end|>\\n' }}{%- endgeneration %}"
+    "{%- else %}{{- m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-TAGGED_CHATML = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- message['content'] + '<|im_end|>\\n' }}{%- endgeneration %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}")
-
-TAGGED_QWEN3 = (
-    # last user message that is not a tool response
-    "{%- set ns = namespace(found=false, last_query=messages|length - 1) %}"
-    "{%- for m in messages[::-1] %}"
-    "{%- if not ns.found and m.role == 'user' and not (m.content.startswith('<tool_response>') and "
-    "m.content.endswith('</tool_response>')) %}"
-    "{%- set ns.found = true %}{%- set ns.last_query = messages|length - 1 - loop.index0 %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}"
-    "{%- set text = message.content %}{%- set thought = '' %}"
-    "{%- if message.reasoning_content is string %}{%- set thought = message.reasoning_content %}"
-    "{%- elif '</think>' in text %}"
-    "{%- set thought = text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
-    "{%- set text = text.split('</think>')[-1].lstrip('\\n') %}"
-    "{%- endif %}"
-    "{{- '<|im_start|>assistant\\n' }}{%- generation %}"
-    "{%- if loop.index0 > ns.last_query and (loop.last or thought) %}"
-    "{{- '<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' + text.lstrip('\\n') }}"
-    "{%- else %}{{- text }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}{%- endgeneration %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}")
+def untagged(tagged):
+    return tagged.replace(GEN_OPEN, "").replace(GEN_CLOSE, "")
 
 
 def load_templates():
+    """name -> (model template, generation-tagged template, moeforge format, default system text or None)."""
     with open(os.path.join(TOKENIZER_DIR, "tokenizer_config.json"), encoding="utf-8") as f:
-        qwen2 = json.load(f)["chat_template"]
-    return {
-        # name: (model template, generation-tagged copy, moeforge chat format)
-        "qwen2": (qwen2, tagged_default_system("You are a helpful assistant."), "chatml_qwen2"),
-        "qwen2_5": (QWEN2_5, tagged_default_system("You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
-                    "chatml_qwen2_5"),
-        "qwen3": (QWEN3, TAGGED_QWEN3, "chatml_qwen3"),
-        "qwen3_instruct_2507": (QWEN3_INSTRUCT_2507, TAGGED_CHATML, "chatml"),
+        shipped = json.load(f)["chat_template"]
+    out = {
+        "chatml_tools": (untagged(CHATML_TOOLS), CHATML_TOOLS, "chatml", None),
+        "system_default": (untagged(SYSTEM_DEFAULT), SYSTEM_DEFAULT, "chatml_system", SYSTEM_DEFAULT_TEXT),
+        "hybrid_think": (untagged(HYBRID_THINK), HYBRID_THINK, "chatml_think", None),
+        "tokenizer_default": (shipped, TOKENIZER_DEFAULT_TAGGED, "chatml_system", "You are a helpful assistant."),
     }
+    return out
 
 
 # --- conversations -----------------------------------------------------------------------------------
@@ -383,12 +306,54 @@ CONVERSATIONS = [
 ]
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "description": "Sum of two numbers",
+                                      "parameters": {"type": "object", "properties": {"a": {"type": "number"},
+                                                                                      "b": {"type": "number"}}}}},
+]
+
+
+def CALL(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def T(c, name):
+    return {"role": "tool", "name": name, "content": c}
+
+
+# Conversations with tools: only the model's template renders them (moeforge's interpreter path).
+TOOL_CONVERSATIONS = [
+    [U("Weather in Almaty?"), {"role": "assistant", "content": "", "tool_calls": [CALL("get_weather", {"city": "Almaty"})]},
+     T("sunny, 21 C", "get_weather"), A("It is sunny and 21 C in Almaty.")],
+    [S("Use tools when they help."), U("2.5 + 4, and the weather in Paris?"),
+     {"role": "assistant", "content": "Both at once.",
+      "tool_calls": [CALL("add", {"a": 2.5, "b": 4}), CALL("get_weather", '{"city": "Paris"}')]},
+     T("6.5", "add"), T("rain", "get_weather"), A("6.5, and it rains in Paris.")],
+    [U("No tool needed: say hi."), A("Hi!")],
+]
+
+# Generation prompts (text and ids only): name -> (messages, extra template variables).
+GENERATION_CASES = [
+    ([U("Hello there.")], {}),
+    ([S("Be brief."), U("Q1"), A("A1"), U("Q2")], {}),
+    ([U("Quick answer, no thinking.")], {"enable_thinking": False}),
+]
+
+
 # --- rendering ---------------------------------------------------------------------------------------
 
+def hf_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson filter (jinja2's own sorts keys and escapes HTML)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def jinja_env(mark_generation):
-    # The environment transformers compiles chat templates in (trim_blocks, lstrip_blocks), with a
-    # stand-in for its {% generation %} extension that renders the block between \x00 and \x01
-    # when mark_generation is set: an independent way to the assistant mask.
+    # The environment transformers compiles chat templates in (trim_blocks, lstrip_blocks, its
+    # tojson), with a stand-in for its {% generation %} extension that renders the block between
+    # \x00 and \x01 when mark_generation is set: an independent way to the assistant mask.
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -404,12 +369,20 @@ def jinja_env(mark_generation):
         def _render(self, caller):
             return "\x00" + caller() + "\x01" if mark_generation else caller()
 
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = hf_tojson
+    return env
 
 
-def generation_spans(tagged, conv):
+def jinja_render(template, case, mark_generation=False):
+    return jinja_env(mark_generation).from_string(template).render(
+        messages=case["messages"], tools=case.get("tools"), documents=None,
+        add_generation_prompt=case.get("add_generation_prompt", False), **case.get("variables", {}))
+
+
+def generation_spans(tagged, case):
     """Rendered text and the [start, end) character spans of its generation blocks."""
-    marked = jinja_env(True).from_string(tagged).render(messages=conv, add_generation_prompt=False)
+    marked = jinja_render(tagged, case, True)
     text, spans, start = "", [], None
     for ch in marked:
         if ch == "\x00":
@@ -419,6 +392,14 @@ def generation_spans(tagged, conv):
         else:
             text += ch
     return text, spans
+
+
+def all_cases():
+    """Every rendered case: {messages, tools?, add_generation_prompt?, variables?}."""
+    cases = [{"messages": c} for c in CONVERSATIONS]
+    cases += [{"messages": c, "tools": TOOLS} for c in TOOL_CONVERSATIONS]
+    cases += [{"messages": m, "add_generation_prompt": True, "variables": v} for m, v in GENERATION_CASES]
+    return cases
 
 
 def mask_from_offsets(offsets, spans):
@@ -450,16 +431,20 @@ def flat(x):
 
 
 def render_only(templates):
-    env = jinja_env(False)
-    for name, (original, tagged, _) in templates.items():
-        for conv in CONVERSATIONS:
-            a = env.from_string(original).render(messages=conv, add_generation_prompt=False)
-            b = env.from_string(tagged).render(messages=conv, add_generation_prompt=False)
+    for name, (original, tagged, _, _) in templates.items():
+        for ci, case in enumerate(all_cases()):
+            a = jinja_render(original, case)
+            b = jinja_render(tagged, case)
             if a != b:
-                sys.exit(f"{name}: tagged copy renders differently for {conv!r}:\n{a!r}\n{b!r}")
-            text, _ = generation_spans(tagged, conv)
-            assert text == a
-    print(f"render-only: {len(templates)} templates x {len(CONVERSATIONS)} conversations agree")
+                sys.exit(f"{name} case {ci}: the tagged template renders differently:\n{a!r}\n{b!r}")
+            text, spans = generation_spans(tagged, case)
+            assert text == a, (name, ci)
+            if not case.get("add_generation_prompt"):
+                learned = [text[s:e] for s, e in spans]
+                assert all(x.endswith("<|im_end|>\n") for x in learned), (name, ci, learned)
+                num_answers = sum(m["role"] == "assistant" for m in case["messages"])
+                assert len(learned) == num_answers, (name, ci, learned)
+    print(f"render-only: {len(templates)} templates x {len(all_cases())} cases agree with their tagged forms")
 
 
 FAMILIES_DIR = os.path.join(HERE, "..", "tests", "fixtures", "chat", "families")
@@ -540,7 +525,7 @@ def write_families(args, tok, transformers_version):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(HERE, "..", "tests", "fixtures", "chat"))
+    ap.add_argument("--out", help="output directory (default tests/fixtures/chat; --render-only: none)")
     ap.add_argument("--tokenizer", default=TOKENIZER_DIR)
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--families", action="store_true", help="render the family-style templates (families_hf.jsonl)")
@@ -548,24 +533,30 @@ def main():
     if args.families:
         import transformers
         from transformers import AutoTokenizer
+        args.out = args.out or os.path.join(HERE, "..", "tests", "fixtures", "chat")
         write_families(args, AutoTokenizer.from_pretrained(args.tokenizer), transformers.__version__)
         return
     templates = load_templates()
     if args.render_only:
         render_only(templates)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            write_templates(args.out, templates)
+            print(f"wrote {os.path.join(args.out, 'templates.json')} (expected.jsonl needs transformers)")
         return
 
     import transformers
     from transformers import AutoTokenizer
 
+    args.out = args.out or os.path.join(HERE, "..", "tests", "fixtures", "chat")
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     os.makedirs(args.out, exist_ok=True)
     records, problems = [], []
-    for name, (original, tagged, fmt) in templates.items():
-        for ci, conv in enumerate(CONVERSATIONS):
-            where = f"{name} conversation {ci}"
+    for name, (original, tagged, fmt, _) in templates.items():
+        for ci, case in enumerate(all_cases()):
+            where = f"{name} case {ci}"
             try:
-                rec = one_record(tok, name, original, tagged, fmt, conv, where, problems)
+                rec = one_record(tok, name, original, tagged, fmt, case, where, problems)
             except Exception as e:  # keep the run's other results
                 problems.append(f"{where}: {type(e).__name__}: {e}")
                 rec = None
@@ -574,20 +565,30 @@ def main():
     write_outputs(args, templates, records, problems, transformers.__version__)
 
 
-def one_record(tok, name, original, tagged, fmt, conv, where, problems):
-    text = tok.apply_chat_template(conv, tokenize=False, chat_template=original)
-    tagged_text = tok.apply_chat_template(conv, tokenize=False, chat_template=tagged)
+def apply(tok, template, case, **kw):
+    return tok.apply_chat_template(case["messages"], tools=case.get("tools"), chat_template=template,
+                                   add_generation_prompt=case.get("add_generation_prompt", False),
+                                   **case.get("variables", {}), **kw)
+
+
+def one_record(tok, name, original, tagged, fmt, case, where, problems):
+    text = apply(tok, original, case, tokenize=False)
+    tagged_text = apply(tok, tagged, case, tokenize=False)
     if text != tagged_text:
-        problems.append(f"{where}: the tagged copy renders differently: {text!r} vs {tagged_text!r}")
+        problems.append(f"{where}: the tagged template renders differently: {text!r} vs {tagged_text!r}")
         return None
-    enc = tok.apply_chat_template(conv, tokenize=True, return_dict=True, chat_template=original)
-    ids = flat(enc["input_ids"])
+    ids = flat(apply(tok, original, case, tokenize=True, return_dict=True)["input_ids"])
     plain = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if flat(plain["input_ids"]) != ids:
         problems.append(f"{where}: apply_chat_template ids differ from tokenizer(text)")
+    rec = {"template": name, "format": fmt}
+    rec.update(case)
+    rec.update({"text": text, "input_ids": ids})
+    if case.get("add_generation_prompt"):
+        return rec
     # The mask two ways: HF's return_assistant_tokens_mask, and the spans of the generation blocks
     # mapped through the offsets with HF's rule. Both are kept when they disagree.
-    span_text, spans = generation_spans(tagged, conv)
+    span_text, spans = generation_spans(tagged, case)
     offset_mask = None
     if span_text != text:
         problems.append(f"{where}: the span renderer disagrees with transformers' rendering")
@@ -601,38 +602,56 @@ def one_record(tok, name, original, tagged, fmt, conv, where, problems):
             problems.append(f"{where}: {e}")
     hf_mask = None
     try:
-        out = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                      chat_template=tagged)
+        out = apply(tok, tagged, case, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         if flat(out["input_ids"]) != ids:
-            problems.append(f"{where}: the tagged copy tokenises differently")
+            problems.append(f"{where}: the tagged template tokenises differently")
         hf_mask = flat(out["assistant_masks"])
     except Exception as e:  # keep the run's other results
         problems.append(f"{where}: return_assistant_tokens_mask failed: {type(e).__name__}: {e}")
     if hf_mask is not None and offset_mask is not None and hf_mask != offset_mask:
         problems.append(f"{where}: HF mask {hf_mask} != offset mask {offset_mask}")
+        rec["offset_mask"] = offset_mask
     mask = hf_mask if hf_mask is not None else offset_mask
     if mask is None or len(mask) != len(ids):
         problems.append(f"{where}: no mask of the right length")
         return None
-    rec = {"template": name, "format": fmt, "messages": conv, "text": text, "input_ids": ids,
-           "assistant_masks": mask, "mask_source": "hf" if hf_mask is not None else "offsets"}
-    if hf_mask is not None and offset_mask is not None and hf_mask != offset_mask:
-        rec["offset_mask"] = offset_mask
+    rec["assistant_masks"] = mask
+    rec["mask_source"] = "hf" if hf_mask is not None else "offsets"
     return rec
 
 
+def fnv1a64(data):
+    """FNV-1a 64 of bytes, as 16 hex digits (tests/cpu/test_chat.cpp computes the same)."""
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def write_templates(out_dir, templates):
+    body = {"templates": {}, "conversations": CONVERSATIONS}
+    for name, (original, _, fmt, default_system) in templates.items():
+        t = {"template": original, "format": fmt}
+        if default_system is not None:
+            t["default_system"] = default_system
+        body["templates"][name] = t
+    data = (json.dumps(body, ensure_ascii=False, indent=1) + "\n").encode("utf-8")
+    with open(os.path.join(out_dir, "templates.json"), "wb") as f:
+        f.write(data)
+    return data
+
+
 def write_outputs(args, templates, records, problems, transformers_version):
-    with open(os.path.join(args.out, "expected.jsonl"), "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    with open(os.path.join(args.out, "templates.json"), "w", encoding="utf-8") as f:
-        json.dump({name: {"template": t[0], "format": t[2]} for name, t in templates.items()}, f, ensure_ascii=False,
-                  indent=1)
-        f.write("\n")
+    templates_data = write_templates(args.out, templates)
+    expected_data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    with open(os.path.join(args.out, "expected.jsonl"), "wb") as f:
+        f.write(expected_data)
     with open(os.path.join(args.out, "fixture_info.json"), "w", encoding="utf-8") as f:
         json.dump({"transformers_version": transformers_version, "python": sys.version.split()[0],
-                   "num_records": len(records), "num_conversations": len(CONVERSATIONS),
-                   "templates": sorted(templates), "problems": problems}, f, ensure_ascii=False, indent=1)
+                   "num_records": len(records), "num_cases": len(all_cases()),
+                   "templates": sorted(templates), "problems": problems,
+                   "templates_fnv1a64": fnv1a64(templates_data), "expected_fnv1a64": fnv1a64(expected_data)},
+                  f, ensure_ascii=False, indent=1)
         f.write("\n")
     print(f"wrote {len(records)} records to {args.out}; {len(problems)} problems")
     for p in problems:

@@ -295,11 +295,13 @@ def main():
         "add_bos_token": False,
         "add_prefix_space": False,
         "bos_token": None,
+        # ChatML with a default system message (ours; scripts/make_chat_fixtures.py renders it as
+        # its "tokenizer_default" template)
         "chat_template": (
-            "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-            "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+            "{%- if messages and messages[0].role != 'system' %}"
+            "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+            "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",

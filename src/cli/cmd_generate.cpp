@@ -118,10 +118,8 @@ std::vector<int32_t> encode_prompt(const GenerateArgs& g, const text::Tokenizer&
     if (!g.chat) return tok.encode(g.prompt, true);
     const std::vector<text::ChatMessage> messages{text::ChatMessage{"user", g.prompt, std::nullopt}};
     const text::ChatRenderer renderer = text::resolve_chat_renderer(g.chat_format, tok, g.model_dir);
-    if (renderer.format) {  // a ChatML fast path: the generation prompt opens the assistant's turn
-        const std::string rendered = text::render_chat_text(messages, *renderer.format) + "<|im_start|>assistant\n";
-        return tok.encode(rendered, false);
-    }
+    if (renderer.format)  // a ChatML fast path: the generation prompt opens the assistant's turn
+        return tok.encode(text::render_chat_text(messages, *renderer.format, true), false);
     // The model's own template, with its generation prompt (apply_chat_template's add_generation_prompt).
     json::Value conversation = text::conversation_json(messages);
     conversation.set("add_generation_prompt", true);

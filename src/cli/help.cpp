@@ -137,7 +137,7 @@ std::vector<CommandHelp> make_table() {
           {"chat", "", "wrap the prompt as a user message with the model's chat template"},
           {"chat-format", "F",
            "with --chat: auto (from the template: a ChatML fast path, else the template itself), jinja (the "
-           "template itself), chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3"},
+           "template itself), chatml, chatml_system or chatml_think"},
           {"max-new-tokens", "N", "stop after N new tokens; default 64"},
           {"temperature", "T", "sampling temperature; default 0 (greedy)"},
           {"top-p", "P", "nucleus sampling: sample from the smallest set of tokens with probability >= P; default 1"},

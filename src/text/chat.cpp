@@ -1,12 +1,9 @@
-// Chat formats: template recognition, rendering and tokenisation with a loss mask (see chat.h).
-//
-// Recognition never runs Jinja. It normalises the template the way HF's Jinja environment
-// (trim_blocks, lstrip_blocks) would treat its layout, so two templates that render alike compare
-// alike whatever their indentation, and then checks for the constructs each format is made of.
+// Chat formats: the ChatML fast path (rendering and tokenisation with a loss mask), the model's own
+// template through the interpreter, and the choice between them by rendering probe conversations
+// (see chat.h).
 #include "text/chat.h"
 
 #include <algorithm>
-#include <cctype>
 #include <fstream>
 #include <sstream>
 
@@ -20,210 +17,9 @@ namespace {
 constexpr int32_t kIgnoreLabel = -100;  // data::kIgnoreIndex (text/ does not include data/)
 constexpr std::string_view kImStart = "<|im_start|>";
 constexpr std::string_view kImEnd = "<|im_end|>";
-constexpr std::string_view kQwen2System = "You are a helpful assistant.";
-constexpr std::string_view kQwen25System = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+constexpr std::string_view kGenerationPrompt = "<|im_start|>assistant\n";
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
-
-std::string show(std::string_view s, size_t max_len = 60) {
-    std::string cut(s.substr(0, max_len));
-    return json::quote(cut) + (s.size() > max_len ? "..." : "");
-}
-
-// --- template normalisation ------------------------------------------------------------------------
-
-// Copies a tag's inside: whitespace outside string literals dropped, literals kept verbatim but
-// always delimited by single quotes, the dashes/pluses of whitespace control removed.
-std::string normalize_tag_body(std::string_view body) {
-    if (!body.empty() && (body.front() == '-' || body.front() == '+')) body.remove_prefix(1);
-    if (!body.empty() && (body.back() == '-' || body.back() == '+')) body.remove_suffix(1);
-    std::string out;
-    for (size_t i = 0; i < body.size(); ++i) {
-        const char c = body[i];
-        if (c == '\'' || c == '"') {
-            out += '\'';
-            for (++i; i < body.size() && body[i] != c; ++i) {
-                if (body[i] == '\\' && i + 1 < body.size()) out += body[i++];
-                out += body[i];
-            }
-            out += '\'';
-        } else if (!is_space(c)) {
-            out += c;
-        }
-    }
-    // x['key'] -> x.key, so both spellings of an attribute compare equal.
-    std::string res;
-    for (size_t i = 0; i < out.size(); ++i) {
-        if (out[i] == '[' && i + 1 < out.size() && out[i + 1] == '\'') {
-            size_t j = i + 2;
-            while (j < out.size() && (std::isalnum(static_cast<unsigned char>(out[j])) || out[j] == '_')) ++j;
-            if (j > i + 2 && j + 1 < out.size() && out[j] == '\'' && out[j + 1] == ']') {
-                res += '.';
-                res.append(out, i + 2, j - i - 2);
-                i = j + 1;
-                continue;
-            }
-        }
-        res += out[i];
-    }
-    return res;
-}
-
-// Index of the next "{{", "{%" or "{#" at or after `pos`, or npos.
-size_t find_tag_open(std::string_view t, size_t pos) {
-    for (size_t at = t.find('{', pos); at != std::string_view::npos; at = t.find('{', at + 1))
-        if (at + 1 < t.size() && (t[at + 1] == '{' || t[at + 1] == '%' || t[at + 1] == '#')) return at;
-    return std::string_view::npos;
-}
-
-// The template as a sequence of normalised tags. Text between tags must be whitespace that the
-// Jinja environment HF uses (trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
-// does not emit: a template that renders text or whitespace of its own outside tags is not one of
-// ours. NOTE: "{%-"/"-%}" strip all whitespace on their side, trim_blocks removes the first
-// newline after a block tag, lstrip_blocks the spaces and tabs from a line's start to a block tag.
-std::string normalize_template(std::string_view t, const std::string& source) {
-    std::string out;
-    size_t pos = 0;
-    char prev_kind = 0;  // '{', '%' or '#' of the previous tag; 0 before the first
-    char prev_mod = 0;   // '-' or '+' right before the previous tag's close, else 0
-    for (;;) {
-        const size_t open = find_tag_open(t, pos);
-        const std::string_view text = t.substr(pos, (open == std::string_view::npos ? t.size() : open) - pos);
-        const char kind = open == std::string_view::npos ? 0 : t[open + 1];
-        const char mod =
-            open != std::string_view::npos && open + 2 < t.size() && (t[open + 2] == '-' || t[open + 2] == '+')
-                ? t[open + 2]
-                : 0;
-        for (size_t i = 0; i < text.size(); ++i)
-            if (!is_space(text[i]))
-                fail(source, ": chat_template has text outside tags at offset ", pos + i, " (", show(t.substr(pos + i)),
-                     "), which no built-in chat format renders");
-        // The part [start, end) of this whitespace that Jinja would emit.
-        size_t start = 0, end = text.size();
-        const bool prev_block = prev_kind == '%' || prev_kind == '#';
-        if (prev_mod == '-') {
-            start = end;
-        } else if (prev_block && prev_mod != '+') {
-            if (text.substr(0, 1) == "\n")
-                start = 1;
-            else if (text.substr(0, 2) == "\r\n")
-                start = 2;
-        }
-        if (mod == '-') {
-            end = start;
-        } else if ((kind == '%' || kind == '#') && mod != '+') {
-            const size_t nl = text.rfind('\n');
-            if (nl != std::string_view::npos)
-                end = std::max(start, nl + 1);
-            else if (pos == 0)
-                end = start;  // the template's first line
-        }
-        std::string_view emitted = start < end ? text.substr(start, end - start) : std::string_view{};
-        if (kind == 0 && !emitted.empty() && emitted.back() == '\n') emitted.remove_suffix(1);  // trailing newline
-        if (!emitted.empty())
-            fail(source, ": chat_template renders the whitespace ", show(emitted), " at offset ", pos + start,
-                 ", which no built-in chat format renders");
-        if (open == std::string_view::npos) break;
-
-        const std::string_view close = kind == '{' ? "}}" : kind == '%' ? "%}" : "#}";
-        size_t close_at = std::string_view::npos;
-        for (size_t i = open + 2; i + 1 < t.size();) {
-            const char c = t[i];
-            if (kind != '#' && (c == '\'' || c == '"')) {  // skip a string literal
-                for (++i; i < t.size() && t[i] != c; ++i)
-                    if (t[i] == '\\') ++i;
-                ++i;
-                continue;
-            }
-            if (t.substr(i, 2) == close) {
-                close_at = i;
-                break;
-            }
-            ++i;
-        }
-        if (close_at == std::string_view::npos)
-            fail(source, ": chat_template has an unterminated tag at offset ", open, " (", show(t.substr(open)), ")");
-        const std::string_view body = t.substr(open + 2, close_at - open - 2);
-        if (kind != '#') {
-            const std::string norm = normalize_tag_body(body);
-            if (norm != "generation" && norm != "endgeneration") {  // TRL's mask markers render nothing
-                out += kind == '{' ? "{{" : "{%";
-                out += norm;
-                out += kind == '{' ? "}}" : "%}";
-            }
-        }
-        prev_kind = kind;
-        prev_mod = !body.empty() && (body.back() == '-' || body.back() == '+') ? body.back() : 0;
-        pos = close_at + 2;
-    }
-    return out;
-}
-
-// Qwen3's reasoning handling, as template source; normalised before use so the layout of the
-// model's template does not matter.
-constexpr std::string_view kQwen3LastQuery =
-    R"({%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %})";
-constexpr std::string_view kQwen3Assistant = R"({%- set reasoning_content = '' %}
-{%- if message.reasoning_content is string %}
-    {%- set reasoning_content = message.reasoning_content %}
-{%- else %}
-    {%- if '</think>' in content %}
-        {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-        {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-    {%- endif %}
-{%- endif %}
-{%- if loop.index0 > ns.last_query_index %}
-    {%- if loop.last or (not loop.last and reasoning_content) %}
-        {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + content }}
-    {%- endif %}
-{%- else %}
-    {{- '<|im_start|>' + message.role + '\n' + content }}
-{%- endif %})";
-// Removes `{%if add_generation_prompt%} ... {%endif%}` blocks (nested ifs counted): training never
-// renders the generation prompt, so how a template writes it does not matter here.
-void erase_generation_prompt(std::string& n) {
-    const std::string open = "{%ifadd_generation_prompt%}";
-    for (size_t at = n.find(open); at != std::string::npos; at = n.find(open, at)) {
-        int depth = 0;
-        size_t i = at;
-        while (i < n.size()) {
-            if (n.compare(i, 4, "{%if") == 0) ++depth;
-            if (n.compare(i, 9, "{%endif%}") == 0 && --depth == 0) break;
-            i = n.find("{%", i + 1);
-            if (i == std::string::npos) i = n.size();
-        }
-        if (i >= n.size()) return;  // unbalanced: leave it for the checks to refuse
-        n.erase(at, i + 9 - at);
-    }
-}
-
-void erase_all(std::string& s, const std::string& part) {
-    for (size_t at = s.find(part); at != std::string::npos; at = s.find(part, at)) s.erase(at, part.size());
-}
-
-std::string unescape_literal(std::string_view s) {
-    std::string out;
-    for (size_t i = 0; i < s.size(); ++i) {
-        if (s[i] == '\\' && i + 1 < s.size()) {
-            const char c = s[++i];
-            out += c == 'n' ? '\n' : c == 't' ? '\t' : c;
-        } else {
-            out += s[i];
-        }
-    }
-    return out;
-}
-
-// --- rendering helpers (Python str methods as Qwen3's template uses them) ------------------------------
+// --- rendering helpers (the Python str methods the hybrid-thinking layout is defined by) --------------
 
 std::string_view strip_newlines_left(std::string_view s) {
     while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
@@ -248,30 +44,27 @@ bool is_tool_response(std::string_view s) {
            s.substr(s.size() - close.size()) == close;
 }
 
+struct FormatName {
+    ChatFormat::Kind kind;
+    const char* name;
+};
+constexpr FormatName kFormatNames[] = {{ChatFormat::Kind::chatml, "chatml"},
+                                       {ChatFormat::Kind::chatml_system, "chatml_system"},
+                                       {ChatFormat::Kind::chatml_think, "chatml_think"}};
+
 }  // namespace
 
 // --- names -------------------------------------------------------------------------------------------
 
-ChatFormat parse_chat_format(std::string_view name) {
-    if (name == "chatml") return ChatFormat::chatml;
-    if (name == "chatml_qwen2") return ChatFormat::chatml_qwen2;
-    if (name == "chatml_qwen2_5") return ChatFormat::chatml_qwen2_5;
-    if (name == "chatml_qwen3") return ChatFormat::chatml_qwen3;
-    fail("unknown chat format ", json::quote(name),
-         " (expected auto, chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3)");
+ChatFormat::Kind parse_chat_format(std::string_view name) {
+    for (const FormatName& f : kFormatNames)
+        if (name == f.name) return f.kind;
+    fail("unknown chat format ", json::quote(name), " (expected auto, jinja, chatml, chatml_system or chatml_think)");
 }
 
-const char* chat_format_name(ChatFormat format) {
-    switch (format) {
-        case ChatFormat::chatml:
-            return "chatml";
-        case ChatFormat::chatml_qwen2:
-            return "chatml_qwen2";
-        case ChatFormat::chatml_qwen2_5:
-            return "chatml_qwen2_5";
-        case ChatFormat::chatml_qwen3:
-            return "chatml_qwen3";
-    }
+const char* chat_format_name(ChatFormat::Kind kind) {
+    for (const FormatName& f : kFormatNames)
+        if (kind == f.kind) return f.name;
     return "?";
 }
 
@@ -283,66 +76,7 @@ LossOn parse_loss_on(std::string_view name) {
 
 const char* loss_on_name(LossOn loss_on) { return loss_on == LossOn::all ? "all" : "assistant"; }
 
-// --- recognition -------------------------------------------------------------------------------------
-
-ChatFormat detect_chat_format(std::string_view chat_template, const std::string& source) {
-    const std::string hint =
-        " (set data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3 if the "
-        "model's template renders system/user/assistant messages like one of them)";
-    if (chat_template.empty()) fail(source, ": chat_template is empty", hint);
-    std::string n;
-    try {
-        n = normalize_template(chat_template, source);
-    } catch (const Error& e) {
-        throw Error(e.what() + hint);
-    }
-    erase_generation_prompt(n);
-    if (n.find(kImStart) == std::string::npos || n.find(kImEnd) == std::string::npos)
-        fail(source, ": chat_template is not a ChatML template (no <|im_start|>/<|im_end|>)", hint);
-    if (n.find("'<|im_start|>'+message.role+'\\n'+") == std::string::npos)
-        fail(source, ": chat_template does not render messages as '<|im_start|>' + role + '\\n' + content", hint);
-
-    // A default system message: a literal '<|im_start|>system\n...<|im_end|>\n' with text inside.
-    std::optional<std::string> default_system;
-    const std::string sys_open = "'<|im_start|>system\\n";
-    for (size_t at = n.find(sys_open); at != std::string::npos; at = n.find(sys_open, at + 1)) {
-        const size_t start = at + sys_open.size();
-        const size_t end = n.find('\'', start);
-        if (end == std::string::npos || end == start) continue;
-        std::string_view lit(n.data() + start, end - start);
-        const std::string_view tail = "<|im_end|>\\n";
-        if (lit.size() < tail.size() || lit.substr(lit.size() - tail.size()) != tail)
-            fail(source, ": chat_template opens a system message with a literal we cannot read: ", show(lit), hint);
-        const std::string text = unescape_literal(lit.substr(0, lit.size() - tail.size()));
-        if (default_system && *default_system != text)
-            fail(source, ": chat_template names two default system messages", hint);
-        default_system = text;
-    }
-
-    const std::string last_query = normalize_template(kQwen3LastQuery, "kQwen3LastQuery");
-    const std::string assistant = normalize_template(kQwen3Assistant, "kQwen3Assistant");
-    const bool has_think = n.find("think>") != std::string::npos || n.find("reasoning") != std::string::npos;
-    if (has_think) {
-        if (n.find(last_query) == std::string::npos || n.find(assistant) == std::string::npos)
-            fail(source, ": chat_template handles <think>/reasoning_content, but not as Qwen3's template does", hint);
-        erase_all(n, last_query);
-        erase_all(n, assistant);
-    }
-    // Constructs none of our formats render.
-    for (const char* bad : {"think>", "reasoning", "last_query", "strip", "trim", "bos_token", "eos_token", "|upper",
-                            "|lower", "|replace", "|indent", "|truncate"})
-        if (n.find(bad) != std::string::npos)
-            fail(source, ": chat_template uses ", json::quote(bad), " in a way no built-in chat format renders", hint);
-
-    if (default_system) {
-        if (has_think) fail(source, ": chat_template has both a default system message and <think> handling", hint);
-        if (*default_system == kQwen2System) return ChatFormat::chatml_qwen2;
-        if (*default_system == kQwen25System) return ChatFormat::chatml_qwen2_5;
-        fail(source, ": chat_template inserts the default system message ", show(*default_system, 80),
-             ", which no built-in chat format knows", hint);
-    }
-    return has_think ? ChatFormat::chatml_qwen3 : ChatFormat::chatml;
-}
+// --- template sources ----------------------------------------------------------------------------------
 
 std::optional<std::string> find_chat_template(const Tokenizer& tokenizer, const std::filesystem::path& tokenizer_dir) {
     if (!tokenizer_dir.empty()) {
@@ -377,84 +111,38 @@ std::optional<std::string> find_chat_template(const Tokenizer& tokenizer, const 
     fail("tokenizer_config.json: chat_template is ", t->dump().substr(0, 40), ", expected a string");
 }
 
+// --- rendering ---------------------------------------------------------------------------------------
+
 namespace {
 
-// Conversations on which a named format and the model's template must render alike.
-std::vector<std::vector<ChatMessage>> probe_conversations() {
-    return {
-        {{"system", "You are terse.", std::nullopt},
-         {"user", "Hi", std::nullopt},
-         {"assistant", "Hello.", std::nullopt}},
-        {{"user", "2+2?", std::nullopt},
-         {"assistant", "4", std::nullopt},
-         {"user", "3+3?", std::nullopt},
-         {"assistant", "6", std::nullopt}},
-        {{"user", "Think.", std::nullopt}, {"assistant", "<think>\nsum\n</think>\n\nDone.", std::nullopt}},
-    };
-}
-
-// An mf::Error unless the model's template renders the probe conversations as `format` does.
-void check_forced_format(ChatFormat format, const Tokenizer& tokenizer, const std::filesystem::path& dir,
-                         const std::string& where) {
-    const std::string hint = std::string(" (data.chat_format: ") + chat_format_name(format) +
-                             " was set; use auto to train the model's own format)";
-    std::optional<ChatTemplate> t;
-    try {
-        t = ChatTemplate::load(tokenizer, dir);
-    } catch (const Error& e) {
-        fail(where, ": cannot check the chat template against ", chat_format_name(format), ": ", e.what(), hint);
+// An assistant turn's body in chatml_think: the think block after the last query, reasoning dropped before it.
+std::string think_body(const ChatMessage& m, bool after_last_query, bool is_last) {
+    std::string_view content = m.content;
+    std::string_view reasoning;
+    if (m.reasoning_content) {
+        reasoning = *m.reasoning_content;
+    } else if (content.find("</think>") != std::string_view::npos) {
+        reasoning = strip_newlines_left(after_last(strip_newlines_right(before_first(content, "</think>")), "<think>"));
+        content = strip_newlines_left(after_last(content, "</think>"));
     }
-    for (const std::vector<ChatMessage>& conv : probe_conversations()) {
-        const std::string expected = render_chat_text(conv, format);
-        std::string got;
-        try {
-            got = t->render_text(conversation_json(conv));
-        } catch (const Error& e) {
-            fail(where, ": the model's chat template does not render like ", chat_format_name(format), ": ", e.what(),
-                 hint);
-        }
-        if (got != expected) {
-            size_t at = 0;
-            while (at < got.size() && at < expected.size() && got[at] == expected[at]) ++at;
-            const size_t from = at > 30 ? at - 30 : 0;
-            fail(where, ": the model's chat template renders conversations differently from ", chat_format_name(format),
-                 ": at byte ", at, " it renders ", show(std::string_view(got).substr(from), 80), " where ",
-                 chat_format_name(format), " renders ", show(std::string_view(expected).substr(from), 80), hint);
-        }
-    }
+    if (!after_last_query || (!is_last && reasoning.empty())) return std::string(content);
+    std::string body = "<think>\n";
+    body += strip_newlines_right(strip_newlines_left(reasoning));
+    body += "\n</think>\n\n";
+    body += strip_newlines_left(content);
+    return body;
 }
 
 }  // namespace
 
-ChatFormat resolve_chat_format(std::string_view setting, const Tokenizer& tokenizer,
-                               const std::filesystem::path& tokenizer_dir) {
-    const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
-    const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
-    if (setting != "auto") {
-        const ChatFormat format = parse_chat_format(setting);
-        if (t) check_forced_format(format, tokenizer, tokenizer_dir, where);
-        return format;
-    }
-    if (!t)
-        fail(where,
-             ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
-             "data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3");
-    return detect_chat_format(*t, where + " chat_template");
-}
-
-// --- rendering ---------------------------------------------------------------------------------------
-
-std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& messages, ChatFormat format, LossOn loss_on,
-                                         size_t first_learnable) {
+std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& messages, const ChatFormat& format,
+                                         LossOn loss_on, size_t first_learnable) {
     std::vector<RenderedMessage> out;
     out.reserve(messages.size() + 1);
     const bool all = loss_on == LossOn::all;
-    if ((format == ChatFormat::chatml_qwen2 || format == ChatFormat::chatml_qwen2_5) &&
-        (messages.empty() || messages[0].role != "system")) {
-        const std::string_view text = format == ChatFormat::chatml_qwen2 ? kQwen2System : kQwen25System;
-        out.push_back({"<|im_start|>system\n", std::string(text) + "<|im_end|>\n", all});
-    }
-    // Qwen3: the last user message that is not a tool response (the template's last_query_index).
+    if (format.kind == ChatFormat::Kind::chatml_system && (messages.empty() || messages[0].role != "system"))
+        out.push_back({std::string(kImStart) + "system\n", format.default_system + std::string(kImEnd) + "\n", all});
+    // chatml_think: the last user message that is not a tool response (the last message when none is).
     size_t last_query = messages.empty() ? 0 : messages.size() - 1;
     for (size_t i = messages.size(); i-- > 0;) {
         if (messages[i].role == "user" && !is_tool_response(messages[i].content)) {
@@ -469,28 +157,10 @@ std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& message
                  " is not supported (expected system, user or assistant)");
         RenderedMessage r;
         r.header = std::string(kImStart) + m.role + "\n";
-        if (format == ChatFormat::chatml_qwen3 && m.role == "assistant") {
-            std::string_view content = m.content;
-            std::string_view reasoning;
-            if (m.reasoning_content) {
-                reasoning = *m.reasoning_content;
-            } else if (content.find("</think>") != std::string_view::npos) {
-                reasoning =
-                    strip_newlines_left(after_last(strip_newlines_right(before_first(content, "</think>")), "<think>"));
-                content = strip_newlines_left(after_last(content, "</think>"));
-            }
-            const bool is_last = i + 1 == messages.size();
-            if (i > last_query && (is_last || !reasoning.empty())) {
-                r.body = "<think>\n";
-                r.body += strip_newlines_right(strip_newlines_left(reasoning));
-                r.body += "\n</think>\n\n";
-                r.body += strip_newlines_left(content);
-            } else {
-                r.body = content;
-            }
-        } else {
+        if (format.kind == ChatFormat::Kind::chatml_think && m.role == "assistant")
+            r.body = think_body(m, i > last_query, i + 1 == messages.size());
+        else
             r.body = m.content;
-        }
         r.body += kImEnd;
         r.body += "\n";
         r.learned = all || (m.role == "assistant" && i >= first_learnable);
@@ -499,14 +169,16 @@ std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& message
     return out;
 }
 
-std::string render_chat_text(const std::vector<ChatMessage>& messages, ChatFormat format) {
+std::string render_chat_text(const std::vector<ChatMessage>& messages, const ChatFormat& format,
+                             bool add_generation_prompt) {
     std::string text;
     for (const RenderedMessage& r : render_chat(messages, format, LossOn::assistant)) text += r.header + r.body;
+    if (add_generation_prompt) text += kGenerationPrompt;
     return text;
 }
 
-TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages, ChatFormat format,
-                            LossOn loss_on, size_t first_learnable) {
+TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                            const ChatFormat& format, LossOn loss_on, size_t first_learnable) {
     TokenizedChat out;
     std::string full;
     for (const RenderedMessage& r : render_chat(messages, format, loss_on, first_learnable)) {
@@ -817,50 +489,222 @@ json::Value conversation_json(const std::vector<ChatMessage>& messages) {
     return c;
 }
 
+// --- recognition by probing ------------------------------------------------------------------------
+
+namespace {
+
+// The probe conversations: together they take each branch where the fast-path formats differ from
+// one another (a default system message, think blocks before and after the last query, reasoning
+// from the content or the field, an empty field, tool-response-looking user turns) and the places
+// where other templates tend to differ from all of them (system messages later on, an assistant
+// turn first, empty content, the generation prompt). chatml_system reads its default system
+// message off the first.
+struct Probe {
+    const char* what;
+    std::vector<ChatMessage> messages;
+    bool add_generation_prompt = false;
+};
+
+ChatMessage msg(const char* role, const char* content) { return {role, content, std::nullopt}; }
+ChatMessage answer(const char* content, const char* reasoning) { return {"assistant", content, reasoning}; }
+
+const std::vector<Probe>& probes() {
+    static const std::vector<Probe> kProbes = {
+        {"a question and its answer, no system message", {msg("user", "Hi"), msg("assistant", "Hello.")}},
+        {"a system message first", {msg("system", "You are terse."), msg("user", "Hi"), msg("assistant", "Hello.")}},
+        {"three turns",
+         {msg("user", "2+2?"), msg("assistant", "4"), msg("user", "3+3?"), msg("assistant", "6"), msg("user", "4+4?"),
+          msg("assistant", "8")}},
+        {"a system message after the first turn",
+         {msg("user", "Hi"), msg("assistant", "Hello."), msg("system", "Be formal."), msg("user", "How are you?"),
+          msg("assistant", "Well, thank you.")}},
+        {"the assistant first", {msg("assistant", "I speak first.")}},
+        {"ending on a user turn", {msg("system", "Be brief."), msg("user", "Why?")}},
+        {"the generation prompt", {msg("user", "Why?")}, true},
+        {"the generation prompt after turns",
+         {msg("system", "Be brief."), msg("user", "Q1"), msg("assistant", "A1"), msg("user", "Q2")},
+         true},
+        {"<think> in the last answer", {msg("user", "Think."), msg("assistant", "<think>\nsum\n</think>\n\nDone.")}},
+        {"<think> in an earlier answer",
+         {msg("user", "Q1"), msg("assistant", "<think>r1</think>A1"), msg("user", "Q2"),
+          msg("assistant", "\n<think>\nr2\n\n</think>A2")}},
+        {"reasoning_content", {msg("user", "Q"), answer("\nA </think> B", "\nR\n")}},
+        {"an empty reasoning_content", {msg("user", "Q"), answer("<think>x</think>Answer.", "")}},
+        {"reasoning_content in an earlier answer",
+         {msg("user", "Q1"), answer("A1", "R1"), msg("user", "Q2"), msg("assistant", "A2")}},
+        {"two answers after the last question",
+         {msg("user", "Q"), msg("assistant", "A"), msg("assistant", "<think>m</think>B")}},
+        {"two answers after the last question, the first with reasoning",
+         {msg("user", "Q"), msg("assistant", "<think>x</think>A"), msg("assistant", "B")}},
+        {"answers after a tool-response-looking user turn",
+         {msg("user", "Look it up."), msg("assistant", "<think>need a tool</think>Calling."),
+          msg("user", "<tool_response>\n42\n</tool_response>"), msg("assistant", "The answer is 42.")}},
+        {"empty and newline-only content",
+         {msg("user", ""), msg("assistant", ""), msg("user", "\n"), msg("assistant", "\n")}},
+    };
+    return kProbes;
+}
+
+// The template's rendering of one probe, or the error it raised.
+struct ProbeRendering {
+    std::string text;
+    std::optional<std::string> error;
+};
+
+std::vector<ProbeRendering> render_probes(const ChatTemplate& t) {
+    std::vector<ProbeRendering> out;
+    for (const Probe& p : probes()) {
+        json::Value conv = conversation_json(p.messages);
+        conv.set("add_generation_prompt", p.add_generation_prompt);
+        try {
+            out.push_back({t.render_text(conv), std::nullopt});
+        } catch (const Error& e) {
+            out.push_back({"", std::string(e.what())});
+        }
+    }
+    return out;
+}
+
+// At most `max_len` bytes of `s` from `from`, widened to whole UTF-8 characters, quoted.
+std::string excerpt(std::string_view s, size_t from, size_t max_len = 60) {
+    auto continuation = [&](size_t i) { return i < s.size() && (static_cast<unsigned char>(s[i]) & 0xC0) == 0x80; };
+    from = std::min(from, s.size());
+    while (from > 0 && continuation(from)) --from;
+    size_t end = std::min(s.size(), from + max_len);
+    while (continuation(end)) ++end;
+    return std::string(from > 0 ? "..." : "") + json::quote(s.substr(from, end - from)) + (end < s.size() ? "..." : "");
+}
+
+std::string difference(const Probe& p, const std::string& got, const std::string& written, const char* format) {
+    size_t at = 0;
+    while (at < got.size() && at < written.size() && got[at] == written[at]) ++at;
+    const size_t from = at > 24 ? at - 24 : 0;
+    std::ostringstream os;
+    os << "on the probe conversation '" << p.what << "' at byte " << at << " the template renders "
+       << excerpt(got, from) << " where " << format << " writes " << excerpt(written, from);
+    return os.str();
+}
+
+// chatml_system's default system message: what the template writes before the rest of the first
+// probe, when that is one system message.
+std::optional<std::string> read_default_system(const std::string& got, const std::string& rest) {
+    const std::string open = std::string(kImStart) + "system\n", close = std::string(kImEnd) + "\n";
+    if (got.size() < open.size() + close.size() + rest.size()) return std::nullopt;
+    if (got.compare(0, open.size(), open) != 0 || got.compare(got.size() - rest.size(), rest.size(), rest) != 0)
+        return std::nullopt;
+    const size_t end = got.size() - rest.size() - close.size();
+    if (got.compare(end, close.size(), close) != 0) return std::nullopt;
+    return got.substr(open.size(), end - open.size());
+}
+
+std::optional<ChatFormat> match_renderings(const std::vector<ProbeRendering>& renderings, ChatFormat::Kind kind,
+                                           std::string* why) {
+    const std::vector<Probe>& ps = probes();
+    const char* name = chat_format_name(kind);
+    ChatFormat format{kind, ""};
+    if (kind == ChatFormat::Kind::chatml_system && !renderings[0].error) {
+        const std::string rest = render_chat_text(ps[0].messages, ChatFormat{});
+        const std::optional<std::string> text = read_default_system(renderings[0].text, rest);
+        if (!text) {
+            if (why != nullptr)
+                *why = "on the probe conversation '" + std::string(ps[0].what) + "' the template renders " +
+                       excerpt(renderings[0].text, 0) + ", not a system message followed by " + excerpt(rest, 0) +
+                       " as chatml_system writes it";
+            return std::nullopt;
+        }
+        format.default_system = *text;
+    }
+    for (size_t k = 0; k < ps.size(); ++k) {
+        if (renderings[k].error) {
+            if (why != nullptr)
+                *why = "the template fails on the probe conversation '" + std::string(ps[k].what) +
+                       "': " + *renderings[k].error;
+            return std::nullopt;
+        }
+        const std::string written = render_chat_text(ps[k].messages, format, ps[k].add_generation_prompt);
+        if (renderings[k].text != written) {
+            if (why != nullptr) *why = difference(ps[k], renderings[k].text, written, name);
+            return std::nullopt;
+        }
+    }
+    return format;
+}
+
+// The file the tokenizer's template comes from (for errors).
+std::string template_file(const std::filesystem::path& tokenizer_dir) {
+    if (tokenizer_dir.empty()) return "tokenizer_config.json";
+    const std::filesystem::path dir =
+        std::filesystem::is_directory(tokenizer_dir) ? tokenizer_dir : tokenizer_dir.parent_path();
+    const std::filesystem::path jinja = dir / "chat_template.jinja";
+    return (std::filesystem::exists(jinja) ? jinja : dir / "tokenizer_config.json").string();
+}
+
+}  // namespace
+
+std::optional<ChatFormat> match_chat_format(const ChatTemplate& chat_template, ChatFormat::Kind kind,
+                                            std::string* why) {
+    return match_renderings(render_probes(chat_template), kind, why);
+}
+
+std::optional<ChatFormat> detect_chat_format(const ChatTemplate& chat_template) {
+    const std::vector<ProbeRendering> renderings = render_probes(chat_template);
+    for (const FormatName& f : kFormatNames)
+        if (std::optional<ChatFormat> format = match_renderings(renderings, f.kind, nullptr)) return format;
+    return std::nullopt;
+}
+
+// --- resolution --------------------------------------------------------------------------------------
+
 std::string ChatRenderer::describe() const {
-    return format ? std::string(chat_format_name(*format)) : "the model's chat template (jinja)";
+    return format ? std::string(chat_format_name(format->kind)) : "the model's chat template (jinja)";
 }
 
 ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& tokenizer,
                                    const std::filesystem::path& tokenizer_dir, const json::Value& kwargs) {
     ChatRenderer r;
+    const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
+    const bool has_template = find_chat_template(tokenizer, tokenizer_dir).has_value();
     if (setting == "jinja") {
         r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
         return r;
     }
-    if (setting != "auto") {
-        r.format = resolve_chat_format(setting, tokenizer, tokenizer_dir);
-        if (find_chat_template(tokenizer, tokenizer_dir))  // for what the fast path does not render
+    if (setting == "auto") {
+        if (!has_template)
+            fail(where,
+                 ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
+                 "data.chat_format to chatml or chatml_think");
+        try {
             r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
+        } catch (const Error& e) {
+            fail(e.what(),
+                 " (data.chat_format: auto renders conversations with the model's chat template, on the ChatML fast "
+                 "path where the template renders like it)");
+        }
+        r.format = detect_chat_format(*r.model_template);  // else the interpreter renders it
         return r;
     }
-    const std::optional<std::string> t = find_chat_template(tokenizer, tokenizer_dir);
-    const std::string where = tokenizer_dir.empty() ? std::string("tokenizer") : tokenizer_dir.string();
-    if (!t)
-        fail(where,
-             ": the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja); set "
-             "data.chat_format to chatml, chatml_qwen2, chatml_qwen2_5 or chatml_qwen3");
-    const bool has_kwargs = kwargs.is_object() && kwargs.size() > 0;
-    if (!has_kwargs) {
-        try {
-            // Recognised, and rendering the probes as the interpreter does (a safety net for the
-            // recogniser): the fast path.
-            const ChatFormat format = detect_chat_format(*t, where + " chat_template");
-            check_forced_format(format, tokenizer, tokenizer_dir, where);
-            r.format = format;
-            r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
-            return r;
-        } catch (const Error&) {
-            // not one of the ChatML formats: the interpreter renders it
-        }
+    const ChatFormat::Kind kind = parse_chat_format(setting);
+    const char* name = chat_format_name(kind);
+    const std::string hint =
+        std::string(" (data.chat_format: ") + name + " was set; use auto to train the model's own format)";
+    if (!has_template) {
+        if (kind == ChatFormat::Kind::chatml_system)
+            fail(where,
+                 ": data.chat_format chatml_system writes the default system message of the model's chat "
+                 "template, and the tokenizer has none (tokenizer_config.json or chat_template.jinja)");
+        r.format = ChatFormat{kind, ""};
+        return r;
     }
+    const std::string file = template_file(tokenizer_dir);
     try {
         r.model_template = ChatTemplate::load(tokenizer, tokenizer_dir, kwargs);
     } catch (const Error& e) {
-        fail(e.what(),
-             " (data.chat_format: auto runs the model's chat template through the Jinja interpreter, since it is not "
-             "one of the ChatML formats; name one of them if the model renders as it does)");
+        fail(file, ": cannot check the chat template against ", name, ": ", e.what(), hint);
     }
+    std::string why;
+    r.format = match_chat_format(*r.model_template, kind, &why);
+    if (!r.format)
+        fail(file, ": the model's chat template renders conversations differently from ", name, ": ", why, hint);
     return r;
 }
 

@@ -3,23 +3,32 @@
 // `apply_chat_template(messages, tokenize=True)` renders it with the model's template, plus a loss
 // mask. Two renderers, chosen by data.chat_format:
 //
-//   ChatML fast path   the formats below, written out here; a template is recognised, not run.
+//   ChatML fast path   the formats below, written out here, for templates that render like one of
+//                      them (decided by rendering probe conversations, below).
 //   the model's own    (chat_format auto on a template that is not one of them, or jinja) the
 //   template           template run by the Jinja interpreter (text/jinja.h) with HF's context:
 //                      messages, tools, documents, add_generation_prompt, the special tokens and
 //                      data.chat_template_kwargs. Both render a ChatML template identically.
 //
-// ChatML formats:
-//   chatml          <|im_start|>{role}\n{content}<|im_end|>\n per message, nothing else
-//                   (Qwen3-*-Instruct-2507 and generic ChatML templates)
-//   chatml_qwen2    chatml, plus "You are a helpful assistant." as a system message when the
-//                   conversation does not open with one (Qwen2 / Qwen2-MoE instruct templates)
-//   chatml_qwen2_5  the same with "You are Qwen, created by Alibaba Cloud. You are a helpful
-//                   assistant." (Qwen2.5)
-//   chatml_qwen3    no default system message; an assistant turn after the last user query gets
+// ChatML formats (each writes <|im_start|>{role}\n{content}<|im_end|>\n per message, and
+// <|im_start|>assistant\n as the generation prompt):
+//   chatml          nothing else
+//   chatml_system   plus a default system message when the conversation does not open with one;
+//                   its text is the model's, read off the template's rendering of a conversation
+//                   without a system message
+//   chatml_think    no default system message; an assistant turn after the last user query gets
 //                   a <think>\n{reasoning}\n</think>\n\n block (empty when the turn is the last one
 //                   and has no reasoning); reasoning is the `reasoning_content` field or the part
-//                   of the content before </think>, which earlier turns lose (Qwen3, Qwen3-MoE)
+//                   of the content before </think>, which earlier turns lose. A user message that
+//                   is a whole <tool_response>...</tool_response> is not a query. (The hybrid-thinking
+//                   layout of the Qwen3 family.)
+//
+// Recognition is by behaviour, never by the template's text: the template renders a fixed set of
+// probe conversations through the interpreter (with and without a system message, several turns, a
+// system message later on, an assistant turn first, reasoning in the content and in
+// reasoning_content, answers after a tool-response-looking user turn, with and without the
+// generation prompt; no tools), and a format is the template's only if it writes every probe
+// byte for byte as the template renders it.
 //
 // Loss mask (data.loss_on: assistant, the default): in each assistant turn the tokens after the
 // "<|im_start|>assistant\n" header are learned: the think block, the content, <|im_end|> and the
@@ -49,41 +58,32 @@
 
 namespace mf::text {
 
-enum class ChatFormat { chatml, chatml_qwen2, chatml_qwen2_5, chatml_qwen3 };
+// A ChatML fast-path format (see the file comment).
+struct ChatFormat {
+    enum class Kind { chatml, chatml_system, chatml_think };
+    Kind kind = Kind::chatml;
+    std::string default_system;  // chatml_system: the model's default system message
+    bool operator==(const ChatFormat&) const = default;
+};
 enum class LossOn { assistant, all };
 
 struct ChatMessage {
     std::string role;  // system | user | assistant
     std::string content;
-    std::optional<std::string> reasoning_content;  // read by chatml_qwen3 only (as HF's templates do)
+    std::optional<std::string> reasoning_content;  // read by chatml_think only (as the templates it renders do)
 };
 
-// "chatml", "chatml_qwen2", "chatml_qwen2_5", "chatml_qwen3"; anything else is an mf::Error that
-// lists the names ("auto" is resolved by resolve_chat_format, not here).
-ChatFormat parse_chat_format(std::string_view name);
-const char* chat_format_name(ChatFormat format);
+// "chatml", "chatml_system", "chatml_think"; anything else is an mf::Error that lists the names
+// ("auto" and "jinja" are resolved by resolve_chat_renderer, not here).
+ChatFormat::Kind parse_chat_format(std::string_view name);
+const char* chat_format_name(ChatFormat::Kind kind);
 LossOn parse_loss_on(std::string_view name);  // "assistant" | "all"
 const char* loss_on_name(LossOn loss_on);
-
-// Recognises a Jinja chat template as one of the formats above. The template is normalised
-// (whitespace that Jinja would not emit and the dashes of tags dropped, quotes and ['key']
-// subscripts unified), then it must render messages as ChatML, may name a default system message
-// only if it is one we know, and may handle <think> only exactly as Qwen3 does. Anything else
-// (another chat format, bos/eos tokens, trimmed content, text outside tags, ...) is an mf::Error
-// naming `source` and the reason, suggesting data.chat_format.
-ChatFormat detect_chat_format(std::string_view chat_template, const std::string& source);
 
 // The template a tokenizer ships: `tokenizer_dir`/chat_template.jinja when that file exists (what
 // transformers v5 writes), else tokenizer_config.json's "chat_template" (a string, or a list of
 // {name, template} from which "default" is taken). nullopt when there is none.
 std::optional<std::string> find_chat_template(const Tokenizer& tokenizer, const std::filesystem::path& tokenizer_dir);
-
-// `setting` is a format name or "auto" (detect from the tokenizer's template; none is an error).
-// A format named while the tokenizer ships a template that renders conversations differently
-// (checked on probe conversations through the interpreter) is an mf::Error: training would learn
-// a format the model was not made for, and the checkpoint would carry the model's own template.
-ChatFormat resolve_chat_format(std::string_view setting, const Tokenizer& tokenizer,
-                               const std::filesystem::path& tokenizer_dir);
 
 // One piece of rendered text; `learned` marks the pieces whose tokens count in the loss.
 struct ChatSegment {
@@ -101,9 +101,11 @@ struct RenderedMessage {
     std::string body;    // [think block] content "<|im_end|>\n"
     bool learned = false;
 };
-std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& messages, ChatFormat format, LossOn loss_on,
-                                         size_t first_learnable = 0);
-std::string render_chat_text(const std::vector<ChatMessage>& messages, ChatFormat format);
+std::vector<RenderedMessage> render_chat(const std::vector<ChatMessage>& messages, const ChatFormat& format,
+                                         LossOn loss_on, size_t first_learnable = 0);
+// The joined text; with `add_generation_prompt` followed by "<|im_start|>assistant\n".
+std::string render_chat_text(const std::vector<ChatMessage>& messages, const ChatFormat& format,
+                             bool add_generation_prompt = false);
 
 struct TokenizedChat {
     std::vector<int32_t> input_ids;
@@ -113,8 +115,8 @@ struct TokenizedChat {
 // Renders and tokenises; see the file comment for the mask. mf::Error if the per-message
 // encodings do not add up to the whole text's encoding (a tokenizer whose special tokens strip
 // neighbouring whitespace, say).
-TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages, ChatFormat format,
-                            LossOn loss_on, size_t first_learnable = 0);
+TokenizedChat tokenize_chat(const Tokenizer& tokenizer, const std::vector<ChatMessage>& messages,
+                            const ChatFormat& format, LossOn loss_on, size_t first_learnable = 0);
 
 // --- the model's own template, through the interpreter ------------------------------------------------
 
@@ -182,17 +184,34 @@ std::vector<int32_t> spans_to_token_mask(const Tokenizer& tokenizer, const std::
 // The conversation object for `messages` (what sft_dataset reads is turned into this).
 json::Value conversation_json(const std::vector<ChatMessage>& messages);
 
+// --- recognition by probing ------------------------------------------------------------------------
+
+// The fast-path format of kind `kind` that renders the probe conversations (see the file comment)
+// exactly as `chat_template` does, its default system message (chatml_system) read off the
+// template's rendering of a probe without one; nullopt when it renders any probe differently or
+// the template fails on one, with `why` (when given) set to the first such probe and a short
+// excerpt of both renderings from where they part.
+std::optional<ChatFormat> match_chat_format(const ChatTemplate& chat_template, ChatFormat::Kind kind,
+                                            std::string* why = nullptr);
+// The fast-path format that renders every probe as `chat_template` does (at most one can), or nullopt.
+std::optional<ChatFormat> detect_chat_format(const ChatTemplate& chat_template);
+
 // What data.chat_format resolves to: a ChatML fast-path format or the model's template.
-//   auto     the fast path when the tokenizer's template is one of the ChatML formats (it renders
-//            the same, faster), else the model's template through the interpreter
+//   auto     the fast path when the tokenizer's template renders like one of the ChatML formats (it
+//            renders the same, faster), else the model's template through the interpreter; the
+//            probes render with data.chat_template_kwargs. No template is an error.
 //   jinja    always the interpreter
-//   chatml*  that fast-path format, checked against the tokenizer's template as in resolve_chat_format
+//   chatml*  that fast-path format; when the tokenizer has a template, one that renders a probe
+//            differently is an mf::Error naming the template's file, the format and the probe
+//            (training would learn a format the model was not made for, and the checkpoint would
+//            carry the model's own template). chatml_system needs the template: its default
+//            system message is the template's.
 // The model's template is kept beside a fast-path format when the tokenizer has one: it renders
 // what the fast path does not (tool calls, tool messages, tools, content parts).
 struct ChatRenderer {
     std::optional<ChatFormat> format;            // set: the fast path for system/user/assistant text
     std::optional<ChatTemplate> model_template;  // the model's template, when the tokenizer has one
-    std::string describe() const;                // "chatml_qwen2" or "the model's chat template (jinja)"
+    std::string describe() const;                // "chatml_system" or "the model's chat template (jinja)"
 };
 ChatRenderer resolve_chat_renderer(std::string_view setting, const Tokenizer& tokenizer,
                                    const std::filesystem::path& tokenizer_dir, const json::Value& kwargs = {});

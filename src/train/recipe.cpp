@@ -417,8 +417,7 @@ std::vector<KeyDecl> make_key_table() {
                          "pack consecutive documents into one row of seq_len tokens (attention stays inside each)"));
     t.push_back(choice_key("data.on_error", {"stop", "skip"}, MF_FIELD(data.on_error),
                            "a malformed record stops the run, or is skipped and counted"));
-    t.push_back(choice_key("data.chat_format",
-                           {"auto", "jinja", "chatml", "chatml_qwen2", "chatml_qwen2_5", "chatml_qwen3"},
+    t.push_back(choice_key("data.chat_format", {"auto", "jinja", "chatml", "chatml_system", "chatml_think"},
                            MF_FIELD(data.chat_format),
                            "chat rendering; auto: the tokenizer's chat template (ChatML ones on the fast path), "
                            "jinja: always through the template interpreter"));

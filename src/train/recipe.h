@@ -50,7 +50,7 @@ struct Recipe {
         bool packing = true;
         std::string on_error = "stop";     // stop | skip: what a malformed record does
         std::string chat_format = "auto";  // auto (from the tokenizer's chat template) | jinja | chatml |
-                                           // chatml_qwen2 | chatml_qwen2_5 | chatml_qwen3
+                                           // chatml_system | chatml_think
         json::Value chat_template_kwargs = json::Value::object();  // extra chat template variables
         std::string loss_on = "assistant";  // assistant | all: which chat tokens count in the loss
         std::string on_empty = "stop";      // stop | warn: an optimizer step with no target token at all

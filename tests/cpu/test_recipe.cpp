@@ -509,7 +509,7 @@ TEST(Recipe, Overrides) {
 TEST(Recipe, ToJsonHasEveryKey) {
     const Recipe r = parse_recipe(
         "model: m\n"
-        "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip, chat_format: chatml_qwen3, "
+        "data: {train: d, format: text, shuffle: false, packing: false, on_error: skip, chat_format: chatml_think, "
         "loss_on: all, chat_template_kwargs: {enable_thinking: false, effort: high}}\n"
         "train: {steps: 9, micro_batch: 2, seq_len: 16, grad_accum: 3, grad_clip: 0.25, log_every: 4, recompute: "
         "full, on_nonfinite: skip}\n"

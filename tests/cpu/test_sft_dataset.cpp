@@ -99,7 +99,7 @@ TEST_F(SftTest, MessagesUseTheTokenizersTemplate) {
     EXPECT_EQ(kind, SftFormat::messages);
     ASSERT_EQ(ds.docs.size(), 2u);
     EXPECT_EQ(ds.skipped_lines, 0);
-    // The fixture tokenizer's template is Qwen2's: a default system message when there is none.
+    // The fixture tokenizer's template writes a default system message when there is none.
     EXPECT_EQ(
         ds.docs[0].input_ids,
         tok().encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>"
@@ -110,7 +110,7 @@ TEST_F(SftTest, MessagesUseTheTokenizersTemplate) {
     // A named chat format must be the template's own (naming another is an error: test_chat); loss_on: all
     // learns every token.
     SftOptions o = options(SftFormat::messages);
-    o.chat_format = "chatml_qwen2";
+    o.chat_format = "chatml_system";
     o.loss_on = mf::text::LossOn::all;
     const TokenDataset plain =
         read(R"({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})", o);
@@ -146,7 +146,7 @@ TEST_F(SftTest, MessagesThroughTheModelsOwnTemplate) {
 }
 
 // Tool calls and tool messages: the fast path does not render them, the model's template does
-// (here the fixture tokenizer's Qwen2 template, which prints a tool message as a turn of its own).
+// (here the fixture tokenizer's template, which prints a tool message as a turn of its own).
 TEST_F(SftTest, ToolCallsGoThroughTheModelsTemplate) {
     const std::string rec =
         R"({"messages": [{"role": "user", "content": "Sum?"},)"
@@ -346,12 +346,12 @@ TEST_F(SftTest, SetupErrorsStopEvenInSkipMode) {
     } catch (const mf::Error& e) {
         EXPECT_NE(std::string(e.what()).find("data.chat_format"), std::string::npos) << e.what();
     }
-    o.chat_format = "chatml_qwen3";  // naming a format the template does not render is an error too
+    o.chat_format = "chatml_think";  // naming a format the template does not render is an error too
     try {
         mf::data::read_sft_jsonl(write("m.jsonl", msg + "\n"), &odd, o);
         FAIL() << "a chat format unlike the model's template was accepted";
     } catch (const mf::Error& e) {
-        EXPECT_NE(std::string(e.what()).find("cannot check the chat template against chatml_qwen3"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("cannot check the chat template against chatml_think"), std::string::npos)
             << e.what();
     }
     // Text without a tokenizer; text with a tokenizer that has no eos token.
