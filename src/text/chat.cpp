@@ -51,6 +51,11 @@ struct FormatName {
 constexpr FormatName kFormatNames[] = {{ChatFormat::Kind::chatml, "chatml"},
                                        {ChatFormat::Kind::chatml_system, "chatml_system"},
                                        {ChatFormat::Kind::chatml_think, "chatml_think"}};
+// The names recipes used before the formats were recognised by rendering (still accepted: each meant
+// what its new name does, the default system text now read off the model's template).
+constexpr FormatName kFormerNames[] = {{ChatFormat::Kind::chatml_system, "chatml_qwen2"},
+                                       {ChatFormat::Kind::chatml_system, "chatml_qwen2_5"},
+                                       {ChatFormat::Kind::chatml_think, "chatml_qwen3"}};
 
 }  // namespace
 
@@ -58,6 +63,8 @@ constexpr FormatName kFormatNames[] = {{ChatFormat::Kind::chatml, "chatml"},
 
 ChatFormat::Kind parse_chat_format(std::string_view name) {
     for (const FormatName& f : kFormatNames)
+        if (name == f.name) return f.kind;
+    for (const FormatName& f : kFormerNames)
         if (name == f.name) return f.kind;
     fail("unknown chat format ", json::quote(name), " (expected auto, jinja, chatml, chatml_system or chatml_think)");
 }

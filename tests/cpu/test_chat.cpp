@@ -304,7 +304,11 @@ TEST(ChatRender, UnknownRoleAndNames) {
     EXPECT_EQ(mf::text::parse_chat_format("chatml_system"), Kind::chatml_system);
     for (Kind k : {Kind::chatml, Kind::chatml_system, Kind::chatml_think})
         EXPECT_EQ(mf::text::parse_chat_format(mf::text::chat_format_name(k)), k);
-    const std::string err = error_text([] { mf::text::parse_chat_format("chatml_qwen3"); });
+    // The former names still parse, to what they meant.
+    EXPECT_EQ(mf::text::parse_chat_format("chatml_qwen2"), Kind::chatml_system);
+    EXPECT_EQ(mf::text::parse_chat_format("chatml_qwen2_5"), Kind::chatml_system);
+    EXPECT_EQ(mf::text::parse_chat_format("chatml_qwen3"), Kind::chatml_think);
+    const std::string err = error_text([] { mf::text::parse_chat_format("chatml_qwen4"); });
     EXPECT_NE(err.find("chatml_think"), std::string::npos) << err;
     EXPECT_EQ(mf::text::parse_loss_on("all"), LossOn::all);
     EXPECT_THROW(mf::text::parse_loss_on("assistant_only"), mf::Error);
