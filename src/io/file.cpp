@@ -12,11 +12,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 #include <ctime>
 #include <mutex>
 #include <set>
 #include <system_error>
-#include <utility>
 
 #include "core/check.h"
 #include "core/json.h"
@@ -27,6 +27,12 @@ namespace mf::io {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Every failure of this file is an IoError (file.h); found before mf::fail by unqualified calls here.
+template <typename... Args>
+[[noreturn]] void fail(Args&&... args) {
+    throw IoError(detail::concat(std::forward<Args>(args)...));
+}
 
 std::string os_error() { return std::strerror(errno); }
 
