@@ -233,7 +233,9 @@ struct View {
     mf_tensor t{};
     py::object owner;
 
-    View(const mf_tensor& tensor, py::object engine) : t(tensor), owner(std::move(engine)) { acquire_view(owner.ptr()); }
+    View(const mf_tensor& tensor, py::object engine) : t(tensor), owner(std::move(engine)) {
+        acquire_view(owner.ptr());
+    }
     ~View() { release_view(owner.ptr()); }
     View(const View&) = delete;
     View& operator=(const View&) = delete;
@@ -244,11 +246,20 @@ struct View {
         const char* format = nullptr;
         ssize_t item = 4;
         switch (t.dtype) {
-            case MF_F32: format = "f"; break;
-            case MF_I32: format = "i"; break;
-            case MF_I64: format = "q", item = 8; break;
-            case MF_F64: format = "d", item = 8; break;
-            default: refuse("a bfloat16 tensor has no buffer format: use DLPack (torch.from_dlpack)");
+            case MF_F32:
+                format = "f";
+                break;
+            case MF_I32:
+                format = "i";
+                break;
+            case MF_I64:
+                format = "q", item = 8;
+                break;
+            case MF_F64:
+                format = "d", item = 8;
+                break;
+            default:
+                refuse("a bfloat16 tensor has no buffer format: use DLPack (torch.from_dlpack)");
         }
         std::vector<ssize_t> shape(t.shape, t.shape + t.ndim), strides(static_cast<size_t>(t.ndim));
         ssize_t stride = item;
@@ -282,7 +293,8 @@ struct View {
     }
 
     py::tuple dlpack_device() const {
-        return py::make_tuple(t.device_type == MF_CUDA ? kDLCUDA : kDLCPU, t.device_type == MF_CUDA ? t.device_index : 0);
+        return py::make_tuple(t.device_type == MF_CUDA ? kDLCUDA : kDLCPU,
+                              t.device_type == MF_CUDA ? t.device_index : 0);
     }
 
     py::object dlpack(py::object stream) const {
@@ -297,11 +309,21 @@ struct View {
         dl.device = {t.device_type == MF_CUDA ? kDLCUDA : kDLCPU, t.device_type == MF_CUDA ? t.device_index : 0};
         dl.ndim = t.ndim;
         switch (t.dtype) {
-            case MF_F32: dl.dtype = {2, 32, 1}; break;
-            case MF_BF16: dl.dtype = {4, 16, 1}; break;
-            case MF_I32: dl.dtype = {0, 32, 1}; break;
-            case MF_I64: dl.dtype = {0, 64, 1}; break;
-            default: dl.dtype = {2, 64, 1}; break;
+            case MF_F32:
+                dl.dtype = {2, 32, 1};
+                break;
+            case MF_BF16:
+                dl.dtype = {4, 16, 1};
+                break;
+            case MF_I32:
+                dl.dtype = {0, 32, 1};
+                break;
+            case MF_I64:
+                dl.dtype = {0, 64, 1};
+                break;
+            default:
+                dl.dtype = {2, 64, 1};
+                break;
         }
         dl.shape = m->shape.data();
         dl.strides = nullptr;
@@ -501,8 +523,8 @@ void bind_ops(py::module_& m) {
             });
         },
         "scores"_a, "topk_idx"_a, "topk_weight"_a, "logits"_a, "correction_bias"_a = py::none(), "n_group"_a = 1,
-        "topk_group"_a = 1, "norm_topk_prob"_a = true, "routed_scaling_factor"_a = 1.0f,
-        "masked_score"_a = -INFINITY, ctx_arg);
+        "topk_group"_a = 1, "norm_topk_prob"_a = true, "routed_scaling_factor"_a = 1.0f, "masked_score"_a = -INFINITY,
+        ctx_arg);
     m.def(
         "router_sigmoid_backward",
         [](py::object dlogits, py::object dtopk_weight, py::object scores, py::object topk_idx, bool norm_topk_prob,
@@ -613,8 +635,8 @@ void bind_ops(py::module_& m) {
         "dinp"_a, "dout"_a, "inp"_a, "alpha"_a = 1.702f, "limit"_a = 7.0f, ctx_arg);
     m.def(
         "attention_forward",
-        [](py::object out, py::object lse, py::object q, py::object k, py::object v, py::object doc_ids,
-           int64_t batch, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, py::object ctx) {
+        [](py::object out, py::object lse, py::object q, py::object k, py::object v, py::object doc_ids, int64_t batch,
+           int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, py::object ctx) {
             Args args;
             ContextArg c;
             const mf_context* cx = c.get(ctx, args);
@@ -624,8 +646,8 @@ void bind_ops(py::module_& m) {
                 return mf_attention_forward(cx, o, l, tq, tk, tv, docs, batch, seq_len, num_heads, num_kv_heads);
             });
         },
-        "out"_a, "lse"_a, "q"_a, "k"_a, "v"_a, "doc_ids"_a, "batch"_a, "seq_len"_a, "num_heads"_a,
-        "num_kv_heads"_a, ctx_arg);
+        "out"_a, "lse"_a, "q"_a, "k"_a, "v"_a, "doc_ids"_a, "batch"_a, "seq_len"_a, "num_heads"_a, "num_kv_heads"_a,
+        ctx_arg);
     m.def(
         "attention_backward",
         [](py::object dq, py::object dk, py::object dv, py::object dout, py::object q, py::object k, py::object v,
@@ -642,8 +664,8 @@ void bind_ops(py::module_& m) {
                                              num_kv_heads);
             });
         },
-        "dq"_a, "dk"_a, "dv"_a, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "doc_ids"_a, "batch"_a,
-        "seq_len"_a, "num_heads"_a, "num_kv_heads"_a, ctx_arg);
+        "dq"_a, "dk"_a, "dv"_a, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "doc_ids"_a, "batch"_a, "seq_len"_a,
+        "num_heads"_a, "num_kv_heads"_a, ctx_arg);
     m.def(
         "rmsnorm_forward",
         [](py::object out, py::object rstd, py::object inp, py::object weight, float eps, py::object ctx) {
@@ -692,8 +714,8 @@ void bind_ops(py::module_& m) {
             const mf_adamw_hyper hyper{lr, beta1, beta2, eps, weight_decay, step, grad_scale};
             call([&] { return mf_adamw_update(cx, p, pm, tm, tv, g, &hyper); });
         },
-        "param"_a, "master"_a, "m"_a, "v"_a, "grad"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f,
-        "eps"_a = 1e-8f, "weight_decay"_a = 0.01f, "step"_a, "grad_scale"_a = 1.0f, ctx_arg);
+        "param"_a, "master"_a, "m"_a, "v"_a, "grad"_a, "lr"_a, "beta1"_a = 0.9f, "beta2"_a = 0.999f, "eps"_a = 1e-8f,
+        "weight_decay"_a = 0.01f, "step"_a, "grad_scale"_a = 1.0f, ctx_arg);
 }
 
 mf_moe_dims moe_dims_of(const py::dict& d) {
@@ -723,7 +745,9 @@ void bind_moe_block(py::module_& m) {
         [](const py::dict& dims, int64_t num_tokens, const std::string& device) {
             const mf_moe_dims d = moe_dims_of(dims);
             size_t bytes = 0;
-            call([&] { return mf_moe_block_workspace_bytes(&d, num_tokens, device == "cuda" ? MF_CUDA : MF_CPU, &bytes); });
+            call([&] {
+                return mf_moe_block_workspace_bytes(&d, num_tokens, device == "cuda" ? MF_CUDA : MF_CPU, &bytes);
+            });
             return bytes;
         },
         "dims"_a, "num_tokens"_a, "device"_a = "cpu");
@@ -814,15 +838,16 @@ PYBIND11_MODULE(_native, m) {
         .def_buffer(&View::buffer)
         .def("__dlpack__", &View::dlpack, "stream"_a = py::none())
         .def("__dlpack_device__", &View::dlpack_device)
-        .def_property_readonly("shape", [](const View& v) { return std::vector<int64_t>(v.t.shape, v.t.shape + v.t.ndim); })
+        .def_property_readonly("shape",
+                               [](const View& v) { return std::vector<int64_t>(v.t.shape, v.t.shape + v.t.ndim); })
         .def_property_readonly("dtype", [](const View& v) {
             static const char* names[] = {"float32", "bfloat16", "int32", "int64", "float64"};
             return std::string(v.t.dtype >= 0 && v.t.dtype <= 4 ? names[v.t.dtype] : "unknown");
         });
 
     py::class_<Engine>(m, "Engine", "The fine-tuning engine (mf_engine_*); use moeforge.Engine")
-        .def(py::init<const std::string&, bool, const std::string&, const std::vector<std::string>&,
-                      const std::string&, bool>(),
+        .def(py::init<const std::string&, bool, const std::string&, const std::vector<std::string>&, const std::string&,
+                      bool>(),
              "recipe"_a, "is_text"_a, "base_dir"_a, "overrides"_a, "resume"_a, "force_resume"_a)
         .def("step", &Engine::step)
         .def("progress", &Engine::progress)

@@ -48,19 +48,19 @@ typedef enum mf_device_type { MF_CPU = 0, MF_CUDA = 1 } mf_device_type;
 #define MF_MAX_DIMS 8
 
 typedef struct mf_tensor {
-    void* data;             /* may be NULL only when the tensor has no element */
-    int32_t dtype;          /* mf_dtype */
-    int32_t device_type;    /* mf_device_type */
-    int32_t device_index;   /* CUDA ordinal (ignored on the CPU) */
-    int32_t ndim;           /* 0 .. MF_MAX_DIMS */
+    void* data;           /* may be NULL only when the tensor has no element */
+    int32_t dtype;        /* mf_dtype */
+    int32_t device_type;  /* mf_device_type */
+    int32_t device_index; /* CUDA ordinal (ignored on the CPU) */
+    int32_t ndim;         /* 0 .. MF_MAX_DIMS */
     int64_t shape[MF_MAX_DIMS];
     const int64_t* strides; /* ndim strides in elements, or NULL (contiguous) */
 } mf_tensor;
 
 typedef struct mf_context {
-    int32_t device;         /* CUDA ordinal; -1: the calling thread's current device */
-    uint64_t stream;        /* cudaStream_t; 0: the engine's stream */
-    void* workspace;        /* optional device scratch, 256-byte aligned, alive until the stream ran the op */
+    int32_t device;  /* CUDA ordinal; -1: the calling thread's current device */
+    uint64_t stream; /* cudaStream_t; 0: the engine's stream */
+    void* workspace; /* optional device scratch, 256-byte aligned, alive until the stream ran the op */
     size_t workspace_bytes;
 } mf_context;
 
@@ -133,8 +133,7 @@ mf_status mf_moe_unpermute_backward(const mf_context* ctx, const mf_tensor* dy_p
 /* --- expert activations -------------------------------------------------------------------------*/
 /* SwiGLU: inp [N, 2I] = [gate | up] halves; out [N, I] = silu(gate) · up; dinp written. */
 mf_status mf_swiglu_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* inp);
-mf_status mf_swiglu_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dout,
-                             const mf_tensor* inp);
+mf_status mf_swiglu_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dout, const mf_tensor* inp);
 /* gpt-oss (transformers GptOssExperts): inp [N, 2I] with gate and up interleaved by column;
  * g = min(gate, limit), u = clamp(up, -limit, limit), out [N, I] = (u + 1) · g · σ(alpha · g).
  * gpt-oss: alpha 1.702, limit 7. dinp [N, 2I] written (the clamps pass the gradient inside them). */
@@ -160,12 +159,11 @@ typedef struct mf_moe_dims {
     float routed_scaling_factor; /* the sigmoid router's (1: none) */
     float masked_score;          /* the sigmoid router's (-inf) */
 } mf_moe_dims;
-mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type,
-                                       size_t* bytes);
+mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type, size_t* bytes);
 /* y [N, H] written; correction_bias [E] f32 (optional, sigmoid router). */
-mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y,
-                               const mf_tensor* x, const mf_tensor* router, const mf_tensor* gate_up,
-                               const mf_tensor* down, const mf_tensor* correction_bias, const mf_tensor* workspace);
+mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y, const mf_tensor* x,
+                               const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
+                               const mf_tensor* correction_bias, const mf_tensor* workspace);
 /* dx [N, H] +=, drouter +=, dgate_up and ddown += (written when accumulate_expert_grads is 0);
  * dprobs [N, E] f32 (optional): the gradient at the router probabilities (an aux loss's). */
 mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* dx,
@@ -233,8 +231,8 @@ typedef struct mf_step_metrics {
     double loss, ce_loss, aux_loss, grad_norm, lr;
     int64_t tokens; /* non-padding tokens of the step */
     double tokens_per_s, peak_mem_gib, step_seconds;
-    int32_t skipped;    /* the update was dropped (non-finite, train.on_nonfinite: skip) */
-    double val_loss;    /* the held-out loss when an evaluation ran after this step, else -1 */
+    int32_t skipped; /* the update was dropped (non-finite, train.on_nonfinite: skip) */
+    double val_loss; /* the held-out loss when an evaluation ran after this step, else -1 */
 } mf_step_metrics;
 mf_status mf_engine_open(mf_engine** engine, const char* recipe, int is_text, const char* base_dir,
                          const char* const* overrides, int64_t num_overrides, const char* resume, int force_resume);

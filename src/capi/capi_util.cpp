@@ -40,12 +40,18 @@ std::string placement(Device device, int32_t index) {
 
 const char* dtype_label(int32_t dtype) {
     switch (dtype) {
-        case MF_F32: return "f32";
-        case MF_BF16: return "bf16";
-        case MF_I32: return "i32";
-        case MF_I64: return "i64";
-        case MF_F64: return "f64";
-        default: return "an unknown dtype";
+        case MF_F32:
+            return "f32";
+        case MF_BF16:
+            return "bf16";
+        case MF_I32:
+            return "i32";
+        case MF_I64:
+            return "i64";
+        case MF_F64:
+            return "f64";
+        default:
+            return "an unknown dtype";
     }
 }
 
@@ -111,7 +117,8 @@ Tensor OpCall::tensor(const mf_tensor* t, const char* name, Want want, bool opti
             ok = dtype == DType::i32;
             expected = "i32";
             break;
-        case Want::any: break;
+        case Want::any:
+            break;
     }
     if (!ok) refuse(op_, ": ", name, " is ", dtype_label(t->dtype), ", expected ", expected);
     if (t->ndim < 0 || t->ndim > MF_MAX_DIMS)
@@ -144,7 +151,8 @@ void OpCall::rows_of(const Tensor& t, const char* name, int64_t rows, int64_t co
 }
 
 void OpCall::numel_of(const Tensor& t, const char* name, int64_t n) const {
-    if (t.numel() != n) refuse(op_, ": ", name, " ", shape_str(t.shape()), " holds ", t.numel(), " elements, expected ", n);
+    if (t.numel() != n)
+        refuse(op_, ": ", name, " ", shape_str(t.shape()), " holds ", t.numel(), " elements, expected ", n);
 }
 
 void OpCall::positive(const char* name, int64_t value) const {
@@ -178,12 +186,18 @@ const char* mf_last_error(void) { return mf::capi::g_last_error.c_str(); }
 
 const char* mf_status_name(mf_status status) {
     switch (status) {
-        case MF_OK: return "MF_OK";
-        case MF_ERR_INVALID_ARGUMENT: return "MF_ERR_INVALID_ARGUMENT";
-        case MF_ERR_UNSUPPORTED: return "MF_ERR_UNSUPPORTED";
-        case MF_ERR_CUDA: return "MF_ERR_CUDA";
-        case MF_ERR_IO: return "MF_ERR_IO";
-        case MF_ERR_INTERNAL: return "MF_ERR_INTERNAL";
+        case MF_OK:
+            return "MF_OK";
+        case MF_ERR_INVALID_ARGUMENT:
+            return "MF_ERR_INVALID_ARGUMENT";
+        case MF_ERR_UNSUPPORTED:
+            return "MF_ERR_UNSUPPORTED";
+        case MF_ERR_CUDA:
+            return "MF_ERR_CUDA";
+        case MF_ERR_IO:
+            return "MF_ERR_IO";
+        case MF_ERR_INTERNAL:
+            return "MF_ERR_INTERNAL";
     }
     return "an unknown mf_status";
 }

@@ -67,9 +67,9 @@ mf_status mf_engine_open(mf_engine** engine, const char* recipe, int is_text, co
             if (overrides[i] == nullptr) refuse(op, ": overrides[", i, "] is NULL");
             list.emplace_back(overrides[i]);
         }
-        mf::train::Recipe r = is_text != 0 ? mf::train::parse_recipe(recipe, "recipe text", list,
-                                                                     base_dir != nullptr ? base_dir : "")
-                                           : mf::train::load_recipe(recipe, list);
+        mf::train::Recipe r =
+            is_text != 0 ? mf::train::parse_recipe(recipe, "recipe text", list, base_dir != nullptr ? base_dir : "")
+                         : mf::train::load_recipe(recipe, list);
         mf::train::ResumeOptions options;
         options.from = resume != nullptr ? resume : "";
         options.force = force_resume != 0;
@@ -135,8 +135,7 @@ mf_status mf_engine_num_params(const mf_engine* engine, int64_t* count) {
     });
 }
 
-mf_status mf_engine_param_name(const mf_engine* engine, int64_t index, char* name, size_t name_bytes,
-                               size_t* needed) {
+mf_status mf_engine_param_name(const mf_engine* engine, int64_t index, char* name, size_t name_bytes, size_t* needed) {
     return guarded([&] {
         mf::train::Trainer& t = trainer_of("mf_engine_param_name", engine);
         const auto& specs = t.model().params().specs();
@@ -152,8 +151,7 @@ mf_status mf_engine_param(const mf_engine* engine, const char* name, int gradien
         if (name == nullptr || out == nullptr) refuse("mf_engine_param: name and out are required (got NULL)");
         const mf::model::CausalLM& model = t.model();
         if (model.params().find(name) == nullptr)
-            refuse("mf_engine_param: the model has no parameter named '", name,
-                   "' (mf_engine_param_name lists them)");
+            refuse("mf_engine_param: the model has no parameter named '", name, "' (mf_engine_param_name lists them)");
         fill_descriptor(gradient != 0 ? model.grad(name) : model.param(name), out);
     });
 }

@@ -27,8 +27,8 @@ mf::model::MoeDims dims_of(const char* op, const mf_moe_dims* dims) {
     if (dims == nullptr) refuse(op, ": dims is required (got NULL)");
     const mf_moe_dims& m = *dims;
     if (m.hidden < 1 || m.intermediate < 1 || m.num_experts < 1 || m.top_k < 1 || m.top_k > m.num_experts)
-        refuse(op, ": dims hidden = ", m.hidden, ", intermediate = ", m.intermediate, ", num_experts = ",
-               m.num_experts, ", top_k = ", m.top_k, " (each >= 1, top_k <= num_experts)");
+        refuse(op, ": dims hidden = ", m.hidden, ", intermediate = ", m.intermediate, ", num_experts = ", m.num_experts,
+               ", top_k = ", m.top_k, " (each >= 1, top_k <= num_experts)");
     if (m.activation != MF_ACT_SWIGLU && m.activation != MF_ACT_RELU2)
         refuse(op, ": dims.activation = ", m.activation, " (expected MF_ACT_SWIGLU or MF_ACT_RELU2)");
     if (m.router != MF_ROUTER_SOFTMAX && m.router != MF_ROUTER_SIGMOID)
@@ -114,9 +114,9 @@ mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_toke
     });
 }
 
-mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y,
-                               const mf_tensor* x, const mf_tensor* router, const mf_tensor* gate_up,
-                               const mf_tensor* down, const mf_tensor* correction_bias, const mf_tensor* workspace) {
+mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y, const mf_tensor* x,
+                               const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
+                               const mf_tensor* correction_bias, const mf_tensor* workspace) {
     return guarded([&] {
         OpCall call("mf_moe_block_forward", ctx);
         const mf::model::MoeDims d = dims_of(call.op(), dims);

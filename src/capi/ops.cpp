@@ -4,13 +4,14 @@
 // outside the caller's buffers; index values the CPU kernels read unchecked (grouped GEMM offsets)
 // are checked on the host. On a GPU the index values stay on the device, where the kernels skip
 // what is out of range (ops.h).
+#include "ops/ops.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <utility>
 
 #include "capi/capi_util.h"
-#include "ops/ops.h"
 
 using mf::Device;
 using mf::DType;
@@ -165,9 +166,7 @@ mf_status mf_router_sigmoid_backward(const mf_context* ctx, const mf_tensor* dlo
         const Tensor dl = call.tensor(dlogits, "dlogits", Want::f32);
         const Tensor dw = call.tensor(dtopk_weight, "dtopk_weight", Want::f32);
         const Tensor s = call.tensor(scores, "scores", Want::f32), idx = call.tensor(topk_idx, "topk_idx", Want::i32);
-        call.run([&] {
-            mf::ops::router_sigmoid_backward(dl, dw, s, idx, norm_topk_prob != 0, routed_scaling_factor);
-        });
+        call.run([&] { mf::ops::router_sigmoid_backward(dl, dw, s, idx, norm_topk_prob != 0, routed_scaling_factor); });
     });
 }
 
@@ -331,9 +330,7 @@ mf_status mf_attention_forward(const mf_context* ctx, const mf_tensor* out, cons
         const Tensor tv = call.tensor(v, "v", Want::act), docs = call.tensor(doc_ids, "doc_ids", Want::i32, true);
         attention_head_dim(call, tq, tk, tv, l, docs, batch, seq_len, num_heads, num_kv_heads);
         call.numel_of(o, "out", tq.numel());
-        call.run([&] {
-            mf::ops::attention_forward(o, l, tq, tk, tv, docs, batch, seq_len, num_heads, num_kv_heads);
-        });
+        call.run([&] { mf::ops::attention_forward(o, l, tq, tk, tv, docs, batch, seq_len, num_heads, num_kv_heads); });
     });
 }
 
@@ -413,7 +410,8 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
             refuse(call.op(), ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
         if (!std::isfinite(grad_scale)) refuse(call.op(), ": grad_scale = ", grad_scale, " is not finite");
-        if (tw.ndim() != 2 || tw.dim(0) < 1) refuse(call.op(), ": w is ", mf::shape_str(tw.shape()), ", expected [V, C]");
+        if (tw.ndim() != 2 || tw.dim(0) < 1)
+            refuse(call.op(), ": w is ", mf::shape_str(tw.shape()), ", expected [V, C]");
         const int64_t V = tw.dim(0), C = tw.dim(1), N = rows(th);
         call.rows_of(th, "h", N, C);
         call.numel_of(t, "targets", N);
@@ -439,8 +437,11 @@ mf_status mf_adamw_update(const mf_context* ctx, const mf_tensor* param, const m
         const Tensor g = call.tensor(grad, "grad", Want::param);
         if (hyper == nullptr) refuse(call.op(), ": hyper is required (got NULL)");
         const mf_adamw_hyper& hp = *hyper;
-        for (const auto& [name, value] : {std::pair{"lr", hp.lr}, {"beta1", hp.beta1}, {"beta2", hp.beta2},
-                                          {"eps", hp.eps}, {"weight_decay", hp.weight_decay},
+        for (const auto& [name, value] : {std::pair{"lr", hp.lr},
+                                          {"beta1", hp.beta1},
+                                          {"beta2", hp.beta2},
+                                          {"eps", hp.eps},
+                                          {"weight_decay", hp.weight_decay},
                                           {"grad_scale", hp.grad_scale}})
             if (!std::isfinite(value)) refuse(call.op(), ": ", name, " = ", value, " is not finite");
         if (hp.step < 1) refuse(call.op(), ": step = ", hp.step, " must be >= 1 (the first update is step 1)");

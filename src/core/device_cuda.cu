@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "core/cuda_check.h"
-#include "core/poll.h"
 #include "core/device_choice.h"
+#include "core/poll.h"
 #include "core/tensor.h"
 
 namespace mf {

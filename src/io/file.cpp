@@ -12,11 +12,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <utility>
 #include <ctime>
 #include <mutex>
 #include <set>
 #include <system_error>
+#include <utility>
 
 #include "core/check.h"
 #include "core/json.h"

@@ -39,10 +39,10 @@ mf_tensor desc(void* data, mf_dtype dtype, std::vector<int64_t> shape) {
     return t;
 }
 mf_tensor desc(std::vector<float>& v, std::vector<int64_t> shape) { return desc(v.data(), MF_F32, std::move(shape)); }
-mf_tensor desc(std::vector<int32_t>& v, std::vector<int64_t> shape) {
-    return desc(v.data(), MF_I32, std::move(shape));
+mf_tensor desc(std::vector<int32_t>& v, std::vector<int64_t> shape) { return desc(v.data(), MF_I32, std::move(shape)); }
+mf::Tensor view(std::vector<float>& v, mf::Shape shape) {
+    return mf::Tensor(v.data(), mf::DType::f32, std::move(shape));
 }
-mf::Tensor view(std::vector<float>& v, mf::Shape shape) { return mf::Tensor(v.data(), mf::DType::f32, std::move(shape)); }
 mf::Tensor view(std::vector<int32_t>& v, mf::Shape shape) {
     return mf::Tensor(v.data(), mf::DType::i32, std::move(shape));
 }
@@ -104,8 +104,8 @@ TEST(CApi, BadArgumentsComeBackAsStatusAndMessage) {
     expect_error(mf_engine_open(&engine, "/nonexistent/recipe.yaml", 0, nullptr, nullptr, 0, nullptr, 0), MF_ERR_IO,
                  {"/nonexistent/recipe.yaml"});
     EXPECT_EQ(engine, nullptr);
-    expect_error(mf_engine_open(&engine, "model: m\ndata: {train: d}\nout: o\ntrain: {steps: 1}\nbogus: 1\n", 1, nullptr, nullptr, 0,
-                                nullptr, 0),
+    expect_error(mf_engine_open(&engine, "model: m\ndata: {train: d}\nout: o\ntrain: {steps: 1}\nbogus: 1\n", 1,
+                                nullptr, nullptr, 0, nullptr, 0),
                  MF_ERR_INVALID_ARGUMENT, {"bogus"});
     ASSERT_EQ(mf_rmsnorm_forward(nullptr, &tout, &tr, &tx, &tw, 1e-6f), MF_OK);
     EXPECT_STREQ(mf_last_error(), "") << "a success clears the message";
@@ -125,8 +125,8 @@ TEST(CApi, OpsEqualTheOpsFunctions) {
     std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), ref_dx(N * C, 0.0f), ref_dw(C, 0.0f);
     mf_tensor tdx = desc(dx, {N, C}), tdw = desc(dw, {C}), tdy = desc(dy, {N, C});
     ASSERT_EQ(mf_rmsnorm_backward(nullptr, &tdx, &tdw, &tdy, &tx, &tw, &tr), MF_OK) << mf_last_error();
-    mf::ops::rmsnorm_backward(view(ref_dx, {N, C}), view(ref_dw, {C}), view(dy, {N, C}), view(x, {N, C}),
-                              view(w, {C}), view(ref_rstd, {N}));
+    mf::ops::rmsnorm_backward(view(ref_dx, {N, C}), view(ref_dw, {C}), view(dy, {N, C}), view(x, {N, C}), view(w, {C}),
+                              view(ref_rstd, {N}));
     EXPECT_EQ(dx, ref_dx);
     EXPECT_EQ(dw, ref_dw);
 
@@ -188,8 +188,7 @@ TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
     mf_tensor tx = desc(x, {N, H}), tr = desc(router, {E, H}), tgu = desc(gate_up, {E, 2 * I, H});
     mf_tensor tdn = desc(down, {E, H, I}), ty = desc(y, {N, H}), tdy = desc(dy, {N, H}), tdx = desc(dx, {N, H});
     mf_tensor tdr = desc(drouter, {E, H}), tdgu = desc(dgu, {E, 2 * I, H}), tddn = desc(ddown, {E, H, I});
-    ASSERT_EQ(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &tws), MF_OK)
-        << mf_last_error();
+    ASSERT_EQ(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &tws), MF_OK) << mf_last_error();
     ASSERT_EQ(mf_moe_block_backward(nullptr, &dims, &tdx, &tdr, &tdgu, &tddn, &tdy, nullptr, &tx, &tr, &tgu, &tdn,
                                     nullptr, &tws, 0),
               MF_OK)
@@ -226,16 +225,22 @@ class CApiEngine : public ::testing::Test {
     static void SetUpTestSuite() {
         dir_ = mf::test::temp_dir("capi_engine");
         std::string out;
-        ASSERT_EQ(mf::test::run_command(mf::test::moeforge_binary() + " init --arch qwen3_moe --preset tiny --seed 7 --out " +
-                                            (dir_ / "base").string(),
-                                        &out),
-                  0)
+        ASSERT_EQ(
+            mf::test::run_command(mf::test::moeforge_binary() + " init --arch qwen3_moe --preset tiny --seed 7 --out " +
+                                      (dir_ / "base").string(),
+                                  &out),
+            0)
             << out;
     }
     static std::vector<std::string> overrides(const std::string& out) {
         const std::string repo = (fs::path(mf::test::fixtures_dir()) / ".." / "..").lexically_normal().string();
-        return {"model=" + (dir_ / "base").string(), "data.train=" + repo + "/demo/data/tokens.jsonl",
-                "out=" + (dir_ / out).string(), "train.steps=4", "train.seq_len=64", "train.micro_batch=2"};
+        return {"model=" + (dir_ / "base").string(),
+                "data.train=" + repo + "/demo/data/tokens.jsonl",
+                "out=" + (dir_ / out).string(),
+                "train.steps=4",
+                "train.seq_len=64",
+                "train.micro_batch=2",
+                "optim.warmup_steps=1"};
     }
     static std::string recipe() {
         const std::string repo = (fs::path(mf::test::fixtures_dir()) / ".." / "..").lexically_normal().string();
@@ -301,7 +306,8 @@ TEST_F(CApiEngine, FineTunesTheTinyModelAsTheCliDoes) {
     for (const std::string& s : overrides("cli")) cmd += " " + s;
     std::string log;
     ASSERT_EQ(mf::test::run_command(cmd, &log), 0) << log;
-    EXPECT_EQ(mf::test::read_file(dir_ / "api" / "model.safetensors"), mf::test::read_file(dir_ / "cli" / "model.safetensors"));
+    EXPECT_EQ(mf::test::read_file(dir_ / "api" / "model.safetensors"),
+              mf::test::read_file(dir_ / "cli" / "model.safetensors"));
     std::istringstream api_lines(mf::test::read_file(dir_ / "api" / "metrics.jsonl"));
     std::istringstream cli_lines(mf::test::read_file(dir_ / "cli" / "metrics.jsonl"));
     std::string a, c;
