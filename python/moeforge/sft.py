@@ -35,12 +35,14 @@ _DIRECT = {
     "max_seq_length": "train.seq_len",  # TRL < 0.20
     "packing": "data.packing",  # TRL SFTConfig
 }
+# gradient_checkpointing=True: recompute each layer in the backward (train.recompute: full).
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
-# Names that mean nothing to a moeforge run or only restate what it does; accepted and ignored.
-_NEUTRAL = {"do_train", "overwrite_output_dir", "logging_dir", "run_name", "disable_tqdm", "remove_unused_columns",
-            "dataloader_num_workers", "logging_strategy", "save_strategy", "eval_strategy", "evaluation_strategy",
-            "optim", "adam_beta1", "adam_beta2", "bf16", "fp16", "report_to", "lr_scheduler_type", "warmup_ratio",
-            "max_steps", "num_train_epochs", "gradient_checkpointing", "load_best_model_at_end"}
+# Names mapped by the code below (a value to convert, or one that moeforge refuses with a reason).
+_HANDLED = {"gradient_checkpointing", "max_steps", "num_train_epochs", "warmup_ratio", "adam_beta1", "adam_beta2", "lr_scheduler_type", "bf16",
+            "fp16", "optim", "report_to", "save_strategy"}
+# Names that change nothing in a moeforge run (bookkeeping of HF's Trainer); accepted and ignored.
+_IGNORED = {"do_train", "overwrite_output_dir", "logging_dir", "run_name", "disable_tqdm", "remove_unused_columns",
+            "dataloader_num_workers", "logging_strategy", "eval_strategy", "evaluation_strategy"}
 
 
 def _given(args: Any) -> Dict[str, Any]:
@@ -67,13 +69,12 @@ def recipe_overrides_from_training_args(args: Any) -> Dict[str, Any]:
     recipe key (or a value moeforge does not support) raises InvalidArgumentError naming it."""
     given = _given(args)
     out: Dict[str, Any] = {}
-    unknown = sorted(k for k in given if k not in _DIRECT and k not in _NEUTRAL and given[k] not in (None, False))
+    known = set(_DIRECT) | _HANDLED | _IGNORED
+    unknown = sorted(k for k in given if k not in known and given[k] not in (None, False))
     if unknown:
         raise InvalidArgumentError(
             "TrainingArguments " + ", ".join(unknown) + (" has" if len(unknown) == 1 else " have") +
-            " no moeforge recipe key (supported: " + ", ".join(sorted(set(_DIRECT) | {
-                "max_steps", "num_train_epochs", "warmup_ratio", "adam_beta1", "adam_beta2", "lr_scheduler_type",
-                "bf16", "fp16", "report_to", "optim"})) + ")")
+            " no moeforge recipe key (supported: " + ", ".join(sorted(set(_DIRECT) | _HANDLED)) + ")")
     for name, key in _DIRECT.items():
         if given.get(name) is not None:
             out[key] = given[name]
@@ -100,6 +101,8 @@ def recipe_overrides_from_training_args(args: Any) -> Dict[str, Any]:
         if "train.steps" not in out:
             raise InvalidArgumentError("TrainingArguments warmup_ratio needs max_steps (the step count it is a ratio of)")
         out["optim.warmup_steps"] = math.ceil(out["train.steps"] * given["warmup_ratio"])  # HF's rounding
+    if given.get("gradient_checkpointing"):
+        out["train.recompute"] = "full"
     if given.get("fp16"):
         raise InvalidArgumentError("TrainingArguments fp16: moeforge computes in bf16 on GPUs (bf16=True)")
     if given.get("bf16"):
