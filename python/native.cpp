@@ -795,6 +795,7 @@ PYBIND11_MODULE(_native, m) {
     m.attr("API_VERSION") = MF_API_VERSION;
     m.def("api_version", &mf_api_version);
     m.def("has_cuda", [] { return mf_has_cuda() != 0; });
+    m.def("built_with_cuda", [] { return mf_built_with_cuda() != 0; });
     m.def(
         "set_error_classes",
         [](py::object invalid, py::object unsupported, py::object cuda, py::object io, py::object internal) {

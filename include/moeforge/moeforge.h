@@ -70,6 +70,8 @@ const char* mf_last_error(void);
 const char* mf_status_name(mf_status status);
 /* Whether a CUDA device can be used: a build with the CUDA backend on a machine with a GPU (1), else 0. */
 int mf_has_cuda(void);
+/* Whether this build has the CUDA backend (1), whether or not a GPU is present. */
+int mf_built_with_cuda(void);
 /* Waits until all work the engine issued on `device_type`'s streams has finished. */
 mf_status mf_synchronize(const mf_context* ctx, int32_t device_type);
 

@@ -38,4 +38,4 @@ from ._native import (  # noqa: F401
     swiglu_forward,
     synchronize,
 )
-from ._native import has_cuda  # noqa: F401
+from ._native import built_with_cuda, has_cuda  # noqa: F401

@@ -51,8 +51,13 @@ def test_recipe_and_file_errors_are_typed():
                                                    "out": "o"}), train__steps=-3)
 
 
-@pytest.mark.skipif(moeforge.ops.has_cuda(), reason="a CUDA device is present: the refusal is for CPU-only builds")
-def test_cuda_tensors_without_cuda_are_unsupported():
+@pytest.mark.skipif(moeforge.ops.has_cuda(), reason="a CUDA device is present: these made-up pointers would be used")
+def test_cuda_tensors_without_a_gpu_are_refused_by_kind():
     t = moeforge.RawTensor(0x1000, "bfloat16", [2, 4], "cuda")
-    with pytest.raises(moeforge.UnsupportedError, match="without CUDA"):
-        ops.swiglu_forward(moeforge.RawTensor(0x2000, "bfloat16", [2, 2], "cuda"), t)
+    out = moeforge.RawTensor(0x2000, "bfloat16", [2, 2], "cuda")
+    if moeforge.ops.built_with_cuda():
+        with pytest.raises(moeforge.CudaError, match="CUDA error"):  # a CUDA build on a machine without a GPU
+            ops.swiglu_forward(out, t)
+    else:
+        with pytest.raises(moeforge.UnsupportedError, match="without CUDA"):
+            ops.swiglu_forward(out, t)

@@ -204,6 +204,14 @@ const char* mf_status_name(mf_status status) {
 
 int mf_has_cuda(void) { return mf::cuda_available() ? 1 : 0; }
 
+int mf_built_with_cuda(void) {
+#ifdef MOEFORGE_WITH_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 mf_status mf_synchronize(const mf_context* ctx, int32_t device_type) {
     return mf::capi::guarded([&] {
         if (device_type != MF_CUDA) return;

@@ -23,6 +23,26 @@ __device__ __forceinline__ float clamp_max(float x, float hi) { return x > hi ? 
 __device__ __forceinline__ float clamp_both(float x, float lo, float hi) { return x > hi ? hi : (x < lo ? lo : x); }
 __device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
 
+// n consecutive bf16 values as fp32 and back: 16-byte accesses for n a multiple of 8, else one by one.
+template <int n>
+__device__ __forceinline__ void load_row(float (&x)[n], const bf16* p) {
+    if constexpr (n % 8 == 0) {
+        detail::load_f32<n>(x, p);
+    } else {
+#pragma unroll
+        for (int i = 0; i < n; ++i) x[i] = detail::to_f32(p[i]);
+    }
+}
+template <int n>
+__device__ __forceinline__ void store_row(bf16* p, const float (&x)[n]) {
+    if constexpr (n % 8 == 0) {
+        detail::store_f32<n>(p, x);
+    } else {
+#pragma unroll
+        for (int i = 0; i < n; ++i) p[i] = detail::from_f32<bf16>(x[i]);
+    }
+}
+
 template <int kVec>
 __global__ void clamped_swiglu_forward_kernel(bf16* out, const bf16* inp, int64_t N, int64_t I, float alpha,
                                               float limit) {
@@ -33,14 +53,14 @@ __global__ void clamped_swiglu_forward_kernel(bf16* out, const bf16* inp, int64_
         const int64_t n = idx / vec_per_row;
         const int64_t i = (idx - n * vec_per_row) * kVec;
         float x[2 * kVec], y[kVec];
-        detail::load_f32<2 * kVec>(x, inp + n * 2 * I + 2 * i);
+        load_row<2 * kVec>(x, inp + n * 2 * I + 2 * i);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
             const float g = clamp_max(x[2 * e], limit);
             const float u = clamp_both(x[2 * e + 1], -limit, limit);
             y[e] = (u + 1.0f) * (g * sigmoid(alpha * g));
         }
-        detail::store_f32<kVec>(out + n * I + i, y);
+        store_row<kVec>(out + n * I + i, y);
     }
 }
 
@@ -54,8 +74,8 @@ __global__ void clamped_swiglu_backward_kernel(bf16* dinp, const bf16* dout, con
         const int64_t n = idx / vec_per_row;
         const int64_t i = (idx - n * vec_per_row) * kVec;
         float x[2 * kVec], dy[kVec], dx[2 * kVec];
-        detail::load_f32<2 * kVec>(x, inp + n * 2 * I + 2 * i);
-        detail::load_f32<kVec>(dy, dout + n * I + i);
+        load_row<2 * kVec>(x, inp + n * 2 * I + 2 * i);
+        load_row<kVec>(dy, dout + n * I + i);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
             const float gate = x[2 * e], up = x[2 * e + 1];
@@ -67,7 +87,7 @@ __global__ void clamped_swiglu_backward_kernel(bf16* dinp, const bf16* dout, con
             dx[2 * e] = gate <= limit ? dg : 0.0f;
             dx[2 * e + 1] = up >= -limit && up <= limit ? du : 0.0f;
         }
-        detail::store_f32<2 * kVec>(dinp + n * 2 * I + 2 * i, dx);
+        store_row<2 * kVec>(dinp + n * 2 * I + 2 * i, dx);
     }
 }
 
