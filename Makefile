@@ -3,10 +3,11 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 ifeq ($(CI),true)
-CMAKE_FLAGS += -DMOEFORGE_WERROR=ON
+# CI builds the Python package too: a missing pybind11 fails the configure instead of skipping its tests.
+CMAKE_FLAGS += -DMOEFORGE_WERROR=ON -DMOEFORGE_PYTHON=ON
 endif
 
-.PHONY: deps configure build demo test test-gpu format clean
+.PHONY: deps configure build demo python test test-gpu format clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -21,6 +22,10 @@ build: configure
 demo: configure
 	@cmake --build $(BUILD) -j $(JOBS) --target moeforge
 	@bash scripts/demo.sh $(BUILD)
+
+# The Python package in $(BUILD)/python (PYTHONPATH=$(BUILD)/python; README, Python).
+python: configure
+	@cmake --build $(BUILD) -j $(JOBS) --target moeforge_python_package
 
 test: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)

@@ -11,4 +11,7 @@ namespace mf {
 // without a usable GPU, is an error led by `what` (the option or recipe key, e.g. "eval: --device").
 Device pick_device(const std::string& want, const std::string& what);
 
+// The calling thread's current CUDA device ordinal (0 without CUDA).
+int current_cuda_device();
+
 }  // namespace mf

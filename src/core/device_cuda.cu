@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "core/cuda_check.h"
+#include "core/device_choice.h"
 #include "core/poll.h"
 #include "core/tensor.h"
 
@@ -26,6 +27,12 @@ void device_memset_zero(void* ptr, size_t nbytes) { MF_CHECK_CUDA(cudaMemset(ptr
 bool cuda_available() {
     int count = 0;
     return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+int current_cuda_device() {
+    int device = 0;
+    MF_CHECK_CUDA(cudaGetDevice(&device));
+    return device;
 }
 
 size_t device_memory_used() {

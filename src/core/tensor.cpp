@@ -124,9 +124,8 @@ Tensor Arena::alloc(DType dtype, Shape shape) {
         high_water_ = std::max(high_water_, top_);
         return Tensor(nullptr, dtype, std::move(shape), device_);
     }
-    MF_CHECK(top_ + bytes <= buffer_.nbytes(), "activation arena exhausted: need ", top_ + bytes, " bytes, have ",
-             buffer_.nbytes());
-    Tensor t(static_cast<char*>(buffer_.data()) + top_, dtype, std::move(shape), buffer_.device());
+    MF_CHECK(top_ + bytes <= capacity_, "activation arena exhausted: need ", top_ + bytes, " bytes, have ", capacity_);
+    Tensor t(base_ + top_, dtype, std::move(shape), device_);
     top_ += bytes;
     if (top_ > high_water_) high_water_ = top_;
     return t;

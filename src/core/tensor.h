@@ -105,7 +105,16 @@ class Buffer {
 class Arena {
  public:
     Arena() = default;
-    Arena(size_t capacity, Device device) : buffer_(capacity, device), device_(device) {}
+    Arena(size_t capacity, Device device)
+        : buffer_(capacity, device), base_(static_cast<char*>(buffer_.data())), capacity_(capacity), device_(device) {}
+    // An arena over memory someone else owns (a binding's workspace), which must outlive its views.
+    static Arena borrowing(void* data, size_t capacity, Device device) {
+        Arena a;
+        a.base_ = static_cast<char*>(data);
+        a.capacity_ = capacity;
+        a.device_ = device;
+        return a;
+    }
     // An arena that hands out null views and only counts: running the real allocation sequence
     // against it gives the exact capacity a step needs (the activation memory plan).
     static Arena measuring(Device device) {
@@ -120,10 +129,12 @@ class Arena {
     void reset() { top_ = 0; }
     size_t used() const { return top_; }
     size_t high_water() const { return high_water_; }
-    size_t capacity() const { return buffer_.nbytes(); }
+    size_t capacity() const { return capacity_; }
 
  private:
-    Buffer buffer_;
+    Buffer buffer_;  // empty when borrowing
+    char* base_ = nullptr;
+    size_t capacity_ = 0;
     Device device_ = Device::cpu;
     bool measuring_ = false;
     size_t top_ = 0;

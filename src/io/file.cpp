@@ -28,6 +28,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Every failure of this file is an IoError (file.h); found before mf::fail by unqualified calls here.
+template <typename... Args>
+[[noreturn]] void fail(Args&&... args) {
+    throw IoError(detail::concat(std::forward<Args>(args)...));
+}
+
 std::string os_error() { return std::strerror(errno); }
 
 // Closes a file descriptor on scope exit.

@@ -1,7 +1,7 @@
 // Files: bounded text reads, read-only memory maps, and writes that are all-or-nothing.
 //
 // Invariants:
-//   - Every failure throws mf::Error naming the path and the OS reason (strerror).
+//   - Every failure throws io::IoError (an mf::Error) naming the path and the OS reason (strerror).
 //   - A reader never sees a half-written output: atomic_write_file / AtomicFileWriter write a
 //     temporary file in the destination's directory, fsync it, rename it over the destination
 //     and fsync the directory; AtomicDir does the same for a whole directory. Until commit(),
@@ -19,7 +19,16 @@
 #include <string_view>
 #include <vector>
 
+#include "core/check.h"
+
 namespace mf::io {
+
+// What every failure here throws: an mf::Error (callers that catch Error see it), typed so that the
+// C API can report it as an I/O error.
+class IoError : public Error {
+ public:
+    using Error::Error;
+};
 
 // Reads a whole file. Throws, naming the file, when it is missing, not a regular file,
 // unreadable, or larger than max_bytes.

@@ -25,6 +25,7 @@
 #include "kernels/cuda/attention_cudnn.cuh"
 #include "kernels/cuda/bias.cuh"
 #include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/clamped_swiglu.cuh"
 #include "kernels/cuda/conv1d.cuh"
 #include "kernels/cuda/cross_entropy.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -406,6 +407,14 @@ void relu2_forward(const Tensor& out, const Tensor& inp) {
 
 void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
     mf::cuda::relu2_backward(B(dinp), B(dout), B(inp), inp.numel(), ctx().stream);
+}
+
+void clamped_swiglu_forward(const Tensor& out, const Tensor& inp, float alpha, float limit) {
+    mf::cuda::clamped_swiglu_forward(B(out), B(inp), rows(out), out.dim(-1), alpha, limit, ctx().stream);
+}
+
+void clamped_swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, float alpha, float limit) {
+    mf::cuda::clamped_swiglu_backward(B(dinp), B(dout), B(inp), rows(dout), dout.dim(-1), alpha, limit, ctx().stream);
 }
 
 void sigmoid_gate_forward(const Tensor& y, const Tensor& value, const Tensor& gate_logits) {

@@ -27,6 +27,7 @@
     X(rmsnorm_forward) X(rmsnorm_backward) X(qknorm_rope_forward) X(qknorm_rope_backward) X(rope_forward)              \
     X(rope_backward) X(attention_forward) X(attention_backward) X(swiglu_forward) X(swiglu_backward)                   \
     X(relu2_forward) X(relu2_backward) X(router_sigmoid_forward) X(router_sigmoid_backward)                            \
+    X(clamped_swiglu_forward) X(clamped_swiglu_backward)                                                               \
     X(sigmoid_gate_forward) X(sigmoid_gate_backward)                                                                   \
     X(router_forward) X(router_backward) X(moe_aux_stats) X(moe_aux_dprobs) X(moe_permute_indices)                     \
     X(moe_gather_forward) X(moe_gather_backward) X(moe_unpermute_forward) X(moe_unpermute_backward)                    \

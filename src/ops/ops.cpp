@@ -18,6 +18,7 @@
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/bias.h"
+#include "kernels/cpu/clamped_swiglu.h"
 #include "kernels/cpu/conv1d.h"
 #include "kernels/cpu/cross_entropy.h"
 #include "kernels/cpu/embedding.h"
@@ -505,6 +506,42 @@ void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp) {
     check_relu2("relu2_backward", device, {&dinp, &dout, &inp});
     if (device == Device::cuda) return cuda_call(&CudaOps::relu2_backward, dinp, dout, inp);
     cpu::relu2_backward(f(dinp), f(dout), f(inp), inp.numel());
+}
+
+namespace {
+// out [N, I] and inp [N, 2I] (dinp like inp) of the device's activation dtype; alpha and limit
+// finite. Returns {N, I}.
+std::pair<int64_t, int64_t> check_clamped_swiglu(const char* op, Device device, const Tensor& out, const Tensor& inp,
+                                                 float alpha, float limit) {
+    MF_CHECK(std::isfinite(alpha) && std::isfinite(limit), op, ": alpha = ", alpha, " and limit = ", limit,
+             " must be finite");
+    MF_CHECK(out.ndim() >= 1 && inp.ndim() >= 1, op, ": out ", shape_str(out.shape()), " and inp ",
+             shape_str(inp.shape()), " must be [N, I] and [N, 2I]");
+    const int64_t I = out.dim(-1), N = rows(out);
+    MF_CHECK(inp.dim(-1) == 2 * I && rows(inp) == N, op, ": inp ", shape_str(inp.shape()), " must be [N, 2I] = [", N,
+             ", ", 2 * I, "] (out ", shape_str(out.shape()), ")");
+    check_relu2(op, device, {&out});
+    check_relu2(op, device, {&inp});
+    return {N, I};
+}
+}  // namespace
+
+void clamped_swiglu_forward(const Tensor& out, const Tensor& inp, float alpha, float limit) {
+    OpScope scope_("clamped_swiglu_forward");
+    const Device device = device_of({&out, &inp});
+    const auto [N, I] = check_clamped_swiglu("clamped_swiglu_forward", device, out, inp, alpha, limit);
+    if (device == Device::cuda) return cuda_call(&CudaOps::clamped_swiglu_forward, out, inp, alpha, limit);
+    cpu::clamped_swiglu_forward(f(out), f(inp), N, I, alpha, limit);
+}
+
+void clamped_swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, float alpha, float limit) {
+    OpScope scope_("clamped_swiglu_backward");
+    const char* op = "clamped_swiglu_backward";
+    const Device device = device_of({&dinp, &dout, &inp});
+    const auto [N, I] = check_clamped_swiglu(op, device, dout, inp, alpha, limit);
+    check_relu2(op, device, {&dinp, &inp});
+    if (device == Device::cuda) return cuda_call(&CudaOps::clamped_swiglu_backward, dinp, dout, inp, alpha, limit);
+    cpu::clamped_swiglu_backward(f(dinp), f(dout), f(inp), N, I, alpha, limit);
 }
 
 namespace {

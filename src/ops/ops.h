@@ -89,6 +89,14 @@ void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);
 // on the GPU (fp32 math, one rounding).
 void relu2_forward(const Tensor& out, const Tensor& inp);
 void relu2_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp);
+// gpt-oss's expert activation (transformers GptOssExperts; spec: kernels/cpu/clamped_swiglu.h): inp [N, 2I]
+// holds gate and up interleaved by column (gate_i at 2i, up_i at 2i + 1); g = min(gate, limit),
+// u = clamp(up, −limit, limit), out [N, I] = (u + 1) · g · σ(alpha · g). f32 on the CPU, bf16 on the GPU.
+void clamped_swiglu_forward(const Tensor& out, const Tensor& inp, float alpha = 1.702f, float limit = 7.0f);
+// dinp [N, 2I] written (interleaved like inp; may alias inp); each clamp passes the gradient where its
+// input lies within it, as torch's clamp does.
+void clamped_swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, float alpha = 1.702f,
+                             float limit = 7.0f);
 
 // A row gated by the sigmoid of one logit (Qwen2-MoE's shared_expert_gate): y[N, H] += s · value[N, H]
 // with s = σ(gate_logits[n]) in fp32; gate_logits [N] or [N, 1] in the activation dtype (the output

@@ -14,6 +14,7 @@
 #include <system_error>
 
 #include "core/check.h"
+#include "io/file.h"
 #include "train/yaml.h"
 
 namespace mf::train {
@@ -678,10 +679,11 @@ Recipe parse_recipe(std::string_view yaml_text, const std::string& source, const
 Recipe load_recipe(const std::filesystem::path& file, const std::vector<std::string>& overrides) {
     const std::string source = file.string();
     std::error_code ec;
-    if (!std::filesystem::exists(file, ec)) fail(source, ": recipe file not found");
-    if (!std::filesystem::is_regular_file(file, ec)) fail(source, ": the recipe is not a regular file");
+    // A file that is not there or cannot be read is an I/O error (io::IoError); its content, a recipe's.
+    if (!std::filesystem::exists(file, ec)) throw io::IoError(source + ": recipe file not found");
+    if (!std::filesystem::is_regular_file(file, ec)) throw io::IoError(source + ": the recipe is not a regular file");
     const auto size = std::filesystem::file_size(file, ec);
-    if (ec) fail(source, ": cannot read the recipe: ", ec.message());
+    if (ec) throw io::IoError(source + ": cannot read the recipe: " + ec.message());
     if (size > kMaxYamlBytes)
         fail(source, ":1: the file is ", size, " bytes; recipes are limited to ", kMaxYamlBytes, " bytes");
     std::ifstream in(file, std::ios::binary);

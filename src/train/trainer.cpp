@@ -44,6 +44,8 @@ json::Value StepMetrics::to_json() const {
     v.set("tokens", tokens);
     v.set("tokens_per_s", json::Value(tokens_per_s));
     v.set("peak_mem_gib", json::Value(peak_mem_gib));
+    if (skipped) v.set("skipped", true);
+    if (val_loss >= 0) v.set("val_loss", json::Value(val_loss));
     return v;
 }
 
@@ -91,9 +93,11 @@ std::string duration_str(double s) {
     return buf;
 }
 
+}  // namespace
+
 // Everything a run holds from setup to export.
-struct Run {
-    const Recipe& recipe;
+struct RunState {
+    const Recipe recipe;
     Device device = Device::cpu;
     bool mixed = false;
     std::unique_ptr<DistContext> dist;
@@ -110,7 +114,8 @@ struct Run {
     std::unique_ptr<data::Loader> loader;
     std::unique_ptr<AdamW> optimizer;
     CheckpointLayout layout;
-    int64_t first_step = 0;
+    int64_t first_step = 0;  // the step this process started at (a resume's checkpoint step)
+    int64_t steps_done = 0;  // optimizer steps done so far
     int64_t last_saved_step = -1;
     std::ofstream metrics_file;  // rank 0
     size_t device_mem0 = 0;      // device memory in use before the model (cuda)
@@ -120,12 +125,18 @@ struct Run {
     int64_t best_step = -1;                        // at this step (-1: none yet)
     std::optional<TensorBoardWriter> tensorboard;  // rank 0, log.tensorboard
     bool tty = false;
-    explicit Run(const Recipe& r) : recipe(r) {}
+    Clock::time_point start = Clock::now();  // setup's start
+    Clock::time_point loop_start;            // when the first step of this process began
+    double first_loss = 0, last_loss = 0;    // of the steps this process ran
+    int interrupted_by = 0;                  // the signal that stopped the run after its last step
+    explicit RunState(Recipe r) : recipe(std::move(r)) {}
 };
+
+namespace {
 
 // Runs `check` on rank 0 and makes every rank agree on its outcome: when it throws there, rank 0
 // rethrows and the others stop too, instead of waiting for rank 0 in the next collective.
-void on_main_agreed(Run& run, const std::function<void()>& check) {
+void on_main_agreed(RunState& run, const std::function<void()>& check) {
     std::exception_ptr error;
     if (run.is_main) {
         try {
@@ -170,7 +181,7 @@ void sweep_temporaries(const fs::path& out) {
 }
 
 // Rank 0: OUT checked (train/output_dir.h) and locked before anything is loaded or written.
-void claim_output_dir(Run& run, const model::ModelSpec& cfg, const ResumeOptions& resume) {
+void claim_output_dir(RunState& run, const model::ModelSpec& cfg, const ResumeOptions& resume) {
     const Recipe& r = run.recipe;
     on_main_agreed(run, [&] {
         OutputCheck check;
@@ -200,7 +211,7 @@ void claim_output_dir(Run& run, const model::ModelSpec& cfg, const ResumeOptions
 }
 
 // metrics.jsonl holds exactly the steps done so far: on resume, the lines past the checkpoint go.
-void open_metrics(Run& run) {
+void open_metrics(RunState& run) {
     const fs::path file = run.out / "metrics.jsonl";
     std::string kept;
     if (run.first_step > 0 && fs::exists(file)) {
@@ -223,7 +234,7 @@ void open_metrics(Run& run) {
     if (!run.metrics_file) fail(file.string(), ": cannot open for writing");
 }
 
-void setup(Run& run, const ResumeOptions& resume) {
+void setup(RunState& run, const ResumeOptions& resume) {
     const Recipe& recipe = run.recipe;
     run.device = resolve_device(recipe);
     run.mixed = recipe.precision == "mixed";
@@ -269,6 +280,7 @@ void setup(Run& run, const ResumeOptions& resume) {
             fail(ckpt->string(), ": checkpoint is at step ", st.step, ", beyond train.steps = ", recipe.train.steps);
         run.loader->restore(st.loader);
         run.first_step = st.step;
+        run.steps_done = st.step;
         run.last_saved_step = st.step;
         run.best_step = st.best_step;
         run.best_val_loss = st.best_val_loss;
@@ -289,7 +301,7 @@ void setup(Run& run, const ResumeOptions& resume) {
     run.tty = run.is_main && isatty(fileno(stdout)) != 0;
 }
 
-void print_start(const Run& run) {
+void print_start(const RunState& run) {
     const Recipe& recipe = run.recipe;
     const model::CausalLM& model = *run.model;
     if (run.is_main)
@@ -323,14 +335,14 @@ void print_start(const Run& run) {
 // The measured peak: on a GPU the device memory this run holds (the arenas' high-water mark plus
 // cuBLAS/cuDNN workspaces: what `bench` reports); on the CPU the parameters, gradients, AdamW state
 // and the activation arena's high-water mark.
-double peak_mem_gib(Run& run) {
+double peak_mem_gib(RunState& run) {
     double bytes = run.state_bytes + static_cast<double>(run.model->activation_bytes());
     if (run.device == Device::cuda) bytes = static_cast<double>(device_memory_used() - run.device_mem0);
     run.peak_mem_gib = std::max(run.peak_mem_gib, bytes / (1024.0 * 1024.0 * 1024.0));
     return run.peak_mem_gib;
 }
 
-void save_run_checkpoint(Run& run, int64_t step) {
+void save_run_checkpoint(RunState& run, int64_t step) {
     CheckpointState st;
     st.step = step;
     st.adam_step = run.optimizer->step_count();
@@ -353,7 +365,7 @@ void save_run_checkpoint(Run& run, int64_t step) {
 // first backward, so a copy of the loader counts the step's targets first. `stop` is this rank's
 // interruption request in, and whether any rank asked for one out (every rank then stops after
 // this same step).
-StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
+StepMetrics train_step(RunState& run, int64_t step, bool* stop) {
     const Recipe& recipe = run.recipe;
     model::CausalLM& model = *run.model;
     DistContext& dist = *run.dist;
@@ -401,7 +413,6 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
     // The gradients are identical on every rank, so this global norm is too.
     m.grad_norm = grad_norm(model, &dist);
     m.lr = lr_at(recipe.optim, step, recipe.train.steps);
-    *skipped = false;
     if (!std::isfinite(m.loss) || !std::isfinite(m.grad_norm)) {
         const std::string where =
             !std::isfinite(m.loss)
@@ -414,12 +425,13 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
         if (run.logs)
             std::printf("%sstep %lld: non-finite %s; update skipped (train.on_nonfinite: skip)\n", run.who.c_str(),
                         static_cast<long long>(m.step), where.c_str());
-        *skipped = true;
+        m.skipped = true;
     } else {
         run.optimizer->step(m.lr, clip_coefficient(m.grad_norm, recipe.train.grad_clip));
     }
     model.zero_grads();
     const double dt = seconds_since(t0);
+    m.step_seconds = dt;
     m.tokens_per_s = dt > 0 ? static_cast<double>(m.tokens) / dt : 0.0;
     m.peak_mem_gib = peak_mem_gib(run);
     return m;
@@ -427,10 +439,10 @@ StepMetrics train_step(Run& run, int64_t step, bool* stop, bool* skipped) {
 
 // A log line per train.log_every steps; on a terminal one status line (elapsed, ETA, loss, tokens/s)
 // rewritten in place between them.
-void report_step(Run& run, const StepMetrics& m, Clock::time_point loop_start) {
+void report_step(RunState& run, const StepMetrics& m) {
     const Recipe& recipe = run.recipe;
     if (!run.logs) return;
-    const double elapsed = seconds_since(loop_start);
+    const double elapsed = seconds_since(run.loop_start);
     const double done = static_cast<double>(m.step - run.first_step);
     const double eta = done > 0 ? elapsed / done * static_cast<double>(recipe.train.steps - m.step) : 0.0;
     if (m.step % recipe.train.log_every == 0 || m.step == recipe.train.steps || m.step == 1) {
@@ -451,7 +463,7 @@ void report_step(Run& run, const StepMetrics& m, Clock::time_point loop_start) {
 
 // The held-out loss (eval.data) every eval.every steps and at the last step, on every rank (the
 // forward passes of an EP model are collective); -1 when none is due.
-double maybe_evaluate(Run& run, int64_t step) {
+double maybe_evaluate(RunState& run, int64_t step) {
     const Recipe& recipe = run.recipe;
     if (recipe.eval.every <= 0 || (step % recipe.eval.every != 0 && step != recipe.train.steps)) return -1;
     EvalOptions opt;
@@ -466,7 +478,7 @@ double maybe_evaluate(Run& run, int64_t step) {
     return r.loss;
 }
 
-void log_tensorboard(Run& run, const StepMetrics& m, double val_loss) {
+void log_tensorboard(RunState& run, const StepMetrics& m, double val_loss) {
     if (!run.tensorboard) return;
     const bool due = m.step % run.recipe.log.every == 0 || m.step == run.recipe.train.steps || val_loss >= 0;
     if (!due) return;
@@ -484,7 +496,7 @@ void log_tensorboard(Run& run, const StepMetrics& m, double val_loss) {
 
 // checkpoint.keep_best: a better evaluation makes this step's checkpoint the best one, which
 // pruning keeps (train/checkpoint.h).
-bool improves_best(Run& run, int64_t step, double val_loss) {
+bool improves_best(RunState& run, int64_t step, double val_loss) {
     if (!run.recipe.checkpoint.keep_best || val_loss < 0) return false;
     if (run.best_step >= 0 && !(val_loss < run.best_val_loss)) return false;
     run.best_step = step;
@@ -492,49 +504,46 @@ bool improves_best(Run& run, int64_t step, double val_loss) {
     return true;
 }
 
-// Returns the signal that stopped the run early (0: it ran to train.steps).
-int train_loop(Run& run, TrainSummary& summary) {
+// One step of the loop: the step, then all that is recorded after it. After an interruption
+// request on any rank, a checkpoint of this step (whatever checkpoint.every says) and
+// run.interrupted_by: the signal, or SIGTERM on a rank that got none (what launchers and SLURM send).
+StepMetrics loop_step(RunState& run) {
     const Recipe& recipe = run.recipe;
-    const auto loop_start = Clock::now();
-    for (int64_t step = run.first_step; step < recipe.train.steps; ++step) {
-        bool stop = interrupt::requested_signal() != 0, skipped = false;
-        const StepMetrics m = train_step(run, step, &stop, &skipped);
-        if (step == run.first_step) summary.first_loss = m.loss;
-        summary.last_loss = m.loss;
-        const double val_loss = maybe_evaluate(run, m.step);
-        if (run.is_main) {  // every rank's m is the same; rank 0 records it
-            json::Value line = m.to_json();
-            if (skipped) line.set("skipped", true);
-            if (val_loss >= 0) line.set("val_loss", json::Value(val_loss));
-            run.metrics_file << line.dump() << "\n" << std::flush;
-        }
-        log_tensorboard(run, m, val_loss);
-        const bool best = improves_best(run, m.step, val_loss);
-        if ((recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) || best) {
-            save_run_checkpoint(run, m.step);
-            if (best && run.logs)
-                std::printf("%sbest eval loss so far (%.4f): step %lld's checkpoint is kept\n", run.who.c_str(),
-                            val_loss, static_cast<long long>(m.step));
-        }
-        report_step(run, m, loop_start);
-        if (stop) {
-            if (run.last_saved_step != m.step) save_run_checkpoint(run, m.step);
-            summary.steps = m.step;
-            // Any rank's signal stops every rank; a rank that got none reports SIGTERM (what
-            // launchers and SLURM send).
-            const int sig = interrupt::requested_signal();
-            return sig != 0 ? sig : SIGTERM;
-        }
+    const int64_t step = run.steps_done;
+    if (step == run.first_step) run.loop_start = Clock::now();
+    bool stop = interrupt::requested_signal() != 0;
+    StepMetrics m = train_step(run, step, &stop);
+    run.steps_done = m.step;
+    if (step == run.first_step) run.first_loss = m.loss;
+    run.last_loss = m.loss;
+    m.val_loss = maybe_evaluate(run, m.step);
+    if (run.is_main) run.metrics_file << m.to_json().dump() << "\n" << std::flush;  // every rank's m is the same
+    log_tensorboard(run, m, m.val_loss);
+    const bool best = improves_best(run, m.step, m.val_loss);
+    if ((recipe.checkpoint.every > 0 && m.step % recipe.checkpoint.every == 0) || best) {
+        save_run_checkpoint(run, m.step);
+        if (best && run.logs)
+            std::printf("%sbest eval loss so far (%.4f): step %lld's checkpoint is kept\n", run.who.c_str(), m.val_loss,
+                        static_cast<long long>(m.step));
     }
-    if (run.tty) std::printf("\r\033[K");
-    summary.steps = recipe.train.steps;
-    return 0;
+    report_step(run, m);
+    if (stop) {
+        if (run.last_saved_step != m.step) save_run_checkpoint(run, m.step);
+        const int sig = interrupt::requested_signal();
+        run.interrupted_by = sig != 0 ? sig : SIGTERM;
+        if (run.tty) std::printf("\r\033[K");
+        if (run.logs)
+            std::printf("%sstopped by %s after step %lld: checkpoint saved; continue with --resume\n", run.who.c_str(),
+                        interrupt::signal_name(run.interrupted_by), static_cast<long long>(m.step));
+        std::fflush(stdout);
+    }
+    return m;
 }
 
 // Rank 0 writes the export into OUT (its own files only, io::StagedFiles); under EP its EP group's
 // ranks hand over their experts tensor by tensor as the writer reaches them
 // (DistContext::export_source / serve_export).
-void export_run(Run& run, TrainSummary& summary) {
+void export_run(RunState& run) {
     model::CausalLM& model = *run.model;
     DistContext& dist = *run.dist;
     std::vector<float> local_params;
@@ -549,7 +558,7 @@ void export_run(Run& run, TrainSummary& summary) {
         dist.barrier();
         return;
     }
-    run.metrics_file.close();
+    run.metrics_file.flush();
     if (run.dataset.skipped_lines > 0)
         std::printf("skipped %lld bad dataset lines; first: %s\n", static_cast<long long>(run.dataset.skipped_lines),
                     run.dataset.first_skip_reason.c_str());
@@ -560,33 +569,60 @@ void export_run(Run& run, TrainSummary& summary) {
         staged.commit({"config.json"});
     }
     dist.barrier();
-    summary.out_dir = run.out.string();
 }
 
 }  // namespace
 
-TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
-    const auto t_start = Clock::now();
-    Run run(recipe);
-    setup(run, resume);
-    print_start(run);
-    TrainSummary summary;
-    summary.out_dir = run.out.string();
-    summary.interrupted_by = train_loop(run, summary);
-    if (summary.interrupted_by != 0) {
-        if (run.tty) std::printf("\r\033[K");
-        summary.seconds = seconds_since(t_start);
-        if (run.logs)
-            std::printf("%sstopped by %s after step %lld: checkpoint saved; continue with --resume\n", run.who.c_str(),
-                        interrupt::signal_name(summary.interrupted_by), static_cast<long long>(summary.steps));
-        std::fflush(stdout);
-        return summary;
-    }
-    export_run(run, summary);
-    summary.seconds = seconds_since(t_start);
+Trainer::Trainer(Recipe recipe, const ResumeOptions& resume) : run_(std::make_unique<RunState>(std::move(recipe))) {
+    setup(*run_, resume);
+    print_start(*run_);
+}
+
+Trainer::~Trainer() = default;
+
+const Recipe& Trainer::recipe() const { return run_->recipe; }
+int64_t Trainer::steps_done() const { return run_->steps_done; }
+int Trainer::interrupted_by() const { return run_->interrupted_by; }
+bool Trainer::finished() const { return run_->steps_done >= run_->recipe.train.steps || run_->interrupted_by != 0; }
+model::CausalLM& Trainer::model() { return *run_->model; }
+const fs::path& Trainer::out_dir() const { return run_->out; }
+
+StepMetrics Trainer::step() {
+    if (finished())
+        fail("the run is ", run_->interrupted_by != 0 ? "interrupted" : "finished", " after step ", run_->steps_done,
+             " of train.steps = ", run_->recipe.train.steps, ": no step is left to run");
+    return loop_step(*run_);
+}
+
+void Trainer::save_checkpoint() {
+    if (run_->last_saved_step != run_->steps_done) save_run_checkpoint(*run_, run_->steps_done);
+}
+
+std::string Trainer::export_model() {
+    RunState& run = *run_;
+    if (run.tty) std::printf("\r\033[K");
+    export_run(run);
     if (run.is_main)
         std::printf("wrote %s (HF model directory) in %.1f s; loss %.4f -> %.4f\n", run.out.string().c_str(),
-                    summary.seconds, summary.first_loss, summary.last_loss);
+                    seconds_since(run.start), run.first_loss, run.last_loss);
+    return run.out.string();
+}
+
+TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume) {
+    const auto t_start = Clock::now();
+    Trainer trainer(recipe, resume);
+    TrainSummary summary;
+    summary.out_dir = trainer.out_dir().string();
+    while (!trainer.finished()) {
+        const StepMetrics m = trainer.step();
+        if (summary.steps == 0) summary.first_loss = m.loss;
+        summary.last_loss = m.loss;
+        summary.steps = m.step;
+    }
+    summary.steps = trainer.steps_done();
+    summary.interrupted_by = trainer.interrupted_by();
+    if (summary.interrupted_by == 0) summary.out_dir = trainer.export_model();
+    summary.seconds = seconds_since(t_start);
     return summary;
 }
 

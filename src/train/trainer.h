@@ -44,11 +44,16 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "core/json.h"
 #include "data/token_dataset.h"
 #include "train/recipe.h"
+
+namespace mf::model {
+class CausalLM;
+}
 
 namespace mf::train {
 
@@ -58,6 +63,10 @@ struct StepMetrics {
     int64_t tokens = 0;  // non-padding tokens processed in the step
     double tokens_per_s = 0;
     double peak_mem_gib = 0;
+    double step_seconds = 0;  // wall time of the step (not in metrics.jsonl: tokens_per_s carries it)
+    bool skipped = false;     // a non-finite step whose update was dropped (train.on_nonfinite: skip)
+    double val_loss = -1;     // the held-out loss when an evaluation ran after this step, else -1
+    // metrics.jsonl's line: the fields above but step_seconds; skipped and val_loss only when set.
     json::Value to_json() const;
 };
 
@@ -75,6 +84,42 @@ struct ResumeOptions {
     bool force = false;  // resume even if the recipe changed in a way that matters
 };
 
+struct RunState;
+
+// One fine-tuning job, step by step: what `moeforge finetune` runs (finetune() below drives it to the
+// end) and what the C API's engine (capi/) drives one call at a time, so both run one code path.
+//   construction  setup: OUT checked and locked, model, data and optimizer loaded, a checkpoint
+//                 restored when `resume` names one; the run's opening lines printed
+//   step()        one optimizer step and all the loop records after it: metrics.jsonl, the log
+//                 line, evaluation, TensorBoard, a checkpoint when checkpoint.every or keep_best
+//                 asks; after a SIGINT/SIGTERM on any rank, a checkpoint, and interrupted_by() says so
+//   export_model  the HF directory into OUT (every rank calls it; rank 0 writes)
+// Destroying a trainer releases OUT's lock.
+class Trainer {
+ public:
+    explicit Trainer(Recipe recipe, const ResumeOptions& resume = {});
+    ~Trainer();
+    Trainer(const Trainer&) = delete;
+    Trainer& operator=(const Trainer&) = delete;
+
+    const Recipe& recipe() const;
+    int64_t steps_done() const;  // optimizer steps done (a resumed run starts at its checkpoint's)
+    bool finished() const;       // steps_done() == train.steps, or the run was interrupted
+    // The signal that stopped the run after the last step (0: none).
+    int interrupted_by() const;
+    StepMetrics step();  // refused when finished()
+    // A resumable checkpoint of the steps done (none when the newest one already holds them).
+    void save_checkpoint();
+    // Writes the HF directory into OUT; returns OUT.
+    std::string export_model();
+    model::CausalLM& model();
+    const std::filesystem::path& out_dir() const;
+
+ private:
+    std::unique_ptr<RunState> run_;
+};
+
+// The whole job: a Trainer stepped to train.steps (or an interruption), then the export.
 TrainSummary finetune(const Recipe& recipe, const ResumeOptions& resume = {});
 
 // The recipe's training data (or `file`, e.g. eval.data, in the same format) as documents: JSONL of

@@ -990,12 +990,30 @@ TEST(MoePermute, GradientsFiniteDifference) {
     check_grad("unpermute dtopk_weight", w, dw, loss);
 }
 
-TEST(MoePermute, RejectsBadExpertIds) {
-    std::vector<int32_t> topk = {0, 3, 1, 7};
-    std::vector<int32_t> offsets(5), sorted(4), rows(4);
-    EXPECT_THROW(moe_permute_indices(offsets.data(), sorted.data(), rows.data(), topk.data(), 2, 2, 4), mf::Error);
-    topk[3] = -1;
-    EXPECT_THROW(moe_permute_indices(offsets.data(), sorted.data(), rows.data(), topk.data(), 2, 2, 4), mf::Error);
+// Experts outside [0, E) (EP sentinels, or -1) are dropped as the CUDA kernels drop them: no row,
+// pair_row -1, trailing sorted_pair -1; gather gives such rows zeros and the sums skip them.
+TEST(MoePermute, DropsPairsOfExpertsOutsideTheRange) {
+    const std::vector<int32_t> topk = {0, 3, 1, 7, -1, 1};  // N = 3, K = 2, E = 4
+    std::vector<int32_t> offsets(5), sorted(6, 99), rows(6, 99);
+    moe_permute_indices(offsets.data(), sorted.data(), rows.data(), topk.data(), 3, 2, 4);
+    EXPECT_EQ(offsets, (std::vector<int32_t>{0, 1, 3, 3, 4}));
+    EXPECT_EQ(sorted, (std::vector<int32_t>{0, 2, 5, 1, -1, -1}));
+    EXPECT_EQ(rows, (std::vector<int32_t>{0, 3, 1, -1, -1, 2}));
+    const int64_t H = 2;
+    const FloatVec x = {1, 2, 3, 4, 5, 6};
+    FloatVec x_perm(6 * H, 7.0f);
+    moe_gather_forward(x_perm.data(), x.data(), sorted.data(), 3, 2, H);
+    EXPECT_EQ(x_perm, (FloatVec{1, 2, 3, 4, 5, 6, 1, 2, 0, 0, 0, 0}));
+    const FloatVec w = {0.5f, 0.25f, 2.0f, 3.0f, 4.0f, 1.0f};
+    FloatVec out(3 * H);
+    moe_unpermute_forward(out.data(), x_perm.data(), w.data(), rows.data(), 3, 2, H);
+    // token 1: 2·x[1] (its second pair dropped); token 2: 1·x[2] (its first dropped).
+    EXPECT_EQ(out, (FloatVec{0.5f + 0.25f, 1.0f + 0.5f, 6.0f, 8.0f, 5.0f, 6.0f}));
+    FloatVec dy_perm(6 * H, 9.0f), dw(6, 9.0f);
+    moe_unpermute_backward(dy_perm.data(), dw.data(), out.data(), x_perm.data(), w.data(), rows.data(), 3, 2, H);
+    EXPECT_EQ(dw[3], 0.0f);
+    EXPECT_EQ(dw[4], 0.0f);
+    EXPECT_EQ(dy_perm[4 * H], 9.0f) << "a dropped row is not written";
 }
 
 // ---------------------------------------------------------------------------------------------

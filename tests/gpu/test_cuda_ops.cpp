@@ -1,16 +1,16 @@
 // GPU parity of the dense memory-bound kernels against their CPU references (kernels/cpu), fed the
 // same bf16-rounded inputs: casts, embedding, RMSNorm, fused QK-norm + RoPE, RoPE alone (partial
-// rotary), row bias, SwiGLU, the sigmoid gate. Shapes cover the 16-byte vector paths, the element
-// paths (sizes that are not multiples of 8, odd sizes, misaligned pointers), single rows, rows
-// longer than the register cache, and in-place use; the ops with reductions run twice and must give
-// the same bits. Tolerances: test_cuda_common.h.
-// MF_BENCH=1 adds bandwidth figures at Qwen3-30B-A3B shapes (16384 tokens, hidden 2048,
-// heads 32/4 of dim 128, expert dim 768).
+// rotary), row bias, SwiGLU, gpt-oss's clamped SwiGLU, the sigmoid gate. Shapes cover the 16-byte vector paths, the
+// element paths (sizes that are not multiples of 8, odd sizes, misaligned pointers), single rows, rows longer than the
+// register cache, and in-place use; the ops with reductions run twice and must give the same bits. Tolerances:
+// test_cuda_common.h. MF_BENCH=1 adds bandwidth figures at Qwen3-30B-A3B shapes (16384 tokens, hidden 2048, heads 32/4
+// of dim 128, expert dim 768).
 #include <gtest/gtest.h>
 
 #include <numeric>
 
 #include "kernels/cpu/bias.h"
+#include "kernels/cpu/clamped_swiglu.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
@@ -18,6 +18,7 @@
 #include "kernels/cpu/swiglu.h"
 #include "kernels/cuda/bias.cuh"
 #include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/clamped_swiglu.cuh"
 #include "kernels/cuda/embedding.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope_qknorm.cuh"
@@ -642,6 +643,38 @@ TEST(CudaSwiglu, ForwardAndBackwardMatchCpu) {
             mf::cuda::swiglu_forward(d_out.as<bf16>(), d_inp.as<bf16>(), s.N, s.C, nullptr);
             bf16* dinp = in_place ? d_inp.as<bf16>() : d_dinp.as<bf16>();
             mf::cuda::swiglu_backward(dinp, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N, s.C, nullptr);
+            device_sync();
+            if (!in_place) expect_close_bf16(download_bf16(d_out.as<void>(), n_out), out_ref, name + " fwd");
+            expect_close_bf16(download_bf16(dinp, n_in), dinp_ref, name + (in_place ? " bwd in-place" : " bwd"));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gpt-oss's clamped, interleaved SwiGLU
+
+TEST(CudaClampedSwiglu, ForwardAndBackwardMatchCpu) {
+    std::mt19937 rng(11);
+    const float alpha = 1.702f, limit = 7.0f;
+    for (const RowsCase& s : {RowsCase{17, 768}, RowsCase{3, 13}, RowsCase{64, 8}, RowsCase{1, 1}}) {
+        for (const bool in_place : {false, true}) {
+            const std::string name = "clamped_swiglu N=" + std::to_string(s.N) + " I=" + std::to_string(s.C);
+            const size_t n_in = static_cast<size_t>(s.N * 2 * s.C), n_out = static_cast<size_t>(s.N * s.C);
+            std::vector<float> inp = random_bf16(rng, n_in, -10.0f, 10.0f);  // beyond the clamps at ±7
+            inp[0] = -100.0f;                                                // exp overflow: σ = 0
+            if (n_in > 2) inp[2] = limit;                                    // on the edge: the gradient passes
+            const std::vector<float> dout = random_bf16(rng, n_out);
+            std::vector<float> out_ref(n_out), dinp_ref(n_in);
+            mf::cpu::clamped_swiglu_forward(out_ref.data(), inp.data(), s.N, s.C, alpha, limit);
+            mf::cpu::clamped_swiglu_backward(dinp_ref.data(), dout.data(), inp.data(), s.N, s.C, alpha, limit);
+
+            DeviceBuffer d_inp = device_bf16(inp), d_dout = device_bf16(dout), d_out(n_out * 2), d_dinp(n_in * 2);
+            d_out.poison();
+            d_dinp.poison();
+            mf::cuda::clamped_swiglu_forward(d_out.as<bf16>(), d_inp.as<bf16>(), s.N, s.C, alpha, limit, nullptr);
+            bf16* dinp = in_place ? d_inp.as<bf16>() : d_dinp.as<bf16>();
+            mf::cuda::clamped_swiglu_backward(dinp, d_dout.as<bf16>(), d_inp.as<bf16>(), s.N, s.C, alpha, limit,
+                                              nullptr);
             device_sync();
             if (!in_place) expect_close_bf16(download_bf16(d_out.as<void>(), n_out), out_ref, name + " fwd");
             expect_close_bf16(download_bf16(dinp, n_in), dinp_ref, name + (in_place ? " bwd in-place" : " bwd"));

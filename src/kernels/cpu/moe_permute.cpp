@@ -5,7 +5,10 @@
 //   gather     x_perm[r] = x[sorted_pair[r] / K]                       (a row copy)
 //   unpermute  out[t] = Σ_k topk_weight[t, k] · y_perm[pair_row[t·K + k]]
 // Every sum over a token's K slots runs k = 0..K-1, starting from 0, on one thread, so results
-// are deterministic (no scatter-add, no atomics). An expert index outside [0, E) is an error.
+// are deterministic (no scatter-add, no atomics). A pair whose expert index lies outside [0, E) (an
+// EP sentinel: an expert another rank holds) is dropped, as the CUDA kernels drop it: pair_row = -1,
+// and the rows past expert_offsets[E] hold sorted_pair = -1. Every kernel below skips a row or pair
+// index outside its range (a gathered row of zeros, a term that adds nothing, a weight gradient 0).
 #include "kernels/cpu/moe_permute.h"
 
 #include <algorithm>
@@ -33,11 +36,9 @@ void moe_permute_indices(int32_t* expert_offsets, int32_t* sorted_pair, int32_t*
     MF_CHECK(E > 0, "moe_permute: need at least one expert, got E=", E);
     const int64_t num_pairs = N * K;
     std::vector<int64_t> counts(static_cast<size_t>(E), 0);
-    for (int64_t p = 0; p < num_pairs; ++p) {
-        const int32_t e = topk_idx[p];
-        MF_CHECK(e >= 0 && e < E, "moe_permute: topk_idx[", p / K, ", ", p % K, "] = ", e, " outside [0, ", E, ")");
-        ++counts[e];
-    }
+    auto kept = [&](int32_t e) { return e >= 0 && e < E; };
+    for (int64_t p = 0; p < num_pairs; ++p)
+        if (kept(topk_idx[p])) ++counts[topk_idx[p]];
     std::vector<int64_t> cursor(static_cast<size_t>(E));
     int64_t offset = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -47,10 +48,15 @@ void moe_permute_indices(int32_t* expert_offsets, int32_t* sorted_pair, int32_t*
     }
     expert_offsets[E] = static_cast<int32_t>(offset);
     for (int64_t p = 0; p < num_pairs; ++p) {
+        if (!kept(topk_idx[p])) {
+            pair_row[p] = -1;
+            continue;
+        }
         const int64_t row = cursor[topk_idx[p]]++;
         sorted_pair[row] = static_cast<int32_t>(p);
         pair_row[p] = static_cast<int32_t>(row);
     }
+    std::fill(sorted_pair + offset, sorted_pair + num_pairs, -1);
 }
 
 void moe_gather_forward(float* x_perm, const float* x, const int32_t* sorted_pair, int64_t N, int64_t K, int64_t H) {
@@ -58,8 +64,10 @@ void moe_gather_forward(float* x_perm, const float* x, const int32_t* sorted_pai
     const int64_t num_pairs = N * K;
     for (int64_t r = 0; r < num_pairs; ++r) {
         const int32_t p = sorted_pair[r];
-        MF_CHECK(p >= 0 && p < num_pairs, "moe_gather: sorted_pair[", r, "] = ", p, " outside [0, ", num_pairs, ")");
-        std::copy_n(x + (p / K) * H, H, x_perm + r * H);
+        if (p >= 0 && p < num_pairs)
+            std::copy_n(x + (p / K) * H, H, x_perm + r * H);
+        else
+            std::fill_n(x_perm + r * H, H, 0.0f);
     }
 }
 
@@ -71,8 +79,7 @@ void moe_gather_backward(float* dx, const float* dx_perm, const int32_t* pair_ro
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t k = 0; k < K; ++k) {
             const int32_t row = pair_row[t * K + k];
-            MF_CHECK(row >= 0 && row < num_pairs, "moe_gather: pair_row[", t * K + k, "] = ", row, " outside [0, ",
-                     num_pairs, ")");
+            if (row < 0 || row >= num_pairs) continue;
             const float* g = dx_perm + row * H;
             for (int64_t h = 0; h < H; ++h) acc[h] += g[h];
         }
@@ -90,8 +97,7 @@ void moe_unpermute_forward(float* out, const float* y_perm, const float* topk_we
         std::fill(o, o + H, 0.0f);
         for (int64_t k = 0; k < K; ++k) {
             const int32_t row = pair_row[t * K + k];
-            MF_CHECK(row >= 0 && row < num_pairs, "moe_unpermute: pair_row[", t * K + k, "] = ", row, " outside [0, ",
-                     num_pairs, ")");
+            if (row < 0 || row >= num_pairs) continue;
             const float w = topk_weight[t * K + k];
             const float* y = y_perm + row * H;
             for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
@@ -107,8 +113,10 @@ void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* do
         const float* g = dout + t * H;
         for (int64_t k = 0; k < K; ++k) {
             const int32_t row = pair_row[t * K + k];
-            MF_CHECK(row >= 0 && row < num_pairs, "moe_unpermute: pair_row[", t * K + k, "] = ", row, " outside [0, ",
-                     num_pairs, ")");
+            if (row < 0 || row >= num_pairs) {
+                dtopk_weight[t * K + k] = 0.0f;
+                continue;
+            }
             const float w = topk_weight[t * K + k];
             float* dy = dy_perm + row * H;
             for (int64_t h = 0; h < H; ++h) dy[h] = w * g[h];

@@ -3,6 +3,8 @@
 //   expert_offsets[E + 1]   rows of expert e are [expert_offsets[e], expert_offsets[e + 1])
 //   sorted_pair[N·K]        row r holds pair sorted_pair[r]
 //   pair_row[N·K]           inverse: pair p sits at row pair_row[p]
+// A pair whose expert lies outside [0, E) (an EP sentinel) is dropped: pair_row = -1, and the rows
+// past expert_offsets[E] hold sorted_pair = -1; gather gives them zero rows, the sums skip them.
 // Sums run in a fixed order (slot 0..K-1), never with atomics, so results are deterministic.
 #pragma once
 

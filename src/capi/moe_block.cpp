@@ -1,0 +1,175 @@
+// The C API's whole MoE block (include/moeforge/moeforge.h): model::moe_block_forward/backward, the
+// blocks the CausalLM runs, over the caller's tensors. Their activations (MoeActs) and the
+// backward's scratch (MoeScratch) are carved from the caller's workspace by the same allocation
+// sequence in the forward and the backward, so the backward finds the forward's activations at the
+// same places; the host copy of the expert offsets, which the GPU's cuBLAS path wants, is read back
+// again in the backward. No expert parallelism here (a binding's EP is its own).
+#include <cmath>
+
+#include "capi/capi_util.h"
+#include "model/ffn_blocks.h"
+#include "ops/ops.h"
+
+using mf::Arena;
+using mf::Device;
+using mf::DType;
+using mf::Tensor;
+using mf::capi::guarded;
+using mf::capi::OpCall;
+using mf::capi::refuse;
+using mf::capi::Want;
+
+namespace {
+
+constexpr size_t kWorkspaceAlignment = 256;
+
+mf::model::MoeDims dims_of(const char* op, const mf_moe_dims* dims) {
+    if (dims == nullptr) refuse(op, ": dims is required (got NULL)");
+    const mf_moe_dims& m = *dims;
+    if (m.hidden < 1 || m.intermediate < 1 || m.num_experts < 1 || m.top_k < 1 || m.top_k > m.num_experts)
+        refuse(op, ": dims hidden = ", m.hidden, ", intermediate = ", m.intermediate, ", num_experts = ", m.num_experts,
+               ", top_k = ", m.top_k, " (each >= 1, top_k <= num_experts)");
+    if (m.activation != MF_ACT_SWIGLU && m.activation != MF_ACT_RELU2)
+        refuse(op, ": dims.activation = ", m.activation, " (expected MF_ACT_SWIGLU or MF_ACT_RELU2)");
+    if (m.router != MF_ROUTER_SOFTMAX && m.router != MF_ROUTER_SIGMOID)
+        refuse(op, ": dims.router = ", m.router, " (expected MF_ROUTER_SOFTMAX or MF_ROUTER_SIGMOID)");
+    mf::model::MoeDims d{m.hidden, m.intermediate, m.num_experts, m.top_k, m.norm_topk_prob != 0};
+    d.act = m.activation == MF_ACT_RELU2 ? mf::model::Activation::relu2 : mf::model::Activation::swiglu;
+    d.router = m.router == MF_ROUTER_SIGMOID ? mf::model::RouterKind::sigmoid : mf::model::RouterKind::softmax;
+    d.n_group = m.n_group;
+    d.topk_group = m.topk_group;
+    d.routed_scaling = m.routed_scaling_factor;
+    d.masked_score = m.masked_score;
+    return d;
+}
+
+DType act_dtype(Device device) { return device == Device::cuda ? DType::bf16 : DType::f32; }
+
+// Bytes of the activations and the backward's scratch of N tokens; allocating both in this order
+// from one arena is the layout of the workspace.
+size_t workspace_bytes(const mf::model::MoeDims& d, int64_t N, Device device) {
+    Arena arena = Arena::measuring(device);
+    mf::model::MoeActs acts;
+    acts.alloc(arena, d, N, act_dtype(device));
+    mf::model::MoeScratch scratch;
+    scratch.alloc(arena, d, N, act_dtype(device));
+    return arena.high_water();
+}
+
+struct Block {
+    Tensor x, router, gate_up, down, correction;
+    mf::model::MoeWeights weights() const { return {router, gate_up, down, correction}; }
+};
+
+// The block's inputs and weights, checked against the dims; returns them.
+Block block_inputs(OpCall& call, const mf::model::MoeDims& d, const mf_tensor* x, const mf_tensor* router,
+                   const mf_tensor* gate_up, const mf_tensor* down, const mf_tensor* correction_bias) {
+    Block b;
+    b.x = call.tensor(x, "x", Want::act);
+    b.router = call.tensor(router, "router", Want::act);
+    b.gate_up = call.tensor(gate_up, "gate_up", Want::act);
+    b.down = call.tensor(down, "down", Want::act);
+    b.correction = call.tensor(correction_bias, "correction_bias", Want::f32, true);
+    const int64_t N = b.x.ndim() >= 1 ? b.x.numel() / std::max<int64_t>(b.x.dim(-1), 1) : 0;
+    call.rows_of(b.x, "x", N, d.hidden);
+    call.rows_of(b.router, "router", d.num_experts, d.hidden);
+    call.numel_of(b.gate_up, "gate_up", d.num_experts * d.first_width() * d.hidden);
+    call.numel_of(b.down, "down", d.num_experts * d.hidden * d.intermediate);
+    b.gate_up = b.gate_up.view({d.num_experts, d.first_width(), d.hidden});
+    b.down = b.down.view({d.num_experts, d.hidden, d.intermediate});
+    b.x = b.x.view({N, d.hidden});
+    if (b.correction.data() != nullptr) {
+        if (d.router != mf::model::RouterKind::sigmoid)
+            refuse(call.op(), ": correction_bias is the sigmoid router's; dims.router is MF_ROUTER_SOFTMAX");
+        call.numel_of(b.correction, "correction_bias", d.num_experts);
+    }
+    return b;
+}
+
+// An arena over the caller's workspace, which must hold the block's activations and scratch.
+Arena workspace_arena(OpCall& call, const mf_tensor* workspace, const mf::model::MoeDims& d, int64_t N) {
+    const Tensor ws = call.tensor(workspace, "workspace", Want::any);
+    const size_t need = workspace_bytes(d, N, call.device());
+    if (ws.nbytes() < need)
+        refuse(call.op(), ": workspace holds ", ws.nbytes(), " bytes; ", N,
+               " tokens need mf_moe_block_workspace_bytes = ", need);
+    if (reinterpret_cast<uintptr_t>(ws.data()) % kWorkspaceAlignment != 0)
+        refuse(call.op(), ": workspace is not ", kWorkspaceAlignment, "-byte aligned");
+    return Arena::borrowing(ws.data(), ws.nbytes(), call.device());
+}
+
+}  // namespace
+
+extern "C" {
+
+mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type,
+                                       size_t* bytes) {
+    return guarded([&] {
+        const char* op = "mf_moe_block_workspace_bytes";
+        const mf::model::MoeDims d = dims_of(op, dims);
+        if (num_tokens < 0) refuse(op, ": num_tokens = ", num_tokens, " is negative");
+        if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
+        if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
+        *bytes = workspace_bytes(d, num_tokens, device_type == MF_CUDA ? Device::cuda : Device::cpu);
+    });
+}
+
+mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y, const mf_tensor* x,
+                               const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
+                               const mf_tensor* correction_bias, const mf_tensor* workspace) {
+    return guarded([&] {
+        OpCall call("mf_moe_block_forward", ctx);
+        const mf::model::MoeDims d = dims_of(call.op(), dims);
+        const Tensor out = call.tensor(y, "y", Want::act);
+        const Block b = block_inputs(call, d, x, router, gate_up, down, correction_bias);
+        const int64_t N = b.x.dim(0);
+        call.rows_of(out, "y", N, d.hidden);
+        Arena arena = workspace_arena(call, workspace, d, N);
+        mf::model::MoeActs acts;
+        acts.alloc(arena, d, N, act_dtype(call.device()));
+        call.run([&] { mf::model::moe_block_forward(out.view({N, d.hidden}), acts, b.x, b.weights(), d); });
+    });
+}
+
+mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* dx,
+                                const mf_tensor* drouter, const mf_tensor* dgate_up, const mf_tensor* ddown,
+                                const mf_tensor* dy, const mf_tensor* dprobs, const mf_tensor* x,
+                                const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
+                                const mf_tensor* correction_bias, const mf_tensor* workspace,
+                                int accumulate_expert_grads) {
+    return guarded([&] {
+        OpCall call("mf_moe_block_backward", ctx);
+        const mf::model::MoeDims d = dims_of(call.op(), dims);
+        const Tensor tdx = call.tensor(dx, "dx", Want::act), tdy = call.tensor(dy, "dy", Want::act);
+        const Tensor tdr = call.tensor(drouter, "drouter", Want::param);
+        const Tensor tdgu = call.tensor(dgate_up, "dgate_up", Want::param);
+        const Tensor tdd = call.tensor(ddown, "ddown", Want::param);
+        const Tensor tdp = call.tensor(dprobs, "dprobs", Want::f32, true);
+        const Block b = block_inputs(call, d, x, router, gate_up, down, correction_bias);
+        const int64_t N = b.x.dim(0);
+        call.rows_of(tdx, "dx", N, d.hidden);
+        call.rows_of(tdy, "dy", N, d.hidden);
+        call.numel_of(tdr, "drouter", d.num_experts * d.hidden);
+        call.numel_of(tdgu, "dgate_up", b.gate_up.numel());
+        call.numel_of(tdd, "ddown", b.down.numel());
+        if (tdp.data() != nullptr) call.rows_of(tdp, "dprobs", N, d.num_experts);
+        Arena arena = workspace_arena(call, workspace, d, N);
+        mf::model::MoeActs acts;
+        acts.alloc(arena, d, N, act_dtype(call.device()));
+        mf::model::MoeScratch scratch;
+        scratch.alloc(arena, d, N, act_dtype(call.device()));
+        const mf::model::MoeWeights grads{tdr.view({d.num_experts, d.hidden}), tdgu.view(b.gate_up.shape()),
+                                          tdd.view(b.down.shape())};
+        call.run([&] {
+            if (mf::ops::grouped_matmul_uses_host_offsets(call.device())) {
+                acts.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
+                mf::ops::copy_to_host(acts.host_offsets.data(), acts.expert_offsets);
+            }
+            mf::model::moe_block_backward(tdx.view({N, d.hidden}), grads, scratch, tdy.view({N, d.hidden}),
+                                          tdp.data() != nullptr ? tdp.view({N, d.num_experts}) : Tensor(), b.x, acts,
+                                          b.weights(), d, accumulate_expert_grads != 0);
+        });
+    });
+}
+
+}  // extern "C"

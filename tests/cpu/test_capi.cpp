@@ -1,0 +1,327 @@
+// The C API (include/moeforge/moeforge.h), driven as a C caller drives it:
+//   errors    a bad call returns a typed status and mf_last_error() names the op, the argument and
+//             the problem (NULL, wrong dtype, wrong shape, non-contiguous strides, mixed devices, a
+//             CUDA tensor in a build without CUDA: unsupported, a missing recipe file: I/O); a
+//             success clears the message; nothing is written by a refused call
+//   ops       on the CPU each wrapped op gives exactly what the ops:: function gives (RMSNorm, the
+//             grouped GEMM with an empty and a ragged group, gpt-oss's clamped SwiGLU, the whole
+//             MoE block, forward and backward through one workspace, against model:: directly)
+//   engine    the tiny demo model fine-tuned for a few steps through mf_engine_*: metrics per
+//             step, parameter views by HF name, and the export byte-identical to `moeforge
+//             finetune` of the same recipe.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/json.h"
+#include "model/ffn_blocks.h"
+#include "moeforge/moeforge.h"
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+mf_tensor desc(void* data, mf_dtype dtype, std::vector<int64_t> shape) {
+    mf_tensor t{};
+    t.data = data;
+    t.dtype = dtype;
+    t.device_type = MF_CPU;
+    t.ndim = static_cast<int32_t>(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) t.shape[i] = shape[i];
+    return t;
+}
+mf_tensor desc(std::vector<float>& v, std::vector<int64_t> shape) { return desc(v.data(), MF_F32, std::move(shape)); }
+mf_tensor desc(std::vector<int32_t>& v, std::vector<int64_t> shape) { return desc(v.data(), MF_I32, std::move(shape)); }
+mf::Tensor view(std::vector<float>& v, mf::Shape shape) {
+    return mf::Tensor(v.data(), mf::DType::f32, std::move(shape));
+}
+mf::Tensor view(std::vector<int32_t>& v, mf::Shape shape) {
+    return mf::Tensor(v.data(), mf::DType::i32, std::move(shape));
+}
+
+std::vector<float> random_vec(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng);
+    return v;
+}
+
+void expect_error(mf_status got, mf_status want, const std::vector<std::string>& words) {
+    EXPECT_EQ(got, want) << mf_status_name(got) << ": " << mf_last_error();
+    const std::string message = mf_last_error();
+    for (const std::string& w : words) EXPECT_NE(message.find(w), std::string::npos) << "'" << w << "' in: " << message;
+}
+
+TEST(CApi, VersionAndStatusNames) {
+    EXPECT_EQ(mf_api_version(), MF_API_VERSION);
+    EXPECT_STREQ(mf_status_name(MF_ERR_IO), "MF_ERR_IO");
+    EXPECT_EQ(mf_has_cuda(), mf::cuda_available() ? 1 : 0);
+}
+
+TEST(CApi, BadArgumentsComeBackAsStatusAndMessage) {
+    std::vector<float> x(12, 1.0f), w(4, 1.0f), out(12, 7.0f), rstd(3);
+    mf_tensor tx = desc(x, {3, 4}), tw = desc(w, {4}), tout = desc(out, {3, 4}), tr = desc(rstd, {3});
+    expect_error(mf_rmsnorm_forward(nullptr, nullptr, &tr, &tx, &tw, 1e-6f), MF_ERR_INVALID_ARGUMENT,
+                 {"mf_rmsnorm_forward", "out", "NULL"});
+    mf_tensor bad_shape = desc(out, {4, 3});
+    expect_error(mf_rmsnorm_forward(nullptr, &bad_shape, &tr, &tx, &tw, 1e-6f), MF_ERR_INVALID_ARGUMENT,
+                 {"out", "[4, 3]", "expected [3, 4]"});
+    mf_tensor as_int = desc(out.data(), MF_I32, {3, 4});
+    expect_error(mf_rmsnorm_forward(nullptr, &as_int, &tr, &tx, &tw, 1e-6f), MF_ERR_INVALID_ARGUMENT,
+                 {"out", "i32", "expected f32"});
+    const int64_t transposed[2] = {1, 3};
+    mf_tensor strided = desc(x, {3, 4});
+    strided.strides = transposed;
+    expect_error(mf_rmsnorm_forward(nullptr, &tout, &tr, &strided, &tw, 1e-6f), MF_ERR_INVALID_ARGUMENT,
+                 {"inp", "not contiguous"});
+    expect_error(mf_rmsnorm_forward(nullptr, &tout, &tr, &tx, &tw, NAN), MF_ERR_INVALID_ARGUMENT, {"eps"});
+    for (float v : out) EXPECT_EQ(v, 7.0f) << "a refused call writes nothing";
+    mf_tensor on_gpu = tx;
+    on_gpu.device_type = MF_CUDA;
+    expect_error(mf_rmsnorm_forward(nullptr, &tout, &tr, &on_gpu, &tw, 1e-6f), MF_ERR_INVALID_ARGUMENT,
+                 {"inp", "cuda", "cpu"});
+    if (!mf::cuda_available()) {  // with a GPU these made-up device pointers would be used
+        mf_tensor gpu_out = tout, gpu_r = tr, gpu_w = tw;
+        for (mf_tensor* t : {&gpu_out, &gpu_r, &on_gpu, &gpu_w}) t->device_type = MF_CUDA;
+        on_gpu.dtype = gpu_out.dtype = MF_BF16;
+        const mf_status got = mf_rmsnorm_forward(nullptr, &gpu_out, &gpu_r, &on_gpu, &gpu_w, 1e-6f);
+        if (mf_built_with_cuda() == 0)
+            expect_error(got, MF_ERR_UNSUPPORTED, {"without CUDA"});
+        else
+            expect_error(got, MF_ERR_CUDA, {"CUDA error"});  // a CUDA build on a machine without a GPU
+    }
+    // The engine's own checks come back too, with the C++ message.
+    std::vector<float> y(4), h(8);
+    mf_tensor ty = desc(y, {1, 4}), th = desc(h, {1, 6});
+    expect_error(mf_clamped_swiglu_forward(nullptr, &ty, &th, 1.702f, 7.0f), MF_ERR_INVALID_ARGUMENT,
+                 {"clamped_swiglu_forward", "must be [N, 2I]"});
+    mf_engine* engine = reinterpret_cast<mf_engine*>(1);
+    expect_error(mf_engine_open(&engine, "/nonexistent/recipe.yaml", 0, nullptr, nullptr, 0, nullptr, 0), MF_ERR_IO,
+                 {"/nonexistent/recipe.yaml"});
+    EXPECT_EQ(engine, nullptr);
+    expect_error(mf_engine_open(&engine, "model: m\ndata: {train: d}\nout: o\ntrain: {steps: 1}\nbogus: 1\n", 1,
+                                nullptr, nullptr, 0, nullptr, 0),
+                 MF_ERR_INVALID_ARGUMENT, {"bogus"});
+    ASSERT_EQ(mf_rmsnorm_forward(nullptr, &tout, &tr, &tx, &tw, 1e-6f), MF_OK);
+    EXPECT_STREQ(mf_last_error(), "") << "a success clears the message";
+}
+
+TEST(CApi, OpsEqualTheOpsFunctions) {
+    std::mt19937 rng(5);
+    // RMSNorm forward and backward.
+    const int64_t N = 5, C = 12;
+    std::vector<float> x = random_vec(rng, N * C), w = random_vec(rng, C), dy = random_vec(rng, N * C);
+    std::vector<float> out(N * C), rstd(N), ref(N * C), ref_rstd(N);
+    mf_tensor tx = desc(x, {N, C}), tw = desc(w, {C}), tout = desc(out, {N, C}), tr = desc(rstd, {N});
+    ASSERT_EQ(mf_rmsnorm_forward(nullptr, &tout, &tr, &tx, &tw, 1e-5f), MF_OK) << mf_last_error();
+    mf::ops::rmsnorm_forward(view(ref, {N, C}), view(ref_rstd, {N}), view(x, {N, C}), view(w, {C}), 1e-5f);
+    EXPECT_EQ(out, ref);
+    EXPECT_EQ(rstd, ref_rstd);
+    std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), ref_dx(N * C, 0.0f), ref_dw(C, 0.0f);
+    mf_tensor tdx = desc(dx, {N, C}), tdw = desc(dw, {C}), tdy = desc(dy, {N, C});
+    ASSERT_EQ(mf_rmsnorm_backward(nullptr, &tdx, &tdw, &tdy, &tx, &tw, &tr), MF_OK) << mf_last_error();
+    mf::ops::rmsnorm_backward(view(ref_dx, {N, C}), view(ref_dw, {C}), view(dy, {N, C}), view(x, {N, C}), view(w, {C}),
+                              view(ref_rstd, {N}));
+    EXPECT_EQ(dx, ref_dx);
+    EXPECT_EQ(dw, ref_dw);
+
+    // Grouped GEMM: 3 experts, the middle one empty, ragged rows; and offsets past the rows refused.
+    const int64_t E = 3, M = 7, IC = 6, OC = 4;
+    std::vector<float> inp = random_vec(rng, M * IC), weight = random_vec(rng, E * OC * IC);
+    std::vector<int32_t> offsets = {0, 4, 4, 7};
+    std::vector<float> gout(M * OC), gref(M * OC);
+    mf_tensor ti = desc(inp, {M, IC}), tgw = desc(weight, {E, OC, IC}), to = desc(offsets, {E + 1});
+    mf_tensor tgo = desc(gout, {M, OC});
+    ASSERT_EQ(mf_grouped_gemm_forward(nullptr, &tgo, &ti, &tgw, &to), MF_OK) << mf_last_error();
+    mf::ops::grouped_matmul_forward(view(gref, {M, OC}), view(inp, {M, IC}), view(weight, {E, OC, IC}),
+                                    view(offsets, {E + 1}));
+    EXPECT_EQ(gout, gref);
+    std::vector<float> gdw(E * OC * IC, 0.0f), gdw_ref(E * OC * IC, 0.0f);
+    mf_tensor tgdw = desc(gdw, {E, OC, IC});
+    ASSERT_EQ(mf_grouped_gemm_weight_grad(nullptr, &tgdw, &tgo, &ti, &to, 0), MF_OK) << mf_last_error();
+    const mf::Tensor tables[1] = {view(offsets, {E + 1})};
+    mf::ops::grouped_matmul_backward_weight(view(gdw_ref, {E, OC, IC}), view(gref, {M, OC}), view(inp, {M, IC}), tables,
+                                            {}, false);
+    EXPECT_EQ(gdw, gdw_ref);
+    std::vector<int32_t> too_far = {0, 4, 4, 9};
+    mf_tensor tfar = desc(too_far, {E + 1});
+    expect_error(mf_grouped_gemm_forward(nullptr, &tgo, &ti, &tgw, &tfar), MF_ERR_INVALID_ARGUMENT,
+                 {"offsets", "within [0, 7]"});
+
+    // gpt-oss's clamped SwiGLU.
+    std::vector<float> h = random_vec(rng, 3 * 8, -9.0f, 9.0f), a(3 * 4), a_ref(3 * 4);
+    mf_tensor th = desc(h, {3, 8}), ta = desc(a, {3, 4});
+    ASSERT_EQ(mf_clamped_swiglu_forward(nullptr, &ta, &th, 1.702f, 7.0f), MF_OK) << mf_last_error();
+    mf::ops::clamped_swiglu_forward(view(a_ref, {3, 4}), view(h, {3, 8}));
+    EXPECT_EQ(a, a_ref);
+}
+
+TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
+    std::mt19937 rng(6);
+    mf_moe_dims dims{};
+    dims.hidden = 8;
+    dims.intermediate = 4;
+    dims.num_experts = 4;
+    dims.top_k = 2;
+    dims.norm_topk_prob = 1;
+    dims.activation = MF_ACT_SWIGLU;
+    dims.router = MF_ROUTER_SOFTMAX;
+    dims.n_group = dims.topk_group = 1;
+    dims.routed_scaling_factor = 1.0f;
+    dims.masked_score = -INFINITY;
+    const int64_t N = 6, H = 8, I = 4, E = 4;
+    std::vector<float> x = random_vec(rng, N * H), router = random_vec(rng, E * H);
+    std::vector<float> gate_up = random_vec(rng, E * 2 * I * H, -0.5f, 0.5f), down = random_vec(rng, E * H * I);
+    std::vector<float> dy = random_vec(rng, N * H);
+    size_t bytes = 0;
+    ASSERT_EQ(mf_moe_block_workspace_bytes(&dims, N, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    std::vector<double> workspace((bytes + 7) / 8 + 32);  // 256-byte alignment by hand below
+    char* base = reinterpret_cast<char*>(workspace.data());
+    char* aligned = base + (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256;
+    mf_tensor tws = desc(aligned, MF_F32, {static_cast<int64_t>(bytes / 4)});
+    std::vector<float> y(N * H), dx(N * H, 0.0f), drouter(E * H, 0.0f), dgu(gate_up.size(), 0.0f), ddown(down.size());
+    mf_tensor tx = desc(x, {N, H}), tr = desc(router, {E, H}), tgu = desc(gate_up, {E, 2 * I, H});
+    mf_tensor tdn = desc(down, {E, H, I}), ty = desc(y, {N, H}), tdy = desc(dy, {N, H}), tdx = desc(dx, {N, H});
+    mf_tensor tdr = desc(drouter, {E, H}), tdgu = desc(dgu, {E, 2 * I, H}), tddn = desc(ddown, {E, H, I});
+    ASSERT_EQ(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &tws), MF_OK) << mf_last_error();
+    ASSERT_EQ(mf_moe_block_backward(nullptr, &dims, &tdx, &tdr, &tdgu, &tddn, &tdy, nullptr, &tx, &tr, &tgu, &tdn,
+                                    nullptr, &tws, 0),
+              MF_OK)
+        << mf_last_error();
+
+    namespace model = mf::model;
+    model::MoeDims d{H, I, E, 2, true};
+    mf::Arena arena(1 << 20, mf::Device::cpu);
+    model::MoeActs acts;
+    acts.alloc(arena, d, N, mf::DType::f32);
+    model::MoeScratch scratch;
+    scratch.alloc(arena, d, N, mf::DType::f32);
+    const model::MoeWeights w{view(router, {E, H}), view(gate_up, {E, 2 * I, H}), view(down, {E, H, I})};
+    std::vector<float> y_ref(N * H), dx_ref(N * H, 0.0f), dr_ref(E * H, 0.0f), dgu_ref(dgu.size()),
+        ddn_ref(ddown.size());
+    model::moe_block_forward(view(y_ref, {N, H}), acts, view(x, {N, H}), w, d);
+    const model::MoeWeights g{view(dr_ref, {E, H}), view(dgu_ref, {E, 2 * I, H}), view(ddn_ref, {E, H, I})};
+    model::moe_block_backward(view(dx_ref, {N, H}), g, scratch, view(dy, {N, H}), mf::Tensor(), view(x, {N, H}), acts,
+                              w, d, false);
+    EXPECT_EQ(y, y_ref);
+    EXPECT_EQ(dx, dx_ref);
+    EXPECT_EQ(drouter, dr_ref);
+    EXPECT_EQ(dgu, dgu_ref);
+    EXPECT_EQ(ddown, ddn_ref);
+    mf_tensor small = desc(aligned, MF_F32, {static_cast<int64_t>(bytes / 8)});
+    expect_error(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &small),
+                 MF_ERR_INVALID_ARGUMENT, {"workspace", "mf_moe_block_workspace_bytes"});
+}
+
+// --- the engine ------------------------------------------------------------------------------------
+
+class CApiEngine : public ::testing::Test {
+ protected:
+    static void SetUpTestSuite() {
+        dir_ = mf::test::temp_dir("capi_engine");
+        std::string out;
+        ASSERT_EQ(
+            mf::test::run_command(mf::test::moeforge_binary() + " init --arch qwen3_moe --preset tiny --seed 7 --out " +
+                                      (dir_ / "base").string(),
+                                  &out),
+            0)
+            << out;
+    }
+    static std::vector<std::string> overrides(const std::string& out) {
+        const std::string repo = (fs::path(mf::test::fixtures_dir()) / ".." / "..").lexically_normal().string();
+        return {"model=" + (dir_ / "base").string(),
+                "data.train=" + repo + "/demo/data/tokens.jsonl",
+                "out=" + (dir_ / out).string(),
+                "train.steps=4",
+                "train.seq_len=64",
+                "train.micro_batch=2",
+                "optim.warmup_steps=1"};
+    }
+    static std::string recipe() {
+        const std::string repo = (fs::path(mf::test::fixtures_dir()) / ".." / "..").lexically_normal().string();
+        return repo + "/demo/tiny_tokens.yaml";
+    }
+    static fs::path dir_;
+};
+fs::path CApiEngine::dir_;
+
+TEST_F(CApiEngine, FineTunesTheTinyModelAsTheCliDoes) {
+    const std::vector<std::string> list = overrides("api");
+    std::vector<const char*> argv;
+    for (const std::string& s : list) argv.push_back(s.c_str());
+    mf_engine* engine = nullptr;
+    ASSERT_EQ(mf_engine_open(&engine, recipe().c_str(), 0, nullptr, argv.data(), static_cast<int64_t>(argv.size()),
+                             nullptr, 0),
+              MF_OK)
+        << mf_last_error();
+    int64_t count = 0;
+    ASSERT_EQ(mf_engine_num_params(engine, &count), MF_OK);
+    ASSERT_GT(count, 0);
+    char name[256];
+    size_t needed = 0;
+    ASSERT_EQ(mf_engine_param_name(engine, 0, name, sizeof name, &needed), MF_OK);
+    EXPECT_EQ(needed, std::strlen(name) + 1);
+    mf_tensor param{};
+    ASSERT_EQ(mf_engine_param(engine, "model.embed_tokens.weight", 0, &param), MF_OK) << mf_last_error();
+    EXPECT_EQ(param.dtype, MF_F32);
+    EXPECT_EQ(param.ndim, 2);
+    const float before = static_cast<const float*>(param.data)[5];
+    expect_error(mf_engine_param(engine, "no.such.weight", 0, &param), MF_ERR_INVALID_ARGUMENT, {"no.such.weight"});
+
+    std::vector<mf_step_metrics> steps;
+    int64_t done = 0, total = 0;
+    int32_t interrupted = -1;
+    for (;;) {
+        ASSERT_EQ(mf_engine_progress(engine, &done, &total, &interrupted), MF_OK);
+        if (done == total) break;
+        mf_step_metrics m{};
+        ASSERT_EQ(mf_engine_step(engine, &m), MF_OK) << mf_last_error();
+        steps.push_back(m);
+    }
+    EXPECT_EQ(total, 4);
+    EXPECT_EQ(interrupted, 0);
+    ASSERT_EQ(steps.size(), 4u);
+    for (size_t i = 0; i < steps.size(); ++i) {
+        EXPECT_EQ(steps[i].step, static_cast<int64_t>(i + 1));
+        EXPECT_TRUE(std::isfinite(steps[i].loss) && steps[i].loss > 0);
+        EXPECT_GT(steps[i].tokens, 0);
+        EXPECT_GT(steps[i].grad_norm, 0);
+        EXPECT_GE(steps[i].step_seconds, 0);
+        EXPECT_EQ(steps[i].val_loss, -1);
+    }
+    EXPECT_NE(static_cast<const float*>(param.data)[5], before) << "the view is the live parameter";
+    expect_error(mf_engine_step(engine, nullptr), MF_ERR_INVALID_ARGUMENT, {"no step is left"});
+    char out_dir[512];
+    ASSERT_EQ(mf_engine_export(engine, out_dir, sizeof out_dir), MF_OK) << mf_last_error();
+    EXPECT_EQ(fs::path(out_dir), dir_ / "api");
+    mf_engine_free(engine);
+
+    // The CLI on the same recipe and overrides writes the same bytes and logs the same losses.
+    std::string cmd = mf::test::moeforge_binary() + " finetune " + recipe();
+    for (const std::string& s : overrides("cli")) cmd += " " + s;
+    std::string log;
+    ASSERT_EQ(mf::test::run_command(cmd, &log), 0) << log;
+    EXPECT_EQ(mf::test::read_file(dir_ / "api" / "model.safetensors"),
+              mf::test::read_file(dir_ / "cli" / "model.safetensors"));
+    std::istringstream api_lines(mf::test::read_file(dir_ / "api" / "metrics.jsonl"));
+    std::istringstream cli_lines(mf::test::read_file(dir_ / "cli" / "metrics.jsonl"));
+    std::string a, c;
+    int lines = 0;
+    while (std::getline(api_lines, a) && std::getline(cli_lines, c)) {
+        const mf::json::Value va = mf::json::parse(a, "api"), vc = mf::json::parse(c, "cli");
+        for (const char* key : {"step", "loss", "grad_norm", "lr", "tokens"})
+            EXPECT_EQ(va.find(key)->dump(), vc.find(key)->dump()) << key << " at line " << lines;
+        ++lines;
+    }
+    EXPECT_EQ(lines, 4);
+}
+
+}  // namespace
