@@ -33,9 +33,9 @@ namespace mf::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;          // the chunk-state, dstate and output kernels
-constexpr int kBackwardThreads = 512;  // the backward chunk kernel (one block per SM: its smem)
-constexpr int kMaxWarps = kBackwardThreads / 32;
+constexpr int kThreads = 256;        // the chunk-state and dstate kernels (two blocks per SM)
+constexpr int kWideThreads = 512;    // the output and backward chunk kernels (one block per SM)
+constexpr int kMaxWarps = kWideThreads / 32;
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
 constexpr int kPassBatch = 8;  // chunk states the passes load before they use the first
@@ -50,6 +50,7 @@ constexpr int kTileK = 32;
 constexpr int kTileStride = kTileK + 8;
 constexpr int kStagedElems = kBlockRows * kTileStride;
 constexpr size_t kStagingBytes = 4 * kStagedElems * sizeof(bf16);  // A hi, A lo, B hi, B lo
+static_assert((kBlockRows & (kBlockRows - 1)) == 0 && kTileK % 32 == 0, "SliceRegs::place: powers of two");
 static_assert(kMaxQ <= kBlockRows && kMaxQ % 32 == 0, "one output block covers a chunk; prefix sums: kMaxQ/32 a lane");
 
 // The geometry as the kernels use it.
@@ -78,16 +79,11 @@ Dims dims_of(const SsdGeometry& g) {
     return d;
 }
 
-// The fp32 matrices of a kernel's dynamic shared memory, rounded up to 16 bytes (the staging after
-// them is read by ldmatrix, 16-byte rows).
-__host__ __device__ inline size_t output_matrix_bytes(const Dims& d) {
-    return (static_cast<size_t>(d.Q) * d.Q * sizeof(float) + 15) / 16 * 16;
+// Dynamic shared memory: the staging first (constant addresses), then a kernel's fp32 matrices.
+size_t output_smem_bytes(const Dims& d) { return kStagingBytes + static_cast<size_t>(d.Q) * d.Q * sizeof(float); }
+size_t backward_smem_bytes(const Dims& d) {
+    return kStagingBytes + (2 * static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float);
 }
-__host__ __device__ inline size_t backward_matrix_bytes(const Dims& d) {
-    return ((2 * static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float) + 15) / 16 * 16;
-}
-size_t output_smem_bytes(const Dims& d) { return output_matrix_bytes(d) + kStagingBytes; }
-size_t backward_smem_bytes(const Dims& d) { return backward_matrix_bytes(d) + kStagingBytes; }
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 int64_t chunks_total(const SsdGeometry& g) { return g.num_rows * ((g.T + g.Q - 1) / g.Q); }
@@ -119,25 +115,54 @@ __device__ Staging staging_at(void* smem) {
     return {base, base + kStagedElems, base + 2 * kStagedElems, base + 3 * kStagedElems};
 }
 
-// Rows [r0, r0 + rows) × k [k0, k0 + kTileK) of one operand into hi (and lo = the rounding rest when
-// kSplit), k >= K as zeros. Rows past `rows` keep stale values: they only feed outputs never emitted.
-template <int kNumThreads, bool kSplit, typename Load>
-__device__ void stage_operand(bf16* hi, bf16* lo, int r0, int rows, int k0, int K, bool k_fast, Load load) {
-    constexpr int kPairs = kTileK / 2;
-    for (int idx = threadIdx.x; idx < rows * kPairs; idx += kNumThreads) {
-        const int r = k_fast ? idx / kPairs : idx % rows;
-        const int kp = k_fast ? idx % kPairs : idx / rows;
-        const int k = k0 + 2 * kp;
-        const float v0 = k < K ? load(r0 + r, k) : 0.0f;
-        const float v1 = k + 1 < K ? load(r0 + r, k + 1) : 0.0f;
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
-        *reinterpret_cast<__nv_bfloat162*>(hi + r * kTileStride + 2 * kp) = h;
-        if constexpr (kSplit) {
-            *reinterpret_cast<__nv_bfloat162*>(lo + r * kTileStride + 2 * kp) =
-                __floats2bfloat162_rn(v0 - __low2float(h), v1 - __high2float(h));
+// A slice of one operand, rows [r0, r0 + rows) × k [k0, k0 + kTileK), in flight in registers: thread
+// threadIdx.x + i·kNumThreads holds value pair i (row r, k = k0 + 2kp, k0 + 2kp + 1; k >= K as zeros).
+// Loading a slice and storing it are two steps so that all of a thread's loads are in flight at once
+// and the next slice's loads overlap the current slice's mma.
+template <int kNumThreads>
+struct SliceRegs {
+    static constexpr int kPairs = kTileK / 2;
+    static constexpr int kIters = kBlockRows * kPairs / kNumThreads;
+    static_assert(kBlockRows * kPairs % kNumThreads == 0, "a slice is a whole number of pairs a thread");
+    float v[kIters][2];
+
+    // The (row, pair) of this thread's i-th pair of the kBlockRows × kPairs slice: k_fast walks k
+    // first, else the rows first (powers of two: shifts and masks).
+    __device__ static void place(int i, bool k_fast, int& r, int& kp) {
+        const int idx = static_cast<int>(threadIdx.x) + i * kNumThreads;
+        r = k_fast ? idx / kPairs : idx % kBlockRows;
+        kp = k_fast ? idx % kPairs : idx / kBlockRows;
+    }
+    template <typename Load>
+    __device__ void load(int r0, int rows, int k0, int K, bool k_fast, Load load_value) {
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            int r, kp;
+            place(i, k_fast, r, kp);
+            const int k = k0 + 2 * kp;
+            const bool in = r < rows;
+            v[i][0] = in && k < K ? load_value(r0 + r, k) : 0.0f;
+            v[i][1] = in && k + 1 < K ? load_value(r0 + r, k + 1) : 0.0f;
         }
     }
-}
+    // Into hi (and lo = the rounding rest when kSplit). Rows past `rows` keep stale values: they only
+    // feed outputs that are never emitted.
+    template <bool kSplit>
+    __device__ void store(bf16* hi, bf16* lo, int rows, bool k_fast) const {
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            int r, kp;
+            place(i, k_fast, r, kp);
+            if (r >= rows) continue;
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v[i][0], v[i][1]);
+            *reinterpret_cast<__nv_bfloat162*>(hi + r * kTileStride + 2 * kp) = h;
+            if constexpr (kSplit) {
+                *reinterpret_cast<__nv_bfloat162*>(lo + r * kTileStride + 2 * kp) =
+                    __floats2bfloat162_rn(v[i][0] - __low2float(h), v[i][1] - __high2float(h));
+            }
+        }
+    }
+};
 
 // One warp tile's accumulators: 2 × 4 mma tiles of 16 × 8, 4 floats a lane each.
 struct WarpAcc {
@@ -154,7 +179,7 @@ __device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
     const int b_row = tn * kWarpTile + lane % 8 + 8 * (lane / 16), b_col = 8 * ((lane / 8) % 2);
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16) {
-        uint32_t a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+        uint32_t a_hi[2][4], a_lo[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
             const int at = (a_row + 16 * mi) * kTileStride + kk + a_col;
@@ -163,22 +188,20 @@ __device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
         }
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) {
+            // b[0], b[1]: the n8 tile 2·nb (k 0-7, 8-15); b[2], b[3]: the tile 2·nb + 1.
             const int at = (b_row + 16 * nb) * kTileStride + kk + b_col;
-            uint32_t r[4];
-            ldmatrix_x4(r, st.b_hi + at);
-            b_hi[2 * nb][0] = r[0], b_hi[2 * nb][1] = r[1], b_hi[2 * nb + 1][0] = r[2], b_hi[2 * nb + 1][1] = r[3];
-            if constexpr (kSplitB) {
-                ldmatrix_x4(r, st.b_lo + at);
-                b_lo[2 * nb][0] = r[0], b_lo[2 * nb][1] = r[1], b_lo[2 * nb + 1][0] = r[2], b_lo[2 * nb + 1][1] = r[3];
-            }
-        }
+            uint32_t b_hi[4], b_lo[4];
+            ldmatrix_x4(b_hi, st.b_hi + at);
+            if constexpr (kSplitB) ldmatrix_x4(b_lo, st.b_lo + at);
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                mma_bf16(acc.v[mi][ni], a_hi[mi], b_hi[ni][0], b_hi[ni][1]);
-                if constexpr (kSplitA) mma_bf16(acc.v[mi][ni], a_lo[mi], b_hi[ni][0], b_hi[ni][1]);
-                if constexpr (kSplitB) mma_bf16(acc.v[mi][ni], a_hi[mi], b_lo[ni][0], b_lo[ni][1]);
+                for (int half = 0; half < 2; ++half) {
+                    float(&d)[4] = acc.v[mi][2 * nb + half];
+                    mma_bf16(d, a_hi[mi], b_hi[2 * half], b_hi[2 * half + 1]);
+                    if constexpr (kSplitA) mma_bf16(d, a_lo[mi], b_hi[2 * half], b_hi[2 * half + 1]);
+                    if constexpr (kSplitB) mma_bf16(d, a_hi[mi], b_lo[2 * half], b_lo[2 * half + 1]);
+                }
             }
         }
     }
@@ -198,7 +221,9 @@ __device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_
     constexpr int kTilesPerWarp = (kTilesPerSide * kTilesPerSide + kNumWarps - 1) / kNumWarps;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();
+#pragma unroll 1
     for (int m0 = 0; m0 < M; m0 += kBlockRows) {
+#pragma unroll 1
         for (int n0 = 0; n0 < N; n0 += kBlockRows) {
             const int rows_m = min(kBlockRows, M - m0), rows_n = min(kBlockRows, N - n0);
             const int tiles_n = (rows_n + kWarpTile - 1) / kWarpTile;
@@ -217,10 +242,20 @@ __device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[w].v[mi][ni][e] = 0.0f;
             }
+            SliceRegs<kNumThreads> next_a, next_b;
+            if (K > 0) {
+                next_a.load(m0, rows_m, 0, K, layout_a.at(0), load_a);
+                next_b.load(n0, rows_n, 0, K, layout_b.at(0), load_b);
+            }
+#pragma unroll 1
             for (int k0 = 0; k0 < K; k0 += kTileK) {
-                stage_operand<kNumThreads, kSplitA>(st.a_hi, st.a_lo, m0, rows_m, k0, K, layout_a.at(k0), load_a);
-                stage_operand<kNumThreads, kSplitB>(st.b_hi, st.b_lo, n0, rows_n, k0, K, layout_b.at(k0), load_b);
+                next_a.template store<kSplitA>(st.a_hi, st.a_lo, rows_m, layout_a.at(k0));
+                next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
                 __syncthreads();
+                if (k0 + kTileK < K) {
+                    next_a.load(m0, rows_m, k0 + kTileK, K, layout_a.at(k0 + kTileK), load_a);
+                    next_b.load(n0, rows_n, k0 + kTileK, K, layout_b.at(k0 + kTileK), load_b);
+                }
 #pragma unroll
                 for (int w = 0; w < kTilesPerWarp; ++w) {
                     const int tile = warp + w * kNumWarps;
@@ -363,19 +398,27 @@ __device__ float block_sum(float v, float* slots) {
     return total;
 }
 
-// Offsets into the token-major buffers.
+// One chunk's operands in the token-major buffers, from base pointers at its first token (32-bit
+// offsets inside the chunk: Q·ld fits an int, checked at launch).
 struct Views {
-    const bf16* xbc;
-    Dims d;
-    int64_t row0;
-    int h, g;
-    __device__ float x(int t, int p) const { return __bfloat162float(xbc[(row0 + t) * d.ld + h * d.P + p]); }
-    __device__ float B(int t, int n) const {
-        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(g) * d.S + n]);
-    }
-    __device__ float C(int t, int n) const {
-        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S + n]);
-    }
+    const bf16 *x0, *B0, *C0;
+    int ld;
+    __device__ Views(const bf16* xbc, const Dims& d, int64_t row0, int h, int g)
+        : x0(xbc + row0 * d.ld + static_cast<int64_t>(h) * d.P),
+          B0(xbc + row0 * d.ld + d.I + static_cast<int64_t>(g) * d.S),
+          C0(xbc + row0 * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S),
+          ld(static_cast<int>(d.ld)) {}
+    __device__ float x(int t, int p) const { return __bfloat162float(x0[t * ld + p]); }
+    __device__ float B(int t, int n) const { return __bfloat162float(B0[t * ld + n]); }
+    __device__ float C(int t, int n) const { return __bfloat162float(C0[t * ld + n]); }
+};
+// A chunk's rows of a head in a [N, H·P] buffer (dy, y).
+struct HeadRows {
+    const bf16* at;
+    int ld;
+    __device__ HeadRows(const bf16* base, const Dims& d, int64_t row0, int h)
+        : at(base + row0 * d.I + static_cast<int64_t>(h) * d.P), ld(static_cast<int>(d.I)) {}
+    __device__ float operator()(int t, int p) const { return __bfloat162float(at[t * ld + p]); }
 };
 
 __device__ __forceinline__ int64_t state_offset(const Dims& d, int b, int c, int h) {
@@ -387,7 +430,7 @@ __device__ __forceinline__ int64_t state_offset(const Dims& d, int b, int c, int
 
 // grid (chunks, H, B). states[b, c, h] = the chunk's end state from a zero entering state;
 // decay[b, c, h] = [seg_last = 0]·exp(cs_last).
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     ssd_chunk_state_kernel(float* states, float* decay, const bf16* xbc, const bf16* dt, SsdParams params,
                            const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
@@ -433,8 +476,8 @@ __global__ void __launch_bounds__(kPassThreads) ssd_state_pass_kernel(float* sta
     }
 }
 
-// grid (chunks, H, B). Dynamic shared memory: M [Q, Q] fp32, then the staging.
-__global__ void __launch_bounds__(kThreads)
+// grid (chunks, H, B), kWideThreads. Dynamic shared memory: the staging, then M [Q, Q] fp32.
+__global__ void __launch_bounds__(kWideThreads, 1)
     ssd_chunk_output_kernel(bf16* y, const float* states, const bf16* xbc, const bf16* dt, SsdParams params,
                             const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
@@ -444,13 +487,13 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const Views v{xbc, d, row0, h, h / d.heads_per_group};
-    float* M = reinterpret_cast<float*>(smem);
-    const Staging st = staging_at(smem + output_matrix_bytes(d));
+    const Staging st = staging_at(smem);
+    float* M = reinterpret_cast<float*>(smem + kStagingBytes);
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
     for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
 
     // M[t, s] = (C_t·B_s)·exp(cs_t − cs_s)·δ_s inside a segment, s <= t; else 0.
-    mma_product<kThreads, false, false, true>(
+    mma_product<kWideThreads, false, false, true>(
         L, L, d.S, along_k(), along_k(), [&](int t, int n) { return v.C(t, n); },
         [&](int s, int n) { return v.B(s, n); },
         [&](int t, int s, float cb) {
@@ -463,12 +506,13 @@ __global__ void __launch_bounds__(kThreads)
     const float* h_in = states + state_offset(d, b, c, h);
     const int K = c > 0 ? L + d.S : L;
     const float D = params.D[h];
-    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
-    mma_product<kThreads, true, true, false>(
+    bf16* y0 = y + row0 * d.I + static_cast<int64_t>(h) * d.P;
+    const int ld_y = static_cast<int>(d.I);
+    mma_product<kWideThreads, true, true, false>(
         L, d.P, K, along_k(), Layout{false, L, true},
         [&](int t, int k) { return k < L ? M[t * d.Q + k] : coef[t] * v.C(t, k - L); },
         [&](int p, int k) { return k < L ? v.x(k, p) : h_in[p * d.S + (k - L)]; },
-        [&](int t, int p, float value) { y[(row0 + t) * HP + h * d.P + p] = __float2bfloat16_rn(value + D * v.x(t, p)); },
+        [&](int t, int p, float value) { y0[t * ld_y + p] = __float2bfloat16_rn(value + D * v.x(t, p)); },
         st);
 }
 
@@ -477,7 +521,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // grid (chunks, H, B). dstates[b, c, h][p, n] = Σ_t [seg_t = 0]·exp(cs_t)·dy_t[p]·C_t[n] (the gradient at
 // the state entering the chunk from the chunk's own outputs); decay as in the forward.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     ssd_chunk_dstate_kernel(float* dstates, float* decay, const bf16* dy, const bf16* xbc, const bf16* dt,
                             SsdParams params, const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
@@ -489,11 +533,10 @@ __global__ void __launch_bounds__(kThreads)
     const Views v{xbc, d, row0, h, h / d.heads_per_group};
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
     for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
-    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
+    const HeadRows dyv(dy, d, row0, h);
     float* out = dstates + state_offset(d, b, c, h);
     mma_product<kThreads, true, false, false>(
-        d.P, d.S, L, along_rows(), along_rows(),
-        [&](int p, int t) { return coef[t] * __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); },
+        d.P, d.S, L, along_rows(), along_rows(), [&](int p, int t) { return coef[t] * dyv(t, p); },
         [&](int n, int t) { return v.C(t, n); }, [&](int p, int n, float value) { out[p * d.S + n] = value; },
         staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
@@ -568,12 +611,12 @@ __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, fl
     out.partial[2 * num_chunks_total * d.H + slot] = sum_diag;
 }
 
-// grid (chunks, G, B), kBackwardThreads. Dynamic shared memory: CB [Q, Q] (the group's C·Bᵀ, masked),
-// W [Q, Q], ACC [Q, P] fp32, then the staging. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
-__global__ void __launch_bounds__(kBackwardThreads, 1)
+// grid (chunks, G, B), kWideThreads. Dynamic shared memory: the staging, then CB [Q, Q] (the group's
+// C·Bᵀ, masked), W [Q, Q], ACC [Q, P] fp32. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
+__global__ void __launch_bounds__(kWideThreads, 1)
     ssd_chunk_backward_kernel(ChunkGradOut out, const bf16* dy, const bf16* xbc, const bf16* dt, SsdParams params,
                               const float* states, const float* dstates, const int32_t* doc_ids, Dims d) {
-    constexpr int kN = kBackwardThreads;
+    constexpr int kN = kWideThreads;
     __shared__ ChunkMeta meta;
     __shared__ HeadSums hs;
     __shared__ float slots[kMaxWarps];
@@ -583,11 +626,10 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const int64_t chunk_idx = static_cast<int64_t>(b) * d.num_chunks + c;
     const int64_t GS = static_cast<int64_t>(d.G) * d.S;
-    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
-    float* CB = reinterpret_cast<float*>(smem);
+    const Staging st = staging_at(smem);
+    float* CB = reinterpret_cast<float*>(smem + kStagingBytes);
     float* W = CB + d.Q * d.Q;
     float* ACC = W + d.Q * d.Q;
-    const Staging st = staging_at(smem + backward_matrix_bytes(d));
     const Views gv{xbc, d, row0, g * d.heads_per_group, g};  // B and C of the group
 
     // The segments do not depend on the head: the first head's meta masks C·Bᵀ.
@@ -601,7 +643,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         const int h = g * d.heads_per_group + k;
         if (k > 0) load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
         const Views v{xbc, d, row0, h, g};
-        auto dyv = [&](int t, int p) { return __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); };
+        const HeadRows dyv(dy, d, row0, h);
+        bf16* dx0 = out.dxbc + row0 * d.ld + static_cast<int64_t>(h) * d.P;
         const float* h_in = c > 0 ? states + state_offset(d, b, c, h) : nullptr;
         const float* dh_out = c + 1 < d.num_chunks ? dstates + state_offset(d, b, c, h) : nullptr;
         const float A = -expf(params.A_log[h]);
@@ -610,7 +653,8 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
 
         // W[t, s] = dy_t·x_s (masked), then the row and column sums of G and the diagonal.
         mma_product<kN, false, false, true>(
-            L, L, d.P, along_k(), along_k(), dyv, [&](int s, int p) { return v.x(s, p); },
+            L, L, d.P, along_k(), along_k(), [&](int t, int p) { return dyv(t, p); },
+            [&](int s, int p) { return v.x(s, p); },
             [&](int t, int s, float value) { W[t * d.Q + s] = same_segment_causal(meta, t, s) ? value : 0.0f; }, st);
         auto g_over_dt = [&](int t, int s) {
             return same_segment_causal(meta, t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s])
@@ -659,7 +703,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
             },
             [&](int p, int t) { return dyv(t, p); },
             [&](int s, int p, float value) {
-                out.dxbc[(row0 + s) * d.ld + h * d.P + p] = __float2bfloat16_rn(ACC[s * d.P + p] + value);
+                dx0[s * v.ld + p] = __float2bfloat16_rn(ACC[s * d.P + p] + value);
             },
             st);
 
@@ -679,13 +723,14 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
         // dC_t (+)= Σ_s W[t, s]·B_s + from_start_t·(dy_t·h_in): one product over k = [s | p].
         float* dB = out.dbc + row0 * 2 * GS + static_cast<int64_t>(g) * d.S;
         float* dC = dB + GS;
+        const int ld_bc = static_cast<int>(2 * GS);
         const bool first_head = k == 0;
         mma_product<kN, true, true, false>(
             L, d.S, dh_out != nullptr ? L + d.P : L, Layout{false, L, true}, along_rows(),
             [&](int s, int kk) { return kk < L ? W[kk * d.Q + s] : hs.to_end[s] * v.x(s, kk - L); },
             [&](int n, int kk) { return kk < L ? v.C(kk, n) : dh_out[(kk - L) * d.S + n]; },
             [&](int s, int n, float value) {
-                float* at = dB + s * 2 * GS + n;
+                float* at = dB + s * ld_bc + n;
                 *at = first_head ? value : *at + value;
             },
             st);
@@ -694,7 +739,7 @@ __global__ void __launch_bounds__(kBackwardThreads, 1)
             [&](int t, int kk) { return kk < L ? W[t * d.Q + kk] : hs.from_start[t] * dyv(t, kk - L); },
             [&](int n, int kk) { return kk < L ? v.B(kk, n) : h_in[(kk - L) * d.S + n]; },
             [&](int t, int n, float value) {
-                float* at = dC + t * 2 * GS + n;
+                float* at = dC + t * ld_bc + n;
                 *at = first_head ? value : *at + value;
             },
             st);
@@ -740,6 +785,8 @@ void check_geometry(const char* op, const SsdGeometry& g) {
     MF_CHECK(g.H < 65536 && g.G < 65536 && g.num_rows < 65536 && (g.T + g.Q - 1) / g.Q < (int64_t{1} << 31), op,
              ": geometry too large");
     MF_CHECK(g.P <= 4096 && g.S <= 4096, op, ": head_dim ", g.P, " / state_size ", g.S, " too large");
+    // Views and HeadRows address a chunk's rows with 32-bit offsets.
+    MF_CHECK(g.Q * (g.H * g.P + 2 * g.G * g.S) < INT_MAX, op, ": a chunk's rows span more than 2^31 elements");
     const Dims d = dims_of(g);
     const size_t need = backward_smem_bytes(d) + kStaticSmemBytes;
     MF_CHECK(need <= static_cast<size_t>(max_shared_bytes()), op, ": chunk_size ", g.Q, ", head_dim ", g.P,
@@ -790,7 +837,7 @@ void ssd_scan_forward(bf16* y, float* states, const bf16* xbc, const bf16* dt, c
     ssd_state_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(states, decay, d);
     MF_CHECK_CUDA(cudaGetLastError());
     set_smem(ssd_chunk_output_kernel, output_smem_bytes(d));
-    ssd_chunk_output_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, output_smem_bytes(d), stream>>>(
+    ssd_chunk_output_kernel<<<chunk_grid(d, g.num_rows, d.H), kWideThreads, output_smem_bytes(d), stream>>>(
         y, states, xbc, dt, params, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
 }
@@ -837,7 +884,7 @@ void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, c
     MF_CHECK_CUDA(cudaGetLastError());
     const ChunkGradOut out{grads.dxbc, grads.ddt, dbc, partial};
     set_smem(ssd_chunk_backward_kernel, backward_smem_bytes(d));
-    ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kBackwardThreads, backward_smem_bytes(d), stream>>>(
+    ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kWideThreads, backward_smem_bytes(d), stream>>>(
         out, dy, xbc, dt, params, states, dstates, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
     const int64_t width = 2 * g.G * g.S;
