@@ -8,10 +8,10 @@
 // of the fp64 one. Every output is poisoned (NaN) before the GPU writes it; "+=" gradients start from
 // random values. Sweeps: several (T, chunk) with T % chunk != 0 (and chunk 1, chunk > T), G = 1 and
 // G > 1, B > 1, ragged documents with one-token documents, documents starting mid-chunk and at a
-// chunk start, no doc_ids, an active dt clamp, parameters f32 and bf16, and (the scan) Nemotron 3 Nano's
-// layer geometry over 4 chunks. The ops with reductions run
-// twice and must give the same bits. Prints each error and bound, and (a print, never an assertion)
-// the scan's GB/s and TFLOP/s at the Nemotron 3 Nano geometry.
+// chunk start, no doc_ids, an active dt clamp, parameters f32 and bf16, and (the scan) Nemotron 3
+// Nano's layer geometry over 4 chunks. The ops with reductions run twice and must give the same bits.
+// Prints each error and bound, and (a print, never an assertion) the scan's ms, GB/s and TFLOP/s at
+// the Nemotron 3 Nano geometry.
 #include <gtest/gtest.h>
 
 #include <algorithm>

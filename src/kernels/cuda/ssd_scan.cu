@@ -38,7 +38,8 @@ constexpr int kWideThreads = 512;    // the output and backward chunk kernels (o
 constexpr int kMaxWarps = kWideThreads / 32;
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
-constexpr int kPassBatch = 8;  // chunk states the passes load before they use the first
+constexpr int kPassBatch = 8;
+constexpr int kColParts = kWideThreads / kMaxQ;  // the backward's column sums: threads a column  // chunk states the passes load before they use the first
 
 // mma_product's tiling: outputs in blocks of kBlockRows × kBlockRows, each cut into warp tiles of
 // kWarpTile × kWarpTile (2 × 4 mma tiles of 16 × 8); the contracted index in slices of kTileK staged
@@ -583,20 +584,53 @@ struct HeadSums {
     float u[kMaxQ];       // dy_t · (h_in·C_t)
     float to_end[kMaxQ];  // exp(cs_last − cs_s)·δ_s in the last segment, else 0
     float from_start[kMaxQ];
+    float col_part[kColParts][kMaxQ];  // col_h's parts
 };
 
-// The scalar chain of one head's chunk (thread 0): dcs, the reverse cumsum to da, dδ, ddt at the raw
-// dt (written) and the chunk's parameter-gradient partial sums.
+// The scalar chain of one head's chunk, by warp 0 (lane l owns tokens 4l .. 4l + 3): dcs, its reverse
+// cumsum da, dδ, ddt at the raw dt (written) and the chunk's parameter-gradient partial sums (lane 0
+// writes them). Fixed order: each lane's tokens in sequence, then shuffles in a fixed pattern.
 __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, float A, int L, int64_t row0, int h,
                             int64_t chunk_idx, int64_t num_chunks_total, const Dims& d, const ChunkGradOut& out) {
-    const int last = L - 1;
-    float sum_w = 0.0f;
-    for (int t = 0; t < L; ++t) sum_w += hs.to_end[t] * hs.v[t];
-    float da = 0.0f, sum_ddt = 0.0f, sum_da_dt = 0.0f, sum_diag = 0.0f;
-    for (int t = last; t >= 0; --t) {
-        float dcs = hs.row_g[t] - m.dtv[t] * hs.col_h[t] - hs.to_end[t] * hs.v[t] + hs.from_start[t] * hs.u[t];
-        if (t == last) dcs += sum_w + (m.seg[last] == 0 ? expf(m.cs[last]) * hh : 0.0f);
-        da += dcs;
+    constexpr int kPerLane = kMaxQ / 32;
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, last = L - 1;
+    float w = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        if (t < L) w += hs.to_end[t] * hs.v[t];
+    }
+    const float sum_w = detail::group_sum<32>(w);
+    // dcs_t, and within the lane the reverse inclusive sums of its tokens.
+    float rev[kPerLane];
+    float lane_total = 0.0f;
+#pragma unroll
+    for (int i = kPerLane - 1; i >= 0; --i) {
+        const int t = lane * kPerLane + i;
+        float dcs = 0.0f;
+        if (t < L) {
+            dcs = hs.row_g[t] - m.dtv[t] * hs.col_h[t] - hs.to_end[t] * hs.v[t] + hs.from_start[t] * hs.u[t];
+            if (t == last) dcs += sum_w + (m.seg[last] == 0 ? expf(m.cs[last]) * hh : 0.0f);
+        }
+        lane_total += dcs;
+        rev[i] = lane_total;
+    }
+    // Σ over the lanes after this one: an inclusive suffix scan, shifted by one lane.
+    float suffix = lane_total;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_down_sync(detail::kFullMask, suffix, offset);
+        if (lane + offset < 32) suffix += other;
+    }
+    float after = __shfl_down_sync(detail::kFullMask, suffix, 1);
+    if (lane == 31) after = 0.0f;
+    float sum_ddt = 0.0f, sum_da_dt = 0.0f, sum_diag = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        if (t >= L) continue;
+        const float da = after + rev[i];
         const float e_t = m.seg[t] == m.seg[last] ? expf(m.cs[last] - m.cs[t]) : 0.0f;
         const float d_dtv = hs.col_h[t] + e_t * hs.v[t] + A * da;
         const float d_raw = d_dtv * m.dsp[t];
@@ -605,6 +639,10 @@ __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, fl
         sum_da_dt += da * m.dtv[t];
         sum_diag += hs.diag[t];
     }
+    sum_ddt = detail::group_sum<32>(sum_ddt);
+    sum_da_dt = detail::group_sum<32>(sum_da_dt);
+    sum_diag = detail::group_sum<32>(sum_diag);
+    if (lane != 0) return;
     const int64_t slot = chunk_idx * d.H + h;
     out.partial[slot] = sum_ddt;
     out.partial[num_chunks_total * d.H + slot] = A * sum_da_dt;  // dA/dA_log = A
@@ -661,9 +699,17 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                                                    : 0.0f;
         };
         row_sums(hs.row_g, L, L, [&](int t, int s) { return g_over_dt(t, s) * meta.dtv[s]; });
+        // col_h in kColParts interleaved parts of t, added in part order.
+        for (int e = threadIdx.x; e < kColParts * L; e += blockDim.x) {
+            const int part = e / L, s = e % L;
+            float sum = 0.0f;
+            for (int t = s + part; t < L; t += kColParts) sum += g_over_dt(t, s);
+            hs.col_part[part][s] = sum;
+        }
+        __syncthreads();
         for (int s = threadIdx.x; s < L; s += blockDim.x) {
             float sum = 0.0f;
-            for (int t = s; t < L; ++t) sum += g_over_dt(t, s);
+            for (int part = 0; part < kColParts; ++part) sum += hs.col_part[part][s];
             hs.col_h[s] = sum;
             hs.diag[s] = W[s * d.Q + s];
             hs.to_end[s] = decay_to_end(meta, s, L) * meta.dtv[s];
@@ -751,8 +797,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             for (int e = threadIdx.x; e < d.P * d.S; e += blockDim.x) sum += dh_out[e] * h_in[e];
             hh = block_sum(sum, slots);
         }
-        if (threadIdx.x == 0)
-            finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
+        finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
         __syncthreads();
     }
 }
