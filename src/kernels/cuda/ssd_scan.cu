@@ -13,14 +13,19 @@
 // chunk's end state; (3) per chunk and B/C group (its heads in order, C·Bᵀ computed once): dx, dB, dC
 // (summed over the group's heads in f32 scratch, in head order), the gradient at cs and δ, ddt at the
 // raw dt, and per-chunk partial sums of ddt_bias, dA_log, dD, reduced over chunks in a fixed order.
-// The products are fp32 tiles staged in shared memory (kTileK-wide slices of the contracted index,
-// each output element owned by one thread, summed in a fixed order): no atomics, bitwise reproducible.
+// Every product runs on the tensor cores (mma_product: mma.sync m16n8k16 bf16 → fp32). x, B, C and dy
+// are bf16 already and enter exactly; an fp32 operand (a decayed C·Bᵀ, a state, a scaled row) enters
+// as hi + lo, two bf16 whose sum carries ~16 mantissa bits, and costs a second mma (a·b = hi·b + lo·b;
+// both sides split: hi·hi + lo·hi + hi·lo), so the products keep about fp32 accuracy. cs, the exp of
+// its differences, the masks and the chunk-to-chunk state pass stay fp32 on CUDA cores. Each output
+// element is summed by one thread in a fixed order: no atomics, bitwise reproducible.
 // NOTE: the per-chunk matrices are [Q, Q] fp32 in shared memory, so Q <= kSsdMaxChunk and the launch
 // checks the shared-memory budget for the (Q, P, S) given.
 #include <algorithm>
-#include <limits>
+#include <climits>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/ssd_scan.cuh"
 
@@ -28,16 +33,26 @@ namespace mf::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kTileK = 32;
-constexpr int kPad = kTileK + 1;  // tile row stride: conflict-free for both load orders
+constexpr int kThreads = 256;        // the chunk-state and dstate kernels (two blocks per SM)
+constexpr int kWideThreads = 512;    // the output and backward chunk kernels (one block per SM)
+constexpr int kMaxWarps = kWideThreads / 32;
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
-constexpr int kGridSide = 16;  // tile_product: kThreads as a 16 × 16 grid
-constexpr int kMicro = 4;      // outputs per thread per side of a block
-constexpr int kMacro = kMicro * kGridSide;
-static_assert(kThreads == kGridSide * kGridSide, "tile_product maps the block onto a square grid");
+constexpr int kPassBatch = 8;
+constexpr int kColParts = kWideThreads / kMaxQ;  // the backward's column sums: threads a column  // chunk states the passes load before they use the first
+
+// mma_product's tiling: outputs in blocks of kBlockRows × kBlockRows, each cut into warp tiles of
+// kWarpTile × kWarpTile (2 × 4 mma tiles of 16 × 8); the contracted index in slices of kTileK staged
+// as bf16 rows of kTileStride (80 bytes: the 8 rows an ldmatrix reads fall in distinct banks).
+constexpr int kBlockRows = 128;
+constexpr int kWarpTile = 32;
+constexpr int kTilesPerSide = kBlockRows / kWarpTile;
+constexpr int kTileK = 32;
+constexpr int kTileStride = kTileK + 8;
+constexpr int kStagedElems = kBlockRows * kTileStride;
+constexpr size_t kStagingBytes = 4 * kStagedElems * sizeof(bf16);  // A hi, A lo, B hi, B lo
+static_assert((kBlockRows & (kBlockRows - 1)) == 0 && kTileK % 32 == 0, "SliceRegs::place: powers of two");
+static_assert(kMaxQ <= kBlockRows && kMaxQ % 32 == 0, "one output block covers a chunk; prefix sums: kMaxQ/32 a lane");
 
 // The geometry as the kernels use it.
 struct Dims {
@@ -65,19 +80,211 @@ Dims dims_of(const SsdGeometry& g) {
     return d;
 }
 
-int max_dim(const Dims& d) { return std::max({d.Q, d.P, d.S}); }
-size_t tile_bytes(const Dims& d) { return 2 * static_cast<size_t>(max_dim(d)) * kPad * sizeof(float); }
-size_t output_smem_bytes(const Dims& d) {
-    return (static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float) + tile_bytes(d);
-}
+// Dynamic shared memory: the staging first (constant addresses), then a kernel's fp32 matrices.
+size_t output_smem_bytes(const Dims& d) { return kStagingBytes + static_cast<size_t>(d.Q) * d.Q * sizeof(float); }
 size_t backward_smem_bytes(const Dims& d) {
-    return (2 * static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float) + tile_bytes(d);
+    return kStagingBytes + (2 * static_cast<size_t>(d.Q) * d.Q + static_cast<size_t>(d.Q) * d.P) * sizeof(float);
 }
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 int64_t chunks_total(const SsdGeometry& g) { return g.num_rows * ((g.T + g.Q - 1) / g.Q); }
 size_t decay_bytes(const SsdGeometry& g) {
     return align256(static_cast<size_t>(chunks_total(g) * g.H) * sizeof(float));
+}
+
+// ----------------------------------------------------------------------------------------------
+// the tensor-core product
+
+// Where a loader's source is contiguous: along k (k_fast) or along the row index, for the slices
+// that start below k_switch, and k_fast_after for the rest (a product over two concatenated ranges
+// of k, each with its own source). Only the staging's access order depends on it.
+struct Layout {
+    bool k_fast;
+    int k_switch = INT_MAX;
+    bool k_fast_after = false;
+    __device__ bool at(int k0) const { return k0 < k_switch ? k_fast : k_fast_after; }
+};
+__device__ __forceinline__ Layout along_k() { return {true}; }
+__device__ __forceinline__ Layout along_rows() { return {false}; }
+
+// The staged slice of both operands (dynamic shared memory, kStagingBytes).
+struct Staging {
+    bf16 *a_hi, *a_lo, *b_hi, *b_lo;
+};
+__device__ Staging staging_at(void* smem) {
+    bf16* base = static_cast<bf16*>(smem);
+    return {base, base + kStagedElems, base + 2 * kStagedElems, base + 3 * kStagedElems};
+}
+
+// A slice of one operand, rows [r0, r0 + rows) × k [k0, k0 + kTileK), in flight in registers: thread
+// threadIdx.x + i·kNumThreads holds value pair i (row r, k = k0 + 2kp, k0 + 2kp + 1; k >= K as zeros).
+// Loading a slice and storing it are two steps so that all of a thread's loads are in flight at once
+// and the next slice's loads overlap the current slice's mma.
+template <int kNumThreads>
+struct SliceRegs {
+    static constexpr int kPairs = kTileK / 2;
+    static constexpr int kIters = kBlockRows * kPairs / kNumThreads;
+    static_assert(kBlockRows * kPairs % kNumThreads == 0, "a slice is a whole number of pairs a thread");
+    float v[kIters][2];
+
+    // The (row, pair) of this thread's i-th pair of the kBlockRows × kPairs slice: k_fast walks k
+    // first, else the rows first (powers of two: shifts and masks).
+    __device__ static void place(int i, bool k_fast, int& r, int& kp) {
+        const int idx = static_cast<int>(threadIdx.x) + i * kNumThreads;
+        r = k_fast ? idx / kPairs : idx % kBlockRows;
+        kp = k_fast ? idx % kPairs : idx / kBlockRows;
+    }
+    template <typename Load>
+    __device__ void load(int r0, int rows, int k0, int K, bool k_fast, Load load_value) {
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            int r, kp;
+            place(i, k_fast, r, kp);
+            const int k = k0 + 2 * kp;
+            const bool in = r < rows;
+            v[i][0] = in && k < K ? load_value(r0 + r, k) : 0.0f;
+            v[i][1] = in && k + 1 < K ? load_value(r0 + r, k + 1) : 0.0f;
+        }
+    }
+    // Into hi (and lo = the rounding rest when kSplit). Rows past `rows` keep stale values: they only
+    // feed outputs that are never emitted.
+    template <bool kSplit>
+    __device__ void store(bf16* hi, bf16* lo, int rows, bool k_fast) const {
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            int r, kp;
+            place(i, k_fast, r, kp);
+            if (r >= rows) continue;
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v[i][0], v[i][1]);
+            *reinterpret_cast<__nv_bfloat162*>(hi + r * kTileStride + 2 * kp) = h;
+            if constexpr (kSplit) {
+                *reinterpret_cast<__nv_bfloat162*>(lo + r * kTileStride + 2 * kp) =
+                    __floats2bfloat162_rn(v[i][0] - __low2float(h), v[i][1] - __high2float(h));
+            }
+        }
+    }
+};
+
+// One warp tile's accumulators: 2 × 4 mma tiles of 16 × 8, 4 floats a lane each.
+struct WarpAcc {
+    float v[2][4][4];
+};
+
+// acc += the staged slice's contribution to the warp tile at (row tm, column tn) of the block:
+// kTileK / 16 steps of (A hi·B hi [+ A lo·B hi] [+ A hi·B lo]).
+template <bool kSplitA, bool kSplitB>
+__device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
+    const int lane = threadIdx.x % 32;
+    // ldmatrix row addresses: A matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15); B (k 0-7 | 8-15) × (n 0-7 | 8-15).
+    const int a_row = tm * kWarpTile + lane % 8 + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
+    const int b_row = tn * kWarpTile + lane % 8 + 8 * (lane / 16), b_col = 8 * ((lane / 8) % 2);
+#pragma unroll
+    for (int kk = 0; kk < kTileK; kk += 16) {
+        uint32_t a_hi[2][4], a_lo[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            const int at = (a_row + 16 * mi) * kTileStride + kk + a_col;
+            ldmatrix_x4(a_hi[mi], st.a_hi + at);
+            if constexpr (kSplitA) ldmatrix_x4(a_lo[mi], st.a_lo + at);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+            // b[0], b[1]: the n8 tile 2·nb (k 0-7, 8-15); b[2], b[3]: the tile 2·nb + 1.
+            const int at = (b_row + 16 * nb) * kTileStride + kk + b_col;
+            uint32_t b_hi[4], b_lo[4];
+            ldmatrix_x4(b_hi, st.b_hi + at);
+            if constexpr (kSplitB) ldmatrix_x4(b_lo, st.b_lo + at);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float(&d)[4] = acc.v[mi][2 * nb + half];
+                    mma_bf16(d, a_hi[mi], b_hi[2 * half], b_hi[2 * half + 1]);
+                    if constexpr (kSplitA) mma_bf16(d, a_lo[mi], b_hi[2 * half], b_hi[2 * half + 1]);
+                    if constexpr (kSplitB) mma_bf16(d, a_hi[mi], b_lo[2 * half], b_lo[2 * half + 1]);
+                }
+            }
+        }
+    }
+}
+
+// For every i < M, j < N: emit(i, j, Σ_{k<K} a(i, k)·b(j, k)), called once, by one thread. a(i, k) and
+// b(j, k) are floats (exact bf16 values unless kSplitA / kSplitB: then split into hi + lo). With
+// kLowerTriangle, warp tiles wholly above the diagonal (every j > i) are not multiplied and emit 0.
+// The sum is fp32 in the mma's fixed order over slices of k ascending. Barriers at entry and exit
+// (emit may write shared memory the caller reads next; the loaders may read what it wrote before);
+// blockDim.x must be kNumThreads.
+template <int kNumThreads, bool kSplitA, bool kSplitB, bool kLowerTriangle, typename LoadA, typename LoadB,
+          typename Emit>
+__device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_b, LoadA load_a, LoadB load_b,
+                            Emit emit, const Staging& st) {
+    constexpr int kNumWarps = kNumThreads / 32;
+    constexpr int kTilesPerWarp = (kTilesPerSide * kTilesPerSide + kNumWarps - 1) / kNumWarps;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+#pragma unroll 1
+    for (int m0 = 0; m0 < M; m0 += kBlockRows) {
+#pragma unroll 1
+        for (int n0 = 0; n0 < N; n0 += kBlockRows) {
+            const int rows_m = min(kBlockRows, M - m0), rows_n = min(kBlockRows, N - n0);
+            const int tiles_n = (rows_n + kWarpTile - 1) / kWarpTile;
+            const int num_tiles = (rows_m + kWarpTile - 1) / kWarpTile * tiles_n;
+            WarpAcc acc[kTilesPerWarp];
+            bool active[kTilesPerWarp];
+#pragma unroll
+            for (int w = 0; w < kTilesPerWarp; ++w) {
+                const int tile = warp + w * kNumWarps, tm = tile / tiles_n, tn = tile % tiles_n;
+                active[w] = tile < num_tiles &&
+                            !(kLowerTriangle && n0 + tn * kWarpTile > m0 + tm * kWarpTile + kWarpTile - 1);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[w].v[mi][ni][e] = 0.0f;
+            }
+            SliceRegs<kNumThreads> next_a, next_b;
+            if (K > 0) {
+                next_a.load(m0, rows_m, 0, K, layout_a.at(0), load_a);
+                next_b.load(n0, rows_n, 0, K, layout_b.at(0), load_b);
+            }
+#pragma unroll 1
+            for (int k0 = 0; k0 < K; k0 += kTileK) {
+                next_a.template store<kSplitA>(st.a_hi, st.a_lo, rows_m, layout_a.at(k0));
+                next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
+                __syncthreads();
+                if (k0 + kTileK < K) {
+                    next_a.load(m0, rows_m, k0 + kTileK, K, layout_a.at(k0 + kTileK), load_a);
+                    next_b.load(n0, rows_n, k0 + kTileK, K, layout_b.at(k0 + kTileK), load_b);
+                }
+#pragma unroll
+                for (int w = 0; w < kTilesPerWarp; ++w) {
+                    const int tile = warp + w * kNumWarps;
+                    if (active[w]) mma_slice<kSplitA, kSplitB>(acc[w], st, tile / tiles_n, tile % tiles_n);
+                }
+                __syncthreads();
+            }
+#pragma unroll
+            for (int w = 0; w < kTilesPerWarp; ++w) {
+                const int tile = warp + w * kNumWarps;
+                if (tile >= num_tiles) continue;
+                const int i0 = m0 + (tile / tiles_n) * kWarpTile + lane / 4;
+                const int j0 = n0 + (tile % tiles_n) * kWarpTile + 2 * (lane % 4);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int i = i0 + 16 * mi + 8 * (e / 2), j = j0 + 8 * ni + e % 2;
+                            if (i < M && j < N) emit(i, j, acc[w].v[mi][ni][e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -97,6 +304,43 @@ __device__ __forceinline__ bool starts_segment(const int32_t* doc_ids, int64_t n
     return n % T == 0 || (doc_ids != nullptr && doc_ids[n] != doc_ids[n - 1]);
 }
 
+// cs and seg of tokens [0, L) turned into inclusive prefix sums by warp 0, in a fixed order: each lane
+// sums kMaxQ / 32 consecutive tokens, a shuffle scan adds the lanes before it.
+__device__ void prefix_sums(ChunkMeta& m, int L) {
+    constexpr int kPerLane = kMaxQ / 32;
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    float cs[kPerLane];
+    int seg[kPerLane];
+    float cs_sum = 0.0f;
+    int seg_sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        cs_sum += t < L ? m.cs[t] : 0.0f;
+        seg_sum += t < L ? m.seg[t] : 0;
+        cs[i] = cs_sum;
+        seg[i] = seg_sum;
+    }
+    float cs_incl = cs_sum;
+    int seg_incl = seg_sum;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float c = __shfl_up_sync(detail::kFullMask, cs_incl, offset);
+        const int s = __shfl_up_sync(detail::kFullMask, seg_incl, offset);
+        if (lane >= offset) cs_incl += c, seg_incl += s;
+    }
+    const float cs_before = __shfl_up_sync(detail::kFullMask, cs_incl, 1);
+    const int seg_before = __shfl_up_sync(detail::kFullMask, seg_incl, 1);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        if (t >= L) continue;
+        m.cs[t] = lane > 0 ? cs_before + cs[i] : cs[i];
+        m.seg[t] = lane > 0 ? seg_before + seg[i] : seg[i];
+    }
+}
+
 // Fills meta for tokens [row0, row0 + L) and head h (ends with a barrier).
 __device__ void load_chunk_meta(ChunkMeta& m, const bf16* dt, const SsdParams& params, const int32_t* doc_ids,
                                 const Dims& d, int64_t row0, int L, int h) {
@@ -114,12 +358,7 @@ __device__ void load_chunk_meta(ChunkMeta& m, const bf16* dt, const SsdParams& p
         m.seg[t] = starts_segment(doc_ids, n, d.T) ? 1 : 0;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int t = 1; t < L; ++t) {
-            m.cs[t] += m.cs[t - 1];
-            m.seg[t] += m.seg[t - 1];
-        }
-    }
+    prefix_sums(m, L);
     __syncthreads();
 }
 
@@ -133,92 +372,6 @@ __device__ __forceinline__ float decay_to_end(const ChunkMeta& m, int s, int L) 
 // exp(cs_t) if t still sees the state entering the chunk, else 0.
 __device__ __forceinline__ float decay_from_start(const ChunkMeta& m, int t) {
     return m.seg[t] == 0 ? expf(m.cs[t]) : 0.0f;
-}
-
-// Which (i, j) of a product tile_product writes: every one, or those of one segment with j <= i
-// (the masked C·Bᵀ and dy·xᵀ of a chunk). kLowerTriangle lets tile_product skip whole blocks above
-// the diagonal.
-struct KeepAll {
-    static constexpr bool kLowerTriangle = false;
-    __device__ bool operator()(int, int) const { return true; }
-};
-struct KeepSegment {
-    static constexpr bool kLowerTriangle = true;
-    const ChunkMeta* meta;
-    __device__ bool operator()(int t, int s) const { return same_segment_causal(*meta, t, s); }
-};
-
-// acc[i·ld_acc + j] = (or += when accumulate) Σ_{k<K} a(i, k) · b(j, k) for i < M, j < N where keep(i, j);
-// elsewhere acc is left alone (set to 0 when not accumulating). The contracted index goes in
-// slices of kTileK staged in shared memory (tile_a [M][kPad], tile_b [N][kPad], zero-padded); the
-// loads run along k (kAKFast / kBKFast) or along i / j, whichever the source is contiguous in. The
-// outputs go in blocks of kMacro × kMacro, each thread summing kMicro × kMicro of them in registers
-// (rows kMicro·ty + r, columns tx + kGridSide·c). Each acc element belongs to one thread and is
-// summed in a fixed order (k ascending within a slice, the slices in order). Barriers at entry and
-// exit; blockDim.x must be kThreads.
-template <bool kAKFast, bool kBKFast, typename LoadA, typename LoadB, typename Keep>
-__device__ void tile_product(float* acc, int64_t ld_acc, bool accumulate, int M, int N, int K, LoadA load_a,
-                             LoadB load_b, Keep keep, float* tile_a, float* tile_b) {
-    const int tx = threadIdx.x % kGridSide, ty = threadIdx.x / kGridSide;
-    for (int k0 = 0; k0 < max(K, 1); k0 += kTileK) {
-        const int kn = min(kTileK + 0, K - k0);
-        __syncthreads();
-        for (int idx = threadIdx.x; idx < M * kTileK; idx += blockDim.x) {
-            const int i = kAKFast ? idx / kTileK : idx % M;
-            const int k = kAKFast ? idx % kTileK : idx / M;
-            tile_a[i * kPad + k] = k < kn ? load_a(i, k0 + k) : 0.0f;
-        }
-        for (int idx = threadIdx.x; idx < N * kTileK; idx += blockDim.x) {
-            const int j = kBKFast ? idx / kTileK : idx % N;
-            const int k = kBKFast ? idx % kTileK : idx / N;
-            tile_b[j * kPad + k] = k < kn ? load_b(j, k0 + k) : 0.0f;
-        }
-        __syncthreads();
-        const bool first = k0 == 0 && !accumulate;
-        for (int m0 = 0; m0 < M; m0 += kMacro) {
-            for (int n0 = 0; n0 < N; n0 += kMacro) {
-                // A block wholly above the diagonal has nothing to keep (the same for every thread).
-                const bool skip = Keep::kLowerTriangle && n0 > m0 + kMacro - 1;
-                float sum[kMicro][kMicro] = {};
-                if (!skip) {
-                    const float* ta[kMicro];
-                    const float* tb[kMicro];
-#pragma unroll
-                    for (int r = 0; r < kMicro; ++r) ta[r] = tile_a + min(m0 + kMicro * ty + r, M - 1) * kPad;
-#pragma unroll
-                    for (int c = 0; c < kMicro; ++c) tb[c] = tile_b + min(n0 + tx + kGridSide * c, N - 1) * kPad;
-#pragma unroll 4
-                    for (int k = 0; k < kTileK; ++k) {
-                        float a[kMicro], b[kMicro];
-#pragma unroll
-                        for (int r = 0; r < kMicro; ++r) a[r] = ta[r][k];
-#pragma unroll
-                        for (int c = 0; c < kMicro; ++c) b[c] = tb[c][k];
-#pragma unroll
-                        for (int r = 0; r < kMicro; ++r) {
-#pragma unroll
-                            for (int c = 0; c < kMicro; ++c) sum[r][c] += a[r] * b[c];
-                        }
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < kMicro; ++r) {
-#pragma unroll
-                    for (int c = 0; c < kMicro; ++c) {
-                        const int i = m0 + kMicro * ty + r, j = n0 + tx + kGridSide * c;
-                        if (i >= M || j >= N) continue;
-                        float* out = acc + i * ld_acc + j;
-                        if (skip || !keep(i, j)) {
-                            if (first) *out = 0.0f;
-                            continue;
-                        }
-                        *out = first ? sum[r][c] : *out + sum[r][c];
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
 }
 
 // out[r] = Σ_{j<cols} term(r, j) for r < rows: one warp per row, lanes over j, a xor butterfly
@@ -235,30 +388,38 @@ __device__ void row_sums(float* out, int rows, int cols, Term term) {
     __syncthreads();
 }
 
-// Σ v over the block, the same bits in every thread. slots: kWarps floats of shared memory.
+// Σ v over the block, the same bits in every thread. slots: kMaxWarps floats of shared memory.
 __device__ float block_sum(float v, float* slots) {
     v = detail::group_sum<32>(v);
     __syncthreads();
     if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
     __syncthreads();
     float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += slots[w];
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += slots[w];
     return total;
 }
 
-// Offsets into the token-major buffers.
+// One chunk's operands in the token-major buffers, from base pointers at its first token (32-bit
+// offsets inside the chunk: Q·ld fits an int, checked at launch).
 struct Views {
-    const bf16* xbc;
-    Dims d;
-    int64_t row0;
-    int h, g;
-    __device__ float x(int t, int p) const { return __bfloat162float(xbc[(row0 + t) * d.ld + h * d.P + p]); }
-    __device__ float B(int t, int n) const {
-        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(g) * d.S + n]);
-    }
-    __device__ float C(int t, int n) const {
-        return __bfloat162float(xbc[(row0 + t) * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S + n]);
-    }
+    const bf16 *x0, *B0, *C0;
+    int ld;
+    __device__ Views(const bf16* xbc, const Dims& d, int64_t row0, int h, int g)
+        : x0(xbc + row0 * d.ld + static_cast<int64_t>(h) * d.P),
+          B0(xbc + row0 * d.ld + d.I + static_cast<int64_t>(g) * d.S),
+          C0(xbc + row0 * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S),
+          ld(static_cast<int>(d.ld)) {}
+    __device__ float x(int t, int p) const { return __bfloat162float(x0[t * ld + p]); }
+    __device__ float B(int t, int n) const { return __bfloat162float(B0[t * ld + n]); }
+    __device__ float C(int t, int n) const { return __bfloat162float(C0[t * ld + n]); }
+};
+// A chunk's rows of a head in a [N, H·P] buffer (dy, y).
+struct HeadRows {
+    const bf16* at;
+    int ld;
+    __device__ HeadRows(const bf16* base, const Dims& d, int64_t row0, int h)
+        : at(base + row0 * d.I + static_cast<int64_t>(h) * d.P), ld(static_cast<int>(d.I)) {}
+    __device__ float operator()(int t, int p) const { return __bfloat162float(at[t * ld + p]); }
 };
 
 __device__ __forceinline__ int64_t state_offset(const Dims& d, int b, int c, int h) {
@@ -270,85 +431,90 @@ __device__ __forceinline__ int64_t state_offset(const Dims& d, int b, int c, int
 
 // grid (chunks, H, B). states[b, c, h] = the chunk's end state from a zero entering state;
 // decay[b, c, h] = [seg_last = 0]·exp(cs_last).
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     ssd_chunk_state_kernel(float* states, float* decay, const bf16* xbc, const bf16* dt, SsdParams params,
                            const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
     __shared__ float coef[kMaxQ];
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const Views v{xbc, d, row0, h, h / d.heads_per_group};
-    float* tile_a = smem;
-    float* tile_b = smem + max(d.Q, max(d.P, d.S)) * kPad;
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
     for (int s = threadIdx.x; s < L; s += blockDim.x) coef[s] = decay_to_end(meta, s, L) * meta.dtv[s];
     // states[p, n] = Σ_s coef_s·x_s[p] · B_s[n]
-    tile_product<false, false>(
-        states + state_offset(d, b, c, h), d.S, false, d.P, d.S, L, [&](int p, int s) { return coef[s] * v.x(s, p); },
-        [&](int n, int s) { return v.B(s, n); }, KeepAll{}, tile_a, tile_b);
+    float* out = states + state_offset(d, b, c, h);
+    mma_product<kThreads, true, false, false>(
+        d.P, d.S, L, along_rows(), along_rows(), [&](int p, int s) { return coef[s] * v.x(s, p); },
+        [&](int n, int s) { return v.B(s, n); }, [&](int p, int n, float value) { out[p * d.S + n] = value; },
+        staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
 
 // grid (ceil(P·S / kPassThreads), H, B): states turned in place from each chunk's local end state
-// into the state entering it: h_0 = 0, h_{c+1} = decay_c·h_c + local_c.
+// into the state entering it: h_0 = 0, h_{c+1} = decay_c·h_c + local_c. The loads of a batch of
+// chunks go out before the first is used.
 __global__ void __launch_bounds__(kPassThreads) ssd_state_pass_kernel(float* states, const float* decay, Dims d) {
     const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (e >= static_cast<int64_t>(d.P) * d.S) return;
     const int h = blockIdx.y, b = blockIdx.z;
     float state = 0.0f;
-    for (int c = 0; c < d.num_chunks; ++c) {
-        float* at = states + state_offset(d, b, c, h) + e;
-        const float local = *at;
-        *at = state;
-        state = decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] * state + local;
+    for (int c0 = 0; c0 < d.num_chunks; c0 += kPassBatch) {
+        float local[kPassBatch], dec[kPassBatch];
+#pragma unroll
+        for (int i = 0; i < kPassBatch; ++i) {
+            const int c = min(c0 + i, d.num_chunks - 1);
+            local[i] = states[state_offset(d, b, c, h) + e];
+            dec[i] = decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h];
+        }
+#pragma unroll
+        for (int i = 0; i < kPassBatch; ++i) {
+            if (c0 + i >= d.num_chunks) break;
+            states[state_offset(d, b, c0 + i, h) + e] = state;
+            state = dec[i] * state + local[i];
+        }
     }
 }
 
-// grid (chunks, H, B). Dynamic shared memory: M [Q, Q], Y [Q, P], two tiles.
-__global__ void __launch_bounds__(kThreads)
+// grid (chunks, H, B), kWideThreads. Dynamic shared memory: the staging, then M [Q, Q] fp32.
+__global__ void __launch_bounds__(kWideThreads, 1)
     ssd_chunk_output_kernel(bf16* y, const float* states, const bf16* xbc, const bf16* dt, SsdParams params,
                             const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
     __shared__ float coef[kMaxQ];
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const Views v{xbc, d, row0, h, h / d.heads_per_group};
-    float* M = smem;
-    float* Y = M + d.Q * d.Q;
-    float* tile_a = Y + d.Q * d.P;
-    float* tile_b = tile_a + max(d.Q, max(d.P, d.S)) * kPad;
+    const Staging st = staging_at(smem);
+    float* M = reinterpret_cast<float*>(smem + kStagingBytes);
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
+    for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
 
     // M[t, s] = (C_t·B_s)·exp(cs_t − cs_s)·δ_s inside a segment, s <= t; else 0.
-    const KeepSegment keep{&meta};
-    tile_product<true, true>(
-        M, d.Q, false, L, L, d.S, [&](int t, int n) { return v.C(t, n); }, [&](int s, int n) { return v.B(s, n); },
-        keep, tile_a, tile_b);
-    for (int e = threadIdx.x; e < L * L; e += blockDim.x) {
-        const int t = e / L, s = e % L;
-        if (keep(t, s)) M[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
-    }
-    // Y = M·X (tile_product's entry barrier orders the scaling before it).
-    tile_product<true, false>(
-        Y, d.P, false, L, d.P, L, [&](int t, int s) { return M[t * d.Q + s]; }, [&](int p, int s) { return v.x(s, p); },
-        KeepAll{}, tile_a, tile_b);
-    if (c > 0) {  // the state entering chunk 0 is zero
-        const float* h_in = states + state_offset(d, b, c, h);
-        for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
-        tile_product<true, true>(
-            Y, d.P, true, L, d.P, d.S, [&](int t, int n) { return coef[t] * v.C(t, n); },
-            [&](int p, int n) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
-    }
+    mma_product<kWideThreads, false, false, true>(
+        L, L, d.S, along_k(), along_k(), [&](int t, int n) { return v.C(t, n); },
+        [&](int s, int n) { return v.B(s, n); },
+        [&](int t, int s, float cb) {
+            M[t * d.Q + s] =
+                same_segment_causal(meta, t, s) ? cb * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
+        },
+        st);
+    // y_t = Σ_s M[t, s]·x_s + coef_t·C_t·h_in + D·x_t: one product over k = [s of the chunk | n of the
+    // state] (the second range only past chunk 0: the state entering chunk 0 is zero).
+    const float* h_in = states + state_offset(d, b, c, h);
+    const int K = c > 0 ? L + d.S : L;
     const float D = params.D[h];
-    for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
-        const int t = e / d.P, p = e % d.P;
-        y[(row0 + t) * (static_cast<int64_t>(d.H) * d.P) + h * d.P + p] =
-            __float2bfloat16_rn(Y[t * d.P + p] + D * v.x(t, p));
-    }
+    bf16* y0 = y + row0 * d.I + static_cast<int64_t>(h) * d.P;
+    const int ld_y = static_cast<int>(d.I);
+    mma_product<kWideThreads, true, true, false>(
+        L, d.P, K, along_k(), Layout{false, L, true},
+        [&](int t, int k) { return k < L ? M[t * d.Q + k] : coef[t] * v.C(t, k - L); },
+        [&](int p, int k) { return k < L ? v.x(k, p) : h_in[p * d.S + (k - L)]; },
+        [&](int t, int p, float value) { y0[t * ld_y + p] = __float2bfloat16_rn(value + D * v.x(t, p)); },
+        st);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -356,25 +522,24 @@ __global__ void __launch_bounds__(kThreads)
 
 // grid (chunks, H, B). dstates[b, c, h][p, n] = Σ_t [seg_t = 0]·exp(cs_t)·dy_t[p]·C_t[n] (the gradient at
 // the state entering the chunk from the chunk's own outputs); decay as in the forward.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     ssd_chunk_dstate_kernel(float* dstates, float* decay, const bf16* dy, const bf16* xbc, const bf16* dt,
                             SsdParams params, const int32_t* doc_ids, Dims d) {
     __shared__ ChunkMeta meta;
     __shared__ float coef[kMaxQ];
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const Views v{xbc, d, row0, h, h / d.heads_per_group};
-    float* tile_a = smem;
-    float* tile_b = smem + max(d.Q, max(d.P, d.S)) * kPad;
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
     for (int t = threadIdx.x; t < L; t += blockDim.x) coef[t] = decay_from_start(meta, t);
-    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
-    tile_product<false, false>(
-        dstates + state_offset(d, b, c, h), d.S, false, d.P, d.S, L,
-        [&](int p, int t) { return coef[t] * __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); },
-        [&](int n, int t) { return v.C(t, n); }, KeepAll{}, tile_a, tile_b);
+    const HeadRows dyv(dy, d, row0, h);
+    float* out = dstates + state_offset(d, b, c, h);
+    mma_product<kThreads, true, false, false>(
+        d.P, d.S, L, along_rows(), along_rows(), [&](int p, int t) { return coef[t] * dyv(t, p); },
+        [&](int n, int t) { return v.C(t, n); }, [&](int p, int n, float value) { out[p * d.S + n] = value; },
+        staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
 
@@ -385,11 +550,20 @@ __global__ void __launch_bounds__(kPassThreads) ssd_dstate_pass_kernel(float* ds
     if (e >= static_cast<int64_t>(d.P) * d.S) return;
     const int h = blockIdx.y, b = blockIdx.z;
     float grad = 0.0f;
-    for (int c = d.num_chunks - 1; c >= 0; --c) {
-        float* at = dstates + state_offset(d, b, c, h) + e;
-        const float own = *at;
-        *at = grad;
-        grad = own + decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] * grad;
+    for (int c0 = d.num_chunks - 1; c0 >= 0; c0 -= kPassBatch) {
+        float own[kPassBatch], dec[kPassBatch];
+#pragma unroll
+        for (int i = 0; i < kPassBatch; ++i) {
+            const int c = max(c0 - i, 0);
+            own[i] = dstates[state_offset(d, b, c, h) + e];
+            dec[i] = decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h];
+        }
+#pragma unroll
+        for (int i = 0; i < kPassBatch; ++i) {
+            if (c0 - i < 0) break;
+            dstates[state_offset(d, b, c0 - i, h) + e] = grad;
+            grad = own[i] + dec[i] * grad;
+        }
     }
 }
 
@@ -410,20 +584,53 @@ struct HeadSums {
     float u[kMaxQ];       // dy_t · (h_in·C_t)
     float to_end[kMaxQ];  // exp(cs_last − cs_s)·δ_s in the last segment, else 0
     float from_start[kMaxQ];
+    float col_part[kColParts][kMaxQ];  // col_h's parts
 };
 
-// The scalar chain of one head's chunk (thread 0): dcs, the reverse cumsum to da, dδ, ddt at the raw
-// dt (written) and the chunk's parameter-gradient partial sums.
+// The scalar chain of one head's chunk, by warp 0 (lane l owns tokens 4l .. 4l + 3): dcs, its reverse
+// cumsum da, dδ, ddt at the raw dt (written) and the chunk's parameter-gradient partial sums (lane 0
+// writes them). Fixed order: each lane's tokens in sequence, then shuffles in a fixed pattern.
 __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, float A, int L, int64_t row0, int h,
                             int64_t chunk_idx, int64_t num_chunks_total, const Dims& d, const ChunkGradOut& out) {
-    const int last = L - 1;
-    float sum_w = 0.0f;
-    for (int t = 0; t < L; ++t) sum_w += hs.to_end[t] * hs.v[t];
-    float da = 0.0f, sum_ddt = 0.0f, sum_da_dt = 0.0f, sum_diag = 0.0f;
-    for (int t = last; t >= 0; --t) {
-        float dcs = hs.row_g[t] - m.dtv[t] * hs.col_h[t] - hs.to_end[t] * hs.v[t] + hs.from_start[t] * hs.u[t];
-        if (t == last) dcs += sum_w + (m.seg[last] == 0 ? expf(m.cs[last]) * hh : 0.0f);
-        da += dcs;
+    constexpr int kPerLane = kMaxQ / 32;
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, last = L - 1;
+    float w = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        if (t < L) w += hs.to_end[t] * hs.v[t];
+    }
+    const float sum_w = detail::group_sum<32>(w);
+    // dcs_t, and within the lane the reverse inclusive sums of its tokens.
+    float rev[kPerLane];
+    float lane_total = 0.0f;
+#pragma unroll
+    for (int i = kPerLane - 1; i >= 0; --i) {
+        const int t = lane * kPerLane + i;
+        float dcs = 0.0f;
+        if (t < L) {
+            dcs = hs.row_g[t] - m.dtv[t] * hs.col_h[t] - hs.to_end[t] * hs.v[t] + hs.from_start[t] * hs.u[t];
+            if (t == last) dcs += sum_w + (m.seg[last] == 0 ? expf(m.cs[last]) * hh : 0.0f);
+        }
+        lane_total += dcs;
+        rev[i] = lane_total;
+    }
+    // Σ over the lanes after this one: an inclusive suffix scan, shifted by one lane.
+    float suffix = lane_total;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_down_sync(detail::kFullMask, suffix, offset);
+        if (lane + offset < 32) suffix += other;
+    }
+    float after = __shfl_down_sync(detail::kFullMask, suffix, 1);
+    if (lane == 31) after = 0.0f;
+    float sum_ddt = 0.0f, sum_da_dt = 0.0f, sum_diag = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int t = lane * kPerLane + i;
+        if (t >= L) continue;
+        const float da = after + rev[i];
         const float e_t = m.seg[t] == m.seg[last] ? expf(m.cs[last] - m.cs[t]) : 0.0f;
         const float d_dtv = hs.col_h[t] + e_t * hs.v[t] + A * da;
         const float d_raw = d_dtv * m.dsp[t];
@@ -432,46 +639,50 @@ __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, fl
         sum_da_dt += da * m.dtv[t];
         sum_diag += hs.diag[t];
     }
+    sum_ddt = detail::group_sum<32>(sum_ddt);
+    sum_da_dt = detail::group_sum<32>(sum_da_dt);
+    sum_diag = detail::group_sum<32>(sum_diag);
+    if (lane != 0) return;
     const int64_t slot = chunk_idx * d.H + h;
     out.partial[slot] = sum_ddt;
     out.partial[num_chunks_total * d.H + slot] = A * sum_da_dt;  // dA/dA_log = A
     out.partial[2 * num_chunks_total * d.H + slot] = sum_diag;
 }
 
-// grid (chunks, G, B). Dynamic shared memory: CB [Q, Q] (the group's C·Bᵀ, masked), W [Q, Q],
-// ACC [Q, P], two tiles. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
-__global__ void __launch_bounds__(kThreads)
+// grid (chunks, G, B), kWideThreads. Dynamic shared memory: the staging, then CB [Q, Q] (the group's
+// C·Bᵀ, masked), W [Q, Q], ACC [Q, P] fp32. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
+__global__ void __launch_bounds__(kWideThreads, 1)
     ssd_chunk_backward_kernel(ChunkGradOut out, const bf16* dy, const bf16* xbc, const bf16* dt, SsdParams params,
                               const float* states, const float* dstates, const int32_t* doc_ids, Dims d) {
+    constexpr int kN = kWideThreads;
     __shared__ ChunkMeta meta;
     __shared__ HeadSums hs;
-    __shared__ float slots[kWarps];
-    extern __shared__ float smem[];
+    __shared__ float slots[kMaxWarps];
+    extern __shared__ __align__(16) unsigned char smem[];
     const int c = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const int64_t chunk_idx = static_cast<int64_t>(b) * d.num_chunks + c;
     const int64_t GS = static_cast<int64_t>(d.G) * d.S;
-    const int64_t HP = static_cast<int64_t>(d.H) * d.P;
-    float* CB = smem;
+    const Staging st = staging_at(smem);
+    float* CB = reinterpret_cast<float*>(smem + kStagingBytes);
     float* W = CB + d.Q * d.Q;
     float* ACC = W + d.Q * d.Q;
-    float* tile_a = ACC + d.Q * d.P;
-    float* tile_b = tile_a + max(d.Q, max(d.P, d.S)) * kPad;
     const Views gv{xbc, d, row0, g * d.heads_per_group, g};  // B and C of the group
 
     // The segments do not depend on the head: the first head's meta masks C·Bᵀ.
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, g * d.heads_per_group);
-    const KeepSegment keep{&meta};
-    tile_product<true, true>(
-        CB, d.Q, false, L, L, d.S, [&](int t, int n) { return gv.C(t, n); }, [&](int s, int n) { return gv.B(s, n); },
-        keep, tile_a, tile_b);
+    mma_product<kN, false, false, true>(
+        L, L, d.S, along_k(), along_k(), [&](int t, int n) { return gv.C(t, n); },
+        [&](int s, int n) { return gv.B(s, n); },
+        [&](int t, int s, float value) { CB[t * d.Q + s] = same_segment_causal(meta, t, s) ? value : 0.0f; }, st);
 
     for (int k = 0; k < d.heads_per_group; ++k) {
         const int h = g * d.heads_per_group + k;
         if (k > 0) load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, h);
         const Views v{xbc, d, row0, h, g};
-        auto dyv = [&](int t, int p) { return __bfloat162float(dy[(row0 + t) * HP + h * d.P + p]); };
+        const HeadRows dyv(dy, d, row0, h);
+        bf16* dx0 = out.dxbc + row0 * d.ld + static_cast<int64_t>(h) * d.P;
         const float* h_in = c > 0 ? states + state_offset(d, b, c, h) : nullptr;
         const float* dh_out = c + 1 < d.num_chunks ? dstates + state_offset(d, b, c, h) : nullptr;
         const float A = -expf(params.A_log[h]);
@@ -479,15 +690,26 @@ __global__ void __launch_bounds__(kThreads)
         const int last = L - 1;
 
         // W[t, s] = dy_t·x_s (masked), then the row and column sums of G and the diagonal.
-        tile_product<true, true>(
-            W, d.Q, false, L, L, d.P, dyv, [&](int s, int p) { return v.x(s, p); }, keep, tile_a, tile_b);
+        mma_product<kN, false, false, true>(
+            L, L, d.P, along_k(), along_k(), [&](int t, int p) { return dyv(t, p); },
+            [&](int s, int p) { return v.x(s, p); },
+            [&](int t, int s, float value) { W[t * d.Q + s] = same_segment_causal(meta, t, s) ? value : 0.0f; }, st);
         auto g_over_dt = [&](int t, int s) {
-            return keep(t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) : 0.0f;
+            return same_segment_causal(meta, t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s])
+                                                   : 0.0f;
         };
         row_sums(hs.row_g, L, L, [&](int t, int s) { return g_over_dt(t, s) * meta.dtv[s]; });
+        // col_h in kColParts interleaved parts of t, added in part order.
+        for (int e = threadIdx.x; e < kColParts * L; e += blockDim.x) {
+            const int part = e / L, s = e % L;
+            float sum = 0.0f;
+            for (int t = s + part; t < L; t += kColParts) sum += g_over_dt(t, s);
+            hs.col_part[part][s] = sum;
+        }
+        __syncthreads();
         for (int s = threadIdx.x; s < L; s += blockDim.x) {
             float sum = 0.0f;
-            for (int t = s; t < L; ++t) sum += g_over_dt(t, s);
+            for (int part = 0; part < kColParts; ++part) sum += hs.col_part[part][s];
             hs.col_h[s] = sum;
             hs.diag[s] = W[s * d.Q + s];
             hs.to_end[s] = decay_to_end(meta, s, L) * meta.dtv[s];
@@ -497,14 +719,15 @@ __global__ void __launch_bounds__(kThreads)
         // W ← W ∘ exp(cs_t − cs_s) ∘ δ_s: the weights of dB and dC's intra parts.
         for (int e = threadIdx.x; e < L * L; e += blockDim.x) {
             const int t = e / L, s = e % L;
-            if (keep(t, s)) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+            if (same_segment_causal(meta, t, s)) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
         }
 
         // dx_s = D·dy_s + to_end_s·(dh_out·B_s) + Σ_t (C_t·B_s)·exp(cs_t − cs_s)·δ_s·dy_t; v_s on the way.
         if (dh_out != nullptr) {
-            tile_product<true, true>(
-                ACC, d.P, false, L, d.P, d.S, [&](int s, int n) { return v.B(s, n); },
-                [&](int p, int n) { return dh_out[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+            mma_product<kN, false, true, false>(
+                L, d.P, d.S, along_k(), along_k(), [&](int s, int n) { return v.B(s, n); },
+                [&](int p, int n) { return dh_out[p * d.S + n]; },
+                [&](int s, int p, float value) { ACC[s * d.P + p] = value; }, st);
             row_sums(hs.v, L, d.P, [&](int s, int p) { return v.x(s, p) * ACC[s * d.P + p]; });
             for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
                 const int s = e / d.P, p = e % d.P;
@@ -517,46 +740,55 @@ __global__ void __launch_bounds__(kThreads)
             }
             for (int s = threadIdx.x; s < L; s += blockDim.x) hs.v[s] = 0.0f;
         }
-        tile_product<false, false>(
-            ACC, d.P, true, L, d.P, L,
+        mma_product<kN, true, false, false>(
+            L, d.P, L, along_rows(), along_rows(),
             [&](int s, int t) {
-                return keep(t, s) ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
+                return same_segment_causal(meta, t, s)
+                           ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s]
+                           : 0.0f;
             },
-            [&](int p, int t) { return dyv(t, p); }, KeepAll{}, tile_a, tile_b);
-        for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
-            const int s = e / d.P, p = e % d.P;
-            out.dxbc[(row0 + s) * d.ld + h * d.P + p] = __float2bfloat16_rn(ACC[s * d.P + p]);
-        }
+            [&](int p, int t) { return dyv(t, p); },
+            [&](int s, int p, float value) {
+                dx0[s * v.ld + p] = __float2bfloat16_rn(ACC[s * d.P + p] + value);
+            },
+            st);
 
-        // u_t = dy_t · (h_in·C_t) (ACC is free again after the barrier in tile_product).
+        // u_t = dy_t · (h_in·C_t) (ACC is free again after the barrier at mma_product's exit).
         if (h_in != nullptr) {
-            tile_product<true, true>(
-                ACC, d.P, false, L, d.P, d.S, [&](int t, int n) { return v.C(t, n); },
-                [&](int p, int n) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
+            mma_product<kN, false, true, false>(
+                L, d.P, d.S, along_k(), along_k(), [&](int t, int n) { return v.C(t, n); },
+                [&](int p, int n) { return h_in[p * d.S + n]; },
+                [&](int t, int p, float value) { ACC[t * d.P + p] = value; }, st);
             row_sums(hs.u, L, d.P, [&](int t, int p) { return dyv(t, p) * ACC[t * d.P + p]; });
         } else {
             for (int t = threadIdx.x; t < L; t += blockDim.x) hs.u[t] = 0.0f;
+            __syncthreads();
         }
 
-        // dB_s += Σ_t W[t, s]·C_t + to_end_s·(x_s·dh_out);  dC_t += Σ_s W[t, s]·B_s + from_start_t·(dy_t·h_in).
+        // dB_s (+)= Σ_t W[t, s]·C_t + to_end_s·(x_s·dh_out): one product over k = [t | p];
+        // dC_t (+)= Σ_s W[t, s]·B_s + from_start_t·(dy_t·h_in): one product over k = [s | p].
         float* dB = out.dbc + row0 * 2 * GS + static_cast<int64_t>(g) * d.S;
         float* dC = dB + GS;
-        tile_product<false, false>(
-            dB, 2 * GS, k > 0, L, d.S, L, [&](int s, int t) { return W[t * d.Q + s]; },
-            [&](int n, int t) { return v.C(t, n); }, KeepAll{}, tile_a, tile_b);
-        if (dh_out != nullptr) {
-            tile_product<true, false>(
-                dB, 2 * GS, true, L, d.S, d.P, [&](int s, int p) { return hs.to_end[s] * v.x(s, p); },
-                [&](int n, int p) { return dh_out[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
-        }
-        tile_product<true, false>(
-            dC, 2 * GS, k > 0, L, d.S, L, [&](int t, int s) { return W[t * d.Q + s]; },
-            [&](int n, int s) { return v.B(s, n); }, KeepAll{}, tile_a, tile_b);
-        if (h_in != nullptr) {
-            tile_product<true, false>(
-                dC, 2 * GS, true, L, d.S, d.P, [&](int t, int p) { return hs.from_start[t] * dyv(t, p); },
-                [&](int n, int p) { return h_in[p * d.S + n]; }, KeepAll{}, tile_a, tile_b);
-        }
+        const int ld_bc = static_cast<int>(2 * GS);
+        const bool first_head = k == 0;
+        mma_product<kN, true, true, false>(
+            L, d.S, dh_out != nullptr ? L + d.P : L, Layout{false, L, true}, along_rows(),
+            [&](int s, int kk) { return kk < L ? W[kk * d.Q + s] : hs.to_end[s] * v.x(s, kk - L); },
+            [&](int n, int kk) { return kk < L ? v.C(kk, n) : dh_out[(kk - L) * d.S + n]; },
+            [&](int s, int n, float value) {
+                float* at = dB + s * ld_bc + n;
+                *at = first_head ? value : *at + value;
+            },
+            st);
+        mma_product<kN, true, true, false>(
+            L, d.S, h_in != nullptr ? L + d.P : L, along_k(), along_rows(),
+            [&](int t, int kk) { return kk < L ? W[t * d.Q + kk] : hs.from_start[t] * dyv(t, kk - L); },
+            [&](int n, int kk) { return kk < L ? v.B(kk, n) : h_in[(kk - L) * d.S + n]; },
+            [&](int t, int n, float value) {
+                float* at = dC + t * ld_bc + n;
+                *at = first_head ? value : *at + value;
+            },
+            st);
 
         // hh = dh_out · h_in (the gradient at cs_last through the entering state's decay).
         float hh = 0.0f;
@@ -565,8 +797,7 @@ __global__ void __launch_bounds__(kThreads)
             for (int e = threadIdx.x; e < d.P * d.S; e += blockDim.x) sum += dh_out[e] * h_in[e];
             hh = block_sum(sum, slots);
         }
-        if (threadIdx.x == 0)
-            finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
+        finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
         __syncthreads();
     }
 }
@@ -589,7 +820,7 @@ int max_shared_bytes() {
     return bytes;
 }
 
-constexpr size_t kStaticSmemBytes = sizeof(ChunkMeta) + sizeof(HeadSums) + (kWarps + kMaxQ) * sizeof(float);
+constexpr size_t kStaticSmemBytes = sizeof(ChunkMeta) + sizeof(HeadSums) + kMaxWarps * sizeof(float);
 
 void check_geometry(const char* op, const SsdGeometry& g) {
     MF_CHECK(g.num_rows >= 0 && g.T > 0 && g.H > 0 && g.P > 0 && g.G > 0 && g.S > 0 && g.H % g.G == 0, op,
@@ -599,6 +830,8 @@ void check_geometry(const char* op, const SsdGeometry& g) {
     MF_CHECK(g.H < 65536 && g.G < 65536 && g.num_rows < 65536 && (g.T + g.Q - 1) / g.Q < (int64_t{1} << 31), op,
              ": geometry too large");
     MF_CHECK(g.P <= 4096 && g.S <= 4096, op, ": head_dim ", g.P, " / state_size ", g.S, " too large");
+    // Views and HeadRows address a chunk's rows with 32-bit offsets.
+    MF_CHECK(g.Q * (g.H * g.P + 2 * g.G * g.S) < INT_MAX, op, ": a chunk's rows span more than 2^31 elements");
     const Dims d = dims_of(g);
     const size_t need = backward_smem_bytes(d) + kStaticSmemBytes;
     MF_CHECK(need <= static_cast<size_t>(max_shared_bytes()), op, ": chunk_size ", g.Q, ", head_dim ", g.P,
@@ -642,14 +875,14 @@ void ssd_scan_forward(bf16* y, float* states, const bf16* xbc, const bf16* dt, c
              scratch_bytes, " bytes, needs ", ssd_scan_forward_scratch_bytes(g));
     const Dims d = dims_of(g);
     float* decay = static_cast<float*>(scratch);
-    set_smem(ssd_chunk_state_kernel, tile_bytes(d));
-    ssd_chunk_state_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, tile_bytes(d), stream>>>(states, decay, xbc, dt,
+    set_smem(ssd_chunk_state_kernel, kStagingBytes);
+    ssd_chunk_state_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, kStagingBytes, stream>>>(states, decay, xbc, dt,
                                                                                                 params, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
     ssd_state_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(states, decay, d);
     MF_CHECK_CUDA(cudaGetLastError());
     set_smem(ssd_chunk_output_kernel, output_smem_bytes(d));
-    ssd_chunk_output_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, output_smem_bytes(d), stream>>>(
+    ssd_chunk_output_kernel<<<chunk_grid(d, g.num_rows, d.H), kWideThreads, output_smem_bytes(d), stream>>>(
         y, states, xbc, dt, params, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
 }
@@ -688,15 +921,15 @@ void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, c
     at += align256(static_cast<size_t>(N * 2 * g.G * g.S) * sizeof(float));
     float* partial = reinterpret_cast<float*>(at);
 
-    set_smem(ssd_chunk_dstate_kernel, tile_bytes(d));
-    ssd_chunk_dstate_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, tile_bytes(d), stream>>>(
+    set_smem(ssd_chunk_dstate_kernel, kStagingBytes);
+    ssd_chunk_dstate_kernel<<<chunk_grid(d, g.num_rows, d.H), kThreads, kStagingBytes, stream>>>(
         dstates, decay, dy, xbc, dt, params, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
     ssd_dstate_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(dstates, decay, d);
     MF_CHECK_CUDA(cudaGetLastError());
     const ChunkGradOut out{grads.dxbc, grads.ddt, dbc, partial};
     set_smem(ssd_chunk_backward_kernel, backward_smem_bytes(d));
-    ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kThreads, backward_smem_bytes(d), stream>>>(
+    ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kWideThreads, backward_smem_bytes(d), stream>>>(
         out, dy, xbc, dt, params, states, dstates, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
     const int64_t width = 2 * g.G * g.S;
