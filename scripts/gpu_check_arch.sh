@@ -16,6 +16,8 @@ if [ "${PHASE:-build}" = build ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   cmake -S . -B build-gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DMOEFORGE_CUDA=ON \
     -DMOEFORGE_GTEST_SRC="$PWD/.carry/googletest" \
+    -DMOEFORGE_PYTHON_EXECUTABLE="$(command -v python3)" \
+    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir 2>/dev/null)" \
     > "$OUT/cmake.log" 2>&1 || { cat "$OUT/cmake.log"; exit 1; }
   if [ -d .carry/base ]; then
     cmake -S .carry/base -B build-base -DCMAKE_BUILD_TYPE=Release -DMOEFORGE_CUDA=ON -DMOEFORGE_TESTS=OFF \
@@ -31,6 +33,9 @@ if [ "${PHASE:-build}" = build ]; then
   (cd build-gpu && timeout "${CTEST_LIMIT_S:-480}" ctest -L gpu --output-on-failure -j4 --timeout 300 \
      > "$OUT/ctest_gpu.log" 2>&1; echo "ctest rc $?"; tail -40 "$OUT/ctest_gpu.log")
   grep -rh "^\[gpu step\]" build-gpu/Testing/Temporary/LastTest.log | head -80
+  # The Python tests with this machine's python3 (torch present: test_gpu.py runs, not skips).
+  (cd build-gpu && ctest -R python_tests --output-on-failure > "$OUT/ctest_python.log" 2>&1; echo "python ctest rc $?";
+   grep -E "passed|failed|SKIPPED|Error" "$OUT/ctest_python.log" | tail -15)
   [ "${THEN_BENCH:-0}" = 1 ] || exit 0
   FAMILIES=none HF=0
 fi
