@@ -412,7 +412,7 @@ TEST(CudaGroupedGemm, BackwardWeightWrittenEqualsZeroedThenAccumulated) {
 }
 
 // Three runs of every product give the same bits (the cuBLAS path spreads groups over streams).
-// The wgmma forward (sm_90 only; C % 64 == 0, OC % 256 == 0) on cases of the same kinds: an empty
+// The wgmma forward (sm_90 only; C % 64 == 0, OC % 8 == 0) on cases of the same kinds: an empty
 // expert, a single row, more than one row tile, rows outside the groups, one busy expert, a long K
 // loop, 130 ragged experts, each run twice (bitwise equal); the clamping of bad offsets is checked
 // with the other paths (BadOffsetsStayInBounds).
@@ -425,6 +425,10 @@ std::vector<GroupCase> sm90_cases() {
         {8, 128, 512, {0, 0, 0, 0, 0, 0, 300, 0}, 0, 3},
         {1, 2048, 256, {300}},
         {3, 768, 2048, {129, 2, 255}},
+        // Column tiles that overhang the output (N % 256 != 0): 64 and 136 columns past a whole tile.
+        {4, 576, 320, {0, 70, 129, 3}, 2, 5},
+        {3, 64, 392, {200, 0, 57}},
+        {2, 2688, 1856, {70, 130}},  // Nemotron 3 Nano's expert up projection (its down one, swapped, below)
     };
     std::mt19937 rng(43);
     GroupCase many{130, 64, 256, {}, 1, 1};
@@ -447,13 +451,14 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         ASSERT_TRUE(mf::cuda::grouped_matmul_forward_sm90_supported(g.C, g.OC)) << g.label(kSm90, "forward");
         check_forward(kSm90, g, rng, 2);
     }
-    // The input gradient's shapes swap C and OC: C % 256 == 0, OC % 64 == 0.
+    // The input gradient's shapes swap C and OC: C % 8 == 0, OC % 64 == 0.
     for (GroupCase g : sm90_cases()) {
         std::swap(g.C, g.OC);
         ASSERT_TRUE(mf::cuda::grouped_matmul_backward_input_sm90_supported(g.C, g.OC)) << g.label(kSm90, "backward input");
         check_backward_input(kSm90, g, rng, false, 2);
     }
-    // The weight gradient: OC % 128 == 0, C % 256 == 0; groups whose rows end inside a 64-row slice
+    // The weight gradient: OC % 8 == 0, C % 8 == 0 (tiles of 128 x 256 that overhang OC and C are
+    // stored in part: the last three cases); groups whose rows end inside a 64-row slice
     // (the next group's rows, or the end of the buffer, must not count), empty groups, lead and tail
     // rows; accumulated onto random values, and written over NaNs.
     std::vector<GroupCase> weight_cases = {
@@ -461,6 +466,9 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7},
         {3, 768, 2048, {129, 2, 255}},
         {2, 2048, 128, {64, 300}, 0, 0},
+        {4, 320, 192, {0, 70, 129, 3}, 2, 5},
+        {3, 136, 200, {65, 0, 190}},
+        {2, 1856, 2688, {70, 130}},  // Nemotron 3 Nano's expert down projection
     };
     GroupCase many{130, 256, 128, {}, 1, 1};
     for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
@@ -500,13 +508,14 @@ TEST(CudaGroupedGemm, Sm90Parity) {
         expect_parity(f32 ? "sm90 backward weight, two tables, f32 +=" : "sm90 backward weight, two tables, bf16 +=",
                       gpu, ref, f32 ? ref : naive_bf16_add(before, product));
     }
-    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(128, 128));
-    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(256, 64));
+    // Shapes it does not serve are refused, not computed wrongly: a reduction dimension that is not
+    // whole slices of 64, output columns (or weight-gradient rows) not in whole 16-byte pieces.
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(128, 100));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_weight_sm90_supported(100, 128));
     EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(256, 96));
-    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(128, 64));
-    // Shapes it does not serve are refused, not computed wrongly.
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_input_sm90_supported(100, 64));
     EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(96, 256));
-    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 128));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_sm90_supported(64, 100));
     DeviceBuffer buf(4096);
     EXPECT_THROW(forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, 1, 96, 128),
                  mf::Error);

@@ -37,7 +37,8 @@ namespace {
 
 constexpr int kTileM = 128;
 constexpr int kTileN = 256;
-constexpr int kSliceK = 64;  // bf16 per 128-byte smem row
+constexpr int kSliceK = 64;     // bf16 per 128-byte smem row
+constexpr int kStoreCols = 8;   // bf16 per 16-byte store: the granule of a tile's valid columns
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kABytes = kTileM * kSliceK * 2;  // 16 KB
@@ -203,9 +204,10 @@ __device__ void build_table(int* begin, int* begin2, int* tile_prefix, const int
 // row g, 2: row g + 8). Within each run of four 8-column blocks the quad's lanes swap values (two
 // xor shuffles, a 4 x 4 transpose) so that lane t holds all of block 4m + t; a warp's store then
 // covers 64 contiguous bytes per row instead of 16 (full 32-byte sectors). Every lane of the warp
-// takes part; `store` only says whether this lane's row is written.
+// takes part; `store` only says whether this lane's row is written, and only the first `cols_valid`
+// columns of it are (a multiple of 8: a tile that overhangs the matrix's last column).
 template <int kHalf>
-__device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128], bool store) {
+__device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128], bool store, int cols_valid) {
     const int t = static_cast<int>(threadIdx.x) % 4;
     const bool bit1 = (t & 2) != 0, bit0 = (t & 1) != 0;
     constexpr unsigned kFull = 0xffffffffu;
@@ -230,7 +232,8 @@ __device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128
         } else {
             v[1] = x0, v[3] = x1;
         }
-        if (store) *reinterpret_cast<uint4*>(row + 8 * (4 * m + t)) = make_uint4(v[0], v[1], v[2], v[3]);
+        if (store && 8 * (4 * m + t) < cols_valid)
+            *reinterpret_cast<uint4*>(row + 8 * (4 * m + t)) = make_uint4(v[0], v[1], v[2], v[3]);
     }
 }
 
@@ -313,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int* tile_prefix = ring.tile_prefix;
     const int tid = static_cast<int>(threadIdx.x);
 
-    const int col_tiles = N / kTileN;
+    const int col_tiles = (N + kTileN - 1) / kTileN;  // the last one may overhang N (see the store)
     const int num_tiles = tile_prefix[num_experts] * col_tiles;
     const int slices = K / kSliceK;
     const int warpgroup = tid / 128;
@@ -389,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (g > 0 && tid % 128 == 0) ring.release(g - 1);
         }
         wgmma_wait<0>();
-        bf16* out_tile = out + static_cast<int64_t>(row0) * N + (tile % col_tiles) * kTileN;
-        store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * N, acc, r_lo < rows_valid);
-        store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * N, acc, r_hi < rows_valid);
+        const int n0 = (tile % col_tiles) * kTileN, cols_valid = min(kTileN, N - n0);
+        bf16* out_tile = out + static_cast<int64_t>(row0) * N + n0;
+        store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * N, acc, r_lo < rows_valid, cols_valid);
+        store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * N, acc, r_hi < rows_valid, cols_valid);
     }
 }
 
@@ -470,7 +474,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    const int c_tiles = C / kTileN, tiles_per_group = (OC / kTileM) * c_tiles;
+    // The last row and column tiles may overhang OC and C: their loads past the matrices' ends read
+    // zeros (the maps' bounds), so those sums are zero and are not stored.
+    const int c_tiles = (C + kTileN - 1) / kTileN, tiles_per_group = ((OC + kTileM - 1) / kTileM) * c_tiles;
     const int num_tiles = num_experts * tiles_per_group, grid = static_cast<int>(gridDim.x);
     struct TileAt {
         int expert, o0, c0;  // the group, and the tile's first gradient row and column
@@ -551,12 +557,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait<0>();
         TW* out_tile = dweight + (static_cast<int64_t>(expert) * OC + o0) * C + c0;
+        const int rows_valid = min(kTileM, OC - o0), cols_valid = min(kTileN, C - c0);
         float sq = 0.0f;
         bool stored = false;
         if constexpr (std::is_same_v<TW, bf16>) {
             if (!accumulate) {
-                store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * C, acc, true);
-                store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * C, acc, true);
+                // (The squares of the values not stored are those zero sums.)
+                store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * C, acc, r_lo < rows_valid, cols_valid);
+                store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * C, acc, r_hi < rows_valid, cols_valid);
                 if (squares != nullptr)
 #pragma unroll
                     for (int i = 0; i < 128; i += 2)
@@ -568,11 +576,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int j = 0; j < kTileN / 8; ++j) {
                 const int col = 8 * j + c_lane;
-                const float2 lo = store_pair(out_tile + static_cast<int64_t>(r_lo) * C + col, acc[4 * j],
-                                             acc[4 * j + 1], accumulate);
-                const float2 hi = store_pair(out_tile + static_cast<int64_t>(r_hi) * C + col, acc[4 * j + 2],
-                                             acc[4 * j + 3], accumulate);
-                if (squares != nullptr) sq += square_pair(lo) + square_pair(hi);
+                if (col >= cols_valid) continue;
+                if (r_lo < rows_valid) {
+                    const float2 lo = store_pair(out_tile + static_cast<int64_t>(r_lo) * C + col, acc[4 * j],
+                                                 acc[4 * j + 1], accumulate);
+                    if (squares != nullptr) sq += square_pair(lo);
+                }
+                if (r_hi < rows_valid) {
+                    const float2 hi = store_pair(out_tile + static_cast<int64_t>(r_hi) * C + col, acc[4 * j + 2],
+                                                 acc[4 * j + 3], accumulate);
+                    if (squares != nullptr) sq += square_pair(hi);
+                }
             }
         }
         if (squares != nullptr) {
@@ -678,9 +692,10 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
                  int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
     const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
-    MF_CHECK(row_tiles * (N / kTileN) < (int64_t{1} << 31), what, ": ", row_tiles * (N / kTileN), " tiles is too many");
+    const int64_t col_tiles = (N + kTileN - 1) / kTileN;
+    MF_CHECK(row_tiles * col_tiles < (int64_t{1} << 31), what, ": ", row_tiles * col_tiles, " tiles is too many");
     if (M == 0 || E == 0) return;
-    const int64_t blocks = std::min<int64_t>(persistent_blocks(), row_tiles * (N / kTileN));
+    const int64_t blocks = std::min<int64_t>(persistent_blocks(), row_tiles * col_tiles);
     const CUtensorMap map_a = tile_map(a, M, K, kTileM);
     const CUtensorMap map_b = kBackwardInput ? tile_map(weight, E * K, N, 64) : tile_map(weight, E * N, K, kTileN);
     const size_t smem = smem_bytes(E);
@@ -696,23 +711,26 @@ void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight,
 
 void set_grouped_gemm_sm90_reserved_sms(int sms) { g_reserved_sms.store(std::max(sms, 0), std::memory_order_relaxed); }
 
+// The reduction dimension in whole slices of 64; the output's columns (and the weight gradient's
+// rows) in 16-byte pieces: rows of the matrices 16-byte aligned, as the tensor maps need, and a tile
+// that overhangs the last column stores whole pieces.
 bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC) {
-    return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kTileN == 0;
+    return sm90_device() && C > 0 && C % kSliceK == 0 && OC > 0 && OC % kStoreCols == 0;
 }
 
 bool grouped_matmul_backward_weight_sm90_supported(int64_t C, int64_t OC) {
-    return sm90_device() && OC > 0 && OC % kTileM == 0 && C > 0 && C % kTileN == 0;
+    return sm90_device() && OC > 0 && OC % kStoreCols == 0 && C > 0 && C % kStoreCols == 0;
 }
 
 bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC) {
-    return sm90_device() && OC > 0 && OC % kSliceK == 0 && C > 0 && C % kTileN == 0;
+    return sm90_device() && OC > 0 && OC % kSliceK == 0 && C > 0 && C % kStoreCols == 0;
 }
 
 void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
                                  int64_t E, int64_t C, int64_t OC, cudaStream_t stream) {
     check_grouped_args("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, C, OC);
     MF_CHECK(grouped_matmul_forward_sm90_supported(C, OC), "grouped_matmul_forward_sm90: needs an sm_90 GPU, C % ",
-             kSliceK, " == 0 and OC % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
+             kSliceK, " == 0 and OC % ", kStoreCols, " == 0 (C=", C, ", OC=", OC, ")");
     launch_rows<false>("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, OC, C, stream);
 }
 
@@ -720,14 +738,18 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
                                         int64_t M, int64_t E, int64_t C, int64_t OC, cudaStream_t stream) {
     check_grouped_args("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC);
     MF_CHECK(grouped_matmul_backward_input_sm90_supported(C, OC),
-             "grouped_matmul_backward_input_sm90: needs an sm_90 GPU, OC % ", kSliceK, " == 0 and C % ", kTileN,
+             "grouped_matmul_backward_input_sm90: needs an sm_90 GPU, OC % ", kSliceK, " == 0 and C % ", kStoreCols,
              " == 0 (C=", C, ", OC=", OC, ")");
     launch_rows<true>("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC, stream);
 }
 
+// The weight gradient's tiles: E groups of ceil(OC / 128) x ceil(C / 256).
+static int64_t weight_grad_tiles(int64_t E, int64_t C, int64_t OC) {
+    return E * ((OC + kTileM - 1) / kTileM) * ((C + kTileN - 1) / kTileN);
+}
+
 size_t grouped_matmul_backward_weight_sm90_squares_bytes(int64_t E, int64_t C, int64_t OC) {
-    return (static_cast<size_t>(std::max<int64_t>(E * (OC / kTileM) * (C / kTileN), 0)) * 8 + kSumBlocks) *
-           sizeof(double);
+    return (static_cast<size_t>(std::max<int64_t>(weight_grad_tiles(E, C, OC), 0)) * 8 + kSumBlocks) * sizeof(double);
 }
 
 void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, const bf16* dout, const bf16* inp,
@@ -738,13 +760,13 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
     check_grouped_args(what, dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, what, ": dweight must be f32 or bf16, got ",
              dtype_name(dweight_dtype));
-    MF_CHECK(grouped_matmul_backward_weight_sm90_supported(C, OC), what, ": needs an sm_90 GPU, OC % ", kTileM,
-             " == 0 and C % ", kTileN, " == 0 (C=", C, ", OC=", OC, ")");
+    MF_CHECK(grouped_matmul_backward_weight_sm90_supported(C, OC), what, ": needs an sm_90 GPU, OC % ", kStoreCols,
+             " == 0 and C % ", kStoreCols, " == 0 (C=", C, ", OC=", OC, ")");
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
-    MF_CHECK(E * (OC / kTileM) * (C / kTileN) < (int64_t{1} << 31), what, ": too many tiles");
+    MF_CHECK(weight_grad_tiles(E, C, OC) < (int64_t{1} << 31), what, ": too many tiles");
     MF_CHECK(square_sum == nullptr || squares_scratch != nullptr, what, ": square_sum needs squares_scratch");
     if (E == 0) return;
-    const int64_t tiles = E * (OC / kTileM) * (C / kTileN);
+    const int64_t tiles = weight_grad_tiles(E, C, OC);
     const int64_t blocks = std::min<int64_t>(persistent_blocks(), tiles);
     // Rows past M read as zeros; with M == 0 every group is empty and gets zeros (or keeps its values).
     const CUtensorMap map_a = tile_map(dout, std::max<int64_t>(M, 1), OC, 64);

@@ -38,12 +38,13 @@ bool grouped_matmul_forward_sm90_supported(int64_t C, int64_t OC);
 bool grouped_matmul_backward_input_sm90_supported(int64_t C, int64_t OC);
 bool grouped_matmul_backward_weight_sm90_supported(int64_t C, int64_t OC);
 
-// out[M, OC]: out[r] = inp[r] · weight[e]ᵀ for the rows r of every group e (written).
+// out[M, OC]: out[r] = inp[r] · weight[e]ᵀ for the rows r of every group e (written). Needs C % 64 == 0
+// and OC % 8 == 0 (the last column tile may overhang OC: it is stored in part).
 void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight, const int32_t* offsets, int64_t M,
                                  int64_t E, int64_t C, int64_t OC, cudaStream_t stream);
 
 // dinp[M, C]: dinp[r] = dout[r] · weight[e] for the rows r of every group e (written; rows outside
-// the groups untouched). Needs OC % 64 == 0 and C % 256 == 0.
+// the groups untouched). Needs OC % 64 == 0 and C % 8 == 0.
 void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets,
                                         int64_t M, int64_t E, int64_t C, int64_t OC, cudaStream_t stream);
 
@@ -51,7 +52,7 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
 // written (zeros for a group without rows) or, with `accumulate`, added to in fp32 and rounded once.
 // With `offsets2` (a second [E + 1] table, same contract) group e's rows are those of both tables,
 // [offsets[e], offsets[e + 1]) then [offsets2[e], offsets2[e + 1]), summed in that order.
-// Needs OC % 128 == 0 and C % 256 == 0.
+// Needs OC % 8 == 0 and C % 8 == 0 (tiles that overhang OC or C are stored in part).
 // With `square_sum` (one double on the device), *square_sum += Σ dweight² over the values stored
 // (rounded and accumulated as stored), in a fixed order (each thread's 128 values in fp32, then
 // double: per-warp sums of each tile, one fixed-order pass over them; relative error below 128·2^-24):
