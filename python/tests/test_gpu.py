@@ -68,3 +68,35 @@ def test_grouped_gemm_on_the_gpu_matches_the_cpu(torch):
     ref = np.zeros((M, OC), np.float32)
     ops.grouped_gemm_forward(ref, x, w, offsets)
     np.testing.assert_allclose(out_gpu.float().cpu().numpy(), ref, rtol=2e-2, atol=2e-2)  # bf16 output rounding
+
+
+def test_engine_on_the_gpu_shares_its_parameters_with_torch_and_resumes(torch, tmp_path):
+    """The engine on CUDA from Python: a parameter is a CUDA tensor in torch through DLPack (the same
+    memory: a write through torch is what the engine trains on, and the view follows its update); a
+    checkpoint resumes; a finished run refuses one more step with the engine's message."""
+    import subprocess
+
+    from conftest import REPO
+
+    base = str(tmp_path / "base")
+    subprocess.run([moeforge.binary(), "init", "--arch", "qwen3_moe", "--preset", "tiny", "--seed", "7", "--out",
+                    base], check=True, capture_output=True)
+    recipe = moeforge.Recipe.from_file(f"{REPO}/demo/tiny_tokens.yaml", model=base,
+                                       data__train=f"{REPO}/demo/data/tokens.jsonl", out=str(tmp_path / "o"),
+                                       train__steps=4, train__seq_len=32, train__micro_batch=2,
+                                       optim__warmup_steps=0, device="cuda")
+    with moeforge.Engine(recipe) as engine:
+        p = torch.from_dlpack(engine.parameter("model.embed_tokens.weight"))
+        assert p.is_cuda and p.dtype == torch.bfloat16
+        p[1, 2] = 12.5
+        assert torch.from_dlpack(engine.parameter("model.embed_tokens.weight"))[1, 2].item() == 12.5
+        before = p.clone()
+        engine.step()
+        assert not torch.equal(p, before), "the view follows the engine's update"
+        engine.step()
+        engine.save_checkpoint()
+    with moeforge.Engine(recipe, resume="auto") as engine:
+        assert engine.steps_done == 2
+        assert [m.step for m in engine.run()] == [3, 4]
+        with pytest.raises(moeforge.InvalidArgumentError, match="no step is left"):
+            engine.step()

@@ -1,0 +1,302 @@
+"""`import moeforge.hf`: Transformers v5 MoE models run their experts on moeforge's kernels.
+
+The import registers an experts implementation named "moeforge" with transformers' ExpertsInterface
+and makes it the default for models created after it (an explicit `experts_implementation=` still
+wins). The experts function has transformers' signature `(self, hidden_states, top_k_index,
+top_k_weights)`; its work is two torch custom ops over moeforge's C API:
+
+    moeforge::experts_swiglu           permute (expert offsets on the device), gather, grouped GEMM
+                                       gate_up, SwiGLU, grouped GEMM down, weighted unpermute
+    moeforge::experts_swiglu_backward  the explicit backward: every gradient from its own kernel,
+                                       deterministic (no atomics), no W + BA or other weight copies
+
+registered with `register_fake` (shapes for torch.compile) and `register_autograd`, so eager mode,
+autograd and `torch.compile(fullgraph=True)` all see one opaque op. CUDA tensors run on torch's
+current stream; CPU tensors on moeforge's fp32 reference kernels.
+
+Served: gated SwiGLU experts with the stacked layout [E, 2·I, H] (gate rows first) and [E, H, I]
+(Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3/GLM-4.5 and the others that use transformers' default
+gate), bf16 on a GPU or fp32 on the CPU. Indices >= E (expert parallelism's sentinels) contribute
+nothing. Anything else (biases, transposed or interleaved layouts, custom gates, other activations
+or dtypes) falls back to transformers' stock implementation with one logged reason per module kind;
+`status(model)` says which modules run where.
+
+    import moeforge.hf                     # every MoE model created from now on
+    moeforge.hf.enable(model)              # one already created
+    moeforge.hf.status(model)              # {"experts_implementation": ..., "modules": {...}}
+    moeforge.hf.disable()                  # the stock default again
+"""
+
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+from transformers import modeling_utils
+from transformers.integrations import moe as _hf_moe
+
+from . import ops
+from ._native import Context
+
+IMPLEMENTATION = "moeforge"
+_log = logging.getLogger("moeforge.hf")
+
+# --- the ops -----------------------------------------------------------------------------------------
+
+
+def _context(t: torch.Tensor) -> Optional[Context]:
+    """Where moeforge runs the work on `t`: torch's current stream of its device, or the CPU."""
+    if t.device.type == "cuda":
+        return Context(device=t.device.index, stream=torch.cuda.current_stream(t.device).cuda_stream)
+    return None
+
+
+def _permute(top_k_index: torch.Tensor, num_experts: int, ctx) -> tuple:
+    n = top_k_index.numel()
+    dev = top_k_index.device
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    sorted_pair = torch.empty(n, dtype=torch.int32, device=dev)
+    pair_row = torch.empty(n, dtype=torch.int32, device=dev)
+    ops.moe_permute_indices(offsets, sorted_pair, pair_row, top_k_index, num_experts, ctx=ctx)
+    return offsets, sorted_pair, pair_row
+
+
+def _gather(hidden: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, ctx) -> torch.Tensor:
+    x_perm = hidden.new_empty(sorted_pair.numel(), hidden.shape[1])
+    ops.moe_gather(x_perm, hidden, sorted_pair, top_k, ctx=ctx)
+    return x_perm
+
+
+def _swiglu(h_perm: torch.Tensor, ctx) -> torch.Tensor:
+    a_perm = h_perm.new_empty(h_perm.shape[0], h_perm.shape[1] // 2)
+    ops.swiglu_forward(a_perm, h_perm, ctx=ctx)
+    return a_perm
+
+
+@torch.library.custom_op("moeforge::experts_swiglu", mutates_args=())
+def experts_swiglu(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gate_up: torch.Tensor, down: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [T, H]; top_k_index int32 [T, K] in [0, E); top_k_weights fp32 [T, K]; gate_up
+    [E, 2I, H]; down [E, H, I]. Returns out [T, H] = Σ_k w[t, k] · down[e] · swiglu(gate_up[e] ·
+    hidden[t]) with e = top_k_index[t, k], and what the backward reads: the expert offsets
+    [E + 1], the permutation (sorted_pair, pair_row: [T·K]), h_perm [T·K, 2I] and y_perm [T·K, H]."""
+    T, H = hidden.shape
+    K = top_k_index.shape[1]
+    E, OC, _ = gate_up.shape
+    ctx = _context(hidden)
+    offsets, sorted_pair, pair_row = _permute(top_k_index, E, ctx)
+    h_perm = hidden.new_empty(T * K, OC)
+    y_perm = hidden.new_empty(T * K, H)
+    out = hidden.new_empty(T, H)
+    if T == 0:
+        return out, offsets.zero_(), sorted_pair, pair_row, h_perm, y_perm
+    x_perm = _gather(hidden, sorted_pair, K, ctx)
+    ops.grouped_gemm_forward(h_perm, x_perm, gate_up, offsets, ctx=ctx)
+    a_perm = _swiglu(h_perm, ctx)
+    ops.grouped_gemm_forward(y_perm, a_perm, down, offsets, ctx=ctx)
+    ops.moe_unpermute(out, y_perm, top_k_weights, pair_row, ctx=ctx)
+    return out, offsets, sorted_pair, pair_row, h_perm, y_perm
+
+
+@experts_swiglu.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up, down):
+    T, H = hidden.shape
+    n = top_k_index.numel()
+    E, OC, _ = gate_up.shape
+    i32 = dict(dtype=torch.int32, device=hidden.device)
+    return (hidden.new_empty(T, H), torch.empty(E + 1, **i32), torch.empty(n, **i32), torch.empty(n, **i32),
+            hidden.new_empty(n, OC), hidden.new_empty(n, H))
+
+
+@torch.library.custom_op("moeforge::experts_swiglu_backward", mutates_args=())
+def experts_swiglu_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                            gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
+                            sorted_pair: torch.Tensor, pair_row: torch.Tensor, h_perm: torch.Tensor,
+                            y_perm: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of experts_swiglu's out: (d hidden, d top_k_weights (fp32), d gate_up, d down),
+    each written whole (experts without rows get zero gradients). The expert input is gathered again
+    and the SwiGLU recomputed from h_perm rather than kept from the forward."""
+    T, H = hidden.shape
+    K = top_k_weights.shape[1]
+    ctx = _context(hidden)
+    dx = torch.zeros_like(hidden)  # (the gather's backward adds into it)
+    dw = torch.zeros_like(top_k_weights)
+    if T == 0:
+        return dx, dw, torch.zeros_like(gate_up), torch.zeros_like(down)
+    dgate_up = torch.empty_like(gate_up)  # written whole by the weight gradients
+    ddown = torch.empty_like(down)
+    dy_perm = torch.empty_like(y_perm)
+    ops.moe_unpermute_backward(dy_perm, dw, dout, y_perm, top_k_weights, pair_row, ctx=ctx)
+    a_perm = _swiglu(h_perm, ctx)
+    ops.grouped_gemm_weight_grad(ddown, dy_perm, a_perm, offsets, ctx=ctx)
+    da_perm = torch.empty_like(a_perm)
+    ops.grouped_gemm_input_grad(da_perm, dy_perm, down, offsets, ctx=ctx)
+    dh_perm = torch.empty_like(h_perm)
+    ops.swiglu_backward(dh_perm, da_perm, h_perm, ctx=ctx)
+    x_perm = _gather(hidden, sorted_pair, K, ctx)
+    ops.grouped_gemm_weight_grad(dgate_up, dh_perm, x_perm, offsets, ctx=ctx)
+    dx_perm = torch.empty_like(x_perm)
+    ops.grouped_gemm_input_grad(dx_perm, dh_perm, gate_up, offsets, ctx=ctx)
+    ops.moe_gather_backward(dx, dx_perm, pair_row, K, ctx=ctx)
+    return dx, dw, dgate_up, ddown
+
+
+@experts_swiglu_backward.register_fake
+def _(dout, hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm):
+    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
+            torch.empty_like(down))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, _, top_k_weights, gate_up, down = inputs
+    _, offsets, sorted_pair, pair_row, h_perm, y_perm = output
+    ctx.save_for_backward(hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm)
+
+
+def _backward(ctx, dout, *_unused):
+    hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
+    dx, dw, dgate_up, ddown = experts_swiglu_backward(dout.contiguous(), hidden, top_k_weights, gate_up, down,
+                                                      offsets, sorted_pair, pair_row, h_perm, y_perm)
+    return dx, None, dw, dgate_up, ddown
+
+
+experts_swiglu.register_autograd(_backward, setup_context=_setup_context)
+
+# --- the experts function ------------------------------------------------------------------------------
+
+_reported: set = set()
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why `module` (a transformers experts module) cannot run on moeforge, or None when it can."""
+    if getattr(module, "has_bias", False):
+        return "expert biases (has_bias) are not served yet"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights (is_transposed) are not served yet"
+    if not getattr(module, "has_gate", True):
+        return "non-gated experts (has_gate=False) are not served yet"
+    if getattr(module, "is_concatenated", True) is False:
+        return "separate gate and up projections (is_concatenated=False) are not served yet"
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and gate is not getattr(_hf_moe, "_default_apply_gate", gate):
+        return f"a custom gate ({type(module).__name__}._apply_gate) is not served yet"
+    if not _is_silu(getattr(module, "act_fn", None)):
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (SwiGLU needs SiLU)"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        return "no stacked gate_up_proj / down_proj tensors"
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        return f"expert weights of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}"
+    E, OC, H = gate_up.shape
+    if OC % 2 != 0 or down.shape[1] != H or down.shape[2] != OC // 2:
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2I, H], [E, H, I]"
+    if gate_up.dtype != down.dtype:
+        return f"expert weights in {gate_up.dtype} and {down.dtype}"
+    device = gate_up.device.type
+    want = {"cuda": torch.bfloat16, "cpu": torch.float32}.get(device)
+    if want is None:
+        return f"device {device}"
+    if gate_up.dtype != want:
+        return f"{gate_up.dtype} expert weights on {device} (moeforge runs {want} there)"
+    if device == "cuda" and not ops.has_cuda():
+        return "moeforge was built without CUDA (or sees no GPU)"
+    if hidden_states is not None and hidden_states.device != gate_up.device:
+        return f"hidden states on {hidden_states.device}, experts on {gate_up.device}"
+    return None
+
+
+def _stock(module, hidden_states, top_k_index, top_k_weights):
+    stock = _hf_moe.ALL_EXPERTS_FUNCTIONS.get("grouped_mm") if hasattr(torch, "_grouped_mm") else None
+    if stock is None:
+        stock = _hf_moe.ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    return stock(module, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts signature: hidden_states [T, H], top_k_index [T, K], top_k_weights
+    [T, K] (or [T, E], DeepSeek-V2 style). Returns [T, H] in hidden_states' dtype."""
+    reason = unsupported_reason(module, hidden_states)
+    if reason is not None:
+        key = (type(module).__name__, reason)
+        if key not in _reported:
+            _reported.add(key)
+            _log.warning("moeforge.hf: %s runs transformers' stock experts: %s", type(module).__name__, reason)
+        return _stock(module, hidden_states, top_k_index, top_k_weights)
+    gate_up, down = module.gate_up_proj, module.down_proj
+    num_experts = gate_up.shape[0]
+    valid = (top_k_index >= 0) & (top_k_index < num_experts)
+    index = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
+    weights = top_k_weights
+    if weights.shape != top_k_index.shape:  # [T, E]: the weight of each chosen expert
+        weights = weights.gather(1, index)
+    weights = weights.float() * valid
+    out = experts_swiglu(hidden_states.contiguous(), index.to(torch.int32).contiguous(), weights.contiguous(),
+                         gate_up, down)[0]
+    return out.to(hidden_states.dtype)
+
+
+# --- registration and the default ----------------------------------------------------------------------
+
+_hf_moe.ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+_stock_default = modeling_utils.PreTrainedModel.get_correct_experts_implementation
+_enabled = False
+
+
+def _default_to_moeforge(self, requested_experts=None, *args, **kwargs):
+    if requested_experts is None:
+        return IMPLEMENTATION
+    return _stock_default(self, requested_experts, *args, **kwargs)
+
+
+def enable(model: Optional[torch.nn.Module] = None) -> None:
+    """Without a model: "moeforge" becomes the default experts implementation of models created
+    from now on (what the import does). With one: that model's experts run on moeforge now."""
+    global _enabled
+    if model is None:
+        modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
+        _enabled = True
+        return
+    setter = getattr(model, "set_experts_implementation", None)
+    if callable(setter):
+        setter(IMPLEMENTATION)
+    else:
+        model.config._experts_implementation = IMPLEMENTATION
+
+
+def disable() -> None:
+    """transformers' stock default again for models created from now on (models already made keep
+    theirs; `model.set_experts_implementation("grouped_mm")` switches one back)."""
+    global _enabled
+    modeling_utils.PreTrainedModel.get_correct_experts_implementation = _stock_default
+    _enabled = False
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def status(model: torch.nn.Module) -> Dict[str, Any]:
+    """What runs where: the model's experts implementation, and for each experts module
+    (by class) how many there are and whether moeforge serves them (or why not)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_experts_implementation", None) if config is not None else None
+    modules: Dict[str, Dict[str, Any]] = {}
+    for sub in model.modules():
+        if not (hasattr(sub, "gate_up_proj") and hasattr(sub, "down_proj")):
+            continue
+        entry = modules.setdefault(type(sub).__name__, {"count": 0, "moeforge": True, "reason": None})
+        entry["count"] += 1
+        reason = unsupported_reason(sub)
+        if reason is not None:
+            entry["moeforge"], entry["reason"] = False, reason
+    return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
+            "patched": impl == IMPLEMENTATION, "modules": modules}
+
+
+enable()

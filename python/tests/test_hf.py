@@ -1,0 +1,181 @@
+"""`import moeforge.hf` on transformers' own models (the GPU machine has torch 2.11 and transformers
+5.17; elsewhere these skip, saying so): the experts of a tiny Qwen3-MoE run on moeforge and give
+stock's loss and gradients (fp32 on the CPU tightly, bf16 on the GPU within bf16 rounding); the
+default, an explicit choice and disable(); EP sentinels; opcheck; torch.compile(fullgraph=True); a
+non-default stream."""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="moeforge.hf needs torch")
+transformers = pytest.importorskip("transformers", reason="moeforge.hf needs transformers")
+
+import moeforge  # noqa: E402
+import moeforge.hf as mhf  # noqa: E402
+
+CUDA = torch.cuda.is_available() and moeforge.ops.has_cuda()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device (or moeforge built without CUDA)")
+
+
+def tiny_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, max_position_embeddings=64, router_aux_loss_coef=0.0)
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def make_model(experts_implementation=None, seed=0, **overrides):
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    return Qwen3MoeForCausalLM._from_config(tiny_config(**overrides), **kwargs)
+
+
+def use(model, impl):
+    setter = getattr(model, "set_experts_implementation", None)
+    if callable(setter):
+        setter(impl)
+    else:
+        model.config._experts_implementation = impl
+    assert model.config._experts_implementation == impl
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach().double().item(), {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()
+                                                if p.grad is not None}
+
+
+def rel_l2(a, b):
+    return float((a - b).norm() / max(b.norm(), 1e-30))
+
+
+def compare_impls(model, ids, stock, loss_rtol, grad_rel):
+    use(model, stock)
+    ref_loss, ref_grads = loss_and_grads(model, ids)
+    use(model, mhf.IMPLEMENTATION)
+    loss, grads = loss_and_grads(model, ids)
+    assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    experts = [n for n in grads if "experts" in n]
+    assert experts, "the model has no experts parameters: the test would check nothing"
+    for n in grads:
+        assert rel_l2(grads[n], ref_grads[n]) <= grad_rel, (n, rel_l2(grads[n], ref_grads[n]))
+    return loss
+
+
+def test_the_import_makes_moeforge_the_default_and_an_explicit_choice_wins():
+    assert mhf.is_enabled()
+    assert make_model().config._experts_implementation == "moeforge"
+    assert make_model("eager").config._experts_implementation == "eager"
+    mhf.disable()
+    try:
+        assert make_model().config._experts_implementation != "moeforge"
+    finally:
+        mhf.enable()
+    assert make_model().config._experts_implementation == "moeforge"
+
+
+def test_status_names_the_experts_modules():
+    s = mhf.status(make_model())
+    assert s["patched"] and s["experts_implementation"] == "moeforge"
+    (name, entry), = s["modules"].items()
+    assert "Experts" in name and entry["count"] == 1 and entry["moeforge"] and entry["reason"] is None
+
+
+def test_cpu_fp32_equals_stock_eager():
+    model = make_model()
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    compare_impls(model, ids, "eager", 1e-6, 1e-5)
+
+
+def test_ep_sentinels_contribute_nothing():
+    model = make_model()
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    g = torch.Generator().manual_seed(2)
+    T, K, E = 10, 2, experts.gate_up_proj.shape[0]
+    hidden = torch.randn(T, 64, generator=g, requires_grad=True)
+    index = torch.randint(0, E, (T, K), generator=g)
+    index[::3, 1] = E  # another rank's expert
+    index[5, 0] = E + 3
+    weights = torch.rand(T, K, generator=g, requires_grad=True)
+    out = mhf.experts_forward(experts, hidden, index, weights)
+    valid = (index < E).float()
+    ref = torch.zeros(T, 64, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            if index[t, k] < E:
+                e = int(index[t, k])
+                h = experts.gate_up_proj[e].double() @ hidden[t].double()
+                gate, up = h.chunk(2)
+                ref[t] += weights[t, k].double() * (experts.down_proj[e].double() @ (torch.nn.functional.silu(gate) * up))
+    np.testing.assert_allclose(out.detach().double().numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert torch.all(weights.grad[valid == 0] == 0), "a sentinel's weight got a gradient"
+
+
+def op_args(device, dtype, T=12, K=2, E=5, H=64, I=32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).to(device, dtype).requires_grad_()
+    index = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32).to(device)
+    index[0] = torch.tensor([E - 1, E - 1], dtype=torch.int32)  # both picks of a token on one expert
+    weights = torch.rand(T, K, generator=g).to(device).requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(device, dtype).requires_grad_()
+    down = (torch.randn(E, H, I, generator=g) * 0.1).to(device, dtype).requires_grad_()
+    return hidden, index, weights, gate_up, down
+
+
+def test_opcheck_cpu():
+    torch.library.opcheck(torch.ops.moeforge.experts_swiglu.default, op_args("cpu", torch.float32))
+
+
+@needs_cuda
+def test_opcheck_cuda():
+    torch.library.opcheck(torch.ops.moeforge.experts_swiglu.default, op_args("cuda", torch.bfloat16))
+
+
+@needs_cuda
+def test_cuda_bf16_equals_stock_grouped_mm():
+    model = make_model().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4)).cuda()
+    compare_impls(model, ids, "grouped_mm", 2e-2, 3e-2)
+
+
+@needs_cuda
+def test_cuda_runs_on_the_current_stream():
+    """The inputs are written on a side stream after a long sleep there; the op, called on that
+    stream, must wait for them: work queued on any other stream would read them unwritten."""
+    args = [a.detach() for a in op_args("cuda", torch.bfloat16)]
+    ref = torch.ops.moeforge.experts_swiglu(*args)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        late = [a.clone() for a in args]
+        got = torch.ops.moeforge.experts_swiglu(*late)[0]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_compile_fullgraph_matches_eager():
+    model = make_model().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(5)).cuda()
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    compiled = copy.deepcopy(model)
+    fn = torch.compile(compiled, fullgraph=True)
+    compiled.zero_grad(set_to_none=True)
+    out = fn(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert abs(out.loss.item() - eager_loss) <= 2e-2 * abs(eager_loss)
+    for n, p in compiled.named_parameters():
+        if p.grad is not None:
+            assert rel_l2(p.grad.double().cpu(), eager_grads[n]) <= 3e-2, n
