@@ -39,6 +39,9 @@ from ._native import Context
 
 IMPLEMENTATION = "moeforge"
 _log = logging.getLogger("moeforge.hf")
+# Asked once: torch.compile traces the experts function, and a call into the extension there would
+# break the graph.
+_HAS_CUDA = ops.has_cuda()
 
 # --- the ops -----------------------------------------------------------------------------------------
 
@@ -80,6 +83,8 @@ def experts_swiglu(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     [E, 2I, H]; down [E, H, I]. Returns out [T, H] = Σ_k w[t, k] · down[e] · swiglu(gate_up[e] ·
     hidden[t]) with e = top_k_index[t, k], and what the backward reads: the expert offsets
     [E + 1], the permutation (sorted_pair, pair_row: [T·K]), h_perm [T·K, 2I] and y_perm [T·K, H]."""
+    # (torch will not hand a tensor that requires grad to DLPack; the op's own autograd is below)
+    hidden, gate_up, down, top_k_weights = (t.detach() for t in (hidden, gate_up, down, top_k_weights))
     T, H = hidden.shape
     K = top_k_index.shape[1]
     E, OC, _ = gate_up.shape
@@ -117,6 +122,8 @@ def experts_swiglu_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weig
     """The gradients of experts_swiglu's out: (d hidden, d top_k_weights (fp32), d gate_up, d down),
     each written whole (experts without rows get zero gradients). The expert input is gathered again
     and the SwiGLU recomputed from h_perm rather than kept from the forward."""
+    dout, hidden, top_k_weights, gate_up, down, h_perm, y_perm = (
+        t.detach() for t in (dout, hidden, top_k_weights, gate_up, down, h_perm, y_perm))
     T, H = hidden.shape
     K = top_k_weights.shape[1]
     ctx = _context(hidden)
@@ -203,7 +210,7 @@ def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Te
         return f"device {device}"
     if gate_up.dtype != want:
         return f"{gate_up.dtype} expert weights on {device} (moeforge runs {want} there)"
-    if device == "cuda" and not ops.has_cuda():
+    if device == "cuda" and not _HAS_CUDA:
         return "moeforge was built without CUDA (or sees no GPU)"
     if hidden_states is not None and hidden_states.device != gate_up.device:
         return f"hidden states on {hidden_states.device}, experts on {gate_up.device}"

@@ -95,6 +95,7 @@ def test_engine_on_the_gpu_shares_its_parameters_with_torch_and_resumes(torch, t
         assert not torch.equal(p, before), "the view follows the engine's update"
         engine.step()
         engine.save_checkpoint()
+    del p, before  # (a live view keeps the engine, and OUT's lock, alive)
     with moeforge.Engine(recipe, resume="auto") as engine:
         assert engine.steps_done == 2
         assert [m.step for m in engine.run()] == [3, 4]
