@@ -5,18 +5,21 @@
 // (its output spans are reported for the assistant-token mask).
 //
 // Supported: text, {{ }}, {% %}, {# #}, {% raw %}, whitespace control (-, +); if/elif/else,
-// for (loop.*, for-else, `for x in y if cond`, tuple targets, break/continue), set (names,
-// tuples, namespace attributes, block set), macro (defaults, kwargs, varargs, caller), call,
-// filter blocks; literals, lists, dicts, tuples, attribute/item access, slicing, arithmetic,
-// comparisons, and/or/not, in/not in, inline if/else, the filters and tests Jinja has that chat
-// templates use, and Python's str/dict/list methods that do not mutate (the sandbox refuses
-// append, pop, update, ...). Values follow Python: ints are int64 (overflow is an error), string
-// indices count code points, str() of a float is Python's repr. Undefined is Jinja's default
-// Undefined: it prints as "", is false and iterates as empty; its attributes are an error.
+// for (loop.* incl. cycle() and changed(), for-else, `for x in y if cond`, tuple targets,
+// break/continue), set (names, tuples, namespace attributes, block set), macro (defaults, kwargs,
+// varargs, caller), call, filter blocks; literals, lists, dicts, tuples, attribute/item access,
+// slicing, arithmetic, comparisons, and/or/not, in/not in, inline if/else, the filters and tests
+// Jinja has that chat templates use (jinja_ast.h lists them), Python's `str % args` and
+// str.format() (jinja_format.cpp), and Python's str/dict/list methods that do not mutate (the
+// sandbox refuses append, pop, update, setdefault, ...). Values follow Python: ints are int64
+// (overflow is an error), string indices count code points, str() of a float is Python's repr.
+// Undefined is Jinja's default Undefined: it prints as "", is false and iterates as empty; its
+// attributes are an error. Filters that return generators in Jinja (map, select, batch, slice,
+// ...) return lists here: the same when iterated, joined or passed to |list.
 //
-// Not supported (an error at parse time, never a silent difference): extends/include/import,
-// recursive loops, `{% do %}`, filters and tests not listed in jinja_builtins.cpp, str %
-// formatting, case mapping of non-ASCII letters.
+// Not supported (an error, never a silent difference): extends/include/import, recursive loops,
+// `{% do %}`, the globals cycler/joiner/lipsum, filters and tests not listed in jinja_ast.h,
+// case mapping of non-ASCII letters, ints beyond int64.
 //
 // Templates are untrusted data: parsing and rendering are bounded (nesting depth, loop
 // iterations, output and string sizes, total work) and every failure is an mf::Error

@@ -1,12 +1,14 @@
 // Internals of the Jinja interpreter (jinja.h): runtime values, the syntax tree and the parsed
-// program. jinja_parse.cpp builds a Program, jinja_eval.cpp runs it, jinja_builtins.cpp holds
-// the filters, tests and methods.
+// program. jinja_parse.cpp builds a Program, jinja_eval.cpp runs it (with the filters, tests and
+// methods), jinja_builtins.cpp holds Python's value semantics and the name tables, and
+// jinja_format.cpp Python's string formatting.
 //
 // Values are small (kind + scalar + one shared pointer) and immutable once built, so copies share
 // their strings and containers; only a namespace() object is written after it is made.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -77,6 +79,9 @@ struct StrObj : Heap {
 };
 struct ListObj : Heap {
     std::vector<Value> items;
+    // A (grouper, list) pair made by the groupby filter: a tuple whose two items are also its
+    // attributes `grouper` and `list`, as Jinja's _GroupTuple.
+    bool group = false;
     explicit ListObj(std::vector<Value> x) : items(std::move(x)) {}
 };
 // Keys are strings or other hashable scalars; insertion order is kept, as Python's dict does.
@@ -101,9 +106,16 @@ struct Callable : Heap {
     Value caller;  // the {% call %} body passed to the macro
     std::string name;
 };
+// What one run of a for loop remembers across its iterations: the arguments of the last
+// loop.changed() call.
+struct LoopState {
+    bool has_changed_value = false;
+    Value last_changed_value;
+};
 struct LoopObj : Heap {
     std::shared_ptr<const std::vector<Value>> items;
     size_t index0 = 0;
+    std::shared_ptr<LoopState> state;  // shared by the loop's iterations
 };
 
 // --- syntax ----------------------------------------------------------------------------------------
@@ -203,21 +215,22 @@ std::shared_ptr<Program> parse_program(std::string_view source, std::string name
 // The filters and tests, declared once: X(enumerator, "name"), then aliases A(enumerator, "alias").
 // clang-format off
 #define MF_JINJA_FILTERS(X)                                                                             \
-    X(abs, "abs") X(batch, "batch") X(capitalize, "capitalize") X(default_, "default")                  \
-    X(dictsort, "dictsort") X(escape, "escape") X(first, "first") X(float_, "float") X(indent, "indent") \
-    X(int_, "int") X(items, "items") X(join, "join") X(last, "last") X(length, "length") X(list, "list") \
+    X(abs, "abs") X(attr, "attr") X(batch, "batch") X(capitalize, "capitalize") X(center, "center")     \
+    X(default_, "default") X(dictsort, "dictsort") X(escape, "escape") X(first, "first")                \
+    X(float_, "float") X(format, "format") X(groupby, "groupby") X(indent, "indent") X(int_, "int")     \
+    X(items, "items") X(join, "join") X(last, "last") X(length, "length") X(list, "list")               \
     X(lower, "lower") X(map, "map") X(max, "max") X(min, "min") X(reject, "reject")                     \
     X(rejectattr, "rejectattr") X(replace, "replace") X(reverse, "reverse") X(round, "round")           \
-    X(safe, "safe") X(select, "select") X(selectattr, "selectattr") X(sort, "sort") X(string, "string") \
-    X(sum, "sum") X(title, "title") X(tojson, "tojson") X(trim, "trim") X(unique, "unique")             \
-    X(upper, "upper") X(wordcount, "wordcount")
+    X(safe, "safe") X(select, "select") X(selectattr, "selectattr") X(slice, "slice") X(sort, "sort")   \
+    X(string, "string") X(sum, "sum") X(title, "title") X(tojson, "tojson") X(trim, "trim")             \
+    X(truncate, "truncate") X(unique, "unique") X(upper, "upper") X(wordcount, "wordcount")
 #define MF_JINJA_FILTER_ALIASES(A) A(length, "count") A(default_, "d") A(escape, "e")
 #define MF_JINJA_TESTS(X)                                                                               \
     X(boolean, "boolean") X(callable, "callable") X(defined, "defined") X(divisibleby, "divisibleby")    \
-    X(eq, "eq") X(even, "even") X(false_, "false") X(float_, "float") X(ge, "ge") X(gt, "gt") X(in, "in") \
-    X(integer, "integer") X(iterable, "iterable") X(le, "le") X(lower, "lower") X(lt, "lt")            \
-    X(mapping, "mapping") X(ne, "ne") X(none, "none") X(number, "number") X(odd, "odd")                \
-    X(sameas, "sameas") X(sequence, "sequence") X(string, "string") X(true_, "true")                   \
+    X(eq, "eq") X(even, "even") X(false_, "false") X(filter, "filter") X(float_, "float") X(ge, "ge")  \
+    X(gt, "gt") X(in, "in") X(integer, "integer") X(iterable, "iterable") X(le, "le") X(lower, "lower") \
+    X(lt, "lt") X(mapping, "mapping") X(ne, "ne") X(none, "none") X(number, "number") X(odd, "odd")     \
+    X(sameas, "sameas") X(sequence, "sequence") X(string, "string") X(test, "test") X(true_, "true")   \
     X(undefined, "undefined") X(upper, "upper")
 #define MF_JINJA_TEST_ALIASES(A)                                                                        \
     A(eq, "equalto") A(eq, "==") A(ne, "!=") A(lt, "lessthan") A(lt, "<") A(le, "<=")                  \
@@ -241,5 +254,24 @@ bool truthy(const Value& v);
 const char* type_name(const Value& v);  // Python's type name: str, int, list, dict, NoneType, ...
 bool equals(const Value& a, const Value& b);
 Value from_json(const json::Value& v);
+
+// --- string formatting (jinja_format.cpp) ------------------------------------------------------------
+
+// A formatting failure, with Python's message; the evaluator reports it at the expression.
+struct FormatError {
+    std::string message;
+};
+// Python's ascii(): repr() with every non-ASCII code point escaped.
+std::string ascii_repr(const Value& v);
+// Python's `fmt % args`: a tuple gives the arguments in order, a dict serves %(key)s, any other
+// value is the one argument. FormatError on a bad conversion or argument count, or when the
+// result would exceed max_size bytes.
+std::string percent_format(const std::string& fmt, const Value& args, size_t max_size);
+// Python's fmt.format(*args, **kwargs); `lookup` resolves {x.attr} (is_attr) and {x[key]} as the
+// sandbox's getattr and getitem do.
+using FieldLookup = std::function<Value(const Value& obj, const Value& key, bool is_attr)>;
+std::string str_format(const std::string& fmt, const std::vector<Value>& args,
+                       const std::vector<std::pair<std::string, Value>>& kwargs, const FieldLookup& lookup,
+                       size_t max_size);
 
 }  // namespace mf::text::jinja

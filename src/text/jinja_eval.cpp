@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "core/check.h"
 #include "text/jinja_ast.h"
@@ -346,12 +347,14 @@ class Evaluator {
             return;
         }
         auto shared = std::make_shared<const std::vector<Value>>(std::move(items));
+        auto state = std::make_shared<LoopState>();
         for (size_t k = 0; k < shared->size(); ++k) {
             count_iteration(s.line, s.col);
             bind(s, s.target, (*shared)[k], *loop_frame);
             auto loop = std::make_shared<LoopObj>();
             loop->items = shared;
             loop->index0 = k;
+            loop->state = state;
             Value lv;
             lv.kind = Kind::loop;
             lv.obj = std::move(loop);
@@ -563,6 +566,10 @@ class Evaluator {
             }
             case Kind::loop:
                 return loop_attr(e, static_cast<const LoopObj&>(*obj.obj), name);
+            case Kind::list:
+                if (static_cast<const ListObj&>(*obj.obj).group && (name == "grouper" || name == "list"))
+                    return obj.items()[name == "grouper" ? 0 : 1];
+                break;
             default:
                 break;
         }
@@ -581,6 +588,9 @@ class Evaluator {
             }
             case Kind::list:
             case Kind::string:
+                // Jinja's getitem falls back to attributes: g['grouper'] of a groupby pair.
+                if (key.kind == Kind::string && obj.kind == Kind::list && static_cast<const ListObj&>(*obj.obj).group)
+                    return get_attr(e, obj, key.str());
                 if (is_intlike(key)) {
                     const int64_t n =
                         static_cast<int64_t>(obj.kind == Kind::list ? obj.items().size() : cp_count(obj.str()));
@@ -667,6 +677,8 @@ class Evaluator {
             charge(e, s.size());
             return Value::string(std::move(s));
         }
+        if (op == BinOp::mod && a.kind == Kind::string)
+            return Value::string(formatted(e, [&] { return percent_format(a.str(), b, lim_.max_string); }));
         require_defined(e, a);
         require_defined(e, b);
         static const char* kSym[] = {"+", "-", "*", "/", "//", "%", "**", "~"};
@@ -690,8 +702,6 @@ class Evaluator {
             return repeat(e, a, as_int(b));
         if (op == BinOp::mul && (b.kind == Kind::string || b.kind == Kind::list) && is_intlike(a))
             return repeat(e, b, as_int(a));
-        if (op == BinOp::mod && a.kind == Kind::string)
-            error(e, "'%' string formatting is not supported in chat templates (use ~ or the format-free filters)");
         if (!is_numeric(a) || !is_numeric(b)) return bad();
         if (is_intlike(a) && is_intlike(b) && op != BinOp::div) return int_op(e, op, as_int(a), as_int(b));
         const double x = as_double(a), y = as_double(b);
@@ -719,6 +729,19 @@ class Evaluator {
             default:
                 return bad();
         }
+    }
+
+    // Runs a formatter of jinja_format.cpp, reporting its failure at `e`.
+    template <typename F>
+    std::string formatted(const Expr& e, F&& run) {
+        std::string out;
+        try {
+            out = run();
+        } catch (const FormatError& x) {
+            error(e, x.message);
+        }
+        charge(e, out.size());
+        return out;
     }
 
     Value int_op(const Expr& e, BinOp op, int64_t x, int64_t y) {
@@ -997,7 +1020,7 @@ class Evaluator {
                 while (i < n && space_len(i) > 0) i += space_len(i);
                 if (i >= n) break;
                 if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
-                    parts.push_back(Value::string(py_strip(s.substr(i), nullptr, false, true)));
+                    parts.push_back(Value::string(s.substr(i)));  // keeps its trailing whitespace
                     break;
                 }
                 size_t j = i;
@@ -1021,6 +1044,65 @@ class Evaluator {
         charge(e, s.size() + parts.size());
         return Value::list(std::move(parts));
     }
+    // str.rsplit: as split, but a maxsplit counts splits from the right.
+    Value py_rsplit(const Expr& e, const std::string& s, const std::string* sep, int64_t maxsplit) {
+        if (maxsplit < 0) return py_split(e, s, sep, -1);
+        std::vector<Value> parts;
+        if (sep == nullptr) {
+            const std::vector<size_t> off = cp_offsets(s);
+            auto space_at = [&](size_t k) {
+                size_t i = off[k];
+                return is_py_space(mf::text::next_code_point(s, i));
+            };
+            size_t k = off.size() - 1;  // code points [0, k) remain
+            while (k > 0) {
+                while (k > 0 && space_at(k - 1)) --k;
+                if (k == 0) break;
+                if (static_cast<int64_t>(parts.size()) == maxsplit) {
+                    parts.push_back(Value::string(s.substr(0, off[k])));  // keeps its leading whitespace
+                    break;
+                }
+                size_t j = k;
+                while (j > 0 && !space_at(j - 1)) --j;
+                parts.push_back(Value::string(s.substr(off[j], off[k] - off[j])));
+                k = j;
+            }
+        } else {
+            if (sep->empty()) error(e, "rsplit(): empty separator");
+            size_t end = s.size();
+            for (;;) {
+                const size_t at = end < sep->size() ? std::string::npos : s.rfind(*sep, end - sep->size());
+                if (at == std::string::npos || static_cast<int64_t>(parts.size()) == maxsplit) {
+                    parts.push_back(Value::string(s.substr(0, end)));
+                    break;
+                }
+                parts.push_back(Value::string(s.substr(at + sep->size(), end - at - sep->size())));
+                end = at;
+            }
+        }
+        std::reverse(parts.begin(), parts.end());
+        charge(e, s.size() + parts.size());
+        return Value::list(std::move(parts));
+    }
+
+    // str.splitlines(): Python's line boundaries (\r\n counts as one).
+    static std::vector<std::string> split_lines(const std::string& t, bool keepends) {
+        std::vector<std::string> lines;
+        size_t start = 0;
+        for (size_t i = 0; i < t.size();) {
+            const size_t at = i;
+            const char32_t c = mf::text::next_code_point(t, i);
+            const bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d || c == 0x1e ||
+                             c == 0x85 || c == 0x2028 || c == 0x2029;
+            if (!brk) continue;
+            if (c == '\r' && i < t.size() && t[i] == '\n') ++i;
+            lines.push_back(t.substr(start, (keepends ? i : at) - start));
+            start = i;
+        }
+        if (start < t.size()) lines.push_back(t.substr(start));
+        return lines;
+    }
+
     std::string py_replace(const Expr& e, const std::string& s, const std::string& old, const std::string& with,
                            int64_t count) {
         std::string out;
@@ -1067,9 +1149,28 @@ class Evaluator {
                       ")");
         }
     }
+    // Jinja's title filter on text whose letters are ASCII: a word (a run between -, (, {, [, < and
+    // Unicode whitespace) starts upper case and goes on lower case.
+    static std::string jinja_title(const std::string& s) {
+        std::string out;
+        bool word_start = true;
+        for (size_t i = 0; i < s.size();) {
+            const char32_t c = mf::text::next_code_point(s, i);
+            if (c < 0x80) {
+                const int x = static_cast<int>(c);
+                out += static_cast<char>(word_start ? std::toupper(x) : std::tolower(x));
+            } else {
+                mf::text::append_utf8(out, c);
+            }
+            word_start = c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || is_py_space(c);
+        }
+        return out;
+    }
+
     std::string map_case(const Expr& e, const std::string& s, int mode, const char* what) {
         // mode 0 lower, 1 upper, 2 str.title, 3 capitalize, 4 Jinja's title filter
         require_ascii_case(e, s, what);
+        if (mode == 4) return jinja_title(s);
         std::string out = s;
         bool prev_cased = false;
         for (size_t k = 0; k < out.size(); ++k) {
@@ -1091,16 +1192,78 @@ class Evaluator {
                     c = static_cast<char>(k == 0 ? std::toupper(static_cast<unsigned char>(c))
                                                  : std::tolower(static_cast<unsigned char>(c)));
                     break;
-                case 4: {
-                    // Words start after runs of -, whitespace, (, {, [ or <.
-                    const bool boundary = k == 0 || std::strchr("- \t\n\r\f\v({[<", out[k - 1]) != nullptr;
-                    c = static_cast<char>(boundary ? std::toupper(static_cast<unsigned char>(c))
-                                                   : std::tolower(static_cast<unsigned char>(c)));
-                    break;
-                }
             }
         }
         return out;
+    }
+
+    // str.find/rfind/index/rindex/count(sub[, start[, end]]): start and end are code point
+    // positions taken as a slice's; results count code points.
+    Value find_in(const Expr& e, const std::string& name, const std::string& s, const Args& args) {
+        const std::string& sub = args[0].str();
+        const std::vector<size_t> off = cp_offsets(s);
+        const int64_t n = static_cast<int64_t>(off.size() - 1);
+        auto position = [&](size_t k, int64_t def) {
+            int64_t x = int_arg(e, k < args.size() ? &args[k] : nullptr, def, "the start and end");
+            if (x < 0) x = std::max<int64_t>(x + n, 0);
+            return std::min(x, n);
+        };
+        const int64_t raw_start = int_arg(e, args.size() > 1 ? &args[1] : nullptr, 0, "the start");
+        const int64_t a = position(1, 0), b = position(2, n);
+        const bool beyond = raw_start > n;  // Python finds nothing, not even "", past the end
+        auto to_cp = [&](size_t byte) {
+            return static_cast<int64_t>(std::lower_bound(off.begin(), off.end(), byte) - off.begin());
+        };
+        if (name == "count") {
+            if (beyond || a > b) return Value::integer(0);
+            if (sub.empty()) return Value::integer(b - a + 1);
+            const std::string_view region = std::string_view(s).substr(
+                off[static_cast<size_t>(a)], off[static_cast<size_t>(b)] - off[static_cast<size_t>(a)]);
+            int64_t count = 0;
+            for (size_t at = region.find(sub); at != std::string::npos; at = region.find(sub, at + sub.size())) ++count;
+            return Value::integer(count);
+        }
+        size_t at = std::string::npos;
+        if (!beyond && a <= b) {
+            const size_t begin = off[static_cast<size_t>(a)], end = off[static_cast<size_t>(b)];
+            const std::string_view region = std::string_view(s).substr(begin, end - begin);
+            const size_t r = name[0] == 'r' ? region.rfind(sub) : region.find(sub);
+            if (r != std::string::npos) at = begin + r;
+        }
+        if (at == std::string::npos) {
+            if (name == "index" || name == "rindex") error(e, "substring not found");
+            return Value::integer(-1);
+        }
+        return Value::integer(to_cp(at));
+    }
+
+    // str.center/ljust/rjust/zfill and the center filter: align '^', '<', '>' or '=' (zfill: zeros
+    // after the sign).
+    std::string justify(const Expr& e, const std::string& s, int64_t width, char align, const std::string& fill) {
+        const int64_t len = static_cast<int64_t>(cp_count(s));
+        if (width <= len) return s;
+        check_size(e, static_cast<size_t>(width) * fill.size(), "a string");
+        const size_t marg = static_cast<size_t>(width - len);
+        auto fills = [&](size_t k) {
+            std::string out;
+            for (size_t j = 0; j < k; ++j) out += fill;
+            return out;
+        };
+        charge(e, marg * fill.size() + s.size());
+        switch (align) {
+            case '^': {
+                // CPython's split: the odd space goes left when the width is odd.
+                const size_t left = marg / 2 + (marg & static_cast<size_t>(width) & 1);
+                return fills(left) + s + fills(marg - left);
+            }
+            case '<':
+                return s + fills(marg);
+            case '>':
+                return fills(marg) + s;
+            default:
+                if (!s.empty() && (s[0] == '+' || s[0] == '-')) return s.substr(0, 1) + fills(marg) + s.substr(1);
+                return fills(marg) + s;
+        }
     }
 
     Value call_method(const Expr& e, const Value& obj, const std::string& name, const Args& args,
@@ -1147,22 +1310,81 @@ class Evaluator {
                 const int mode = name == "lower" ? 0 : name == "upper" ? 1 : name == "title" ? 2 : 3;
                 return Value::string(map_case(e, s, mode, what.c_str()));
             }
-            if (name == "find" || name == "rfind" || name == "count" || name == "index") {
+            if (name == "find" || name == "rfind" || name == "count" || name == "index" || name == "rindex") {
+                check_arity(e, what.c_str(), args, kwargs, 3, {});
+                if (args.empty() || args[0].kind != Kind::string) error(e, what, " takes a string");
+                return find_in(e, name, s, args);
+            }
+            if (name == "rsplit") {
+                check_arity(e, what.c_str(), args, kwargs, 2, {"sep", "maxsplit"});
+                return py_rsplit(e, s, str_arg(e, arg(args, kwargs, 0, "sep"), "the separator"),
+                                 int_arg(e, arg(args, kwargs, 1, "maxsplit"), -1, "maxsplit"));
+            }
+            if (name == "splitlines") {
+                check_arity(e, what.c_str(), args, kwargs, 1, {"keepends"});
+                const Value* keep = arg(args, kwargs, 0, "keepends");
+                std::vector<Value> lines;
+                for (std::string& l : split_lines(s, keep != nullptr && truthy(*keep)))
+                    lines.push_back(Value::string(std::move(l)));
+                return Value::list(std::move(lines));
+            }
+            if (name == "partition" || name == "rpartition") {
                 check_arity(e, what.c_str(), args, kwargs, 1, {});
                 if (args.empty() || args[0].kind != Kind::string) error(e, what, " takes a string");
-                const std::string& sub = args[0].str();
-                if (name == "count") {
-                    if (sub.empty()) return Value::integer(static_cast<int64_t>(cp_count(s) + 1));
-                    int64_t n = 0;
-                    for (size_t at = s.find(sub); at != std::string::npos; at = s.find(sub, at + sub.size())) ++n;
-                    return Value::integer(n);
+                const std::string& sep = args[0].str();
+                if (sep.empty()) error(e, what, ": empty separator");
+                const size_t at = name == "partition" ? s.find(sep) : s.rfind(sep);
+                if (at == std::string::npos)
+                    return name == "partition" ? Value::list({obj, Value::string(""), Value::string("")}, true)
+                                               : Value::list({Value::string(""), Value::string(""), obj}, true);
+                return Value::list({Value::string(s.substr(0, at)), args[0], Value::string(s.substr(at + sep.size()))},
+                                   true);
+            }
+            if (name == "removeprefix" || name == "removesuffix") {
+                check_arity(e, what.c_str(), args, kwargs, 1, {});
+                if (args.empty() || args[0].kind != Kind::string) error(e, what, " takes a string");
+                const std::string& a = args[0].str();
+                if (a.size() > s.size()) return obj;
+                if (name == "removeprefix")
+                    return s.compare(0, a.size(), a) == 0 ? Value::string(s.substr(a.size())) : obj;
+                return s.compare(s.size() - a.size(), a.size(), a) == 0
+                           ? Value::string(s.substr(0, s.size() - a.size()))
+                           : obj;
+            }
+            if (name == "center" || name == "ljust" || name == "rjust" || name == "zfill") {
+                check_arity(e, what.c_str(), args, kwargs, name == "zfill" ? 1 : 2, {});
+                if (args.empty() || !is_intlike(args[0])) error(e, what, " takes an integer width");
+                std::string fill = name == "zfill" ? "0" : " ";
+                if (args.size() > 1) {
+                    if (args[1].kind != Kind::string || cp_count(args[1].str()) != 1)
+                        error(e, what, ": the fill character must be exactly one character long");
+                    fill = args[1].str();
                 }
-                const size_t at = name == "rfind" ? s.rfind(sub) : s.find(sub);
-                if (at == std::string::npos) {
-                    if (name == "index") error(e, "substring not found");
-                    return Value::integer(-1);
+                return Value::string(justify(e, s, as_int(args[0]),
+                                             name == "center"  ? '^'
+                                             : name == "ljust" ? '<'
+                                             : name == "rjust" ? '>'
+                                                               : '=',
+                                             fill));
+            }
+            if (name == "isupper" || name == "islower") {
+                check_arity(e, what.c_str(), args, kwargs, 0, {});
+                require_ascii_case(e, s, what.c_str());
+                bool cased = false;
+                for (char c : s) {
+                    if (!std::isalpha(static_cast<unsigned char>(c))) continue;
+                    cased = true;
+                    if ((name == "islower") != (std::islower(static_cast<unsigned char>(c)) != 0))
+                        return Value::boolean(false);
                 }
-                return Value::integer(static_cast<int64_t>(cp_count(std::string_view(s).substr(0, at))));
+                return Value::boolean(cased);
+            }
+            if (name == "format") {
+                const FieldLookup lookup = [&](const Value& o, const Value& key, bool is_attr) {
+                    return is_attr ? get_attr(e, o, key.str()) : get_item(e, o, key);
+                };
+                return Value::string(
+                    formatted(e, [&] { return str_format(s, args, kwargs, lookup, lim_.max_string); }));
             }
             if (name == "join") {
                 check_arity(e, what.c_str(), args, kwargs, 1, {});
@@ -1197,7 +1419,6 @@ class Evaluator {
                 }
                 return Value::boolean(true);
             }
-            if (name == "format") error(e, "str.format() is not supported in chat templates (use ~ to build strings)");
             error(e, "'str' object has no method '", name, "' (or it is not supported)");
         }
         if (obj.kind == Kind::dict) {
@@ -1224,6 +1445,11 @@ class Evaluator {
         }
         if (obj.kind == Kind::list) {
             const auto& items = obj.items();
+            if (name == "copy" && !obj.tuple) {
+                check_arity(e, what.c_str(), args, kwargs, 0, {});
+                charge(e, items.size());
+                return Value::list(items);
+            }
             if (name == "index" || name == "count") {
                 if (args.size() != 1) error(e, what, " takes one argument");
                 int64_t n = 0;
@@ -1240,9 +1466,20 @@ class Evaluator {
                 error(e, "access to attribute '", name, "' of '", type_name(obj),
                       "' object is unsafe (the sandbox keeps values immutable)");
         }
-        if (obj.kind == Kind::loop && name == "cycle") {
-            if (args.empty()) error(e, "loop.cycle() needs at least one value");
-            return args[static_cast<const LoopObj&>(*obj.obj).index0 % args.size()];
+        if (obj.kind == Kind::loop && (name == "cycle" || name == "changed")) {
+            if (!kwargs.empty()) error(e, "loop.", name, "() takes no keyword arguments");
+            const LoopObj& loop = static_cast<const LoopObj&>(*obj.obj);
+            if (name == "cycle") {
+                if (args.empty()) error(e, "no items for cycling given (loop.cycle() needs at least one value)");
+                return args[loop.index0 % args.size()];
+            }
+            // True on the first call and whenever the arguments differ from the previous call's.
+            Value now = Value::list(args, true);
+            LoopState& st = *loop.state;
+            if (st.has_changed_value && equals(st.last_changed_value, now)) return Value::boolean(false);
+            st.has_changed_value = true;
+            st.last_changed_value = std::move(now);
+            return Value::boolean(true);
         }
         const Value v = get_attr(e, obj, name);
         if (v.kind == Kind::undefined) error(e, v.undefined_hint(), " (called as a method)");
@@ -1285,6 +1522,7 @@ class Evaluator {
         Depth d(*this, e.line, e.col);
         check_size(e, out.size(), "tojson's output");
         auto newline = [&](int lvl) {
+            check_size(e, out.size() + static_cast<size_t>(lvl) * st.indent.size(), "tojson's output");
             out += '\n';
             for (int k = 0; k < lvl; ++k) out += st.indent;
         };
@@ -1372,9 +1610,11 @@ class Evaluator {
             st.has_indent = true;
             if (a->kind == Kind::string)
                 st.indent = a->str();
-            else if (is_intlike(*a))
-                st.indent = std::string(static_cast<size_t>(std::clamp<int64_t>(as_int(*a), 0, 64)), ' ');
-            else
+            else if (is_intlike(*a)) {
+                const int64_t width = std::max<int64_t>(as_int(*a), 0);
+                check_size(e, static_cast<size_t>(std::min<int64_t>(width, INT32_MAX)), "tojson's indent");
+                st.indent = std::string(static_cast<size_t>(width), ' ');
+            } else
                 error(e, "tojson: indent must be an integer or a string");
             st.item_sep = ",";
         }
@@ -1392,7 +1632,132 @@ class Evaluator {
         return Value::string(std::move(out));
     }
 
+    // --- number parsing and rounding as Python's int(), float() and round()
+
+    // int(s, base): optional sign, a 0x/0o/0b prefix matching the base (any of them for base 0),
+    // digits with single underscores between them, surrounding whitespace. nullopt where Python
+    // raises ValueError (or the value does not fit int64).
+    static std::optional<int64_t> py_int(const std::string& raw, int64_t base) {
+        if (base != 0 && (base < 2 || base > 36)) return std::nullopt;
+        const std::string s = py_strip(raw, nullptr, true, true);
+        size_t i = 0;
+        bool negative = false;
+        if (i < s.size() && (s[i] == '+' || s[i] == '-')) negative = s[i++] == '-';
+        auto lower = [&](size_t k) { return static_cast<char>(std::tolower(static_cast<unsigned char>(s[k]))); };
+        bool prefixed = false;
+        if (i + 1 < s.size() && s[i] == '0') {
+            const char p = lower(i + 1);
+            const int64_t pb = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
+            if (pb != 0 && (base == 0 || base == pb)) {
+                base = pb;
+                i += 2;
+                prefixed = true;
+            }
+        }
+        const bool zero_base = base == 0;
+        if (zero_base) base = 10;
+        if (prefixed && i < s.size() && s[i] == '_') ++i;  // int('0x_1f', 16)
+        const size_t first = i;
+        int64_t value = 0;
+        bool any = false, all_zero = true;
+        for (; i < s.size(); ++i) {
+            if (s[i] == '_') {  // only between two digits
+                if (i == first || i + 1 >= s.size() || s[i + 1] == '_') return std::nullopt;
+                continue;
+            }
+            const char c = lower(i);
+            const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0'
+                          : (c >= 'a' && c <= 'z')                    ? c - 'a' + 10
+                                                                      : 99;
+            if (d >= base) return std::nullopt;
+            if (__builtin_mul_overflow(value, base, &value) || __builtin_add_overflow(value, d, &value))
+                return std::nullopt;
+            all_zero = all_zero && d == 0;
+            any = true;
+        }
+        if (!any) return std::nullopt;
+        if (zero_base && !prefixed && !all_zero && s[first] == '0') return std::nullopt;  // int('010', 0)
+        return negative ? -value : value;
+    }
+
+    // float(s): decimal notation with single underscores between digits, inf/infinity/nan, and
+    // surrounding whitespace (no hexadecimal, unlike strtod).
+    static std::optional<double> py_float(const std::string& raw) {
+        const std::string s = py_strip(raw, nullptr, true, true);
+        std::string t;
+        auto digit = [&](size_t k) { return k < s.size() && std::isdigit(static_cast<unsigned char>(s[k])) != 0; };
+        for (size_t k = 0; k < s.size(); ++k) {
+            if (s[k] == '_') {
+                if (k == 0 || !digit(k - 1) || !digit(k + 1)) return std::nullopt;
+                continue;
+            }
+            t += static_cast<char>(std::tolower(static_cast<unsigned char>(s[k])));
+        }
+        const std::string_view body = std::string_view(t).substr(!t.empty() && (t[0] == '+' || t[0] == '-'));
+        const bool special = body == "inf" || body == "infinity" || body == "nan";
+        if (body.empty() || (!special && body.find_first_not_of("0123456789.e+-") != std::string_view::npos))
+            return std::nullopt;
+        char* end = nullptr;
+        const double d = std::strtod(t.c_str(), &end);
+        if (end != t.c_str() + t.size()) return std::nullopt;
+        return d;
+    }
+
+    // round(int, ndigits): exact, half to even.
+    int64_t round_int(const Expr& e, int64_t x, int64_t precision) {
+        if (precision >= 0) return x;
+        if (precision < -18) return 0;
+        int64_t scale = 1;
+        for (int64_t k = 0; k < -precision; ++k) scale *= 10;
+        int64_t q = x / scale, r = x % scale;
+        if (r < 0) {
+            --q;
+            r += scale;
+        }
+        if (2 * r > scale || (2 * r == scale && (q % 2) != 0)) ++q;
+        int64_t out = 0;
+        if (__builtin_mul_overflow(q, scale, &out)) error(e, "integer overflow");
+        return out;
+    }
+
+    // Jinja's wordcount: the number of runs of \\w characters (letters, numbers, _ as Python's re).
+    static int64_t word_count(const std::string& s) {
+        int64_t n = 0;
+        bool in_word = false;
+        for (size_t i = 0; i < s.size();) {
+            const char32_t c = mf::text::next_code_point(s, i);
+            const bool w = c == '_' || mf::text::in_categories(c, mf::text::kLetterMask | mf::text::kNumberMask);
+            if (w && !in_word) ++n;
+            in_word = w;
+        }
+        return n;
+    }
+
     // --- filters
+    // The sort key of `v`: its attribute (a dotted path, an index, or "a,b" for a list of keys),
+    // lowercased unless case_sensitive.
+    Value sort_key(const Expr& e, const Value& v, const Value* attribute, bool case_sensitive, bool multi = true) {
+        auto fold = [&](Value key) {
+            if (!case_sensitive && key.kind == Kind::string) return Value::string(map_case(e, key.str(), 0, "sort"));
+            return key;
+        };
+        if (multi && attribute != nullptr && attribute->kind == Kind::string &&
+            attribute->str().find(',') != std::string::npos) {
+            std::vector<Value> keys;
+            const std::string& spec = attribute->str();
+            for (size_t i = 0;;) {
+                const size_t comma = spec.find(',', i);
+                const Value part =
+                    Value::string(spec.substr(i, comma == std::string::npos ? std::string::npos : comma - i));
+                keys.push_back(fold(attribute_of(e, v, &part)));
+                if (comma == std::string::npos) break;
+                i = comma + 1;
+            }
+            return Value::list(std::move(keys));
+        }
+        return fold(attribute_of(e, v, attribute));
+    }
+
     Value attribute_of(const Expr& e, const Value& v, const Value* attribute) {
         if (attribute == nullptr || attribute->kind == Kind::none) return v;
         if (is_intlike(*attribute)) return get_item(e, v, *attribute);
@@ -1416,8 +1781,7 @@ class Evaluator {
                         const Value* attribute) {
         std::vector<std::pair<Value, Value>> keyed;
         for (Value& v : items) {
-            Value key = attribute_of(e, v, attribute);
-            if (!case_sensitive && key.kind == Kind::string) key = Value::string(map_case(e, key.str(), 0, "sort"));
+            Value key = sort_key(e, v, attribute, case_sensitive);
             keyed.emplace_back(std::move(key), std::move(v));
         }
         std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& a, const auto& b) {
@@ -1453,11 +1817,6 @@ class Evaluator {
 
     Value apply_filter(const Expr& e, Filter f, const Value& v, const Args& args, const Kwargs& kwargs) {
         const char* fname = e.name.c_str();
-        auto need_string = [&](const Value& x) -> const std::string& {
-            if (x.kind == Kind::undefined) undefined_error(e, x);
-            if (x.kind != Kind::string) error(e, "the '", fname, "' filter needs a string, got a ", type_name(x));
-            return x.str();
-        };
         switch (f) {
             case Filter::safe:
                 return v;
@@ -1486,7 +1845,6 @@ class Evaluator {
                 }
             case Filter::first:
             case Filter::last: {
-                if (v.kind == Kind::undefined) undefined_error(e, v);
                 const std::vector<Value> items = iterate(v, e.line, e.col);
                 if (items.empty()) return Value::undefined("the sequence is empty");
                 return f == Filter::first ? items.front() : items.back();
@@ -1545,18 +1903,12 @@ class Evaluator {
                     return Value::integer(static_cast<int64_t>(v.f));
                 }
                 if (v.kind == Kind::string) {
-                    const std::string s = py_strip(v.str(), nullptr, true, true);
-                    std::string digits;
-                    for (char c : s)
-                        if (c != '_') digits += c;
-                    char* end = nullptr;
-                    errno = 0;
-                    const long long x = std::strtoll(digits.c_str(), &end, 10);
-                    if (!digits.empty() && end == digits.c_str() + digits.size() && errno == 0)
-                        return Value::integer(x);
-                    const double d = std::strtod(s.c_str(), &end);
-                    if (!s.empty() && end == s.c_str() + s.size() && std::isfinite(d) && std::fabs(d) < 9.2e18)
-                        return Value::integer(static_cast<int64_t>(d));
+                    // Jinja: int(value, base), else int(float(value)), else the default.
+                    const int64_t base = int_arg(e, arg(args, kwargs, 1, "base"), 10, "base");
+                    if (const std::optional<int64_t> x = py_int(v.str(), base)) return Value::integer(*x);
+                    const std::optional<double> d = py_float(v.str());
+                    if (d && std::isfinite(*d) && std::fabs(*d) < 9.2e18)
+                        return Value::integer(static_cast<int64_t>(*d));
                 }
                 return fallback;
             }
@@ -1564,12 +1916,8 @@ class Evaluator {
                 check_arity(e, fname, args, kwargs, 1, {"default"});
                 const Value* def = arg(args, kwargs, 0, "default");
                 if (is_numeric(v)) return Value::floating(as_double(v));
-                if (v.kind == Kind::string) {
-                    const std::string s = py_strip(v.str(), nullptr, true, true);
-                    char* end = nullptr;
-                    const double d = std::strtod(s.c_str(), &end);
-                    if (!s.empty() && end == s.c_str() + s.size()) return Value::floating(d);
-                }
+                if (v.kind == Kind::string)
+                    if (const std::optional<double> d = py_float(v.str())) return Value::floating(*d);
                 return def != nullptr ? *def : Value::floating(0.0);
             }
             case Filter::indent:
@@ -1667,8 +2015,9 @@ class Evaluator {
                 error(e, "bad operand type for abs(): '", type_name(v), "'");
             case Filter::round: {
                 check_arity(e, fname, args, kwargs, 2, {"precision", "method"});
+                // Beyond ±400 digits rounding a double is the identity or gives zero.
                 const int64_t precision =
-                    std::clamp<int64_t>(int_arg(e, arg(args, kwargs, 0, "precision"), 0, "precision"), -20, 20);
+                    std::clamp<int64_t>(int_arg(e, arg(args, kwargs, 0, "precision"), 0, "precision"), -400, 400);
                 const std::string* method = str_arg(e, arg(args, kwargs, 1, "method"), "method");
                 if (!is_numeric(v)) error(e, "round needs a number, got a ", type_name(v));
                 const double x = as_double(v);
@@ -1678,11 +2027,11 @@ class Evaluator {
                     if (*method == "floor") return Value::floating(std::floor(x * scale) / scale);
                     error(e, "round: method must be common, ceil or floor");
                 }
-                if (is_intlike(v) && precision >= 0) return Value::integer(as_int(v));
+                if (is_intlike(v)) return Value::integer(round_int(e, as_int(v), precision));
                 if (precision >= 0) {  // correctly rounded, half to even, as Python's round()
-                    char buf[400];
-                    std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(precision), x);
-                    return Value::floating(std::strtod(buf, nullptr));
+                    std::string buf(static_cast<size_t>(precision) + 400, '\0');
+                    std::snprintf(buf.data(), buf.size(), "%.*f", static_cast<int>(precision), x);
+                    return Value::floating(std::strtod(buf.c_str(), nullptr));
                 }
                 const double scale = std::pow(10.0, static_cast<double>(-precision));
                 return Value::floating(std::nearbyint(x / scale) * scale);
@@ -1692,6 +2041,7 @@ class Evaluator {
                 const Value* attribute = arg(args, kwargs, 0, "attribute");
                 const Value* start = arg(args, kwargs, 1, "start");
                 Value acc = start != nullptr ? *start : Value::integer(0);
+                if (acc.kind == Kind::string) error(e, "sum() can't sum strings [use ''.join(seq) instead]");
                 for (const Value& x : iterate(v, e.line, e.col))
                     acc = binary(e, BinOp::add, acc, attribute_of(e, x, attribute));
                 return acc;
@@ -1709,8 +2059,9 @@ class Evaluator {
                 const Value* cs = arg(args, kwargs, 0, "case_sensitive");
                 const Value* by = arg(args, kwargs, 1, "by");
                 const Value* rev = arg(args, kwargs, 2, "reverse");
-                const Value index =
-                    Value::integer(by != nullptr && by->kind == Kind::string && by->str() == "value" ? 1 : 0);
+                if (by != nullptr && !(by->kind == Kind::string && (by->str() == "key" || by->str() == "value")))
+                    error(e, "You can only sort by either \"key\" or \"value\"");
+                const Value index = Value::integer(by != nullptr && by->str() == "value" ? 1 : 0);
                 return sorted_values(e, std::move(pairs), rev != nullptr && truthy(*rev), cs != nullptr && truthy(*cs),
                                      &index);
             }
@@ -1729,16 +2080,30 @@ class Evaluator {
             case Filter::max: {
                 check_arity(e, fname, args, kwargs, 2, {"case_sensitive", "attribute"});
                 const Value* cs = arg(args, kwargs, 0, "case_sensitive");
-                const Value sorted = sorted_values(e, iterate(v, e.line, e.col), false, cs != nullptr && truthy(*cs),
-                                                   arg(args, kwargs, 1, "attribute"));
-                if (sorted.items().empty()) return Value::undefined("min/max of an empty sequence");
-                return f == Filter::min ? sorted.items().front() : sorted.items().back();
+                const Value* attribute = arg(args, kwargs, 1, "attribute");
+                const std::vector<Value> items = iterate(v, e.line, e.col);
+                if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
+                // Python's min() and max() keep the first of equal extremes.
+                size_t best = 0;
+                Value best_key = sort_key(e, items[0], attribute, cs != nullptr && truthy(*cs), false);
+                for (size_t k = 1; k < items.size(); ++k) {
+                    charge(e, 1);
+                    Value key = sort_key(e, items[k], attribute, cs != nullptr && truthy(*cs), false);
+                    const int c = order(e, key, best_key, f == Filter::min ? "<" : ">");
+                    if (f == Filter::min ? c < 0 : c > 0) {
+                        best = k;
+                        best_key = std::move(key);
+                    }
+                }
+                return items[best];
             }
             case Filter::batch: {
                 check_arity(e, fname, args, kwargs, 2, {"linecount", "fill_with"});
                 const int64_t n = int_arg(e, arg(args, kwargs, 0, "linecount"), 0, "linecount");
                 if (n <= 0) error(e, "batch needs a positive size");
                 const Value* fill = arg(args, kwargs, 1, "fill_with");
+                if (fill != nullptr && fill->kind != Kind::none)
+                    check_size(e, static_cast<size_t>(std::min<int64_t>(n, INT32_MAX)), "a batch");
                 std::vector<Value> out, cur;
                 for (const Value& x : iterate(v, e.line, e.col)) {
                     cur.push_back(x);
@@ -1751,12 +2116,129 @@ class Evaluator {
                 }
                 return Value::list(std::move(out));
             }
-            case Filter::wordcount: {
-                const Value words = py_split(e, need_string(v), nullptr, -1);
-                return Value::integer(static_cast<int64_t>(words.items().size()));
+            case Filter::wordcount:
+                return Value::integer(word_count(to_str(v)));
+            case Filter::attr: {
+                // getattr() only: a dict's keys are not attributes (Jinja's attr filter).
+                check_arity(e, fname, args, kwargs, 1, {"name"});
+                const std::string* name = str_arg(e, arg(args, kwargs, 0, "name"), "the attribute name");
+                if (name == nullptr) error(e, "attr needs an attribute name");
+                if (v.kind == Kind::ns || v.kind == Kind::loop ||
+                    (v.kind == Kind::list && static_cast<const ListObj&>(*v.obj).group))
+                    return get_attr(e, v, *name);
+                return Value::undefined("'" + std::string(type_name(v)) + " object' has no attribute '" + *name + "'");
             }
+            case Filter::center: {
+                check_arity(e, fname, args, kwargs, 1, {"width"});
+                return Value::string(
+                    justify(e, to_str(v), int_arg(e, arg(args, kwargs, 0, "width"), 80, "width"), '^', " "));
+            }
+            case Filter::format: {
+                if (!args.empty() && !kwargs.empty())
+                    error(e, "can't handle positional and keyword arguments at the same time");
+                Value fargs;
+                if (kwargs.empty()) {
+                    fargs = Value::list(args, true);
+                } else {
+                    std::vector<std::pair<Value, Value>> entries;
+                    for (const auto& [k, x] : kwargs) entries.emplace_back(Value::string(k), x);
+                    fargs = make_dict(std::move(entries));
+                }
+                const std::string fmt = to_str(v);
+                return Value::string(formatted(e, [&] { return percent_format(fmt, fargs, lim_.max_string); }));
+            }
+            case Filter::groupby:
+                return group_by(e, v, args, kwargs);
+            case Filter::slice: {
+                check_arity(e, fname, args, kwargs, 2, {"slices", "fill_with"});
+                const int64_t num_slices = int_arg(e, arg(args, kwargs, 0, "slices"), 0, "slices");
+                if (num_slices <= 0) error(e, "slice needs a positive number of slices");
+                check_size(e, static_cast<size_t>(std::min<int64_t>(num_slices, INT32_MAX)), "a list of slices");
+                const Value* fill = arg(args, kwargs, 1, "fill_with");
+                const std::vector<Value> items = iterate(v, e.line, e.col);
+                // Jinja's: the first len % n slices get one item more; the others get fill_with.
+                const size_t n = static_cast<size_t>(num_slices), per = items.size() / n, extra = items.size() % n;
+                std::vector<Value> out;
+                size_t at = 0;
+                for (size_t k = 0; k < n; ++k) {
+                    const size_t len = per + (k < extra ? 1 : 0);
+                    std::vector<Value> part(items.begin() + static_cast<std::ptrdiff_t>(at),
+                                            items.begin() + static_cast<std::ptrdiff_t>(at + len));
+                    at += len;
+                    if (fill != nullptr && fill->kind != Kind::none && k >= extra) part.push_back(*fill);
+                    charge(e, part.size() + 1);
+                    out.push_back(Value::list(std::move(part)));
+                }
+                return Value::list(std::move(out));
+            }
+            case Filter::truncate:
+                return truncate(e, v, args, kwargs);
         }
         error(e, "filter '", fname, "' is not supported");
+    }
+
+    // Jinja's groupby(attribute, default=None, case_sensitive=False): sorted by the key, one
+    // (grouper, list) pair per run of equal keys; the grouper is the first item's own key.
+    Value group_by(const Expr& e, const Value& v, const Args& args, const Kwargs& kwargs) {
+        check_arity(e, "groupby", args, kwargs, 3, {"attribute", "default", "case_sensitive"});
+        const Value* attribute = arg(args, kwargs, 0, "attribute");
+        if (attribute == nullptr) error(e, "groupby needs an attribute");
+        const Value* def = arg(args, kwargs, 1, "default");
+        const Value* cs = arg(args, kwargs, 2, "case_sensitive");
+        const bool case_sensitive = cs != nullptr && truthy(*cs);
+        auto key_of = [&](const Value& x, bool fold) {
+            Value k = attribute_of(e, x, attribute);
+            if (k.kind == Kind::undefined && def != nullptr && def->kind != Kind::none) k = *def;
+            if (fold && k.kind == Kind::string) k = Value::string(map_case(e, k.str(), 0, "groupby"));
+            return k;
+        };
+        std::vector<std::pair<Value, Value>> keyed;
+        for (const Value& x : iterate(v, e.line, e.col)) keyed.emplace_back(key_of(x, !case_sensitive), x);
+        std::stable_sort(keyed.begin(), keyed.end(),
+                         [&](const auto& a, const auto& b) { return order(e, a.first, b.first, "<") < 0; });
+        std::vector<Value> out;
+        for (size_t k = 0; k < keyed.size();) {
+            size_t j = k;
+            std::vector<Value> members;
+            while (j < keyed.size() && equals(keyed[j].first, keyed[k].first)) members.push_back(keyed[j++].second);
+            charge(e, members.size() + 1);
+            Value grouper = case_sensitive ? keyed[k].first : key_of(members[0], false);
+            auto group =
+                std::make_shared<ListObj>(std::vector<Value>{std::move(grouper), Value::list(std::move(members))});
+            group->group = true;
+            Value g;
+            g.kind = Kind::list;
+            g.tuple = true;
+            g.obj = std::move(group);
+            out.push_back(std::move(g));
+            k = j;
+        }
+        return Value::list(std::move(out));
+    }
+
+    // Jinja's truncate(length=255, killwords=False, end='...', leeway=5).
+    Value truncate(const Expr& e, const Value& v, const Args& args, const Kwargs& kwargs) {
+        check_arity(e, "truncate", args, kwargs, 4, {"length", "killwords", "end", "leeway"});
+        const int64_t length = int_arg(e, arg(args, kwargs, 0, "length"), 255, "length");
+        const Value* killwords = arg(args, kwargs, 1, "killwords");
+        const std::string* end_arg = str_arg(e, arg(args, kwargs, 2, "end"), "end");
+        const std::string end = end_arg != nullptr ? *end_arg : "...";
+        const int64_t leeway = int_arg(e, arg(args, kwargs, 3, "leeway"), 5, "leeway");
+        const int64_t end_len = static_cast<int64_t>(cp_count(end));
+        if (length < end_len) error(e, "expected length >= ", end_len, ", got ", length);
+        if (leeway < 0) error(e, "expected leeway >= 0, got ", leeway);
+        if (v.kind == Kind::undefined) return v;
+        if (v.kind != Kind::string) error(e, "object of type '", type_name(v), "' has no len()");
+        const std::string& s = v.str();
+        const int64_t len = static_cast<int64_t>(cp_count(s));
+        if (len <= length + leeway) return v;
+        const std::vector<size_t> off = cp_offsets(s);
+        std::string head = s.substr(0, off[static_cast<size_t>(length - end_len)]);
+        if (!(killwords != nullptr && truthy(*killwords))) {
+            const size_t space = head.rfind(' ');
+            if (space != std::string::npos) head.resize(space);
+        }
+        return Value::string(head + end);
     }
 
     Value indent(const Expr& e, const std::string& s, const Args& args, const Kwargs& kwargs) {
@@ -1773,20 +2255,7 @@ class Evaluator {
             pad = std::string(static_cast<size_t>(std::clamp<int64_t>(int_arg(e, width, 4, "width"), 0, 1024)), ' ');
         // s + "\n", split as str.splitlines() does, rejoined with "\n" + pad (blank lines unpadded
         // unless blank=True).
-        std::vector<std::string> lines;
-        const std::string t = s + "\n";
-        size_t start = 0;
-        for (size_t i = 0; i < t.size();) {
-            const size_t at = i;
-            const char32_t c = mf::text::next_code_point(t, i);
-            const bool brk = c == '\n' || c == '\r' || c == 0x0b || c == 0x0c || c == 0x1c || c == 0x1d || c == 0x1e ||
-                             c == 0x85 || c == 0x2028 || c == 0x2029;
-            if (!brk) continue;
-            lines.push_back(t.substr(start, at - start));
-            if (c == '\r' && i < t.size() && t[i] == '\n') ++i;
-            start = i;
-        }
-        if (start < t.size()) lines.push_back(t.substr(start));
+        const std::vector<std::string> lines = split_lines(s + "\n", false);
         std::string out;
         if (blank != nullptr && truthy(*blank)) {
             for (size_t k = 0; k < lines.size(); ++k) {
@@ -1843,6 +2312,10 @@ class Evaluator {
                 return v.kind == Kind::string || v.kind == Kind::list || v.kind == Kind::dict;
             case Test::callable:
                 return v.kind == Kind::callable;
+            case Test::filter:
+                return v.kind == Kind::string && filter_code(v.str()) >= 0;
+            case Test::test:
+                return v.kind == Kind::string && test_code(v.str()) >= 0;
             case Test::odd:
             case Test::even:
             case Test::divisibleby: {

@@ -335,7 +335,7 @@ TEST(JinjaErrors, Runtime) {
     EXPECT_REFUSED("{% for x in 5 %}{% endfor %}", "'int' object is not iterable");
     EXPECT_REFUSED("{% set a, b = [1] %}", "not enough values to unpack");
     EXPECT_REFUSED("{% set x = 1 %}{% set x.y = 2 %}", "cannot assign attribute 'y' on 'x'");
-    EXPECT_REFUSED("{{ 'x' % 1 }}", "string formatting is not supported");
+    EXPECT_REFUSED("{{ 'x' % 1 }}", "chat_template:1:8: not all arguments converted during string formatting");
     EXPECT_REFUSED("{{ 'É'|lower }}", "case mapping of non-ASCII letters is not supported");
     EXPECT_REFUSED("{{ 1 | tojson(indent=[]) }}", "indent must be an integer or a string");
     EXPECT_REFUSED("{{ missing|tojson }}", "not JSON serializable");
@@ -367,6 +367,508 @@ TEST(JinjaErrors, HostileTemplatesAreBounded) {
     }
     EXPECT_REFUSED("{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}",
                    "evaluation steps");
+}
+
+// --- parity with Jinja2 on the constructs of the families' templates ------------------------------
+//
+// The expected strings of this section were rendered by Jinja2 itself (python3-jinja2 3.1, an
+// ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks and loopcontrols, HF's tojson and
+// raise_exception, strftime_now at the tests' fixed time) when the tests were written, and are
+// committed here; nothing runs Python at test time. The family-style templates are our own, written
+// to use the constructs each family's template uses (namespaces, macros, tool calls with string and
+// mapping arguments, thinking tags, generation prompts).
+
+namespace {
+
+constexpr const char* kMistralStyle = R"J({%- if messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content'] %}
+    {%- set rest = messages[1:] %}
+{%- else %}
+    {%- set rest = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- for m in rest %}
+    {%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('roles must go user/assistant/user/...') }}
+    {%- endif %}
+    {%- if m['role'] == 'user' %}
+        {%- if loop.last and system is defined %}
+            {{- '[INST] ' + system + '\n\n' + m['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- '[INST] ' + m['content']|trim + ' [/INST]' }}
+        {%- endif %}
+    {%- elif m['role'] == 'assistant' %}
+        {{- ' ' + m['content'] + eos_token }}
+    {%- endif %}
+{%- endfor %})J";
+
+constexpr const char* kDeepSeekStyle = R"J({%- set ns = namespace(sys='', first=true, in_tool=false) %}
+{%- for m in messages if m.role == 'system' %}{% set ns.sys = ns.sys ~ (m.content if loop.first else '\n' ~ m.content) %}{% endfor %}
+{{- bos_token ~ ns.sys }}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}
+        {%- set ns.in_tool = false %}<|U|>{{ m.content }}
+    {%- elif m.role == 'assistant' %}
+        {%- if ns.in_tool %}<|/outputs|>{% set ns.in_tool = false %}{% endif %}
+        {%- set text = m.content|default('', true) %}
+        {%- if '</think>' in text %}{% set text = text.split('</think>')[-1].lstrip('\n') %}{% endif %}
+        <|A|>{{ text }}
+        {%- for tc in m.tool_calls|default([]) %}
+            {%- set args = tc.function.arguments if tc.function.arguments is string else tc.function.arguments|tojson %}
+            {{- '<|call|>%s<|sep|>%s<|/call|>'|format(tc.function.name, args) }}
+        {%- endfor %}
+        {{- eos_token }}
+    {%- elif m.role == 'tool' %}
+        {%- if not ns.in_tool %}<|outputs|>{% set ns.in_tool = true %}{% endif %}
+        {{- '<|out %d|>' % loop.index0 ~ m.content ~ '<|/out|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.in_tool %}<|/outputs|>{% endif %}
+{%- if add_generation_prompt %}<|A|>{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{% endif %})J";
+
+constexpr const char* kGlmStyle = R"J({%- macro text_of(c) -%}
+{%- if c is string -%}{{ c }}
+{%- elif c is iterable and c is not mapping -%}
+{%- for part in c -%}{% if part is mapping and part.type == 'text' %}{{ part.text }}{% elif part is string %}{{ part }}{% endif %}{%- endfor -%}
+{%- elif c is none -%}
+{%- else -%}{{ c }}{%- endif -%}
+{%- endmacro -%}
+[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+{% for t in tools %}
+{{ t.function|tojson(ensure_ascii=False) }}
+{% endfor %}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<|user|>
+{{ text_of(m.content) }}{{ ' /nothink' if enable_thinking is defined and not enable_thinking and not text_of(m.content).endswith('/nothink') else '' }}
+{%- elif m.role == 'assistant' -%}<|assistant|>
+{%- set c = text_of(m.content) -%}
+{%- set reasoning = m.reasoning_content if m.reasoning_content is string else (c.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') if '</think>' in c else '') -%}
+{%- set c = c.split('</think>')[-1].lstrip('\n') -%}
+{{ '\n<think>' + reasoning.strip() + '</think>' }}{{ '\n' + c.strip() if c.strip() }}
+{%- for tc in m.tool_calls or [] -%}
+{% set f = tc.function if tc.function is defined else tc %}
+<tool_call>{{ f.name }}
+{% for k, v in (f.arguments if f.arguments is mapping else {}).items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v|tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif %}
+<tool_response>
+{{ text_of(m.content) }}
+</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{{ '\n<think></think>' if enable_thinking is defined and not enable_thinking }}{%- endif -%})J";
+
+constexpr const char* kGptOssStyle = R"J({%- macro ts_type(p) -%}
+{%- if p.enum is defined -%}{{ p.enum|map('tojson')|join(' | ') }}
+{%- elif p.type == 'array' -%}{{ ts_type(p.get('items', {})) }}[]
+{%- elif p.type == 'object' -%}{ {% for k, v in (p.properties or {})|dictsort %}{{ k }}{{ '' if k in (p.required or []) else '?' }}: {{ ts_type(v) }}{{ ', ' if not loop.last }}{% endfor %} }
+{%- elif p.type is sequence and p.type is not string -%}{{ p.type|join(' | ') }}
+{%- elif p.type == 'integer' -%}number
+{%- else -%}{{ p.type|default('any') }}{%- endif -%}
+{%- endmacro -%}
+<|start|>system<|message|>Knowledge cutoff: 2024-06
+Current date: {{ strftime_now('%Y-%m') }}
+Reasoning: {{ reasoning_effort|default('medium') }}<|end|>
+{%- if tools %}<|start|>developer<|message|># Tools
+namespace functions {
+{% for t in tools %}{% set f = t.function %}
+// {{ f.description|default('')|truncate(40, leeway=0) }}
+type {{ f.name }} = ({% if f.parameters.properties %}_: {{ ts_type(f.parameters) }}{% endif %}) => any;
+{% endfor %}
+} // namespace functions<|end|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}{% set c = m.tool_calls[0].function %}<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>{{ c.arguments if c.arguments is string else c.arguments|tojson }}<|call|>
+{%- elif m.role == 'tool' %}<|start|>functions.{{ messages[loop.index0 - 1].tool_calls[0].function.name }} to=assistant<|channel|>commentary<|message|>{{ m.content|tojson }}<|end|>
+{%- else %}<|start|>{{ m.role }}<|message|>{{ m.content }}{{ '<|return|>' if loop.last and m.role == 'assistant' else '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %})J";
+
+constexpr const char* kKimiStyle =
+    R"J({%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools|tojson(separators=(',', ':')) }}<|im_end|>{%- endif -%}
+{%- for m in messages -%}
+{%- set role = m.name if m.name is defined else m.role -%}
+<|im_{{ 'user' if m.role == 'user' else 'assistant' if m.role == 'assistant' else 'system' }}|>{{ role }}<|im_middle|>
+{%- if m.role == 'tool' -%}## Return of {{ m.tool_call_id }}
+{% endif -%}
+{%- if m.content is string -%}{{ m.content }}{%- else -%}{% for part in m.content or [] %}{{ part.text if part.type == 'text' else '<' ~ part.type ~ '>' }}{% endfor %}{%- endif -%}
+{%- if m.tool_calls -%}<|calls|>{% for tc in m.tool_calls %}{% set idx = tc.id.split(':')[-1]|int %}<|call|>functions.{{ tc.function.name }}:{{ idx }}<|arg|>{{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments|tojson }}<|/call|>{% endfor %}<|/calls|>{%- endif -%}
+<|im_end|>
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%})J";
+
+constexpr const char* kNemotronStyle = R"J({%- macro extra_keys(d, handled) -%}
+{%- for k, v in d|items if k not in handled -%}
+{{ '\n<%s>%s</%s>'|format(k, v|tojson if v is mapping or (v is sequence and v is not string) else v, k) }}
+{%- endfor -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endfor -%}
+{%- set sys = messages[0].content if messages and messages[0].role == 'system' else '' -%}
+<|sys|>{{ sys }}
+{%- if tools %}
+<tools>{% for t in tools %}
+<function><name>{{ t.function.name }}</name>{% for p, spec in (t.function.parameters.properties or {})|items %}
+<param><name>{{ p }}</name><type>{{ spec.type }}</type>{{ extra_keys(spec, ['type']) }}</param>{% endfor %}{{ extra_keys(t.function, ['name', 'parameters']) }}</function>{% endfor %}
+</tools>
+{%- endif %}<|end|>
+{%- set users = messages|selectattr('role', 'equalto', 'user')|list -%}
+{%- for m in messages if m.role != 'system' %}
+{%- set c = m.content|default('', true) %}
+{%- if m.role == 'assistant' and truncate_history_thinking|default(true) and m is not sameas (users|last) and '</think>' in c and loop.revindex > 1 %}{% set c = '<think></think>' ~ c.split('</think>', 1)[1] %}{% endif %}
+<|{{ m.role }}|>{{ c.strip() }}
+{%- if loop.changed(m.role) and m.role == 'tool' %} [{{ loop.index }}/{{ loop.length }}]{% endif %}<|end|>
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|assistant|>{{ '<think></think>' if enable_thinking is false else '<think>\n' }}
+{%- endif %})J";
+
+}  // namespace
+
+TEST(Jinja2Parity, LoopHelpers) {
+    EXPECT_RENDERS("{% for x in [1, 1, 2, 2, 1] %}{% if loop.changed(x) %}{{ x }}{% endif %}{% endfor %}", "121");
+    EXPECT_RENDERS_WITH(
+        "{% for m in msgs %}{% if loop.changed(m.role) %}[{{ m.role }}]{% endif %}{{ m.t }}{% endfor %}",
+        R"J({"msgs": [{"role": "user", "t": "a"}, {"role": "user", "t": "b"}, {"role": "assistant", "t": "c"}, {"role": "user", "t": "d"}]})J",
+        "[user]ab[assistant]c[user]d");
+    EXPECT_RENDERS("{% for x in [1, 2, 3] %}{{ loop.changed(x // 2, 0) }}{{ loop.changed() }}{% endfor %}",
+                   "TrueTrueTrueTrueTrueTrue");
+    EXPECT_RENDERS("{% for x in 'ab' %}{% for y in 'ab' %}{{ loop.changed(x) }}{% endfor %}{% endfor %}",
+                   "TrueFalseTrueFalse");
+    EXPECT_RENDERS("{% for x in range(5) %}{{ loop.cycle('a', 'b', 'c') }}{% endfor %}", "abcab");
+    EXPECT_RENDERS(
+        "{% for x in range(3) %}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.depth }}{{ loop.depth0 }}{{ "
+        "loop.nextitem is defined }};{% endfor %}",
+        "3210True;2110True;1010False;");
+    EXPECT_RENDERS(
+        "{% for x in [1, 2, 3] if x != 2 %}{{ x }}{{ loop.nextitem|default('-') }}{{ loop.previtem|default('^') }} {% "
+        "endfor %}",
+        "13^ 3-1 ");
+}
+
+TEST(Jinja2Parity, PercentFormatting) {
+    EXPECT_RENDERS(
+        "{{ '%s and %d, %.2f %5s|%-5s|%05d %x %#x %#o %o %e %g %r %c %%' % ('a', 3, 2.345, 'r', 'l', -42, 255, 255, 8, "
+        "8, 12345.678, 0.0001, 'q', 65) }}",
+        "a and 3, 2.35     r|l    |-0042 ff 0xff 0o10 10 1.234568e+04 0.0001 'q' A %");
+    EXPECT_RENDERS(
+        "{{ '%(a)s-%(b)03d' % {'a': 1, 'b': 2} }}|{{ '%s' % [1, 2] }}|{{ '%s' % {'a': 1} }}|{{ 'x' % {} }}|{{ '100%%' "
+        "% () }}",
+        "1-002|[1, 2]|{'a': 1}|x|100%");
+    EXPECT_RENDERS(
+        "{{ '%+d|% d|%+.3e|%10.4f|%-10.2e|%.0f|%#.0f|%.3g|%#.3g|%.10g' % (5, 5, 1234.5, 3.14159265, 1234.5, 2.5, 2.5, "
+        "1234567.0, 1.0, 1/3) }}",
+        "+5| 5|+1.234e+03|    3.1416|1.23e+03  |2|2.|1.23e+06|1.00|0.3333333333");
+    EXPECT_RENDERS(
+        "{{ '%d %i %d' % (3.9, -3.9, true) }}|{{ '%.3s|%5.1s|' % ('abcdef', 'xyz') }}|{{ '%*d|%-*d|%.*f' % (5, 1, 4, "
+        "2, 2, 3.14159) }}",
+        "3 -3 1|abc|    x||    1|2   |3.14");
+    EXPECT_RENDERS(
+        R"J({{ '%s' % none }}|{{ '%r' % "it's" }}|{{ '%a' % 'é' }}|{{ '%c' % 'z' }}|{{ '%X' % -255 }}|{{ '%#08x' % 255 }}|{{ '%-#8o|' % 8 }}|{{ '%s' % missing }}|{{ '%5s|' % 'héllo' }})J",
+        R"J(None|"it's"|'\xe9'|z|-FF|0x0000ff|0o10    |||héllo|)J");
+    EXPECT_RENDERS(
+        "{{ '%s %s'|format(1, 'x') }}|{{ '%(n)s'|format(n=3) }}|{{ '%s'|format([1]) }}|{{ '%d%%'|format(50) }}|{{ "
+        "'%-4s|'|format('ab') }}|{{ '%s'|format(none) }}",
+        "1 x|3|[1]|50%|ab  ||None");
+    EXPECT_RENDERS(
+        "{{ '%.3f|%10.3e|%-8.2g|%#x|%+.1f%%' % (2.0005, 123456.789, 0.000012345, 0, 99.95) }}|{{ '%s|%s|%r|%r' % (1.0, "
+        "1e16, [1.5, 'a'], (1,)) }}|{{ '%5.1f' % true }}",
+        "2.001| 1.235e+05|1.2e-05 |0x0|+100.0%|1.0|1e+16|[1.5, 'a']|(1,)|  1.0");
+}
+
+TEST(Jinja2Parity, StrFormat) {
+    EXPECT_RENDERS(
+        "{{ '{} {}'.format(1, 'a') }}|{{ '{1}{0}'.format('a', 'b') }}|{{ '{x}-{y!r}'.format(x=1, y='s') }}|{{ "
+        "'{{}}{0[k]}{1.k}'.format({'k': 2}, {'k': 3}) }}",
+        "1 a|ba|1-'s'|{}23");
+    EXPECT_RENDERS(
+        "{{ "
+        "'{:>6}|{:<6}|{:^6}|{:*^7}|{:06.2f}|{:+d}|{:,}|{:_}|{:x}|{:#b}|{:.3}|{:.2%}|{:e}|{:g}|{:10.3e}|{:=+8d}'.format("
+        "'a', 'b', 'c', 'd', 3.14159, 5, 1234567, 1234567, 255, 5, 'abcdef', 0.1234, 12345.678, 0.00001, 1234.5, 42) "
+        "}}",
+        "     a|b     |  c   |***d***|003.14|+5|1,234,567|1_234_567|ff|0b101|abc|12.34%|1.234568e+04|1e-05| "
+        "1.234e+03|+     42");
+    EXPECT_RENDERS(
+        "{{ '{}|{:}|{:10}|{:.3}|{:.3}|{:.0}|{}|{:.2}|{:.1}'.format(1.0, 2.5, 1.5, 1234.5, 1.0, 5.0, 1e16, 100.0, 0.05) "
+        "}}",
+        "1.0|2.5|       1.5|1.23e+03|1.0|5e+00|1e+16|1e+02|0.05");
+    EXPECT_RENDERS(
+        "{{ '{:>5}|{:5}|{}|{!s:>6}|{:d}|{:05}|{:<05}|{:05}'.format(true, 'x', none, none, 7, -3, 7, 'ab') }}",
+        "    1|x    |None|  None|7|-0003|70000|ab000");
+    EXPECT_RENDERS(
+        "{{ '{:,.2f}|{:#x}|{:#o}|{:c}|{:5.1f}|{:-^9.2f}|{: d}|{:b}|{:_b}|{:X}|{:%}'.format(1234567.891, 255, 8, 9731, "
+        "-0.05, 2.0, 4, 10, 255, 255, 2) }}",
+        "1,234,567.89|0xff|0o10|☃| -0.1|--2.00---| 4|1010|1111_1111|FF|200.000000%");
+    EXPECT_RENDERS(
+        "{{ 'x{0}y{0}'.format('a') }}|{{ '{0:{1}}'.format('a', 5) }}|{{ '{:{}}|'.format('b', 3) }}|{{ "
+        "'{a[0]}{a[1]}'.format(a=[1, 2]) }}|{{ '{0.missing}|{1[0]}'.format({}, 'ab') }}|{{ "
+        "'{:=^+8.2f}|{:x<5d}|{:#010b}'.format(3.14159, 7, 5) }}",
+        "xaya|a    |b  ||12||a|=+3.14==|7xxxx|0b00000101");
+}
+
+TEST(Jinja2Parity, ShapingFilters) {
+    EXPECT_RENDERS(
+        "{{ 'Hello world, how are you'|truncate(9) }}|{{ 'Hello world, how are you'|truncate(9, true) }}|{{ 'Hello "
+        "world'|truncate(9, leeway=0) }}|{{ 'Hello world'|truncate(9, end='>', leeway=0) }}|{{ 'abc'|truncate(3) }}|{{ "
+        "missing|truncate }}|{{ 'héllo wörld'|truncate(8, leeway=0) }}|{{ 'abc def'|truncate(5, false, '', 0) }}",
+        "Hello...|Hello ...|Hello...|Hello>|abc||héllo...|abc");
+    EXPECT_RENDERS(
+        "{{ 'ab'|center(5) }}|{{ 'abc'|center(6) }}|{{ 'abc'|center(2) }}|{{ 12|center(6) }}|{{ 'x'|center }}|",
+        "  ab | abc  |abc|  12  |                                       x                                        |");
+    EXPECT_RENDERS_WITH(
+        "{% for g in rows|groupby('k') %}{{ g.grouper }}:{{ g.list|map(attribute='v')|join(',') }};{% endfor %}|{% for "
+        "k, items in rows|groupby('k', case_sensitive=true) %}{{ k }}{{ items|length }}{% endfor %}|{{ [{'k': 1}, "
+        "{}]|groupby('k', default=0) }}",
+        R"J({"rows": [{"k": "a", "v": 1}, {"k": "B", "v": 2}, {"k": "b", "v": 3}, {"k": "A", "v": 4}]})J",
+        "a:1,4;B:2,3;|A1B1a1b1|[(0, [{}]), (1, [{'k': 1}])]");
+    EXPECT_RENDERS(
+        "{{ [{'a': 1}]|groupby('a')|first|attr('grouper') }}|{{ ([{'a': 1}]|groupby('a'))[0].list }}|{{ [{'a': 'x'}, "
+        "{'a': 'X'}]|groupby('a')|map(attribute='grouper')|list }}|{{ [{'a': 2}, {'a': 1}]|groupby('a')|tojson }}|{{ "
+        "([{'a': 1}]|groupby('a'))[0] }}|{{ [{'t': {'n': 'q'}}]|groupby('t.n')|map(attribute=0)|list }}",
+        R"J(1|[{'a': 1}]|['x']|[[1, [{"a": 1}]], [2, [{"a": 2}]]]|(1, [{'a': 1}])|['q'])J");
+    EXPECT_RENDERS(
+        "{{ [1, 2, 3, 4, 5]|slice(2)|list }} {{ [1, 2, 3, 4, 5]|slice(3, 0)|list }} {{ []|slice(2)|list }} {{ [1, "
+        "2]|slice(4)|list }} {{ [1, 2, 3]|batch(2, 'x')|list }}",
+        "[[1, 2, 3], [4, 5]] [[1, 2], [3, 4], [5, 0]] [[], []] [[1], [2], [], []] [[1, 2], [3, 'x']]");
+    EXPECT_RENDERS(
+        "{{ {'a': 5}|attr('a') }}|{% for x in [1] %}{{ loop|attr('index') }}{% endfor %}|{% set ns = namespace(v=3) "
+        "%}{{ ns|attr('v') }}",
+        "|1|3");
+}
+
+TEST(Jinja2Parity, AggregateFilters) {
+    EXPECT_RENDERS(
+        "{{ [[1], [2]]|sum(start=[]) }} {{ [1.5, 2]|sum }} {{ [{'n': 1}, {'n': 2}]|sum('n') }} {{ []|sum }} {{ [{'n': "
+        "1}]|sum(attribute='n', start=10) }}",
+        "[1, 2] 3.5 3 0 11");
+    EXPECT_RENDERS(
+        "{{ ['a', 'A', 'b', 'B']|max }} {{ ['a', 'A']|min }} {{ ['B', 'b']|max(case_sensitive=true) }} {{ [-1, 0]|max "
+        "}} {{ []|max }}| {{ [{'n': 1}, {'n': 3}]|max(attribute='n') }} {{ [{'n': 2}, {'n': 0}]|min(attribute='n') }}",
+        "b a b 0 | {'n': 3} {'n': 0}");
+    EXPECT_RENDERS(
+        "{{ [{'a': 2, 'b': 1}, {'a': 1, 'b': 2}, {'a': 1, 'b': 1}]|sort(attribute='a,b') }}|{{ [{'n': 'b'}, {'n': "
+        "'A'}, {'n': 'a'}]|sort(attribute='n', reverse=true) }}|{{ ['b', 'A', 'a']|sort(case_sensitive=true) }}|{{ "
+        "[{'x': {'y': 2}}, {'x': {'y': 1}}]|sort(attribute='x.y')|map(attribute='x.y')|list }}",
+        "[{'a': 1, 'b': 1}, {'a': 1, 'b': 2}, {'a': 2, 'b': 1}]|[{'n': 'b'}, {'n': 'A'}, {'n': 'a'}]|['A', 'a', "
+        "'b']|[1, 2]");
+    EXPECT_RENDERS(
+        "{{ {'b': 1, 'A': 2, 'c': 0}|dictsort }} {{ {'b': 1, 'a': 2}|dictsort(true) }} {{ {'b': 1, 'A': 2, 'c': "
+        "0}|dictsort(by='value', reverse=true) }} {{ {'b': 1, 'a': 1}|dictsort(false, 'value') }}",
+        "[('A', 2), ('b', 1), ('c', 0)] [('a', 2), ('b', 1)] [('A', 2), ('b', 1), ('c', 0)] [('b', 1), ('a', 1)]");
+}
+
+TEST(Jinja2Parity, NumberAndTextFilters) {
+    EXPECT_RENDERS(
+        "{{ -2.5|abs }} {{ true|abs }} {{ 1234|round(-2) }} {{ 1250|round(-2) }} {{ 1350|round(-2) }} {{ "
+        "1234.5|round(-2) }} {{ 2.675|round(2) }} {{ 3|round(2, 'ceil') }} {{ 1e-25|round(30) }} {{ -0.5|round }} {{ "
+        "2.5|round(0, 'floor') }}",
+        "2.5 1 1200 1200 1400 1200.0 2.67 3.0 1e-25 -0.0 2.0");
+    EXPECT_RENDERS(
+        "{{ ' x'|float }} {{ '1_0'|float }} {{ '0x10'|float }} {{ 'inf'|float }} {{ '-1e3'|float }} {{ none|float(1.5) "
+        "}} {{ '0x1A'|int(base=16) }} {{ '0x1A'|int(0, 16) }} {{ '101'|int(base=2) }} {{ '1_000'|int }} {{ "
+        "'0b11'|int(base=0) }} {{ ' 12 '|int }} {{ '12.7'|int }} {{ '1e3'|int }} {{ '1__0'|int(-1) }}",
+        "0.0 10.0 0.0 inf -1000.0 1.5 26 26 5 1000 3 12 12 1000 -1");
+    EXPECT_RENDERS(
+        R"J({{ ''|wordcount }}{{ '...'|wordcount }}{{ "don't stop-me now"|wordcount }}{{ 3|wordcount }}{{ '中文 字'|wordcount }})J",
+        "00512");
+    EXPECT_RENDERS(
+        R"J({{ 'a(b{c[d<e-f g\th'|title }}|{{ "it's o'neil"|title }}|{{ '1st place'|title }}|{{ 'ALL CAPS'|title }}|{{ 'a　b c d'|title }}|{{ 'HELLO wOrld'|capitalize }})J",
+        "A(B{C[D<E-F G\tH|It's O'neil|1st Place|All Caps|A　B C D|Hello world");
+}
+
+TEST(Jinja2Parity, SelectWithTests) {
+    EXPECT_RENDERS_WITH(
+        "{{ msgs|selectattr('r', 'in', ['user', 'system'])|map(attribute='r')|join(',') }} {{ [{'n': 3}, {'n': "
+        "5}]|rejectattr('n', 'gt', 4)|list }} {{ [1, none, 2]|reject('none')|list }} {{ [{'a': 'x'}, {'a': "
+        "1}]|selectattr('a', 'string')|list }}",
+        R"J({"msgs": [{"r": "user"}, {"r": "tool"}, {"r": "system"}]})J", "user,system [{'n': 3}] [1, 2] [{'a': 'x'}]");
+    EXPECT_RENDERS(
+        "{{ [{'c': {'d': 1}}, {'c': {}}]|selectattr('c.d', 'defined')|list }} {{ [1, 2, 3]|select('divisibleby', "
+        "3)|list }} {{ ['a', 'b']|select('ne', 'a')|list }} {{ [{'x': 1}, {'x': 2}]|selectattr('x', 'equalto', 2)|list "
+        "}} {{ [{'t': []}, {'t': 'a'}]|selectattr('t', 'sequence')|list|length }} {{ ['upper', "
+        "'nope']|select('filter')|list }} {{ ['odd', 'upper']|select('test')|list }}",
+        "[{'c': {'d': 1}}] [3] ['b'] [{'x': 2}] 2 ['upper'] ['odd', 'upper']");
+}
+
+TEST(Jinja2Parity, ToJsonEdgeCases) {
+    EXPECT_RENDERS(
+        "{{ {'z': 1.0, 'a': [1e16, 1e-7, 0.1, -0.0, 3.0e5, 1e22, 123456789.125]}|tojson(indent=3, sort_keys=true) }}",
+        R"J({
+   "a": [
+      1e+16,
+      1e-07,
+      0.1,
+      -0.0,
+      300000.0,
+      1e+22,
+      123456789.125
+   ],
+   "z": 1.0
+})J");
+    EXPECT_RENDERS(
+        "{{ {'é': 'ü \177中'}|tojson }}|{{ {'é': 'ü😀'}|tojson(ensure_ascii=true) }}|{{ [1, [2, {}], "
+        "[]]|tojson(indent='\\t') }}|{{ {'a': 1, 'b': [1, 2]}|tojson(separators=(',', '=')) }}|{{ {'a': "
+        "1}|tojson(indent=0) }}|{{ {'a': [1]}|tojson(indent=2, separators=(', ', ': ')) }}",
+        "{\"é\": \"ü \177中\"}|{\"\\u00e9\": "
+        "\"\\u00fc\\ud83d\\ude00\"}|[\n\t1,\n\t[\n\t\t2,\n\t\t{}\n\t],\n\t[]\n]|{\"a\"=1,\"b\"=[1,2]}|{\n\"a\": "
+        "1\n}|{\n  \"a\": [\n    1\n  ]\n}");
+    EXPECT_RENDERS_WITH(
+        "{{ {true: 1, none: 2, 2.5: 3, 4: 5}|tojson }}|{{ 'x'|tojson(indent=70) }}|{{ [1]|tojson(indent=70)|length "
+        "}}|{{ tools|tojson(separators=(',', ':')) }}|{{ tools[0]|tojson(false, 1, none, true) }}",
+        R"J({"tools": [{"type": "function", "function": {"name": "get_w", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "description": "名字"}}}}}]})J",
+        R"J({"true": 1, "null": 2, "2.5": 3, "4": 5}|"x"|75|[{"type":"function","function":{"name":"get_w","parameters":{"type":"object","required":["city"],"properties":{"city":{"type":"string","description":"名字"}}}}}]|{
+ "function": {
+  "name": "get_w",
+  "parameters": {
+   "properties": {
+    "city": {
+     "description": "名字",
+     "type": "string"
+    }
+   },
+   "required": [
+    "city"
+   ],
+   "type": "object"
+  }
+ },
+ "type": "function"
+})J");
+}
+
+TEST(Jinja2Parity, MoreStringMethods) {
+    EXPECT_RENDERS(
+        "{{ 'a  b '.rsplit(None, 1) }}|{{ ' a b c '.rsplit(maxsplit=1) }}|{{ ' a b c '.split(maxsplit=1) }}|{{ "
+        "'a,b,c'.rsplit(',') }}|{{ 'a,,b'.rsplit(',', 1) }}|{{ ',a'.rsplit(',', 5) }}|{{ ''.rsplit() }}|{{ "
+        "''.rsplit(',') }}",
+        "['a', 'b']|[' a b', 'c']|['a', 'b c ']|['a', 'b', 'c']|['a,', 'b']|['', 'a']|[]|['']");
+    EXPECT_RENDERS(
+        R"J({{ 'a\nb\n'.splitlines() }}|{{ 'a\r\nb\rc\n\n'.splitlines(true) }}|{{ ''.splitlines() }}|{{ 'x'.partition('y') }}|{{ 'x'.rpartition('y') }}|{{ 'k=v=w'.partition('=') }}|{{ 'k=v=w'.rpartition('=') }})J",
+        R"J(['a', 'b']|['a\r\n', 'b\r', 'c\n', '\n']|[]|('x', '', '')|('', '', 'x')|('k', '=', 'v=w')|('k=v', '=', 'w'))J");
+    EXPECT_RENDERS(
+        "{{ 'héllo wörld'.find('w') }}|{{ 'héllo'.count('l', -3) }}|{{ 'abc'.find('', 3) }}|{{ 'abc'.find('', 4) }}|{{ "
+        "'abc'.count('', 1) }}|{{ 'abc'.count('', 4) }}|{{ 'abcabc'.rindex('c') }}|{{ 'abc'.find('a', 1, 0) }}|{{ "
+        "'abcabc'.rfind('b', 0, 3) }}|{{ 'abcabc'.find('b', 2) }}|{{ 'aaa'.count('a', 1) }}",
+        "6|2|3|-1|3|0|5|-1|1|4|2");
+    EXPECT_RENDERS(
+        "{{ 'ab'.center(7, '*') }}|{{ 'ab'.center(6, '*') }}|{{ 'a'.zfill(3) }}|{{ '+7'.zfill(4) }}|{{ 'é'.rjust(3, "
+        "'ü') }}|{{ 'ab'.ljust(4, '.') }}|{{ 'abc'.removeprefix('a') }}|{{ 'abc'.removesuffix('c') }}|{{ "
+        "'abc'.removeprefix('x') }}",
+        "***ab**|**ab**|00a|+007|üüé|ab..|bc|ab|abc");
+    EXPECT_RENDERS(
+        "{{ 'Hello'.isupper() }}{{ 'HELLO 1'.isupper() }}{{ '123'.islower() }}{{ 'ab1'.islower() }}|{{ 'hello wORLD "
+        "1st'.title() }}|{{ 'hELLO'.capitalize() }}|{{ '-'.join(['a', 'b']|map('upper')) }}|{{ 'x'.join('abc') }}|{{ "
+        "[1, 2].copy() }}",
+        "FalseTrueFalseTrue|Hello World 1St|Hello|A-B|axbxc|[1, 2]");
+}
+
+TEST(Jinja2Parity, FamilyStyleTemplates) {
+    EXPECT_RENDERS_WITH(
+        kMistralStyle,
+        R"J({"bos_token": "<s>", "eos_token": "</s>", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]})J",
+        R"J(<s>[INST] Hi [/INST] Hello.</s>[INST] Be brief.
+
+Bye [/INST])J");
+    EXPECT_RENDERS_WITH(
+        kDeepSeekStyle,
+        R"J({"bos_token": "<B>", "eos_token": "<E>", "add_generation_prompt": true, "thinking": true, "messages": [{"role": "system", "content": "S1"}, {"role": "system", "content": "S2"}, {"role": "user", "content": "weather?"}, {"role": "assistant", "content": "<think>hmm</think>\n\nchecking", "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"city": "Paris", "days": 2}}}, {"type": "function", "function": {"name": "t", "arguments": "{\"tz\": \"CET\"}"}}]}, {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "Sunny, noon."}, {"role": "user", "content": "thanks"}]})J",
+        R"J(<B>S1
+S2<|U|>weather?        <|A|>checking<|call|>w<|sep|>{"city": "Paris", "days": 2}<|/call|><|call|>t<|sep|>{"tz": "CET"}<|/call|><E><|outputs|><|out 4|>sunny<|/out|><|out 5|>12:00<|/out|><|/outputs|>        <|A|>Sunny, noon.<E><|U|>thanks<|A|><think>)J");
+    EXPECT_RENDERS_WITH(
+        kGlmStyle,
+        R"J({"add_generation_prompt": true, "enable_thinking": false, "tools": [{"type": "function", "function": {"name": "lookup", "description": "查找", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}], "messages": [{"role": "user", "content": [{"type": "text", "text": "Find "}, {"type": "image"}, "cats"]}, {"role": "assistant", "content": "<think>\nplan\n</think>\nOK", "tool_calls": [{"function": {"name": "lookup", "arguments": {"q": "cats", "n": 3, "opts": {"safe": true, "lang": "日本"}}}}]}, {"role": "tool", "content": "many cats"}, {"role": "tool", "content": null}, {"role": "assistant", "content": "Here.", "reasoning_content": "  short  "}]})J",
+        R"J([gMASK]<sop><|system|>
+# Tools
+{"name": "lookup", "description": "查找", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
+<|user|>
+Find cats /nothink<|assistant|>
+<think>plan</think>
+OK<tool_call>lookup
+<arg_key>q</arg_key><arg_value>cats</arg_value>
+<arg_key>n</arg_key><arg_value>3</arg_value>
+<arg_key>opts</arg_key><arg_value>{"safe": true, "lang": "日本"}</arg_value>
+</tool_call><|observation|><tool_response>
+many cats
+</tool_response><tool_response>
+
+</tool_response><|assistant|>
+<think>short</think>
+Here.<|assistant|>
+<think></think>)J");
+    EXPECT_RENDERS_WITH(
+        kGptOssStyle,
+        R"J({"add_generation_prompt": false, "reasoning_effort": "high", "tools": [{"type": "function", "function": {"name": "search", "description": "Search the web for pages that match a query string.", "parameters": {"type": "object", "required": ["query"], "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}, "mode": {"enum": ["fast", "deep"]}, "when": {"type": ["string", "null"]}, "filter": {"type": "object", "properties": {"site": {"type": "string"}}}}}}}, {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}], "messages": [{"role": "user", "content": "find x"}, {"role": "assistant", "tool_calls": [{"function": {"name": "search", "arguments": {"query": "x", "top_k": 2}}}]}, {"role": "tool", "content": "[\"r1\"]"}, {"role": "assistant", "content": "Found r1."}]})J",
+        R"J(<|start|>system<|message|>Knowledge cutoff: 2024-06
+Current date: 2001-09
+Reasoning: high<|end|><|start|>developer<|message|># Tools
+namespace functions {
+// Search the web for pages that match...
+type search = (_: { filter?: { site?: string }, mode?: "fast" | "deep", query: string, tags?: string[], top_k?: number, when?: string | null }) => any;
+// 
+type now = () => any;
+} // namespace functions<|end|><|start|>user<|message|>find x<|end|><|start|>assistant to=functions.search<|channel|>commentary json<|message|>{"query": "x", "top_k": 2}<|call|><|start|>functions.search to=assistant<|channel|>commentary<|message|>"[\"r1\"]"<|end|><|start|>assistant<|message|>Found r1.<|return|>)J");
+    EXPECT_RENDERS_WITH(
+        kKimiStyle,
+        R"J({"add_generation_prompt": true, "tools": [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {"e": {"type": "string", "description": "式"}}}}}], "messages": [{"role": "system", "content": "sys", "name": "kimi-sys"}, {"role": "user", "content": [{"type": "text", "text": "2+2?"}, {"type": "image_url"}]}, {"role": "assistant", "content": "", "tool_calls": [{"id": "functions.calc:7", "function": {"name": "calc", "arguments": "{\"e\":\"2+2\"}"}}]}, {"role": "tool", "tool_call_id": "functions.calc:7", "content": "4"}]})J",
+        R"J(<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":"calc","parameters":{"type":"object","properties":{"e":{"type":"string","description":"式"}}}}}]<|im_end|><|im_system|>kimi-sys<|im_middle|>sys<|im_end|><|im_user|>user<|im_middle|>2+2?<image_url><|im_end|><|im_assistant|>assistant<|im_middle|><|calls|><|call|>functions.calc:7<|arg|>{"e":"2+2"}<|/call|><|/calls|><|im_end|><|im_system|>tool<|im_middle|>## Return of functions.calc:7
+4<|im_end|><|im_assistant|>assistant<|im_middle|>)J");
+    EXPECT_RENDERS_WITH(
+        kNemotronStyle,
+        R"J({"add_generation_prompt": true, "enable_thinking": false, "tools": [{"type": "function", "function": {"name": "f", "description": "does f", "strict": true, "parameters": {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", "y"], "description": "the a"}, "b": {"type": "integer", "minimum": 0}}}}}], "messages": [{"role": "system", "content": "You help."}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "<think>t1</think> a1 "}, {"role": "tool", "content": "r"}, {"role": "tool", "content": "r2"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<think>t2</think>a2"}]})J",
+        R"J(<|sys|>You help.<tools><function><name>f</name><param><name>a</name><type>string</type>
+<enum>["x", "y"]</enum>
+<description>the a</description></param><param><name>b</name><type>integer</type>
+<minimum>0</minimum></param>
+<description>does f</description>
+<strict>True</strict></function></tools><|end|><|user|>q1<|end|><|assistant|><think></think> a1<|end|><|tool|>r [3/6]<|end|><|tool|>r2<|end|><|user|>q2<|end|><|assistant|><think>t2</think>a2<|end|><|assistant|><think></think>)J");
+}
+
+TEST(JinjaErrors, FormattingAndShapingFilters) {
+    EXPECT_REFUSED("{{ '%s %s' % ('a',) }}", "chat_template:1:12: not enough arguments for format string");
+    EXPECT_REFUSED("{{ '%d' % 'x' }}", "chat_template:1:9: %d format: a real number is required, not str");
+    EXPECT_REFUSED("{{ '%z' % 1 }}", "chat_template:1:9: unsupported format character 'z' (0x7a) at index 1");
+    EXPECT_REFUSED("{{ '%(a)s' % ('x',) }}", "chat_template:1:12: format requires a mapping");
+    EXPECT_REFUSED("{{ '%5%' % (1,) }}", "unsupported format character '%' (0x25) at index 2");
+    EXPECT_REFUSED("{{ '%s %s'|format(1, a=2) }}",
+                   "chat_template:1:12: can't handle positional and keyword arguments at the same time");
+    EXPECT_REFUSED("{{ '{:d}'.format('x') }}", "chat_template:1:17: Unknown format code 'd' for object of type 'str'");
+    EXPECT_REFUSED("{{ '{0}{}'.format(1) }}",
+                   "cannot switch from manual field specification to automatic field numbering");
+    EXPECT_REFUSED("line 1\n{{ '{'.format(1) }}", "chat_template:2:14: Single '{' encountered in format string");
+    EXPECT_REFUSED("{{ '{:{:{}}}'.format(1, 2, 3) }}", "Max string recursion exceeded");
+    EXPECT_REFUSED("{{ '{:5}'.format(none) }}", "unsupported format string passed to NoneType.__format__");
+    EXPECT_REFUSED("{{ 'Hello world'|truncate(2) }}", "chat_template:1:18: expected length >= 3, got 2");
+    EXPECT_REFUSED("{{ {'a': 1}|dictsort(by='x') }}", "You can only sort by either \"key\" or \"value\"");
+    EXPECT_REFUSED("{{ ['a']|sum(start='') }}", "sum() can't sum strings");
+    EXPECT_REFUSED("{% for x in range(3) %}{{ loop.cycle() }}{% endfor %}",
+                   "chat_template:1:37: no items for cycling given");
+    EXPECT_REFUSED("{{ [1, 2]|slice(0) }}", "slice needs a positive number of slices");
+    EXPECT_REFUSED("{{ 5|truncate }}", "object of type 'int' has no len()");
+    const std::string alternation = error_of(
+        kMistralStyle, R"({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})");
+    EXPECT_NE(alternation.find("chat_template:10:28: the template raised an exception: roles must go"),
+              std::string::npos)
+        << alternation;
+}
+
+TEST(JinjaErrors, FormattingIsBounded) {
+    EXPECT_REFUSED("{{ '%1000001s' % 'x' }}", "chat_template:1:16: width is bigger than 1000000");
+    EXPECT_REFUSED("{{ '{:>99999999}'.format('x') }}", "Too many decimal digits in format string");
+    EXPECT_REFUSED("{{ ('%999999s' * 40) % ((1,) * 40) }}",
+                   "chat_template:1:22: the formatted string would be longer than 16777216 bytes");
+    EXPECT_REFUSED("{{ ''|center(100000000) }}", "a string would hold 100000000 bytes");
+    EXPECT_REFUSED("{{ [1]|batch(100000000, 0) }}", "a batch would hold 100000000");
+    EXPECT_REFUSED("{{ [1]|slice(100000000) }}", "a list of slices would hold 100000000");
+    EXPECT_REFUSED("{{ [[[1]]]|tojson(indent=10000000) }}", "tojson's output would hold");
 }
 
 // --- parity with transformers on the templates of tests/fixtures/chat -------------------------------
