@@ -263,6 +263,8 @@ struct FormatError {
 };
 // Python's ascii(): repr() with every non-ASCII code point escaped.
 std::string ascii_repr(const Value& v);
+// Python's escape of one code point in a repr: \xNN, \uNNNN or \UNNNNNNNN.
+void append_code_point_escape(std::string& out, char32_t c);
 // Python's `fmt % args`: a tuple gives the arguments in order, a dict serves %(key)s, any other
 // value is the one argument. FormatError on a bad conversion or argument count, or when the
 // result would exceed max_size bytes.

@@ -292,14 +292,7 @@ std::string str_repr(const std::string& s) {
         } else if (cp == '\t') {
             out += "\\t";
         } else if (!printable(cp)) {
-            char buf[16];
-            if (cp < 0x100)
-                std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(cp));
-            else if (cp < 0x10000)
-                std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(cp));
-            else
-                std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(cp));
-            out += buf;
+            append_code_point_escape(out, cp);
         } else {
             mf::text::append_utf8(out, cp);
         }

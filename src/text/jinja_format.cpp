@@ -239,16 +239,20 @@ std::string ascii_repr(const Value& v) {
             out += static_cast<char>(c);
             continue;
         }
-        char buf[16];
-        if (c < 0x100)
-            std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(c));
-        else if (c < 0x10000)
-            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-        else
-            std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(c));
-        out += buf;
+        append_code_point_escape(out, c);
     }
     return out;
+}
+
+void append_code_point_escape(std::string& out, char32_t c) {
+    char buf[16];
+    if (c < 0x100)
+        std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(c));
+    else if (c < 0x10000)
+        std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+    else
+        std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(c));
+    out += buf;
 }
 
 std::string percent_format(const std::string& fmt, const Value& args, size_t max_size) {
