@@ -3,7 +3,8 @@
 Nemotron-H for P4; its first --layers layers, a hybrid's layer pattern cut to them), random-initialised
 in bf16 on the GPU, sdpa attention, the default experts implementation (grouped_mm), fused torch AdamW
 on bf16 parameters, synthetic ids with labels = inputs, the same step as moeforge bench (forward,
-backward, clip to norm 1.0, AdamW). Prints one JSON line."""
+backward, clip to norm 1.0, AdamW). --moeforge-hf: the same loop after `import moeforge.hf` (benchmark
+D1: the model's experts on moeforge's kernels). Prints one JSON line."""
 import argparse
 import json
 import time
@@ -22,8 +23,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--moeforge-hf", action="store_true", help="import moeforge.hf before the model is made")
     ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
     args = ap.parse_args()
+    if args.moeforge_hf:
+        import moeforge.hf  # noqa: F401  (the one line a user adds)
 
     with open(args.config) as f:
         cfg = json.load(f)
@@ -62,12 +66,20 @@ def main():
             times.append(dt)
     step_s = sum(times) / len(times)
     tps = B * T / step_s
+    system = "hf_v5_moeforge_hf" if args.moeforge_hf else "hf_v5"
+    if args.compile:
+        system += "_compile"
+    extra = {}
+    if args.moeforge_hf:
+        import moeforge.hf
+
+        extra["moeforge_hf_status"] = moeforge.hf.status(model)
     print(json.dumps({
-        "system": "hf_v5_compile" if args.compile else "hf_v5",
+        "system": system,
         "transformers": transformers.__version__, "torch": torch.__version__,
         "layers": args.layers, "micro_batch": B, "seq_len": T,
         "step_ms": step_s * 1e3, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": tps * args.flops_per_token / 1e12,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "last_loss": loss,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "last_loss": loss, **extra,
     }), flush=True)
 
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Benchmark D1 of BENCHMARKS.md: P1's workload (Qwen3-30B-A3B geometry, --layers 4, micro-batch 2,
+# seq 4096, bf16, one GPU) as a plain HF Transformers v5 training loop (bench/hf_baseline.py), in one
+# run: stock, stock under torch.compile, and the same loop after `import moeforge.hf` (eager and
+# compiled); one JSON line per system, then the ratios against stock and compiled stock.
+# Usage (GPU machine, repo root, the Python package built): BUILD=build PYTHONPATH=build/python bench/d1.sh [OUT_DIR]
+set -uo pipefail
+OUT=${1:-bench/results}
+mkdir -p "$OUT"
+LOG="$OUT/d1.jsonl"
+: > "$LOG"
+CFG=bench/configs/qwen3-30b-a3b.json
+common=(--config "$CFG" --layers "${LAYERS:-4}" --micro-batch "${MICRO_BATCH:-2}" --seq-len 4096 --steps "${STEPS:-5}"
+        --warmup "${WARMUP:-2}")
+# The model FLOPs per token: moeforge's own formula (BENCHMARKS.md), from a one-step moeforge bench.
+FLOPS=${FLOPS:-$("${BUILD:-build}/moeforge" bench "${common[@]:0:8}" --steps 1 --warmup 1 --precision bf16 2>/dev/null |
+                 python3 -c "import json,sys; print(json.load(sys.stdin)['flops_per_token'])" 2>/dev/null)}
+[ -n "$FLOPS" ] || FLOPS=0
+for variant in "" "--compile" "--moeforge-hf" "--moeforge-hf --compile"; do
+  # shellcheck disable=SC2086
+  python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" $variant 2>> "$OUT/d1_stderr.log" | tee -a "$LOG"
+done
+python3 - "$LOG" <<'PY'
+import json, sys
+rows = {}
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    rows[d["system"]] = d
+for mine in ("hf_v5_moeforge_hf", "hf_v5_moeforge_hf_compile"):
+    for base in ("hf_v5", "hf_v5_compile"):
+        if mine in rows and base in rows:
+            m, b = rows[mine], rows[base]
+            print(json.dumps({"ratio": f"{mine} / {base}", "tokens_per_s": m["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"],
+                              "peak_memory": m["peak_gib"] / b["peak_gib"]}))
+PY
