@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -57,6 +59,13 @@ pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
     const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
     return rc == 0 ? pid : -1;
+}
+
+// What waitpid's status says, for the failure messages.
+std::string describe(int status) {
+    if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+    if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+    return "status " + std::to_string(status);
 }
 
 // Metrics without the timing field, one string per step.
@@ -107,13 +116,18 @@ TEST(KillResume, SurvivesSigkillAnywhere) {
             const int delay_ms = stretch * std::uniform_int_distribution<int>(5, rng() % 4 == 0 ? 400 : 120)(rng);
             std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
             if (waitpid(pid, &status, WNOHANG) == pid) {
-                ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << test::read_file(log);
+                ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+                    << "life " << lives << " (pid " << pid << ") " << describe(status) << "\n" << test::read_file(log);
                 break;  // finished before the kill
             }
             kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
+            const pid_t waited = waitpid(pid, &status, 0);
+            ASSERT_EQ(waited, pid) << "waitpid: " << std::strerror(errno);
             if (WIFSIGNALED(status)) ++kills;
-            else ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << test::read_file(log);
+            else
+                ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+                    << "life " << lives << " (pid " << pid << ") " << describe(status) << " before the kill\n"
+                    << test::read_file(log);
             if (WIFEXITED(status)) break;
         }
         ++cycles;
