@@ -33,9 +33,14 @@ if [ "${PHASE:-build}" = build ]; then
   (cd build-gpu && timeout "${CTEST_LIMIT_S:-480}" ctest -L gpu --output-on-failure -j4 --timeout 300 \
      > "$OUT/ctest_gpu.log" 2>&1; echo "ctest rc $?"; tail -40 "$OUT/ctest_gpu.log")
   grep -rh "^\[gpu step\]" build-gpu/Testing/Temporary/LastTest.log | head -80
-  # The Python tests with this machine's python3 (torch present: test_gpu.py runs, not skips).
-  (cd build-gpu && ctest -R python_tests --output-on-failure > "$OUT/ctest_python.log" 2>&1; echo "python ctest rc $?";
-   grep -E "passed|failed|SKIPPED|Error" "$OUT/ctest_python.log" | tail -15)
+  # The Python tests with this machine's python3 (torch present: test_gpu.py and test_hf.py run, not
+  # skip), one pytest process per file, so that a crash in one file does not hide the others.
+  for f in python/tests/test_*.py; do
+    name=$(basename "$f" .py)
+    PYTHONPATH="$PWD/build-gpu/python" MOEFORGE_REPO="$PWD" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$f" > "$OUT/py_$name.log" 2>&1
+    echo "python $name rc $? ($(grep -E "passed|failed|error" "$OUT/py_$name.log" | tail -1))"
+  done
   [ "${THEN_BENCH:-0}" = 1 ] || exit 0
   FAMILIES=none HF=0
 fi
