@@ -248,6 +248,120 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     return out.to(hidden_states.dtype)
 
 
+# --- the fused linear cross-entropy (opt-in: enable(model, fused_loss=True)) -----------------------------
+
+
+@torch.library.custom_op("moeforge::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float,
+                         logits_bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, C], weight [V, C] (the LM head), targets int32 [N] (-100: ignored). Returns the fp32
+    scalar loss = scale · Σ_r CE(hidden[r] · weightᵀ, targets[r]) and its gradients (d hidden,
+    d weight), computed in the same pass: the [N, V] logits are never stored whole. logits_bf16 rounds
+    the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
+    hidden, weight = hidden.detach(), weight.detach()
+    n = hidden.shape[0]
+    losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    dh = torch.zeros_like(hidden)  # (the op adds into both)
+    dw = torch.zeros_like(weight)
+    if n > 0:
+        ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale,
+                                  logits_dtype="bfloat16" if logits_bf16 else "float32", ctx=_context(hidden))
+    return losses.sum() * scale, dh, dw
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, targets, scale, logits_bf16):
+    return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _lce_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _lce_backward(ctx, dloss, *_unused):
+    dh, dw = ctx.saved_tensors
+    # (dloss is 1 for a loss that is backpropagated as it is: the products are then exact.)
+    return dh * dloss.to(dh.dtype), dw * dloss.to(dw.dtype), None, None, None
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup_context)
+
+
+class _HeadReturnsHidden:
+    """Within the block, the model's LM head returns its input (the hidden states) instead of logits."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+
+    def __enter__(self):
+        self.head.forward = lambda x: x
+        return self
+
+    def __exit__(self, *exc):
+        del self.head.forward  # the class's forward again
+        return False
+
+
+def fused_loss_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why the fused loss cannot replace `model`'s, or None when it can."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return "the model has no Linear output embedding (lm_head)"
+    if head.bias is not None:
+        return "the LM head has a bias"
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, key, None) not in (None, 0, 0.0, 1, 1.0):
+            return f"config.{key} = {getattr(model.config, key)} changes the logits"
+    want = {"cuda": torch.bfloat16, "cpu": torch.float32}.get(head.weight.device.type)
+    if head.weight.dtype != want:
+        return f"a {head.weight.dtype} LM head on {head.weight.device.type}"
+    return None
+
+
+def _enable_fused_loss(model: torch.nn.Module) -> None:
+    reason = fused_loss_reason(model)
+    if reason is not None:
+        raise ValueError(f"moeforge.hf: fused_loss=True: {reason}")
+    if getattr(model, "_moeforge_stock_forward", None) is not None:
+        return
+    stock = model.forward
+    head = model.get_output_embeddings()
+
+    def forward(*args, labels=None, num_items_in_batch=None, shift_labels=None, **kwargs):
+        """The model's forward with the loss on moeforge's fused LM head + cross-entropy: as
+        transformers computes it (labels shifted by one, -100 ignored, the sum over
+        num_items_in_batch when given, else the mean), plus the router's auxiliary loss where the
+        model adds one; the output's logits are None."""
+        if labels is None and shift_labels is None:
+            return stock(*args, **kwargs)
+        with _HeadReturnsHidden(head):
+            out = stock(*args, **kwargs)
+        hidden = out.logits
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        targets = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.int32).contiguous()
+        count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+        scale = 1.0 / float(count)
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).contiguous(), head.weight, targets, scale,
+                                    head.weight.dtype == torch.bfloat16)[0]
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None and kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+            loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
+        out.loss = loss
+        out.logits = None
+        return out
+
+    model._moeforge_stock_forward = stock
+    model.forward = forward
+
+
+def _disable_fused_loss(model: torch.nn.Module) -> None:
+    stock = getattr(model, "_moeforge_stock_forward", None)
+    if stock is not None:
+        model.forward = stock
+        model._moeforge_stock_forward = None
+
+
 # --- registration and the default ----------------------------------------------------------------------
 
 _hf_moe.ExpertsInterface.register(IMPLEMENTATION, experts_forward)
@@ -261,11 +375,15 @@ def _default_to_moeforge(self, requested_experts=None, *args, **kwargs):
     return _stock_default(self, requested_experts, *args, **kwargs)
 
 
-def enable(model: Optional[torch.nn.Module] = None) -> None:
+def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] = None) -> None:
     """Without a model: "moeforge" becomes the default experts implementation of models created
-    from now on (what the import does). With one: that model's experts run on moeforge now."""
+    from now on (what the import does). With one: that model's experts run on moeforge now, and with
+    fused_loss=True its loss too (the LM head and cross-entropy fused, the logits never formed; the
+    forward then returns logits=None when given labels); fused_loss=False restores its own."""
     global _enabled
     if model is None:
+        if fused_loss is not None:
+            raise ValueError("moeforge.hf.enable: fused_loss is per model: enable(model, fused_loss=True)")
         modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
         _enabled = True
         return
@@ -274,6 +392,10 @@ def enable(model: Optional[torch.nn.Module] = None) -> None:
         setter(IMPLEMENTATION)
     else:
         model.config._experts_implementation = IMPLEMENTATION
+    if fused_loss:
+        _enable_fused_loss(model)
+    elif fused_loss is False:
+        _disable_fused_loss(model)
 
 
 def disable() -> None:
@@ -303,7 +425,8 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
         if reason is not None:
             entry["moeforge"], entry["reason"] = False, reason
     return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
-            "patched": impl == IMPLEMENTATION, "modules": modules}
+            "patched": impl == IMPLEMENTATION, "modules": modules,
+            "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
 
 
 enable()

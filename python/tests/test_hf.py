@@ -179,3 +179,77 @@ def test_compile_fullgraph_matches_eager():
     for n, p in compiled.named_parameters():
         if p.grad is not None:
             assert rel_l2(p.grad.double().cpu(), eager_grads[n]) <= 3e-2, n
+
+
+def fused_vs_stock(device, dtype, loss_rtol, grad_rel, vocab=96):
+    stock = make_model(vocab_size=vocab).to(device, dtype)
+    fused = copy.deepcopy(stock)
+    mhf.enable(fused, fused_loss=True)
+    assert mhf.status(fused)["fused_loss"] and not mhf.status(stock)["fused_loss"]
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, vocab, (2, 40), generator=g).to(device)
+    labels = ids.clone()
+    labels[0, :7] = -100  # a prompt without loss
+    labels[1, 30:] = -100
+    for num_items in (None, torch.tensor(61)):  # the mean, and HF Trainer's sum over the items of the batch
+        results = []
+        for model in (stock, fused):
+            model.zero_grad(set_to_none=True)
+            kw = {} if num_items is None else {"num_items_in_batch": num_items.to(device)}
+            out = model(input_ids=ids, labels=labels, **kw)
+            out.loss.backward()
+            results.append((out, {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}))
+        (ref, ref_grads), (got, grads) = results
+        assert got.logits is None
+        assert abs(got.loss.item() - ref.loss.item()) <= loss_rtol * abs(ref.loss.item()), (got.loss, ref.loss)
+        assert grads.keys() == ref_grads.keys()
+        for n in grads:
+            assert rel_l2(grads[n], ref_grads[n]) <= grad_rel, (n, rel_l2(grads[n], ref_grads[n]))
+    mhf.enable(fused, fused_loss=False)
+    assert not mhf.status(fused)["fused_loss"]
+    assert fused(input_ids=ids, labels=labels).logits is not None
+
+
+def test_fused_loss_cpu_fp32_equals_stock():
+    fused_vs_stock("cpu", torch.float32, 1e-6, 1e-5)
+
+
+@needs_cuda
+def test_fused_loss_cuda_bf16_equals_stock():
+    fused_vs_stock("cuda", torch.bfloat16, 1e-2, 3e-2)
+
+
+# The CUDA loss works through its logits in chunks of at most this many bytes of scratch, which it
+# allocates itself (outside torch's allocator): counted here at its cap (src/ops/cuda_ops.cu,
+# kLossScratchBytes).
+LOSS_SCRATCH_CAP = 1 << 30
+
+
+@needs_cuda
+def test_fused_loss_never_forms_the_logits():
+    """Peak memory of one forward + backward where the logits dominate (8192 tokens x 65536 words:
+    2 GiB in fp32): stock keeps them (bf16 and fp32) for the loss and its gradient; the fused loss,
+    with its scratch counted at the cap, stays under half of that."""
+    peaks = []
+    for fused in (False, True):
+        model = make_model(vocab_size=65536, max_position_embeddings=8192).to("cuda", torch.bfloat16)
+        if fused:
+            mhf.enable(model, fused_loss=True)
+        ids = torch.randint(0, 65536, (1, 8192), device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base + (LOSS_SCRATCH_CAP if fused else 0))
+        del model
+    assert peaks[1] < 0.5 * peaks[0], f"fused loss peak {peaks[1] / 2**20:.0f} MiB vs stock {peaks[0] / 2**20:.0f} MiB"
+
+
+def test_fused_loss_is_per_model_and_refuses_what_it_cannot_fuse():
+    with pytest.raises(ValueError, match="per model"):
+        mhf.enable(fused_loss=True)
+    model = make_model()
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
+    with pytest.raises(ValueError, match="bias"):
+        mhf.enable(model, fused_loss=True)
