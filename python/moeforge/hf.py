@@ -244,7 +244,7 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
         weights = weights.gather(1, index)
     weights = weights.float() * valid
     out = experts_swiglu(hidden_states.contiguous(), index.to(torch.int32).contiguous(), weights.contiguous(),
-                         gate_up, down)[0]
+                         gate_up.contiguous(), down.contiguous())[0]  # (no copies for ordinary parameters)
     return out.to(hidden_states.dtype)
 
 
