@@ -26,8 +26,9 @@ def main():
     ap.add_argument("--moeforge-hf", action="store_true", help="import moeforge.hf before the model is made")
     ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
     args = ap.parse_args()
+    mhf = None
     if args.moeforge_hf:
-        import moeforge.hf  # noqa: F401  (the one line a user adds)
+        import moeforge.hf as mhf  # (the one line a user adds)
 
     with open(args.config) as f:
         cfg = json.load(f)
@@ -66,14 +67,10 @@ def main():
             times.append(dt)
     step_s = sum(times) / len(times)
     tps = B * T / step_s
-    system = "hf_v5_moeforge_hf" if args.moeforge_hf else "hf_v5"
+    system = "hf_v5_moeforge_hf" if mhf is not None else "hf_v5"
     if args.compile:
         system += "_compile"
-    extra = {}
-    if args.moeforge_hf:
-        import moeforge.hf
-
-        extra["moeforge_hf_status"] = moeforge.hf.status(model)
+    extra = {} if mhf is None else {"moeforge_hf_status": mhf.status(model)}
     print(json.dumps({
         "system": system,
         "transformers": transformers.__version__, "torch": torch.__version__,

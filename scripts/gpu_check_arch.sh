@@ -37,8 +37,8 @@ if [ "${PHASE:-build}" = build ]; then
   # skip), one pytest process per file, so that a crash in one file does not hide the others.
   for f in python/tests/test_*.py; do
     name=$(basename "$f" .py)
-    PYTHONPATH="$PWD/build-gpu/python" MOEFORGE_REPO="$PWD" timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
-      "$f" > "$OUT/py_$name.log" 2>&1
+    PYTHONPATH="$PWD/build-gpu/python" MOEFORGE_REPO="$PWD" timeout 300 bash scripts/run_pytest.sh python3 "$f" \
+      > "$OUT/py_$name.log" 2>&1
     echo "python $name rc $? ($(grep -E "passed|failed|error" "$OUT/py_$name.log" | tail -1))"
   done
   [ "${THEN_BENCH:-0}" = 1 ] || exit 0
