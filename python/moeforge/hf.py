@@ -53,6 +53,11 @@ def _context(t: torch.Tensor) -> Optional[Context]:
     return None
 
 
+def _served_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype moeforge computes in on a device: bf16 on a GPU, fp32 on the CPU (None: not served)."""
+    return {"cuda": torch.bfloat16, "cpu": torch.float32}.get(device_type)
+
+
 def _permute(top_k_index: torch.Tensor, num_experts: int, ctx) -> tuple:
     n = top_k_index.numel()
     dev = top_k_index.device
@@ -205,7 +210,7 @@ def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Te
     if gate_up.dtype != down.dtype:
         return f"expert weights in {gate_up.dtype} and {down.dtype}"
     device = gate_up.device.type
-    want = {"cuda": torch.bfloat16, "cpu": torch.float32}.get(device)
+    want = _served_dtype(device)
     if want is None:
         return f"device {device}"
     if gate_up.dtype != want:
@@ -312,7 +317,7 @@ def fused_loss_reason(model: torch.nn.Module) -> Optional[str]:
     for key in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, key, None) not in (None, 0, 0.0, 1, 1.0):
             return f"config.{key} = {getattr(model.config, key)} changes the logits"
-    want = {"cuda": torch.bfloat16, "cpu": torch.float32}.get(head.weight.device.type)
+    want = _served_dtype(head.weight.device.type)
     if head.weight.dtype != want:
         return f"a {head.weight.dtype} LM head on {head.weight.device.type}"
     return None
