@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark D1 of BENCHMARKS.md: P1's workload (Qwen3-30B-A3B geometry, --layers 4, micro-batch 2,
 # seq 4096, bf16, one GPU) as a plain HF Transformers v5 training loop (bench/hf_baseline.py), in one
-# run: stock, stock under torch.compile, and the same loop after `import moeforge.hf` (eager and
-# compiled); one JSON line per system, then the ratios against stock and compiled stock.
+# run: stock, stock under torch.compile, and the same loop after `import moeforge.hf` with the fused
+# loss on (eager and compiled); one JSON line per system, then the ratios against stock and compiled stock.
 # Usage (GPU machine, repo root, the Python package built): BUILD=build PYTHONPATH=build/python bench/d1.sh [OUT_DIR]
 set -uo pipefail
 OUT=${1:-bench/results}
@@ -16,9 +16,15 @@ common=(--config "$CFG" --layers "${LAYERS:-4}" --micro-batch "${MICRO_BATCH:-2}
 FLOPS=${FLOPS:-$("${BUILD:-build}/moeforge" bench "${common[@]:0:8}" --steps 1 --warmup 1 --precision bf16 2>/dev/null |
                  python3 -c "import json,sys; print(json.load(sys.stdin)['flops_per_token'])" 2>/dev/null)}
 [ -n "$FLOPS" ] || FLOPS=0
-for variant in "" "--compile" "--moeforge-hf" "--moeforge-hf --compile"; do
+# PROFILE=1: each eager system's kernel table of one more step, in $OUT/profile_<n>.txt.
+n=0
+for variant in "" "--compile" "--moeforge-hf --fused-loss" "--moeforge-hf --fused-loss --compile"; do
+  n=$((n + 1))
+  prof=()
+  [ "${PROFILE:-0}" = 1 ] && [[ "$variant" != *--compile* ]] && prof=(--profile "$OUT/profile_$n.txt")
   # shellcheck disable=SC2086
-  python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" $variant 2>> "$OUT/d1_stderr.log" | tee -a "$LOG"
+  python3 bench/hf_baseline.py "${common[@]}" --flops-per-token "$FLOPS" $variant "${prof[@]}" 2>> "$OUT/d1_stderr.log" |
+    tee -a "$LOG"
 done
 python3 - "$LOG" <<'PY'
 import json, sys
@@ -26,7 +32,7 @@ rows = {}
 for line in open(sys.argv[1]):
     d = json.loads(line)
     rows[d["system"]] = d
-for mine in ("hf_v5_moeforge_hf", "hf_v5_moeforge_hf_compile"):
+for mine in [s for s in rows if s.startswith("hf_v5_moeforge")]:
     for base in ("hf_v5", "hf_v5_compile"):
         if mine in rows and base in rows:
             m, b = rows[mine], rows[base]

@@ -4,7 +4,8 @@ Nemotron-H for P4; its first --layers layers, a hybrid's layer pattern cut to th
 in bf16 on the GPU, sdpa attention, the default experts implementation (grouped_mm), fused torch AdamW
 on bf16 parameters, synthetic ids with labels = inputs, the same step as moeforge bench (forward,
 backward, clip to norm 1.0, AdamW). --moeforge-hf: the same loop after `import moeforge.hf` (benchmark
-D1: the model's experts on moeforge's kernels). Prints one JSON line."""
+D1: the model's experts on moeforge's kernels; --fused-loss adds the fused linear cross-entropy). Prints one
+JSON line."""
 import argparse
 import json
 import time
@@ -24,6 +25,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--moeforge-hf", action="store_true", help="import moeforge.hf before the model is made")
+    ap.add_argument("--fused-loss", action="store_true", help="with --moeforge-hf: enable(model, fused_loss=True)")
+    ap.add_argument("--profile", help="write a torch.profiler table of one more step (CUDA time per kernel) here")
     ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
     args = ap.parse_args()
     mhf = None
@@ -46,6 +49,10 @@ def main():
         model = AutoModelForCausalLM.from_config(config)
     torch.set_default_dtype(torch.float32)
     model.train()
+    if args.fused_loss:
+        if mhf is None:
+            ap.error("--fused-loss needs --moeforge-hf")
+        mhf.enable(model, fused_loss=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
     step_model = torch.compile(model) if args.compile else model
     B, T = args.micro_batch, args.seq_len
@@ -65,9 +72,22 @@ def main():
         loss = float(out.loss)
         if i >= args.warmup:
             times.append(dt)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            out = step_model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90))
     step_s = sum(times) / len(times)
     tps = B * T / step_s
     system = "hf_v5_moeforge_hf" if mhf is not None else "hf_v5"
+    if args.fused_loss:
+        system += "_fused_loss"
     if args.compile:
         system += "_compile"
     extra = {} if mhf is None else {"moeforge_hf_status": mhf.status(model)}

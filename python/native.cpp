@@ -703,6 +703,18 @@ void bind_ops(py::module_& m) {
         "losses"_a, "dh"_a, "dw"_a, "h"_a, "w"_a, "targets"_a, "grad_scale"_a = 0.0f, "logits_dtype"_a = "float32",
         ctx_arg);
     m.def(
+        "lm_head_cross_entropy_workspace_bytes",
+        [](int64_t num_rows, int64_t vocab, const std::string& logits_dtype, const std::string& device) {
+            const int32_t ld = dtype_from_name(logits_dtype, "logits_dtype");
+            size_t bytes = 0;
+            call([&] {
+                return mf_lm_head_cross_entropy_workspace_bytes(num_rows, vocab, ld, device == "cuda" ? MF_CUDA : MF_CPU,
+                                                               &bytes);
+            });
+            return bytes;
+        },
+        "num_rows"_a, "vocab"_a, "logits_dtype"_a = "float32", "device"_a = "cpu");
+    m.def(
         "adamw_update",
         [](py::object param, py::object master, py::object m_, py::object v, py::object grad, float lr, float beta1,
            float beta2, float eps, float weight_decay, int64_t step, float grad_scale, py::object ctx) {

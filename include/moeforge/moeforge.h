@@ -206,6 +206,11 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
 mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losses, const mf_tensor* dh,
                                    const mf_tensor* dw, const mf_tensor* h, const mf_tensor* w,
                                    const mf_tensor* targets, float grad_scale, int32_t logits_dtype);
+/* The scratch mf_lm_head_cross_entropy takes for num_rows rows over vocab words on device_type (0 on
+ * the CPU). A context whose workspace holds this many bytes is used for it: the caller then owns all
+ * the op's memory (otherwise moeforge allocates it, once per context, and keeps it).               */
+mf_status mf_lm_head_cross_entropy_workspace_bytes(int64_t num_rows, int64_t vocab, int32_t logits_dtype,
+                                                   int32_t device_type, size_t* bytes);
 
 /* --- AdamW --------------------------------------------------------------------------------------
  * torch.optim.AdamW on flat buffers, in place. CPU: param, m, v, grad f32, master NULL. CUDA: param,

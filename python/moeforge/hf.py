@@ -21,6 +21,11 @@ nothing. Anything else (biases, transposed or interleaved layouts, custom gates,
 or dtypes) falls back to transformers' stock implementation with one logged reason per module kind;
 `status(model)` says which modules run where.
 
+The RMSNorm of the families served (NORM_CLASSES) runs on moeforge too, as the custom ops
+moeforge::rms_norm / moeforge::rms_norm_backward: their classes' forward is replaced while the
+import's default is on (disable() restores it), with the stock forward kept for inputs moeforge does
+not serve (other dtypes or devices).
+
     import moeforge.hf                     # every MoE model created from now on
     moeforge.hf.enable(model)              # one already created
     moeforge.hf.status(model)              # {"experts_implementation": ..., "modules": {...}}
@@ -46,10 +51,12 @@ _HAS_CUDA = ops.has_cuda()
 # --- the ops -----------------------------------------------------------------------------------------
 
 
-def _context(t: torch.Tensor) -> Optional[Context]:
-    """Where moeforge runs the work on `t`: torch's current stream of its device, or the CPU."""
+def _context(t: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> Optional[Context]:
+    """Where moeforge runs the work on `t`: torch's current stream of its device (and a scratch
+    tensor torch allocated, if given), or the CPU."""
     if t.device.type == "cuda":
-        return Context(device=t.device.index, stream=torch.cuda.current_stream(t.device).cuda_stream)
+        return Context(device=t.device.index, stream=torch.cuda.current_stream(t.device).cuda_stream,
+                       workspace=workspace)
     return None
 
 
@@ -253,6 +260,107 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     return out.to(hidden_states.dtype)
 
 
+# --- RMSNorm -------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moeforge::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] (contiguous), weight [C]: out = weight · x / sqrt(mean(x²) + eps) over the last
+    dimension, and rstd (fp32, one per row; what the backward reads)."""
+    x, weight = x.detach(), weight.detach()
+    C = x.shape[-1]
+    rows = x.reshape(-1, C)
+    out = torch.empty_like(rows)
+    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0] > 0:
+        ops.rmsnorm_forward(out, rstd, rows, weight, eps=eps, ctx=_context(x))
+    return out.view(x.shape), rstd
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moeforge::rms_norm_backward", mutates_args=())
+def rms_norm_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of rms_norm's out: (d x, d weight in weight's dtype, summed in fp32)."""
+    dout, x, weight = dout.detach(), x.detach(), weight.detach()
+    C = x.shape[-1]
+    rows = x.reshape(-1, C)
+    dx = torch.zeros_like(rows)  # (the op adds into both)
+    dweight = torch.zeros(C, dtype=torch.float32, device=x.device)
+    if rows.shape[0] > 0:
+        ops.rmsnorm_backward(dx, dweight, dout.reshape(-1, C), rows, weight, rstd, ctx=_context(x))
+    return dx.view(x.shape), dweight.to(weight.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(dout, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_backward(ctx, dout, *_unused):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward(dout.contiguous(), x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+
+# The RMSNorm classes whose forward is weight · x / sqrt(mean(x²) + eps) over the last dimension with
+# the epsilon in `variance_epsilon` (transformers' MoE families; each checked against its stock
+# forward by the GPU machine's tests). Their forward is replaced class-wide while moeforge.hf is on.
+NORM_CLASSES = ("Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm", "DeepseekV3RMSNorm",
+                "Glm4MoeRMSNorm", "GptOssRMSNorm", "NemotronHRMSNorm")
+_stock_norm_forwards: Dict[type, Any] = {}
+
+
+def norm_unsupported_reason(module: torch.nn.Module, x: torch.Tensor) -> Optional[str]:
+    """Why this RMSNorm call runs stock, or None when moeforge serves it."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        return "a weight that is not one value per channel"
+    want = _served_dtype(x.device.type)
+    if want is None or x.dtype != want or weight.dtype != want or weight.device != x.device:
+        return f"{x.dtype} inputs with a {weight.dtype} weight on {x.device.type}"
+    if x.device.type == "cuda" and not _HAS_CUDA:
+        return "moeforge was built without CUDA (or sees no GPU)"
+    return None
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if norm_unsupported_reason(self, hidden_states) is not None:
+        return _stock_norm_forwards[type(self)](self, hidden_states)
+    return rms_norm(hidden_states.contiguous(), self.weight, float(self.variance_epsilon))[0]
+
+
+def _patch_norms(classes) -> None:
+    for cls in classes:
+        if cls.__name__ in NORM_CLASSES and cls not in _stock_norm_forwards and hasattr(cls, "forward"):
+            _stock_norm_forwards[cls] = cls.forward
+            cls.forward = _norm_forward
+
+
+def _unpatch_norms() -> None:
+    for cls, forward in _stock_norm_forwards.items():
+        cls.forward = forward
+    _stock_norm_forwards.clear()
+
+
+def _norm_classes_of_module(module_name: str) -> list:
+    """The classes of one modeling module (the one a model's class comes from)."""
+    import sys
+    mod = sys.modules.get(module_name)
+    return [v for v in vars(mod).values() if isinstance(v, type)] if mod is not None else []
+
+
 # --- the fused linear cross-entropy (opt-in: enable(model, fused_loss=True)) -----------------------------
 
 
@@ -269,8 +377,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     dh = torch.zeros_like(hidden)  # (the op adds into both)
     dw = torch.zeros_like(weight)
     if n > 0:
+        logits_dtype = "bfloat16" if logits_bf16 else "float32"
+        workspace = None
+        if hidden.device.type == "cuda":  # the loss's scratch from torch's allocator, so that torch counts it
+            nbytes = ops.lm_head_cross_entropy_workspace_bytes(n, weight.shape[0], logits_dtype, "cuda")
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=hidden.device)
         ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale,
-                                  logits_dtype="bfloat16" if logits_bf16 else "float32", ctx=_context(hidden))
+                                  logits_dtype=logits_dtype, ctx=_context(hidden, workspace))
     return losses.sum() * scale, dh, dw
 
 
@@ -375,6 +488,8 @@ _enabled = False
 
 
 def _default_to_moeforge(self, requested_experts=None, *args, **kwargs):
+    # (called while a model is made: its family's RMSNorm classes are patched here)
+    _patch_norms(_norm_classes_of_module(type(self).__module__))
     if requested_experts is None:
         return IMPLEMENTATION
     return _stock_default(self, requested_experts, *args, **kwargs)
@@ -392,6 +507,7 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
         modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
         _enabled = True
         return
+    _patch_norms({type(m) for m in model.modules()})
     setter = getattr(model, "set_experts_implementation", None)
     if callable(setter):
         setter(IMPLEMENTATION)
@@ -408,6 +524,7 @@ def disable() -> None:
     theirs; `model.set_experts_implementation("grouped_mm")` switches one back)."""
     global _enabled
     modeling_utils.PreTrainedModel.get_correct_experts_implementation = _stock_default
+    _unpatch_norms()
     _enabled = False
 
 
@@ -429,8 +546,9 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
         reason = unsupported_reason(sub)
         if reason is not None:
             entry["moeforge"], entry["reason"] = False, reason
+    norms = sorted({type(m).__name__ for m in model.modules() if type(m) in _stock_norm_forwards})
     return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
-            "patched": impl == IMPLEMENTATION, "modules": modules,
+            "patched": impl == IMPLEMENTATION, "modules": modules, "rms_norm": norms,
             "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
 
 

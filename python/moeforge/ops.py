@@ -20,6 +20,7 @@ from ._native import (  # noqa: F401
     grouped_gemm_input_grad,
     grouped_gemm_weight_grad,
     lm_head_cross_entropy,
+    lm_head_cross_entropy_workspace_bytes,
     moe_block_backward,
     moe_block_forward,
     moe_block_workspace_bytes,

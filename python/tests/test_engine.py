@@ -86,6 +86,7 @@ def test_launch_runs_the_cli_launcher(tiny_model, tmp_path):
     out = str(tmp_path / "dp2")
     o = overrides(tiny_model, out)
     o["train.steps"] = 2
+    o["device"] = "cpu"  # two ranks on any machine (a CUDA one may have a single GPU)
     assert moeforge.launch(moeforge.Recipe.from_file(RECIPE).with_overrides(o), nproc_per_node=2) == 0
     assert len(metrics_lines(out)) == 2 and os.path.exists(os.path.join(out, "model.safetensors"))
     with pytest.raises(moeforge.InvalidArgumentError, match="from a file"):

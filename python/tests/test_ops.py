@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import close_by_rule, close_elementwise
 
+import moeforge
 from moeforge import ops
 
 f32, i32 = np.float32, np.int32
@@ -361,6 +362,12 @@ def test_rmsnorm_forward_backward():
     want_dx = r[:, None] * (g - xh * (g * xh).mean(1, keepdims=True))
     np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(dw, (dy.astype(np.float64) * xh).sum(0), rtol=1e-4, atol=1e-6)
+
+
+def test_lm_head_cross_entropy_workspace_bytes():
+    assert ops.lm_head_cross_entropy_workspace_bytes(8192, 151936, "bfloat16", "cpu") == 0
+    with pytest.raises(moeforge.InvalidArgumentError, match="num_rows = -1 is negative"):
+        ops.lm_head_cross_entropy_workspace_bytes(-1, 16)
 
 
 def test_lm_head_cross_entropy_with_ignored_targets():

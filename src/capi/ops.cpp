@@ -16,6 +16,7 @@
 using mf::Device;
 using mf::DType;
 using mf::Tensor;
+using mf::capi::ApiError;
 using mf::capi::guarded;
 using mf::capi::OpCall;
 using mf::capi::refuse;
@@ -422,6 +423,25 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
             mf::ops::lm_head_cross_entropy(l, tdh, tdw, th, tw, t, grad_scale,
                                            logits_dtype == MF_BF16 ? DType::bf16 : DType::f32);
         });
+    });
+}
+
+mf_status mf_lm_head_cross_entropy_workspace_bytes(int64_t num_rows, int64_t vocab, int32_t logits_dtype,
+                                                   int32_t device_type, size_t* bytes) {
+    return guarded([&] {
+        const char* op = "mf_lm_head_cross_entropy_workspace_bytes";
+        if (num_rows < 0) refuse(op, ": num_rows = ", num_rows, " is negative");
+        if (vocab < 1) refuse(op, ": vocab = ", vocab, " must be at least 1");
+        if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
+            refuse(op, ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
+        if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
+        if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
+        if (device_type == MF_CUDA && !mf::cuda_available())
+            throw ApiError(MF_ERR_UNSUPPORTED,
+                           std::string(op) + ": CUDA, but no CUDA device is available (or this build has no CUDA)");
+        *bytes = mf::ops::lm_head_cross_entropy_scratch_bytes(num_rows, vocab,
+                                                              logits_dtype == MF_BF16 ? DType::bf16 : DType::f32,
+                                                              device_type == MF_CUDA ? Device::cuda : Device::cpu);
     });
 }
 

@@ -831,14 +831,24 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
                               ctx().get(mf::cuda::sum_squares_scratch_bytes()), ctx().stream);
 }
 
+// The loss's rows per chunk: equal chunks (the last may be shorter by rounding), each as large as the
+// budget allows.
+int64_t loss_chunk_rows(int64_t N, int64_t V, DType logits_dtype) {
+    const size_t row_bytes = dtype_size(logits_dtype) * static_cast<size_t>(V);
+    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / row_bytes), 1,
+                                                  std::max<int64_t>(N, 1));
+    const int64_t num_chunks = (N + max_chunk - 1) / max_chunk;
+    return std::max<int64_t>(1, std::min(max_chunk, (N + num_chunks - 1) / std::max<int64_t>(num_chunks, 1)));
+}
+
+size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device) {
+    return mf::cuda::lm_head_cross_entropy_scratch_bytes(loss_chunk_rows(N, V, logits_dtype), V, logits_dtype);
+}
+
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype) {
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
-    // Equal chunks (the last may be shorter by rounding), each as large as the budget allows.
-    const size_t row_bytes = dtype_size(logits_dtype) * static_cast<size_t>(V);
-    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / row_bytes), 1, N);
-    const int64_t num_chunks = (N + max_chunk - 1) / max_chunk;
-    const int64_t chunk = std::min(max_chunk, (N + num_chunks - 1) / num_chunks);
+    const int64_t chunk = loss_chunk_rows(N, V, logits_dtype);
     const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
                                     defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h),

@@ -1249,6 +1249,12 @@ void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor&
                                logits_dtype == DType::bf16);
 }
 
+size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device device) {
+    MF_CHECK(N >= 0 && V >= 1, "lm_head_cross_entropy_scratch_bytes: N = ", N, ", V = ", V);
+    if (device == Device::cpu) return 0;
+    return cuda_call(&CudaOps::lm_head_cross_entropy_scratch_bytes, N, V, logits_dtype, device);
+}
+
 // --- optimizer -------------------------------------------------------------------------------------
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

@@ -291,6 +291,9 @@ void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dw
 // logits; on the GPU half the logits traffic and twice the tokens per chunk).
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype = DType::f32);
+// The scratch lm_head_cross_entropy takes for N rows over V words on `device` (0 on the CPU): a caller
+// that hands it this much as the scope's workspace (ExecContext::workspace) owns all its memory.
+size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device device);
 
 // --- optimizer -------------------------------------------------------------------------------------
 struct AdamWHyper {

@@ -158,7 +158,13 @@ NcclCommunicator::NcclCommunicator(Rendezvous& rendezvous, double timeout_s, cud
     rank_ = env.rank;
     size_ = env.world_size;
     world_rank_ = env.rank;
-    MF_CHECK_CUDA(cudaSetDevice(device >= 0 ? device : env.local_rank));
+    const int want = device >= 0 ? device : env.local_rank;
+    int count = 0;
+    MF_CHECK_CUDA(cudaGetDeviceCount(&count));
+    if (want >= count)
+        fail("rank ", env.rank, " (local rank ", env.local_rank, ") needs CUDA device ", want, ", but this machine has ",
+             count, ": start at most ", count, " ranks per node (--nproc-per-node) or set device=cpu");
+    MF_CHECK_CUDA(cudaSetDevice(want));
     std::string blob;
     if (rank_ == 0) {
         ncclUniqueId id;

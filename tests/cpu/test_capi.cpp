@@ -114,6 +114,34 @@ TEST(CApi, BadArgumentsComeBackAsStatusAndMessage) {
     EXPECT_STREQ(mf_last_error(), "") << "a success clears the message";
 }
 
+TEST(CApi, LossWorkspaceBytes) {
+    size_t bytes = 7;
+    ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(8192, 151936, MF_BF16, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    EXPECT_EQ(bytes, 0u) << "the CPU loss takes no scratch";
+    expect_error(mf_lm_head_cross_entropy_workspace_bytes(-1, 16, MF_F32, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"num_rows", "negative"});
+    expect_error(mf_lm_head_cross_entropy_workspace_bytes(4, 0, MF_F32, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"vocab"});
+    expect_error(mf_lm_head_cross_entropy_workspace_bytes(4, 16, MF_I32, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"logits_dtype"});
+    expect_error(mf_lm_head_cross_entropy_workspace_bytes(4, 16, MF_F32, 9, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"device_type"});
+    expect_error(mf_lm_head_cross_entropy_workspace_bytes(4, 16, MF_F32, MF_CPU, nullptr), MF_ERR_INVALID_ARGUMENT,
+                 {"bytes"});
+    if (!mf::cuda_available()) {
+        expect_error(mf_lm_head_cross_entropy_workspace_bytes(4, 16, MF_F32, MF_CUDA, &bytes), MF_ERR_UNSUPPORTED,
+                     {"CUDA"});
+        return;
+    }
+    // On a GPU: the loss chunks its logits; more rows never take more than the 1 GiB budget's chunk.
+    size_t small = 0, large = 0;
+    ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(16, 151936, MF_BF16, MF_CUDA, &small), MF_OK);
+    ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(1 << 20, 151936, MF_BF16, MF_CUDA, &large), MF_OK);
+    EXPECT_GE(small, 16u * 151936 * 2);
+    EXPECT_GT(large, small);
+    EXPECT_LE(large, (size_t{1} << 30) + (size_t{64} << 20));
+}
+
 TEST(CApi, OpsEqualTheOpsFunctions) {
     std::mt19937 rng(5);
     // RMSNorm forward and backward.
