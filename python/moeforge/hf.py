@@ -286,7 +286,8 @@ def _(x, weight, eps):
 def rms_norm_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of rms_norm's out: (d x, d weight in weight's dtype, summed in fp32)."""
-    dout, x, weight = dout.detach(), x.detach(), weight.detach()
+    # (rstd is an output of rms_norm, so it requires grad too: torch exports no such tensor)
+    dout, x, weight, rstd = dout.detach(), x.detach(), weight.detach(), rstd.detach()
     C = x.shape[-1]
     rows = x.reshape(-1, C)
     dx = torch.zeros_like(rows)  # (the op adds into both)
@@ -365,14 +366,16 @@ def _norm_classes_of_module(module_name: str) -> list:
 
 
 @torch.library.custom_op("moeforge::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float,
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, count: torch.Tensor,
                          logits_bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, C], weight [V, C] (the LM head), targets int32 [N] (-100: ignored). Returns the fp32
-    scalar loss = scale · Σ_r CE(hidden[r] · weightᵀ, targets[r]) and its gradients (d hidden,
+    scalar loss = Σ_r CE(hidden[r] · weightᵀ, targets[r]) / count (a 0-d tensor: read inside the op,
+    so that torch.compile sees no .item()) and its gradients (d hidden,
     d weight), computed in the same pass: the [N, V] logits are never stored whole. logits_bf16 rounds
     the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
     hidden, weight = hidden.detach(), weight.detach()
     n = hidden.shape[0]
+    scale = 1.0 / float(count)
     losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     dh = torch.zeros_like(hidden)  # (the op adds into both)
     dw = torch.zeros_like(weight)
@@ -381,14 +384,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         workspace = None
         if hidden.device.type == "cuda":  # the loss's scratch from torch's allocator, so that torch counts it
             nbytes = ops.lm_head_cross_entropy_workspace_bytes(n, weight.shape[0], logits_dtype, "cuda")
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=hidden.device)
+            workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
         ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale,
                                   logits_dtype=logits_dtype, ctx=_context(hidden, workspace))
     return losses.sum() * scale, dh, dw
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, targets, scale, logits_bf16):
+def _(hidden, weight, targets, count, logits_bf16):
     return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), torch.empty_like(weight)
 
 
@@ -405,19 +408,13 @@ def _lce_backward(ctx, dloss, *_unused):
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup_context)
 
 
-class _HeadReturnsHidden:
-    """Within the block, the model's LM head returns its input (the hidden states) instead of logits."""
+class _HiddenHead(torch.nn.Linear):
+    """The LM head under the fused loss (its class swapped in place: the same parameters, names and
+    ties): it returns its input, the hidden states; the model's replaced forward applies the weight
+    itself, fused with the loss, or as the plain product when there are no labels."""
 
-    def __init__(self, head: torch.nn.Module):
-        self.head = head
-
-    def __enter__(self):
-        self.head.forward = lambda x: x
-        return self
-
-    def __exit__(self, *exc):
-        del self.head.forward  # the class's forward again
-        return False
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 def fused_loss_reason(model: torch.nn.Module) -> Optional[str]:
@@ -425,6 +422,8 @@ def fused_loss_reason(model: torch.nn.Module) -> Optional[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear):
         return "the model has no Linear output embedding (lm_head)"
+    if type(head) not in (torch.nn.Linear, _HiddenHead):
+        return f"the LM head is a {type(head).__name__}, not a torch.nn.Linear"
     if head.bias is not None:
         return "the LM head has a bias"
     for key in ("final_logit_softcapping", "logit_scale"):
@@ -450,27 +449,30 @@ def _enable_fused_loss(model: torch.nn.Module) -> None:
         transformers computes it (labels shifted by one, -100 ignored, the sum over
         num_items_in_batch when given, else the mean), plus the router's auxiliary loss where the
         model adds one; the output's logits are None."""
+        want_tuple = kwargs.get("return_dict", None) is False
+        kwargs["return_dict"] = True
+        out = stock(*args, **kwargs)
+        hidden = out.logits  # (the head returned its input)
         if labels is None and shift_labels is None:
-            return stock(*args, **kwargs)
-        with _HeadReturnsHidden(head):
-            out = stock(*args, **kwargs)
-        hidden = out.logits
+            out.logits = torch.nn.functional.linear(hidden, head.weight)
+            return out.to_tuple() if want_tuple else out
         if shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         targets = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.int32).contiguous()
         count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
-        scale = 1.0 / float(count)
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).contiguous(), head.weight, targets, scale,
+        count = torch.as_tensor(count).detach()
+        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).contiguous(), head.weight, targets, count,
                                     head.weight.dtype == torch.bfloat16)[0]
         aux = getattr(out, "aux_loss", None)
         if aux is not None and kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
             loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
         out.loss = loss
         out.logits = None
-        return out
+        return out.to_tuple() if want_tuple else out
 
     model._moeforge_stock_forward = stock
     model.forward = forward
+    head.__class__ = _HiddenHead
 
 
 def _disable_fused_loss(model: torch.nn.Module) -> None:
@@ -478,6 +480,7 @@ def _disable_fused_loss(model: torch.nn.Module) -> None:
     if stock is not None:
         model.forward = stock
         model._moeforge_stock_forward = None
+        model.get_output_embeddings().__class__ = torch.nn.Linear
 
 
 # --- registration and the default ----------------------------------------------------------------------

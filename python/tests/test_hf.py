@@ -307,6 +307,31 @@ def test_fused_loss_never_forms_the_logits():
     assert peaks[1] < 0.5 * peaks[0], f"fused loss peak {peaks[1] / 2**20:.0f} MiB vs stock {peaks[0] / 2**20:.0f} MiB"
 
 
+@needs_cuda
+def test_fused_loss_without_labels_tuples_and_compile_fullgraph():
+    stock = make_model().to("cuda", torch.bfloat16)
+    fused = copy.deepcopy(stock)
+    mhf.enable(fused, fused_loss=True)
+    assert fused.state_dict().keys() == stock.state_dict().keys(), "the head's parameters keep their names"
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(11)).cuda()
+    with torch.no_grad():  # no labels: the logits, the same product as stock's head
+        torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=0)
+        as_tuple = fused(input_ids=ids, labels=ids, return_dict=False)
+        assert as_tuple[0].ndim == 0 and torch.isfinite(as_tuple[0])
+    fused.zero_grad(set_to_none=True)
+    eager = fused(input_ids=ids, labels=ids).loss
+    eager.backward()
+    eager_grads = {n: p.grad.double().cpu() for n, p in fused.named_parameters() if p.grad is not None}
+    fused.zero_grad(set_to_none=True)
+    compiled = torch.compile(fused, fullgraph=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - eager.item()) <= 2e-2 * abs(eager.item())
+    for n, p in fused.named_parameters():
+        if p.grad is not None:
+            assert rel_l2(p.grad.double().cpu(), eager_grads[n]) <= 3e-2, n
+
+
 def test_fused_loss_is_per_model_and_refuses_what_it_cannot_fuse():
     with pytest.raises(ValueError, match="per model"):
         mhf.enable(fused_loss=True)
