@@ -161,7 +161,7 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
         const mf::model::MoeWeights grads{tdr.view({d.num_experts, d.hidden}), tdgu.view(b.gate_up.shape()),
                                           tdd.view(b.down.shape())};
         call.run([&] {
-            if (mf::ops::grouped_matmul_uses_host_offsets(call.device())) {
+            if (mf::model::experts_use_host_offsets(b.weights(), call.device())) {
                 acts.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
                 mf::ops::copy_to_host(acts.host_offsets.data(), acts.expert_offsets);
             }

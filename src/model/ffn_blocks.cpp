@@ -255,6 +255,13 @@ void replay_routing(MoeActs& a, const std::vector<int32_t>& replay, const MoeDim
     }
 }
 
+bool experts_use_host_offsets(const MoeWeights& w, Device device) {
+    const auto uses = [&](const Tensor& weight) {  // [E, OC, C]
+        return ops::grouped_matmul_uses_host_offsets(device, weight.dim(0), weight.dim(2), weight.dim(1));
+    };
+    return uses(w.gate_up) || uses(w.down);
+}
+
 void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, const MoeWeights& w, const MoeDims& d,
                        const Tensor& x_experts) {
     const Tensor& x = x_experts.data() != nullptr ? x_experts : x_router;
@@ -269,7 +276,7 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, cons
     if (d.ep != nullptr) return ep_moe_forward(y, a, x, w, d);
     ops::moe_gather_forward(a.x_perm, x, a.sorted_pair, d.top_k);
     a.host_offsets.clear();
-    if (ops::grouped_matmul_uses_host_offsets(x.device())) {
+    if (experts_use_host_offsets(w, x.device())) {
         a.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
         ops::copy_to_host(a.host_offsets.data(), a.expert_offsets);
     }

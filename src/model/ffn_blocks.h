@@ -116,7 +116,7 @@ struct MoeActs {
     Tensor logits, probs;          // [N, E] (the sigmoid router: probs holds the scores σ(logits))
     Tensor topk_idx, topk_weight;  // [N, K]
     Tensor expert_offsets;         // [E + 1] (under EP a view of plan_buffers.plan)
-    // expert_offsets read back once per forward when ops::grouped_matmul_uses_host_offsets (else
+    // expert_offsets read back once per forward when experts_use_host_offsets (else
     // empty), for every grouped matmul of the block, forward and backward (not under EP: the plan's
     // local_offsets serve there).
     std::vector<int32_t> host_offsets;
@@ -148,6 +148,10 @@ struct MoeScratch {
     std::shared_ptr<EpRowStore> store;
     void alloc(Arena& arena, const MoeDims& d, int64_t N, DType act, std::shared_ptr<EpRowStore> rows = {});
 };
+
+// Whether the experts' grouped products (gate_up's and down's) want host offsets on `device`
+// (ops::grouped_matmul_uses_host_offsets for each weight).
+bool experts_use_host_offsets(const MoeWeights& w, Device device);
 
 // x_router [N, H]: the router's input and, unless x_experts [N, d.hidden] is given (LatentMoE: the
 // latent projection of x), the experts'; y [N, d.hidden].

@@ -761,7 +761,13 @@ mf::cuda::GroupedGemmCublas& grouped_cublas() {
     return *c.grouped;
 }
 
-bool grouped_matmul_uses_host_offsets(Device) { return grouped_gemm_setting() != GroupedGemmPath::own; }
+bool grouped_matmul_uses_host_offsets(Device, int64_t E, int64_t C, int64_t OC) {
+    if (grouped_gemm_setting() == GroupedGemmPath::own) return false;
+    const bool all_sm90 = use_sm90(E) && mf::cuda::grouped_matmul_forward_sm90_supported(C, OC) &&
+                          mf::cuda::grouped_matmul_backward_input_sm90_supported(C, OC) &&
+                          mf::cuda::grouped_matmul_backward_weight_sm90_supported(C, OC);
+    return !all_sm90;
+}
 void set_grouped_matmul_reserved_sms(Device, int sms) { mf::cuda::set_grouped_gemm_sm90_reserved_sms(sms); }
 
 void grouped_matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& offsets,

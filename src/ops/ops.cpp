@@ -946,11 +946,11 @@ void check_host_offsets(const Tensor& offsets, std::span<const int32_t> host_off
 }
 }  // namespace
 
-bool grouped_matmul_uses_host_offsets(Device device) {
+bool grouped_matmul_uses_host_offsets(Device device, int64_t E, int64_t C, int64_t OC) {
     if (device == Device::cpu) return true;
     // Without CUDA there is no GPU path to feed: false, not a refusal.
     const auto uses = cuda_ops().grouped_matmul_uses_host_offsets;
-    return uses != nullptr && uses(device);
+    return uses != nullptr && uses(device, E, C, OC);
 }
 
 void set_grouped_matmul_reserved_sms(Device device, int sms) {

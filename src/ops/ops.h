@@ -220,10 +220,12 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
                                     const Tensor& square_sum = Tensor());
-// Whether callers on `device` should pass host offsets: the GPU's cuBLAS path needs them (reading
-// the offsets once and passing them to every call saves a sync per call); on the CPU they cost
-// nothing and are checked.
-bool grouped_matmul_uses_host_offsets(Device device);
+// Whether callers on `device` should pass host offsets to the grouped products of a weight [E, OC, C]
+// (its forward, written input gradient and weight gradient): the GPU's cuBLAS path needs them
+// (reading the offsets once and passing them to every call saves a sync per call), the sm90 kernels
+// read the offsets on the device (then false: no host copy, no sync); on the CPU they cost nothing
+// and are checked.
+bool grouped_matmul_uses_host_offsets(Device device, int64_t E, int64_t C, int64_t OC);
 // SMs the grouped matmuls leave free, from now on, for kernels on other streams: the GPU's own
 // grouped GEMMs are persistent (one block per SM, each holding a whole SM), so a kernel queued on
 // another stream, such as the EP exchange's copies, could not start until they end. 0 (the

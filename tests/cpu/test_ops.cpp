@@ -233,7 +233,10 @@ TEST(Ops, CudaTensorsNeedACudaBuild) {
     expect_refused("grouped_matmul_backward_weight", [&] {
         mf::ops::grouped_matmul_backward_weight(ew, x, x, std::span<const Tensor>(&offsets, 1), {}, true, one_f64);
     });
-    EXPECT_FALSE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda));
+    EXPECT_FALSE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, 8, 64, 64));
+    EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cpu, 8, 64, 64));
+    expect_refused("lm_head_cross_entropy_scratch_bytes",
+                   [&] { mf::ops::lm_head_cross_entropy_scratch_bytes(4, 16, DType::f32, Device::cuda); });
     expect_refused("set_grouped_matmul_reserved_sms",
                    [&] { mf::ops::set_grouped_matmul_reserved_sms(Device::cuda, 4); });
     expect_refused("lm_head_cross_entropy",

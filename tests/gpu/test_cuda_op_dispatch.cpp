@@ -4,8 +4,11 @@
 // model families: row bias, RoPE alone with partial rotary, the sigmoid gate. Shapes are ragged
 // (odd widths, single rows, leading dimensions that flatten into rows); tolerances: the rules of
 // test_cuda_common.h. The kernels' own parity sweeps are in test_cuda_ops.cpp.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <array>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -194,6 +197,22 @@ TEST(CudaOpDispatch, SigmoidGateWithColumnLogits) {
 
 // ---------------------------------------------------------------------------------------------
 // argument checks: the same refusal on both devices, before any kernel runs
+
+// The experts' products that the sm90 kernels serve whole read their offsets on the device (no host
+// copy, no sync); a shape one of them refuses goes to cuBLAS, which needs host offsets.
+TEST(CudaOpDispatch, HostOffsetsOnlyWhereCublasServes) {
+    cudaDeviceProp prop{};
+    ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+    const char* path = std::getenv("MOEFORGE_GROUPED_GEMM");
+    if (prop.major != 9 || (path != nullptr && std::string(path) != "sm90"))
+        GTEST_SKIP() << "the sm90 grouped GEMM path needs an sm_90 GPU and MOEFORGE_GROUPED_GEMM unset or sm90";
+    for (const auto& [E, C, OC] : {std::array<int64_t, 3>{128, 2048, 1536}, {128, 768, 2048}, {128, 2688, 1856},
+                                   {128, 1856, 2688}})
+        EXPECT_FALSE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, E, C, OC)) << E << " " << C << " " << OC;
+    EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, 8, 100, 64)) << "C % 64 != 0: cuBLAS";
+    EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, 8, 64, 36)) << "OC % 8 != 0: cuBLAS";
+    EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cpu, 8, 64, 64)) << "the CPU checks them";
+}
 
 TEST(CudaOpDispatch, BadShapesAreRefusedOnTheGpuToo) {
     Pair x = both_devices(std::vector<float>(24), {4, 6}), b = both_devices(std::vector<float>(5), {5});
