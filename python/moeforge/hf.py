@@ -453,8 +453,12 @@ def _enable_fused_loss(model: torch.nn.Module) -> None:
         kwargs["return_dict"] = True
         out = stock(*args, **kwargs)
         hidden = out.logits  # (the head returned its input)
+        # (a new output of the model's class: its keys, what HF Trainer's outputs["loss"] and
+        # to_tuple() read, are the non-None fields given at construction)
+        fields = {k: v for k, v in out.items() if k != "logits"}
         if labels is None and shift_labels is None:
-            out.logits = torch.nn.functional.linear(hidden, head.weight)
+            fields["logits"] = torch.nn.functional.linear(hidden, head.weight)
+            out = type(out)(**fields)
             return out.to_tuple() if want_tuple else out
         if shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
@@ -466,8 +470,8 @@ def _enable_fused_loss(model: torch.nn.Module) -> None:
         aux = getattr(out, "aux_loss", None)
         if aux is not None and kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
             loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
-        out.loss = loss
-        out.logits = None
+        fields["loss"] = loss
+        out = type(out)(**fields)
         return out.to_tuple() if want_tuple else out
 
     model._moeforge_stock_forward = stock

@@ -318,6 +318,8 @@ def test_fused_loss_without_labels_tuples_and_compile_fullgraph():
         torch.testing.assert_close(fused(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=0, atol=0)
         as_tuple = fused(input_ids=ids, labels=ids, return_dict=False)
         assert as_tuple[0].ndim == 0 and torch.isfinite(as_tuple[0])
+        out = fused(input_ids=ids, labels=ids)
+        assert out["loss"] is out.loss and "logits" not in out, "HF Trainer reads outputs['loss']"
     fused.zero_grad(set_to_none=True)
     eager = fused(input_ids=ids, labels=ids).loss
     eager.backward()
