@@ -32,6 +32,7 @@ not serve (other dtypes or devices).
     moeforge.hf.disable()                  # the stock default again
 """
 
+import functools
 import logging
 from typing import Any, Dict, Optional
 
@@ -444,6 +445,9 @@ def _enable_fused_loss(model: torch.nn.Module) -> None:
     stock = model.forward
     head = model.get_output_embeddings()
 
+    # (wraps: inspect.signature(model.forward) is stock's, which HF Trainer reads to keep the dataset's
+    # columns and to pass num_items_in_batch)
+    @functools.wraps(stock)
     def forward(*args, labels=None, num_items_in_batch=None, shift_labels=None, **kwargs):
         """The model's forward with the loss on moeforge's fused LM head + cross-entropy: as
         transformers computes it (labels shifted by one, -100 ignored, the sum over

@@ -320,18 +320,20 @@ def test_fused_loss_without_labels_tuples_and_compile_fullgraph():
         assert as_tuple[0].ndim == 0 and torch.isfinite(as_tuple[0])
         out = fused(input_ids=ids, labels=ids)
         assert out["loss"] is out.loss and "logits" not in out, "HF Trainer reads outputs['loss']"
-    fused.zero_grad(set_to_none=True)
-    eager = fused(input_ids=ids, labels=ids).loss
-    eager.backward()
-    eager_grads = {n: p.grad.double().cpu() for n, p in fused.named_parameters() if p.grad is not None}
-    fused.zero_grad(set_to_none=True)
-    compiled = torch.compile(fused, fullgraph=True)
-    loss = compiled(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert abs(loss.item() - eager.item()) <= 2e-2 * abs(eager.item())
-    for n, p in fused.named_parameters():
-        if p.grad is not None:
-            assert rel_l2(p.grad.double().cpu(), eager_grads[n]) <= 3e-2, n
+    # Compiled, the fused loss against the stock loss compiled (the same graph up to the head, so the
+    # same routing: eager and compiled rounding may route a near-tie token to another expert).
+    results = []
+    for model in (stock, fused):
+        model.zero_grad(set_to_none=True)
+        loss = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.double().cpu() for n, p in model.named_parameters()
+                                      if p.grad is not None}))
+    (ref_loss, ref_grads), (got_loss, grads) = results
+    assert abs(got_loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert rel_l2(grads[n], ref_grads[n]) <= 3e-2, (n, rel_l2(grads[n], ref_grads[n]))
 
 
 def test_fused_loss_is_per_model_and_refuses_what_it_cannot_fuse():
