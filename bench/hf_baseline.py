@@ -59,28 +59,29 @@ def main():
     ids = torch.randint(0, config.vocab_size, (B, T), device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times, loss = [], float("nan")
-    for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
+        """One training step (forward, backward, clip, AdamW), finished on the GPU; returns the loss."""
         out = step_model(input_ids=ids, labels=ids)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        return out.loss
+
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step_loss = step()
         dt = time.perf_counter() - t0
-        loss = float(out.loss)
+        loss = float(step_loss.detach())
         if i >= args.warmup:
             times.append(dt)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = step_model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+            step()
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90))
     step_s = sum(times) / len(times)
