@@ -34,6 +34,7 @@ not serve (other dtypes or devices).
 
 import functools
 import logging
+import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -358,7 +359,6 @@ def _unpatch_norms() -> None:
 
 def _norm_classes_of_module(module_name: str) -> list:
     """The classes of one modeling module (the one a model's class comes from)."""
-    import sys
     mod = sys.modules.get(module_name)
     return [v for v in vars(mod).values() if isinstance(v, type)] if mod is not None else []
 

@@ -840,11 +840,11 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
 // The loss's rows per chunk: equal chunks (the last may be shorter by rounding), each as large as the
 // budget allows.
 int64_t loss_chunk_rows(int64_t N, int64_t V, DType logits_dtype) {
+    if (N <= 0) return 1;  // (no rows: the smallest chunk, so that the scratch asked for is a row's)
     const size_t row_bytes = dtype_size(logits_dtype) * static_cast<size_t>(V);
-    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / row_bytes), 1,
-                                                  std::max<int64_t>(N, 1));
+    const int64_t max_chunk = std::clamp<int64_t>(static_cast<int64_t>(kLossScratchBytes / row_bytes), 1, N);
     const int64_t num_chunks = (N + max_chunk - 1) / max_chunk;
-    return std::max<int64_t>(1, std::min(max_chunk, (N + num_chunks - 1) / std::max<int64_t>(num_chunks, 1)));
+    return std::min(max_chunk, (N + num_chunks - 1) / num_chunks);
 }
 
 size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device) {
