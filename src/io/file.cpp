@@ -376,6 +376,21 @@ void StagedFiles::commit(const std::vector<std::string>& last) {
         if (it != names.end()) std::rotate(it, it + 1, names.end());
     }
     const std::vector<std::string> before = recorded(dir_, record_name_);
+    const auto write_record = [&](const std::vector<std::string>& listed) {
+        json::Value::Array files;
+        for (const std::string& n : listed) files.emplace_back(n);
+        json::Value record = json::Value::object();
+        record.set("written_by", "moeforge");
+        record.set("files", json::Value(std::move(files)));
+        atomic_write_file(dir_ / record_name_, record.dump(2) + "\n");
+    };
+    // The record lists every file this commit or the one before wrote *before* the first rename, so
+    // that a process killed at any point leaves no file of ours unlisted (a later export would refuse
+    // to touch it); names listed but absent are harmless. The stale files go before the final record.
+    std::vector<std::string> both = before;
+    for (const std::string& n : names)
+        if (std::find(both.begin(), both.end(), n) == both.end()) both.push_back(n);
+    write_record(both);
     for (const std::string& n : names) {
         const fs::path dst = dir_ / n;
         if (fs::is_directory(fs::symlink_status(dst, ec)))
@@ -383,17 +398,12 @@ void StagedFiles::commit(const std::vector<std::string>& last) {
         rename_or_fail(staging_ / n, dst);
     }
     fsync_path(dir_);
-    json::Value::Array files;
-    for (const std::string& n : names) files.emplace_back(n);
-    json::Value record = json::Value::object();
-    record.set("written_by", "moeforge");
-    record.set("files", json::Value(std::move(files)));
-    atomic_write_file(dir_ / record_name_, record.dump(2) + "\n");
     for (const std::string& old : before) {
         if (std::find(names.begin(), names.end(), old) != names.end()) continue;
         const fs::path stale = dir_ / old;
         if (fs::is_regular_file(fs::symlink_status(stale, ec))) fs::remove(stale, ec);
     }
+    write_record(names);
     fs::remove_all(staging_, ec);
     committed_ = true;
     drop_temporary(staging_);

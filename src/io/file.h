@@ -119,9 +119,11 @@ class AtomicDir {
 // Writes a set of files into an existing directory and touches nothing else in it. The files are
 // written into a staging directory inside it (DIR/.moeforge-staging-<pid>, so every rename stays on
 // one file system); commit() fsyncs them, renames each onto DIR/<name> (atomic per file: a reader
-// sees the old file or the new one, never a mix of bytes) with the names in `last` moved last, then
-// records the set in DIR/<record_name> and removes the files an earlier record listed that this set
-// lacks (what an earlier commit wrote, e.g. the shards of a model that was sharded differently).
+// sees the old file or the new one, never a mix of bytes) with the names in `last` moved last,
+// removes the files an earlier record listed that this set lacks (what an earlier commit wrote, e.g.
+// the shards of a model that was sharded differently), and records the set in DIR/<record_name>.
+// Before the first rename the record already lists this set and the earlier one, so a commit cut
+// short at any point (a kill, a failed rename) leaves every file it or an earlier commit wrote listed.
 // A file that neither record names is never removed. Destroyed without commit(), it removes the
 // staging directory and leaves DIR as it was. Only plain files, no subdirectories.
 class StagedFiles {
