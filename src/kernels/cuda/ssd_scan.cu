@@ -208,16 +208,19 @@ __device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
     }
 }
 
-// For every i < M, j < N: emit(i, j, Σ_{k<K} a(i, k)·b(j, k)), called once, by one thread. a(i, k) and
-// b(j, k) are floats (exact bf16 values unless kSplitA / kSplitB: then split into hi + lo). With
-// kLowerTriangle, warp tiles wholly above the diagonal (every j > i) are not multiplied and emit 0.
-// The sum is fp32 in the mma's fixed order over slices of k ascending. Barriers at entry and exit
+// For every i < M, j < N: emit(i, j, Σ_{k<K} a(i, k)·b(j, k), prior(i, j)), called once, by one thread.
+// a(i, k) and b(j, k) are floats (exact bf16 values unless kSplitA / kSplitB: then split into hi + lo).
+// With kLowerTriangle, warp tiles wholly above the diagonal (every j > i) are not multiplied and emit 0.
+// The sum is fp32 in the mma's fixed order over slices of k ascending. prior reads what an element's
+// emit combines with (a value it updates, a term it adds): a thread reads all of its tile's priors
+// before its first emit, so the reads are in flight together, rather than each waiting behind the
+// store before it (which the compiler cannot prove it does not alias). Barriers at entry and exit
 // (emit may write shared memory the caller reads next; the loaders may read what it wrote before);
 // blockDim.x must be kNumThreads.
 template <int kNumThreads, bool kSplitA, bool kSplitB, bool kLowerTriangle, typename LoadA, typename LoadB,
-          typename Emit>
-__device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_b, LoadA load_a, LoadB load_b,
-                            Emit emit, const Staging& st) {
+          typename Prior, typename Emit>
+__device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout layout_b, LoadA load_a, LoadB load_b,
+                                  Prior prior, Emit emit, const Staging& st) {
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kTilesPerWarp = (kTilesPerSide * kTilesPerSide + kNumWarps - 1) / kNumWarps;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -270,6 +273,7 @@ __device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_
                 if (tile >= num_tiles) continue;
                 const int i0 = m0 + (tile / tiles_n) * kWarpTile + lane / 4;
                 const int j0 = n0 + (tile % tiles_n) * kWarpTile + 2 * (lane % 4);
+                float before[2][4][4];
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
@@ -277,7 +281,18 @@ __device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int i = i0 + 16 * mi + 8 * (e / 2), j = j0 + 8 * ni + e % 2;
-                            if (i < M && j < N) emit(i, j, acc[w].v[mi][ni][e]);
+                            before[mi][ni][e] = i < M && j < N ? prior(i, j) : 0.0f;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int i = i0 + 16 * mi + 8 * (e / 2), j = j0 + 8 * ni + e % 2;
+                            if (i < M && j < N) emit(i, j, acc[w].v[mi][ni][e], before[mi][ni][e]);
                         }
                     }
                 }
@@ -285,6 +300,19 @@ __device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_
         }
     }
     __syncthreads();
+}
+
+// mma_product_prior with nothing to combine: emit(i, j, value).
+struct NoPrior {
+    __device__ float operator()(int, int) const { return 0.0f; }
+};
+template <int kNumThreads, bool kSplitA, bool kSplitB, bool kLowerTriangle, typename LoadA, typename LoadB,
+          typename Emit>
+__device__ void mma_product(int M, int N, int K, Layout layout_a, Layout layout_b, LoadA load_a, LoadB load_b,
+                            Emit emit, const Staging& st) {
+    mma_product_prior<kNumThreads, kSplitA, kSplitB, kLowerTriangle>(
+        M, N, K, layout_a, layout_b, load_a, load_b, NoPrior{},
+        [&](int i, int j, float value, float) { emit(i, j, value); }, st);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -374,16 +402,36 @@ __device__ __forceinline__ float decay_from_start(const ChunkMeta& m, int t) {
     return m.seg[t] == 0 ? expf(m.cs[t]) : 0.0f;
 }
 
-// out[r] = Σ_{j<cols} term(r, j) for r < rows: one warp per row, lanes over j, a xor butterfly
-// (fixed order). Barrier at exit.
+// out[r] = Σ_{j<cols} term(r, j) for r < rows: a warp takes kRows rows at a time, lanes over j (each
+// lane its j ascending), then a xor butterfly (fixed order). A lane evaluates kRows × kCols terms
+// before it adds them, so the loads a term makes are in flight together. Barrier at exit.
 template <typename Term>
 __device__ void row_sums(float* out, int rows, int cols, Term term) {
-    const int lane = threadIdx.x % 32;
-    for (int r = threadIdx.x / 32; r < rows; r += blockDim.x / 32) {
-        float sum = 0.0f;
-        for (int j = lane; j < cols; j += 32) sum += term(r, j);
-        sum = detail::group_sum<32>(sum);
-        if (lane == 0) out[r] = sum;
+    constexpr int kRows = 4, kCols = 2;
+    const int lane = threadIdx.x % 32, warps = static_cast<int>(blockDim.x / 32);
+    for (int r0 = static_cast<int>(threadIdx.x / 32) * kRows; r0 < rows; r0 += warps * kRows) {
+        float sum[kRows] = {};
+        for (int j0 = 0; j0 < cols; j0 += 32 * kCols) {
+            float terms[kRows][kCols];
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+                for (int q = 0; q < kCols; ++q) {
+                    const int r = r0 + i, j = j0 + lane + 32 * q;
+                    terms[i][q] = r < rows && j < cols ? term(r, j) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+                for (int q = 0; q < kCols; ++q) sum[i] += terms[i][q];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+            const float total = detail::group_sum<32>(sum[i]);
+            if (lane == 0 && r0 + i < rows) out[r0 + i] = total;
+        }
     }
     __syncthreads();
 }
@@ -509,11 +557,12 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     const float D = params.D[h];
     bf16* y0 = y + row0 * d.I + static_cast<int64_t>(h) * d.P;
     const int ld_y = static_cast<int>(d.I);
-    mma_product<kWideThreads, true, true, false>(
+    mma_product_prior<kWideThreads, true, true, false>(
         L, d.P, K, along_k(), Layout{false, L, true},
         [&](int t, int k) { return k < L ? M[t * d.Q + k] : coef[t] * v.C(t, k - L); },
         [&](int p, int k) { return k < L ? v.x(k, p) : h_in[p * d.S + (k - L)]; },
-        [&](int t, int p, float value) { y0[t * ld_y + p] = __float2bfloat16_rn(value + D * v.x(t, p)); },
+        [&](int t, int p) { return D * v.x(t, p); },
+        [&](int t, int p, float value, float dx_term) { y0[t * ld_y + p] = __float2bfloat16_rn(value + dx_term); },
         st);
 }
 
@@ -729,18 +778,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                 [&](int p, int n) { return dh_out[p * d.S + n]; },
                 [&](int s, int p, float value) { ACC[s * d.P + p] = value; }, st);
             row_sums(hs.v, L, d.P, [&](int s, int p) { return v.x(s, p) * ACC[s * d.P + p]; });
-            for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
-                const int s = e / d.P, p = e % d.P;
-                ACC[s * d.P + p] = hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p);
-            }
         } else {
-            for (int e = threadIdx.x; e < L * d.P; e += blockDim.x) {
-                const int s = e / d.P, p = e % d.P;
-                ACC[s * d.P + p] = D * dyv(s, p);
-            }
             for (int s = threadIdx.x; s < L; s += blockDim.x) hs.v[s] = 0.0f;
         }
-        mma_product<kN, true, false, false>(
+        const bool has_dh_out = dh_out != nullptr;
+        mma_product_prior<kN, true, false, false>(
             L, d.P, L, along_rows(), along_rows(),
             [&](int s, int t) {
                 return same_segment_causal(meta, t, s)
@@ -748,8 +790,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                            : 0.0f;
             },
             [&](int p, int t) { return dyv(t, p); },
-            [&](int s, int p, float value) {
-                dx0[s * v.ld + p] = __float2bfloat16_rn(ACC[s * d.P + p] + value);
+            [&](int s, int p) {
+                return has_dh_out ? hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p) : D * dyv(s, p);
+            },
+            [&](int s, int p, float value, float state_terms) {
+                dx0[s * v.ld + p] = __float2bfloat16_rn(state_terms + value);
             },
             st);
 
@@ -771,30 +816,42 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         float* dC = dB + GS;
         const int ld_bc = static_cast<int>(2 * GS);
         const bool first_head = k == 0;
-        mma_product<kN, true, true, false>(
+        mma_product_prior<kN, true, true, false>(
             L, d.S, dh_out != nullptr ? L + d.P : L, Layout{false, L, true}, along_rows(),
             [&](int s, int kk) { return kk < L ? W[kk * d.Q + s] : hs.to_end[s] * v.x(s, kk - L); },
             [&](int n, int kk) { return kk < L ? v.C(kk, n) : dh_out[(kk - L) * d.S + n]; },
-            [&](int s, int n, float value) {
-                float* at = dB + s * ld_bc + n;
-                *at = first_head ? value : *at + value;
+            [&](int s, int n) { return first_head ? 0.0f : dB[s * ld_bc + n]; },
+            [&](int s, int n, float value, float earlier_heads) {
+                dB[s * ld_bc + n] = first_head ? value : earlier_heads + value;
             },
             st);
-        mma_product<kN, true, true, false>(
+        mma_product_prior<kN, true, true, false>(
             L, d.S, h_in != nullptr ? L + d.P : L, along_k(), along_rows(),
             [&](int t, int kk) { return kk < L ? W[t * d.Q + kk] : hs.from_start[t] * dyv(t, kk - L); },
             [&](int n, int kk) { return kk < L ? v.B(kk, n) : h_in[(kk - L) * d.S + n]; },
-            [&](int t, int n, float value) {
-                float* at = dC + t * ld_bc + n;
-                *at = first_head ? value : *at + value;
+            [&](int t, int n) { return first_head ? 0.0f : dC[t * ld_bc + n]; },
+            [&](int t, int n, float value, float earlier_heads) {
+                dC[t * ld_bc + n] = first_head ? value : earlier_heads + value;
             },
             st);
 
         // hh = dh_out · h_in (the gradient at cs_last through the entering state's decay).
         float hh = 0.0f;
         if (h_in != nullptr && dh_out != nullptr && meta.seg[last] == 0) {
+            // a thread's elements in ascending order, kBatch pairs of loads in flight at a time
+            constexpr int kBatch = 8;
+            const int n = d.P * d.S, stride = static_cast<int>(blockDim.x);
             float sum = 0.0f;
-            for (int e = threadIdx.x; e < d.P * d.S; e += blockDim.x) sum += dh_out[e] * h_in[e];
+            for (int e0 = static_cast<int>(threadIdx.x); e0 < n; e0 += kBatch * stride) {
+                float terms[kBatch];
+#pragma unroll
+                for (int i = 0; i < kBatch; ++i) {
+                    const int e = e0 + i * stride;
+                    terms[i] = e < n ? dh_out[e] * h_in[e] : 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < kBatch; ++i) sum += terms[i];
+            }
             hh = block_sum(sum, slots);
         }
         finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
