@@ -23,6 +23,8 @@
 // checks the shared-memory budget for the (Q, P, S) given.
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/mma_sm80.cuh"
@@ -38,7 +40,7 @@ constexpr int kWideThreads = 512;    // the output and backward chunk kernels (o
 constexpr int kMaxWarps = kWideThreads / 32;
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
-constexpr int kPassBatch = 8;
+constexpr int kPassBatch = 16;
 constexpr int kColParts = kWideThreads / kMaxQ;  // the backward's column sums: threads a column  // chunk states the passes load before they use the first
 
 // mma_product's tiling: outputs in blocks of kBlockRows × kBlockRows, each cut into warp tiles of
@@ -50,6 +52,8 @@ constexpr int kTilesPerSide = kBlockRows / kWarpTile;
 constexpr int kTileK = 32;
 constexpr int kTileStride = kTileK + 8;
 constexpr int kStagedElems = kBlockRows * kTileStride;
+constexpr int kTransStride = kBlockRows + 8;  // a slice staged k-major: kTileK rows of kBlockRows (+ 16 bytes)
+static_assert(kTileK * kTransStride <= kStagedElems, "a k-major slice fits a staging buffer");
 constexpr size_t kStagingBytes = 4 * kStagedElems * sizeof(bf16);  // A hi, A lo, B hi, B lo
 static_assert((kBlockRows & (kBlockRows - 1)) == 0 && kTileK % 32 == 0, "SliceRegs::place: powers of two");
 static_assert(kMaxQ <= kBlockRows && kMaxQ % 32 == 0, "one output block covers a chunk; prefix sums: kMaxQ/32 a lane");
@@ -116,6 +120,59 @@ __device__ Staging staging_at(void* smem) {
     return {base, base + kStagedElems, base + 2 * kStagedElems, base + 3 * kStagedElems};
 }
 
+// An operand read straight from a bf16 tensor rather than through a loader: element (r, k) at
+// base[r·ld + k] (DirectK: contiguous along k, staged row-major like a loader's slice) or at
+// base[k·ld + r] (DirectRows, B operands only: contiguous along the rows, staged k-major and read
+// transposed by ldmatrix). Its slices go to shared memory by cp.async, 16 bytes a copy, double
+// buffered in the operand's hi and lo buffers (a direct operand is exact: it has no lo part). A
+// copy that would leave the operand's range (or any copy, when base is not 16-byte aligned or ld
+// not a multiple of 8) is done element by element; elements past K are zeros, as a loader's.
+struct DirectK {
+    const bf16* base;
+    int ld;
+};
+struct DirectRows {
+    const bf16* base;
+    int ld;
+};
+template <typename T>
+constexpr bool kIsDirect = std::is_same_v<T, DirectK> || std::is_same_v<T, DirectRows>;
+
+__device__ __forceinline__ bool copies_aligned(const bf16* base, int ld) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld % 8 == 0;
+}
+
+// Rows [r0, r0 + rows) × k [k0, k0 + kTileK) of src into dst (one staging buffer), copies issued,
+// not waited for. The 8 elements of a copy run along k (DirectK) or along the rows (DirectRows).
+template <int kNumThreads, typename Src>
+__device__ void stage_direct(const Src& src, int r0, int rows, int k0, int K, bf16* dst) {
+    constexpr bool kAlongK = std::is_same_v<Src, DirectK>;
+    constexpr int kCopies = kBlockRows * kTileK / 8;
+    constexpr int kPerLine = kAlongK ? kTileK / 8 : kBlockRows / 8;  // copies along a staged line
+    static_assert(kCopies % kNumThreads == 0, "whole copies a thread");
+    const bool aligned = copies_aligned(src.base, src.ld);
+#pragma unroll
+    for (int i = 0; i < kCopies / kNumThreads; ++i) {
+        const int idx = static_cast<int>(threadIdx.x) + i * kNumThreads;
+        const int line = idx / kPerLine, at = 8 * (idx % kPerLine);
+        // kAlongK: line = row r, elements k .. k + 7; else line = k, elements rows r .. r + 7.
+        const int r = kAlongK ? line : at, k = k0 + (kAlongK ? at : line);
+        bf16* to = dst + (kAlongK ? line * kTileStride : line * kTransStride) + at;
+        const int first = kAlongK ? k : r;               // the run's first index along its direction
+        const int limit = kAlongK ? K : rows;            // where that direction ends
+        const bool inside = kAlongK ? r < rows : k < K;  // the run's other index is in range
+        const bf16* from = src.base + (kAlongK ? (r0 + r) * src.ld + k : k * src.ld + r0 + r);
+        if (inside && first + 8 <= limit && aligned) {
+            cp_async_16(to, from, true);
+        } else if (inside && first < limit) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) to[j] = first + j < limit ? from[j] : __float2bfloat16_rn(0.0f);
+        } else {
+            cp_async_16(to, src.base, false);  // zeros
+        }
+    }
+}
+
 // A slice of one operand, rows [r0, r0 + rows) × k [k0, k0 + kTileK), in flight in registers: thread
 // threadIdx.x + i·kNumThreads holds value pair i (row r, k = k0 + 2kp, k0 + 2kp + 1; k >= K as zeros).
 // Loading a slice and storing it are two steps so that all of a thread's loads are in flight at once
@@ -171,29 +228,38 @@ struct WarpAcc {
 };
 
 // acc += the staged slice's contribution to the warp tile at (row tm, column tn) of the block:
-// kTileK / 16 steps of (A hi·B hi [+ A lo·B hi] [+ A hi·B lo]).
-template <bool kSplitA, bool kSplitB>
-__device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
+// kTileK / 16 steps of (A hi·B hi [+ A lo·B hi] [+ A hi·B lo]). A is staged row-major, B row-major
+// too or, with kTransB, k-major (a DirectRows operand).
+template <bool kSplitA, bool kSplitB, bool kTransB>
+__device__ void mma_slice(WarpAcc& acc, const bf16* a_hi_tile, const bf16* a_lo_tile, const bf16* b_hi_tile,
+                          const bf16* b_lo_tile, int tm, int tn) {
+    static_assert(!(kTransB && kSplitB), "a k-major operand is a direct one: exact");
     const int lane = threadIdx.x % 32;
     // ldmatrix row addresses: A matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15); B (k 0-7 | 8-15) × (n 0-7 | 8-15).
     const int a_row = tm * kWarpTile + lane % 8 + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
     const int b_row = tn * kWarpTile + lane % 8 + 8 * (lane / 16), b_col = 8 * ((lane / 8) % 2);
+    // k-major B: the matrices' rows are k (0-7 | 8-15), their columns n (0-7 | 8-15), read transposed.
+    const int bt_k = lane % 8 + 8 * ((lane / 8) % 2), bt_n = tn * kWarpTile + 8 * (lane / 16);
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16) {
         uint32_t a_hi[2][4], a_lo[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
             const int at = (a_row + 16 * mi) * kTileStride + kk + a_col;
-            ldmatrix_x4(a_hi[mi], st.a_hi + at);
-            if constexpr (kSplitA) ldmatrix_x4(a_lo[mi], st.a_lo + at);
+            ldmatrix_x4(a_hi[mi], a_hi_tile + at);
+            if constexpr (kSplitA) ldmatrix_x4(a_lo[mi], a_lo_tile + at);
         }
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb) {
             // b[0], b[1]: the n8 tile 2·nb (k 0-7, 8-15); b[2], b[3]: the tile 2·nb + 1.
-            const int at = (b_row + 16 * nb) * kTileStride + kk + b_col;
             uint32_t b_hi[4], b_lo[4];
-            ldmatrix_x4(b_hi, st.b_hi + at);
-            if constexpr (kSplitB) ldmatrix_x4(b_lo, st.b_lo + at);
+            if constexpr (kTransB) {
+                ldmatrix_x4_trans(b_hi, b_hi_tile + (kk + bt_k) * kTransStride + bt_n + 16 * nb);
+            } else {
+                const int at = (b_row + 16 * nb) * kTileStride + kk + b_col;
+                ldmatrix_x4(b_hi, b_hi_tile + at);
+                if constexpr (kSplitB) ldmatrix_x4(b_lo, b_lo_tile + at);
+            }
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
@@ -211,6 +277,7 @@ __device__ void mma_slice(WarpAcc& acc, const Staging& st, int tm, int tn) {
 // For every i < M, j < N: emit(i, j, Σ_{k<K} a(i, k)·b(j, k), prior(i, j)), called once, by one thread.
 // a(i, k) and b(j, k) are floats (exact bf16 values unless kSplitA / kSplitB: then split into hi + lo).
 // With kLowerTriangle, warp tiles wholly above the diagonal (every j > i) are not multiplied and emit 0.
+// An operand may instead be a DirectK / DirectRows tensor (not split; its Layout is not used).
 // The sum is fp32 in the mma's fixed order over slices of k ascending. prior reads what an element's
 // emit combines with (a value it updates, a term it adds): a thread reads all of its tile's priors
 // before its first emit, so the reads are in flight together, rather than each waiting behind the
@@ -223,6 +290,10 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
                                   Prior prior, Emit emit, const Staging& st) {
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kTilesPerWarp = (kTilesPerSide * kTilesPerSide + kNumWarps - 1) / kNumWarps;
+    constexpr bool kDirectA = kIsDirect<LoadA>, kDirectB = kIsDirect<LoadB>;
+    constexpr bool kTransB = std::is_same_v<LoadB, DirectRows>;
+    static_assert(!std::is_same_v<LoadA, DirectRows>, "A operands are staged row-major");
+    static_assert(!(kDirectA && kSplitA) && !(kDirectB && kSplitB), "a direct operand is exact bf16");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();
 #pragma unroll 1
@@ -246,24 +317,37 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[w].v[mi][ni][e] = 0.0f;
             }
+            // A loader operand's next slice waits in registers, a direct one's in its other buffer.
             SliceRegs<kNumThreads> next_a, next_b;
-            if (K > 0) {
-                next_a.load(m0, rows_m, 0, K, layout_a.at(0), load_a);
-                next_b.load(n0, rows_n, 0, K, layout_b.at(0), load_b);
-            }
-#pragma unroll 1
-            for (int k0 = 0; k0 < K; k0 += kTileK) {
-                next_a.template store<kSplitA>(st.a_hi, st.a_lo, rows_m, layout_a.at(k0));
-                next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
-                __syncthreads();
-                if (k0 + kTileK < K) {
-                    next_a.load(m0, rows_m, k0 + kTileK, K, layout_a.at(k0 + kTileK), load_a);
-                    next_b.load(n0, rows_n, k0 + kTileK, K, layout_b.at(k0 + kTileK), load_b);
+            auto fetch = [&](int k0, int buffer) {
+                if constexpr (kDirectA) {
+                    stage_direct<kNumThreads>(load_a, m0, rows_m, k0, K, buffer == 0 ? st.a_hi : st.a_lo);
+                } else {
+                    next_a.load(m0, rows_m, k0, K, layout_a.at(k0), load_a);
                 }
+                if constexpr (kDirectB) {
+                    stage_direct<kNumThreads>(load_b, n0, rows_n, k0, K, buffer == 0 ? st.b_hi : st.b_lo);
+                } else {
+                    next_b.load(n0, rows_n, k0, K, layout_b.at(k0), load_b);
+                }
+                if constexpr (kDirectA || kDirectB) cp_async_commit();
+            };
+            if (K > 0) fetch(0, 0);
+#pragma unroll 1
+            for (int k0 = 0, buffer = 0; k0 < K; k0 += kTileK, buffer ^= 1) {
+                if constexpr (!kDirectA) next_a.template store<kSplitA>(st.a_hi, st.a_lo, rows_m, layout_a.at(k0));
+                if constexpr (!kDirectB) next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
+                if constexpr (kDirectA || kDirectB) cp_async_wait<0>();
+                __syncthreads();
+                if (k0 + kTileK < K) fetch(k0 + kTileK, buffer ^ 1);
+                const bf16* a_hi = kDirectA && buffer == 1 ? st.a_lo : st.a_hi;
+                const bf16* b_hi = kDirectB && buffer == 1 ? st.b_lo : st.b_hi;
 #pragma unroll
                 for (int w = 0; w < kTilesPerWarp; ++w) {
                     const int tile = warp + w * kNumWarps;
-                    if (active[w]) mma_slice<kSplitA, kSplitB>(acc[w], st, tile / tiles_n, tile % tiles_n);
+                    if (active[w])
+                        mma_slice<kSplitA, kSplitB, kTransB>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
+                                                             tile % tiles_n);
                 }
                 __syncthreads();
             }
@@ -495,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     float* out = states + state_offset(d, b, c, h);
     mma_product<kThreads, true, false, false>(
         d.P, d.S, L, along_rows(), along_rows(), [&](int p, int s) { return coef[s] * v.x(s, p); },
-        [&](int n, int s) { return v.B(s, n); }, [&](int p, int n, float value) { out[p * d.S + n] = value; },
+        DirectRows{v.B0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; },
         staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
@@ -543,8 +627,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 
     // M[t, s] = (C_t·B_s)·exp(cs_t − cs_s)·δ_s inside a segment, s <= t; else 0.
     mma_product<kWideThreads, false, false, true>(
-        L, L, d.S, along_k(), along_k(), [&](int t, int n) { return v.C(t, n); },
-        [&](int s, int n) { return v.B(s, n); },
+        L, L, d.S, along_k(), along_k(), DirectK{v.C0, v.ld}, DirectK{v.B0, v.ld},
         [&](int t, int s, float cb) {
             M[t * d.Q + s] =
                 same_segment_causal(meta, t, s) ? cb * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
@@ -587,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     float* out = dstates + state_offset(d, b, c, h);
     mma_product<kThreads, true, false, false>(
         d.P, d.S, L, along_rows(), along_rows(), [&](int p, int t) { return coef[t] * dyv(t, p); },
-        [&](int n, int t) { return v.C(t, n); }, [&](int p, int n, float value) { out[p * d.S + n] = value; },
+        DirectRows{v.C0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; },
         staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
@@ -722,8 +805,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     // The segments do not depend on the head: the first head's meta masks C·Bᵀ.
     load_chunk_meta(meta, dt, params, doc_ids, d, row0, L, g * d.heads_per_group);
     mma_product<kN, false, false, true>(
-        L, L, d.S, along_k(), along_k(), [&](int t, int n) { return gv.C(t, n); },
-        [&](int s, int n) { return gv.B(s, n); },
+        L, L, d.S, along_k(), along_k(), DirectK{gv.C0, gv.ld}, DirectK{gv.B0, gv.ld},
         [&](int t, int s, float value) { CB[t * d.Q + s] = same_segment_causal(meta, t, s) ? value : 0.0f; }, st);
 
     for (int k = 0; k < d.heads_per_group; ++k) {
@@ -740,8 +822,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
 
         // W[t, s] = dy_t·x_s (masked), then the row and column sums of G and the diagonal.
         mma_product<kN, false, false, true>(
-            L, L, d.P, along_k(), along_k(), [&](int t, int p) { return dyv(t, p); },
-            [&](int s, int p) { return v.x(s, p); },
+            L, L, d.P, along_k(), along_k(), DirectK{dyv.at, dyv.ld}, DirectK{v.x0, v.ld},
             [&](int t, int s, float value) { W[t * d.Q + s] = same_segment_causal(meta, t, s) ? value : 0.0f; }, st);
         auto g_over_dt = [&](int t, int s) {
             return same_segment_causal(meta, t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s])
@@ -765,16 +846,17 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             hs.from_start[s] = decay_from_start(meta, s);
         }
         __syncthreads();
-        // W ← W ∘ exp(cs_t − cs_s) ∘ δ_s: the weights of dB and dC's intra parts.
-        for (int e = threadIdx.x; e < L * L; e += blockDim.x) {
-            const int t = e / L, s = e % L;
-            if (same_segment_causal(meta, t, s)) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+        // W ← W ∘ exp(cs_t − cs_s) ∘ δ_s: the weights of dB and dC's intra parts (a warp a row t, s <= t).
+        for (int t = static_cast<int>(threadIdx.x / 32); t < L; t += static_cast<int>(blockDim.x / 32)) {
+            for (int s = static_cast<int>(threadIdx.x % 32); s <= t; s += 32) {
+                if (meta.seg[s] == meta.seg[t]) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+            }
         }
 
         // dx_s = D·dy_s + to_end_s·(dh_out·B_s) + Σ_t (C_t·B_s)·exp(cs_t − cs_s)·δ_s·dy_t; v_s on the way.
         if (dh_out != nullptr) {
             mma_product<kN, false, true, false>(
-                L, d.P, d.S, along_k(), along_k(), [&](int s, int n) { return v.B(s, n); },
+                L, d.P, d.S, along_k(), along_k(), DirectK{v.B0, v.ld},
                 [&](int p, int n) { return dh_out[p * d.S + n]; },
                 [&](int s, int p, float value) { ACC[s * d.P + p] = value; }, st);
             row_sums(hs.v, L, d.P, [&](int s, int p) { return v.x(s, p) * ACC[s * d.P + p]; });
@@ -789,7 +871,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
                            ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s]
                            : 0.0f;
             },
-            [&](int p, int t) { return dyv(t, p); },
+            DirectRows{dyv.at, dyv.ld},
             [&](int s, int p) {
                 return has_dh_out ? hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p) : D * dyv(s, p);
             },
@@ -801,7 +883,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         // u_t = dy_t · (h_in·C_t) (ACC is free again after the barrier at mma_product's exit).
         if (h_in != nullptr) {
             mma_product<kN, false, true, false>(
-                L, d.P, d.S, along_k(), along_k(), [&](int t, int n) { return v.C(t, n); },
+                L, d.P, d.S, along_k(), along_k(), DirectK{v.C0, v.ld},
                 [&](int p, int n) { return h_in[p * d.S + n]; },
                 [&](int t, int p, float value) { ACC[t * d.P + p] = value; }, st);
             row_sums(hs.u, L, d.P, [&](int t, int p) { return dyv(t, p) * ACC[t * d.P + p]; });
