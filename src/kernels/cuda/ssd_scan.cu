@@ -10,9 +10,11 @@
 // place into the state entering each chunk; (3) per chunk the outputs (intra + inter + D·x).
 // Backward, the same in reverse: (1) per chunk Σ_{seg_t = 0} exp(cs_t)·dy_t⊗C_t (the gradient at h_in
 // from the chunk's own outputs); (2) a reverse pass over the chunks giving dh_out, the gradient at each
-// chunk's end state; (3) per chunk and B/C group (its heads in order, C·Bᵀ computed once): dx, dB, dC
-// (summed over the group's heads in f32 scratch, in head order), the gradient at cs and δ, ddt at the
-// raw dt, and per-chunk partial sums of ddt_bias, dA_log, dD, reduced over chunks in a fixed order.
+// chunk's end state; (3) per chunk and B/C group (its heads in order, C·Bᵀ computed once): dx, the
+// gradient at cs and δ, ddt at the raw dt, per-chunk partial sums of ddt_bias, dA_log, dD (reduced over
+// chunks in a fixed order), and the weights of dB and dC's intra-chunk part summed over the heads (f32
+// scratch, in head order); then dB and dC, each one product over the summed weights and every head's
+// state term.
 // Every product runs on the tensor cores (mma_product: mma.sync m16n8k16 bf16 → fp32). x, B, C and dy
 // are bf16 already and enter exactly; an fp32 operand (a decayed C·Bᵀ, a state, a scaled row) enters
 // as hi + lo, two bf16 whose sum carries ~16 mantissa bits, and costs a second mma (a·b = hi·b + lo·b;
@@ -137,6 +139,26 @@ struct DirectRows {
 };
 template <typename T>
 constexpr bool kIsDirect = std::is_same_v<T, DirectK> || std::is_same_v<T, DirectRows>;
+__device__ __forceinline__ float direct_value(const DirectRows& src, int r, int k) {
+    return __bfloat162float(src.base[k * src.ld + r]);
+}
+
+// A B operand over two ranges of k: a DirectRows tensor for k < k_switch, then a loader (k >= k_switch,
+// split with the product's kSplitB). The slices wholly below k_switch are staged as the direct
+// operand's, the others through the loader (reading the direct range's elements one by one where a
+// slice straddles k_switch). The direct slices come first, so none is copied into a buffer while a
+// loader slice in it is still being read.
+template <typename Direct, typename Load>
+struct DirectThen {
+    static_assert(std::is_same_v<Direct, DirectRows>, "the direct range is read k-major");
+    Direct direct;
+    int k_switch;
+    Load load;
+};
+template <typename T>
+struct IsDirectThen : std::false_type {};
+template <typename Direct, typename Load>
+struct IsDirectThen<DirectThen<Direct, Load>> : std::true_type {};
 
 __device__ __forceinline__ bool copies_aligned(const bf16* base, int ld) {
     return reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld % 8 == 0;
@@ -290,9 +312,10 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
                                   Prior prior, Emit emit, const Staging& st) {
     constexpr int kNumWarps = kNumThreads / 32;
     constexpr int kTilesPerWarp = (kTilesPerSide * kTilesPerSide + kNumWarps - 1) / kNumWarps;
-    constexpr bool kDirectA = kIsDirect<LoadA>, kDirectB = kIsDirect<LoadB>;
+    constexpr bool kDirectA = kIsDirect<LoadA>, kDirectB = kIsDirect<LoadB>, kThenB = IsDirectThen<LoadB>::value;
     constexpr bool kTransB = std::is_same_v<LoadB, DirectRows>;
     static_assert(!std::is_same_v<LoadA, DirectRows>, "A operands are staged row-major");
+    static_assert(!IsDirectThen<LoadA>::value, "DirectThen: B operands only");
     static_assert(!(kDirectA && kSplitA) && !(kDirectB && kSplitB), "a direct operand is exact bf16");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();
@@ -327,27 +350,50 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
                 }
                 if constexpr (kDirectB) {
                     stage_direct<kNumThreads>(load_b, n0, rows_n, k0, K, buffer == 0 ? st.b_hi : st.b_lo);
+                } else if constexpr (kThenB) {
+                    if (k0 + kTileK <= load_b.k_switch) {
+                        stage_direct<kNumThreads>(load_b.direct, n0, rows_n, k0, K, buffer == 0 ? st.b_hi : st.b_lo);
+                    } else {
+                        next_b.load(n0, rows_n, k0, K, layout_b.at(k0), [&](int r, int k) {
+                            return k < load_b.k_switch ? direct_value(load_b.direct, r, k) : load_b.load(r, k);
+                        });
+                    }
                 } else {
                     next_b.load(n0, rows_n, k0, K, layout_b.at(k0), load_b);
                 }
-                if constexpr (kDirectA || kDirectB) cp_async_commit();
+                if constexpr (kDirectA || kDirectB || kThenB) cp_async_commit();
             };
             if (K > 0) fetch(0, 0);
 #pragma unroll 1
             for (int k0 = 0, buffer = 0; k0 < K; k0 += kTileK, buffer ^= 1) {
                 if constexpr (!kDirectA) next_a.template store<kSplitA>(st.a_hi, st.a_lo, rows_m, layout_a.at(k0));
-                if constexpr (!kDirectB) next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
-                if constexpr (kDirectA || kDirectB) cp_async_wait<0>();
+                bool b_direct = kDirectB;  // this slice of B staged as a direct operand's
+                if constexpr (kThenB) b_direct = k0 + kTileK <= load_b.k_switch;
+                if constexpr (!kDirectB) {
+                    if (!b_direct) next_b.template store<kSplitB>(st.b_hi, st.b_lo, rows_n, layout_b.at(k0));
+                }
+                if constexpr (kDirectA || kDirectB || kThenB) cp_async_wait<0>();
                 __syncthreads();
                 if (k0 + kTileK < K) fetch(k0 + kTileK, buffer ^ 1);
                 const bf16* a_hi = kDirectA && buffer == 1 ? st.a_lo : st.a_hi;
-                const bf16* b_hi = kDirectB && buffer == 1 ? st.b_lo : st.b_hi;
+                const bf16* b_hi = b_direct && buffer == 1 ? st.b_lo : st.b_hi;
 #pragma unroll
                 for (int w = 0; w < kTilesPerWarp; ++w) {
                     const int tile = warp + w * kNumWarps;
-                    if (active[w])
+                    if (!active[w]) continue;
+                    if constexpr (kThenB) {
+                        constexpr bool kTransThen = std::is_same_v<decltype(load_b.direct), DirectRows>;
+                        if (b_direct) {
+                            mma_slice<kSplitA, false, kTransThen>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
+                                                                  tile % tiles_n);
+                        } else {
+                            mma_slice<kSplitA, kSplitB, false>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
+                                                               tile % tiles_n);
+                        }
+                    } else {
                         mma_slice<kSplitA, kSplitB, kTransB>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
                                                              tile % tiles_n);
+                    }
                 }
                 __syncthreads();
             }
@@ -486,23 +532,25 @@ __device__ __forceinline__ float decay_from_start(const ChunkMeta& m, int t) {
     return m.seg[t] == 0 ? expf(m.cs[t]) : 0.0f;
 }
 
-// out[r] = Σ_{j<cols} term(r, j) for r < rows: a warp takes kRows rows at a time, lanes over j (each
-// lane its j ascending), then a xor butterfly (fixed order). A lane evaluates kRows × kCols terms
-// before it adds them, so the loads a term makes are in flight together. Barrier at exit.
-template <typename Term>
+// out[r] = Σ_{j<cols} term(r, j) for r < rows (kCausal: only j <= r, the terms past it being zeros):
+// a warp takes kRows rows at a time, lanes over j (each lane its j ascending), then a xor butterfly
+// (fixed order). A lane evaluates kRows × kCols terms before it adds them, so the loads a term makes
+// are in flight together. Barrier at exit.
+template <bool kCausal = false, typename Term>
 __device__ void row_sums(float* out, int rows, int cols, Term term) {
     constexpr int kRows = 4, kCols = 2;
     const int lane = threadIdx.x % 32, warps = static_cast<int>(blockDim.x / 32);
     for (int r0 = static_cast<int>(threadIdx.x / 32) * kRows; r0 < rows; r0 += warps * kRows) {
         float sum[kRows] = {};
-        for (int j0 = 0; j0 < cols; j0 += 32 * kCols) {
+        const int end = kCausal ? min(cols, r0 + kRows) : cols;
+        for (int j0 = 0; j0 < end; j0 += 32 * kCols) {
             float terms[kRows][kCols];
 #pragma unroll
             for (int i = 0; i < kRows; ++i) {
 #pragma unroll
                 for (int q = 0; q < kCols; ++q) {
                     const int r = r0 + i, j = j0 + lane + 32 * q;
-                    terms[i][q] = r < rows && j < cols ? term(r, j) : 0.0f;
+                    terms[i][q] = r < rows && j < (kCausal ? min(cols, r + 1) : cols) ? term(r, j) : 0.0f;
                 }
             }
 #pragma unroll
@@ -542,7 +590,6 @@ struct Views {
           C0(xbc + row0 * d.ld + d.I + static_cast<int64_t>(d.G + g) * d.S),
           ld(static_cast<int>(d.ld)) {}
     __device__ float x(int t, int p) const { return __bfloat162float(x0[t * ld + p]); }
-    __device__ float B(int t, int n) const { return __bfloat162float(B0[t * ld + n]); }
     __device__ float C(int t, int n) const { return __bfloat162float(C0[t * ld + n]); }
 };
 // A chunk's rows of a head in a [N, H·P] buffer (dy, y).
@@ -643,7 +690,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     mma_product_prior<kWideThreads, true, true, false>(
         L, d.P, K, along_k(), Layout{false, L, true},
         [&](int t, int k) { return k < L ? M[t * d.Q + k] : coef[t] * v.C(t, k - L); },
-        [&](int p, int k) { return k < L ? v.x(k, p) : h_in[p * d.S + (k - L)]; },
+        DirectThen{DirectRows{v.x0, v.ld}, L, [&](int p, int k) { return h_in[p * d.S + (k - L)]; }},
         [&](int t, int p) { return D * v.x(t, p); },
         [&](int t, int p, float value, float dx_term) { y0[t * ld_y + p] = __float2bfloat16_rn(value + dx_term); },
         st);
@@ -701,9 +748,10 @@ __global__ void __launch_bounds__(kPassThreads) ssd_dstate_pass_kernel(float* ds
 
 // Outputs of the backward chunk kernel besides dx.
 struct ChunkGradOut {
-    bf16* dxbc;      // dx columns written
+    bf16* dxbc;      // dx, dB and dC columns written
     bf16* ddt;       // [N, H] written
-    float* dbc;      // [N, 2GS] f32: dB | dC, summed over the group's heads
+    float* wsum;     // [B·chunks, G, Q, Q] f32 scratch: Σ over the group's heads of W ∘ exp(cs_t − cs_s) ∘ δ_s
+    float* ends;     // [B·chunks, H, 2, Q] f32 scratch: each head's to_end and from_start
     float* partial;  // [3, B·chunks, H]: Σ ddt, A·Σ da·δ (dA_log), Σ dy·x (dD) per chunk
 };
 
@@ -783,6 +831,8 @@ __device__ void finish_head(const ChunkMeta& m, const HeadSums& hs, float hh, fl
 
 // grid (chunks, G, B), kWideThreads. Dynamic shared memory: the staging, then CB [Q, Q] (the group's
 // C·Bᵀ, masked), W [Q, Q], ACC [Q, P] fp32. dstates: dh_out per chunk (ssd_dstate_pass_kernel).
+// The heads in order: each head's dx, ddt and parameter partials, and its share of dB and dC's
+// weights added into wsum; then dB and dC of the group, each one product over all its heads.
 __global__ void __launch_bounds__(kWideThreads, 1)
     ssd_chunk_backward_kernel(ChunkGradOut out, const bf16* dy, const bf16* xbc, const bf16* dt, SsdParams params,
                               const float* states, const float* dstates, const int32_t* doc_ids, Dims d) {
@@ -795,8 +845,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     const int64_t row0 = b * d.T + static_cast<int64_t>(c) * d.Q;
     const int L = static_cast<int>(std::min<int64_t>(d.Q, d.T - static_cast<int64_t>(c) * d.Q));
     const int64_t chunk_idx = static_cast<int64_t>(b) * d.num_chunks + c;
-    const int64_t GS = static_cast<int64_t>(d.G) * d.S;
     const Staging st = staging_at(smem);
+    float* wsum = out.wsum + (chunk_idx * d.G + g) * d.Q * d.Q;
     float* CB = reinterpret_cast<float*>(smem + kStagingBytes);
     float* W = CB + d.Q * d.Q;
     float* ACC = W + d.Q * d.Q;
@@ -828,7 +878,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             return same_segment_causal(meta, t, s) ? W[t * d.Q + s] * CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s])
                                                    : 0.0f;
         };
-        row_sums(hs.row_g, L, L, [&](int t, int s) { return g_over_dt(t, s) * meta.dtv[s]; });
+        row_sums<true>(hs.row_g, L, L, [&](int t, int s) { return g_over_dt(t, s) * meta.dtv[s]; });
         // col_h in kColParts interleaved parts of t, added in part order.
         for (int e = threadIdx.x; e < kColParts * L; e += blockDim.x) {
             const int part = e / L, s = e % L;
@@ -837,6 +887,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             hs.col_part[part][s] = sum;
         }
         __syncthreads();
+        float* ends = out.ends + (chunk_idx * d.H + h) * 2 * d.Q;
         for (int s = threadIdx.x; s < L; s += blockDim.x) {
             float sum = 0.0f;
             for (int part = 0; part < kColParts; ++part) sum += hs.col_part[part][s];
@@ -844,12 +895,39 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             hs.diag[s] = W[s * d.Q + s];
             hs.to_end[s] = decay_to_end(meta, s, L) * meta.dtv[s];
             hs.from_start[s] = decay_from_start(meta, s);
+            ends[s] = hs.to_end[s];
+            ends[d.Q + s] = hs.from_start[s];
         }
         __syncthreads();
-        // W ← W ∘ exp(cs_t − cs_s) ∘ δ_s: the weights of dB and dC's intra parts (a warp a row t, s <= t).
-        for (int t = static_cast<int>(threadIdx.x / 32); t < L; t += static_cast<int>(blockDim.x / 32)) {
-            for (int s = static_cast<int>(threadIdx.x % 32); s <= t; s += 32) {
-                if (meta.seg[s] == meta.seg[t]) W[t * d.Q + s] *= expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s];
+        // wsum (+)= W ∘ exp(cs_t − cs_s) ∘ δ_s over s <= t (dB and dC's intra weights; L2-resident
+        // scratch, each element kept by one thread, the heads added in order): two rows a warp, the
+        // earlier heads' sums all loaded before the first is stored.
+        {
+            constexpr int kPerRow = kMaxQ / 32;
+            const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+            const bool first_head = k == 0;
+            for (int t0 = 2 * warp; t0 < L; t0 += 2 * static_cast<int>(blockDim.x / 32)) {
+                float earlier[2][kPerRow];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int i = 0; i < kPerRow; ++i) {
+                        const int t = t0 + r, s = lane + 32 * i;
+                        earlier[r][i] = !first_head && t < L && s <= t ? wsum[t * d.Q + s] : 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+#pragma unroll
+                    for (int i = 0; i < kPerRow; ++i) {
+                        const int t = t0 + r, s = lane + 32 * i;
+                        if (t >= L || s > t) continue;
+                        const float w = meta.seg[s] == meta.seg[t]
+                                            ? W[t * d.Q + s] * (expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s])
+                                            : W[t * d.Q + s];
+                        wsum[t * d.Q + s] = first_head ? w : earlier[r][i] + w;
+                    }
+                }
             }
         }
 
@@ -892,31 +970,6 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             __syncthreads();
         }
 
-        // dB_s (+)= Σ_t W[t, s]·C_t + to_end_s·(x_s·dh_out): one product over k = [t | p];
-        // dC_t (+)= Σ_s W[t, s]·B_s + from_start_t·(dy_t·h_in): one product over k = [s | p].
-        float* dB = out.dbc + row0 * 2 * GS + static_cast<int64_t>(g) * d.S;
-        float* dC = dB + GS;
-        const int ld_bc = static_cast<int>(2 * GS);
-        const bool first_head = k == 0;
-        mma_product_prior<kN, true, true, false>(
-            L, d.S, dh_out != nullptr ? L + d.P : L, Layout{false, L, true}, along_rows(),
-            [&](int s, int kk) { return kk < L ? W[kk * d.Q + s] : hs.to_end[s] * v.x(s, kk - L); },
-            [&](int n, int kk) { return kk < L ? v.C(kk, n) : dh_out[(kk - L) * d.S + n]; },
-            [&](int s, int n) { return first_head ? 0.0f : dB[s * ld_bc + n]; },
-            [&](int s, int n, float value, float earlier_heads) {
-                dB[s * ld_bc + n] = first_head ? value : earlier_heads + value;
-            },
-            st);
-        mma_product_prior<kN, true, true, false>(
-            L, d.S, h_in != nullptr ? L + d.P : L, along_k(), along_rows(),
-            [&](int t, int kk) { return kk < L ? W[t * d.Q + kk] : hs.from_start[t] * dyv(t, kk - L); },
-            [&](int n, int kk) { return kk < L ? v.B(kk, n) : h_in[(kk - L) * d.S + n]; },
-            [&](int t, int n) { return first_head ? 0.0f : dC[t * ld_bc + n]; },
-            [&](int t, int n, float value, float earlier_heads) {
-                dC[t * ld_bc + n] = first_head ? value : earlier_heads + value;
-            },
-            st);
-
         // hh = dh_out · h_in (the gradient at cs_last through the entering state's decay).
         float hh = 0.0f;
         if (h_in != nullptr && dh_out != nullptr && meta.seg[last] == 0) {
@@ -939,14 +992,41 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         finish_head(meta, hs, hh, A, L, row0, h, chunk_idx, static_cast<int64_t>(gridDim.z) * d.num_chunks, d, out);
         __syncthreads();
     }
-}
 
-// dxbc[n, I + j] = bf16(dbc[n, j]) for j < 2GS.
-__global__ void cast_dbc_kernel(bf16* dxbc, const float* dbc, int64_t N, int64_t I, int64_t ld, int64_t width) {
-    const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= N * width) return;
-    const int64_t n = idx / width, j = idx % width;
-    dxbc[n * ld + I + j] = __float2bfloat16_rn(dbc[idx]);
+    // dB_s = Σ_t wsum[t, s]·C_t + Σ_heads to_end_s·(x_s·dh_out): one product over k = [t | (head, p)];
+    // dC_t = Σ_s wsum[t, s]·B_s + Σ_heads from_start_t·(dy_t·h_in): one product over k = [s | (head, p)].
+    // The group's heads are consecutive, so their x and dy columns and their states are contiguous:
+    // (head, p) is one index rel = head·P + p (the head of rel by a float reciprocal: exact for
+    // rel < 2^22, checked at launch). The barrier that ended the last head orders wsum and ends.
+    const int HP = d.heads_per_group * d.P;
+    const int ld = static_cast<int>(d.ld), ld_dy = static_cast<int>(d.I);
+    const float inv_P = 1.0f / static_cast<float>(d.P);
+    auto head_of = [&](int rel) { return static_cast<int>((static_cast<float>(rel) + 0.5f) * inv_P); };
+    const float* ends = out.ends + (chunk_idx * d.H + static_cast<int64_t>(g) * d.heads_per_group) * 2 * d.Q;
+    const bf16* xg = gv.x0;  // the group's first head's x: the group's x columns at (t, rel)
+    const bf16* dyg = dy + row0 * d.I + static_cast<int64_t>(g) * HP;
+    const float* dh_g = c + 1 < d.num_chunks ? dstates + state_offset(d, b, c, g * d.heads_per_group) : nullptr;
+    const float* hin_g = c > 0 ? states + state_offset(d, b, c, g * d.heads_per_group) : nullptr;
+    bf16* dB_out = out.dxbc + row0 * d.ld + d.I + static_cast<int64_t>(g) * d.S;
+    bf16* dC_out = dB_out + static_cast<int64_t>(d.G) * d.S;
+    mma_product<kN, true, true, false>(
+        L, d.S, dh_g != nullptr ? L + HP : L, Layout{false, L, true}, along_rows(),
+        [&](int s, int kk) {
+            if (kk < L) return kk >= s ? wsum[kk * d.Q + s] : 0.0f;
+            const int rel = kk - L;
+            return ends[head_of(rel) * 2 * d.Q + s] * __bfloat162float(xg[s * ld + rel]);
+        },
+        DirectThen{DirectRows{gv.C0, gv.ld}, L, [&](int n, int kk) { return dh_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
+        [&](int s, int n, float value) { dB_out[s * ld + n] = __float2bfloat16_rn(value); }, st);
+    mma_product<kN, true, true, false>(
+        L, d.S, hin_g != nullptr ? L + HP : L, along_k(), along_rows(),
+        [&](int t, int kk) {
+            if (kk < L) return kk <= t ? wsum[t * d.Q + kk] : 0.0f;
+            const int rel = kk - L;
+            return ends[head_of(rel) * 2 * d.Q + d.Q + t] * __bfloat162float(dyg[t * ld_dy + rel]);
+        },
+        DirectThen{DirectRows{gv.B0, gv.ld}, L, [&](int n, int kk) { return hin_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
+        [&](int t, int n, float value) { dC_out[t * ld + n] = __float2bfloat16_rn(value); }, st);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -969,6 +1049,8 @@ void check_geometry(const char* op, const SsdGeometry& g) {
     MF_CHECK(g.H < 65536 && g.G < 65536 && g.num_rows < 65536 && (g.T + g.Q - 1) / g.Q < (int64_t{1} << 31), op,
              ": geometry too large");
     MF_CHECK(g.P <= 4096 && g.S <= 4096, op, ": head_dim ", g.P, " / state_size ", g.S, " too large");
+    // the backward indexes a group's (head, p) columns as one index below 2^22 (see its dB / dC)
+    MF_CHECK(g.H * g.P < (int64_t{1} << 22), op, ": num_heads × head_dim = ", g.H * g.P, " too large");
     // Views and HeadRows address a chunk's rows with 32-bit offsets.
     MF_CHECK(g.Q * (g.H * g.P + 2 * g.G * g.S) < INT_MAX, op, ": a chunk's rows span more than 2^31 elements");
     const Dims d = dims_of(g);
@@ -1026,11 +1108,18 @@ void ssd_scan_forward(bf16* y, float* states, const bf16* xbc, const bf16* dt, c
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
+namespace {
+size_t wsum_bytes(const SsdGeometry& g) {
+    return align256(static_cast<size_t>(chunks_total(g) * g.G * g.Q * g.Q) * sizeof(float));
+}
+size_t ends_bytes(const SsdGeometry& g) {
+    return align256(static_cast<size_t>(chunks_total(g) * g.H * 2 * g.Q) * sizeof(float));
+}
+}  // namespace
+
 size_t ssd_scan_backward_scratch_bytes(const SsdGeometry& g) {
-    const int64_t N = g.num_rows * g.T;
-    return align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float)) + decay_bytes(g) +
-           align256(static_cast<size_t>(N * 2 * g.G * g.S) * sizeof(float)) +
-           align256(static_cast<size_t>(3 * chunks_total(g) * g.H) * sizeof(float));
+    return align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float)) + decay_bytes(g) + wsum_bytes(g) +
+           ends_bytes(g) + align256(static_cast<size_t>(3 * chunks_total(g) * g.H) * sizeof(float));
 }
 
 void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, const bf16* dt, const SsdParams& params,
@@ -1050,14 +1139,15 @@ void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, c
     MF_CHECK(scratch != nullptr && scratch_bytes >= needed && aligned_to(256, scratch),
              "ssd_scan_backward: scratch has ", scratch_bytes, " bytes, needs ", needed, " (256-byte aligned)");
     const Dims d = dims_of(g);
-    const int64_t N = g.num_rows * g.T;
     char* at = static_cast<char*>(scratch);
     float* dstates = reinterpret_cast<float*>(at);
     at += align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float));
     float* decay = reinterpret_cast<float*>(at);
     at += decay_bytes(g);
-    float* dbc = reinterpret_cast<float*>(at);
-    at += align256(static_cast<size_t>(N * 2 * g.G * g.S) * sizeof(float));
+    float* wsum = reinterpret_cast<float*>(at);
+    at += wsum_bytes(g);
+    float* ends = reinterpret_cast<float*>(at);
+    at += ends_bytes(g);
     float* partial = reinterpret_cast<float*>(at);
 
     set_smem(ssd_chunk_dstate_kernel, kStagingBytes);
@@ -1066,14 +1156,10 @@ void ssd_scan_backward(const SsdGrads& grads, const bf16* dy, const bf16* xbc, c
     MF_CHECK_CUDA(cudaGetLastError());
     ssd_dstate_pass_kernel<<<pass_grid(d, g.num_rows), kPassThreads, 0, stream>>>(dstates, decay, d);
     MF_CHECK_CUDA(cudaGetLastError());
-    const ChunkGradOut out{grads.dxbc, grads.ddt, dbc, partial};
+    const ChunkGradOut out{grads.dxbc, grads.ddt, wsum, ends, partial};
     set_smem(ssd_chunk_backward_kernel, backward_smem_bytes(d));
     ssd_chunk_backward_kernel<<<chunk_grid(d, g.num_rows, d.G), kWideThreads, backward_smem_bytes(d), stream>>>(
         out, dy, xbc, dt, params, states, dstates, doc_ids, d);
-    MF_CHECK_CUDA(cudaGetLastError());
-    const int64_t width = 2 * g.G * g.S;
-    cast_dbc_kernel<<<static_cast<unsigned>((N * width + 255) / 256), 256, 0, stream>>>(grads.dxbc, dbc, N, d.I, d.ld,
-                                                                                        width);
     MF_CHECK_CUDA(cudaGetLastError());
     const int64_t rows = chunks_total(g);
     reduce_partial_rows(grads.ddt_bias, grads.ddt_bias_dtype, partial, rows, g.H, true, stream);
