@@ -37,13 +37,13 @@ namespace mf::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;        // the chunk-state and dstate kernels (two blocks per SM)
-constexpr int kWideThreads = 512;    // the output and backward chunk kernels (one block per SM)
+constexpr int kThreads = 256;      // the chunk-state and dstate kernels (two blocks per SM)
+constexpr int kWideThreads = 512;  // the output and backward chunk kernels (one block per SM)
 constexpr int kMaxWarps = kWideThreads / 32;
 constexpr int kMaxQ = static_cast<int>(kSsdMaxChunk);
 constexpr int kPassThreads = 256;
-constexpr int kPassBatch = 16;
-constexpr int kColParts = kWideThreads / kMaxQ;  // the backward's column sums: threads a column  // chunk states the passes load before they use the first
+constexpr int kPassBatch = 16;                   // chunk states the passes load before they use the first
+constexpr int kColParts = kWideThreads / kMaxQ;  // the backward's column sums: threads a column
 
 // mma_product's tiling: outputs in blocks of kBlockRows × kBlockRows, each cut into warp tiles of
 // kWarpTile × kWarpTile (2 × 4 mma tiles of 16 × 8); the contracted index in slices of kTileK staged
@@ -331,8 +331,8 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
 #pragma unroll
             for (int w = 0; w < kTilesPerWarp; ++w) {
                 const int tile = warp + w * kNumWarps, tm = tile / tiles_n, tn = tile % tiles_n;
-                active[w] = tile < num_tiles &&
-                            !(kLowerTriangle && n0 + tn * kWarpTile > m0 + tm * kWarpTile + kWarpTile - 1);
+                active[w] =
+                    tile < num_tiles && !(kLowerTriangle && n0 + tn * kWarpTile > m0 + tm * kWarpTile + kWarpTile - 1);
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -626,8 +626,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     float* out = states + state_offset(d, b, c, h);
     mma_product<kThreads, true, false, false>(
         d.P, d.S, L, along_rows(), along_rows(), [&](int p, int s) { return coef[s] * v.x(s, p); },
-        DirectRows{v.B0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; },
-        staging_at(smem));
+        DirectRows{v.B0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; }, staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
 
@@ -676,8 +675,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     mma_product<kWideThreads, false, false, true>(
         L, L, d.S, along_k(), along_k(), DirectK{v.C0, v.ld}, DirectK{v.B0, v.ld},
         [&](int t, int s, float cb) {
-            M[t * d.Q + s] =
-                same_segment_causal(meta, t, s) ? cb * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
+            M[t * d.Q + s] = same_segment_causal(meta, t, s) ? cb * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s] : 0.0f;
         },
         st);
     // y_t = Σ_s M[t, s]·x_s + coef_t·C_t·h_in + D·x_t: one product over k = [s of the chunk | n of the
@@ -692,8 +690,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         [&](int t, int k) { return k < L ? M[t * d.Q + k] : coef[t] * v.C(t, k - L); },
         DirectThen{DirectRows{v.x0, v.ld}, L, [&](int p, int k) { return h_in[p * d.S + (k - L)]; }},
         [&](int t, int p) { return D * v.x(t, p); },
-        [&](int t, int p, float value, float dx_term) { y0[t * ld_y + p] = __float2bfloat16_rn(value + dx_term); },
-        st);
+        [&](int t, int p, float value, float dx_term) { y0[t * ld_y + p] = __float2bfloat16_rn(value + dx_term); }, st);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -717,8 +714,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     float* out = dstates + state_offset(d, b, c, h);
     mma_product<kThreads, true, false, false>(
         d.P, d.S, L, along_rows(), along_rows(), [&](int p, int t) { return coef[t] * dyv(t, p); },
-        DirectRows{v.C0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; },
-        staging_at(smem));
+        DirectRows{v.C0, v.ld}, [&](int p, int n, float value) { out[p * d.S + n] = value; }, staging_at(smem));
     if (threadIdx.x == 0) decay[(static_cast<int64_t>(b) * d.num_chunks + c) * d.H + h] = decay_from_start(meta, L - 1);
 }
 
@@ -746,7 +742,7 @@ __global__ void __launch_bounds__(kPassThreads) ssd_dstate_pass_kernel(float* ds
     }
 }
 
-// Outputs of the backward chunk kernel besides dx.
+// What the backward chunk kernel writes, and its scratch.
 struct ChunkGradOut {
     bf16* dxbc;      // dx, dB and dC columns written
     bf16* ddt;       // [N, H] written
@@ -945,14 +941,11 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         mma_product_prior<kN, true, false, false>(
             L, d.P, L, along_rows(), along_rows(),
             [&](int s, int t) {
-                return same_segment_causal(meta, t, s)
-                           ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s]
-                           : 0.0f;
+                return same_segment_causal(meta, t, s) ? CB[t * d.Q + s] * expf(meta.cs[t] - meta.cs[s]) * meta.dtv[s]
+                                                       : 0.0f;
             },
             DirectRows{dyv.at, dyv.ld},
-            [&](int s, int p) {
-                return has_dh_out ? hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p) : D * dyv(s, p);
-            },
+            [&](int s, int p) { return has_dh_out ? hs.to_end[s] * ACC[s * d.P + p] + D * dyv(s, p) : D * dyv(s, p); },
             [&](int s, int p, float value, float state_terms) {
                 dx0[s * v.ld + p] = __float2bfloat16_rn(state_terms + value);
             },
@@ -961,8 +954,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         // u_t = dy_t · (h_in·C_t) (ACC is free again after the barrier at mma_product's exit).
         if (h_in != nullptr) {
             mma_product<kN, false, true, false>(
-                L, d.P, d.S, along_k(), along_k(), DirectK{v.C0, v.ld},
-                [&](int p, int n) { return h_in[p * d.S + n]; },
+                L, d.P, d.S, along_k(), along_k(), DirectK{v.C0, v.ld}, [&](int p, int n) { return h_in[p * d.S + n]; },
                 [&](int t, int p, float value) { ACC[t * d.P + p] = value; }, st);
             row_sums(hs.u, L, d.P, [&](int t, int p) { return dyv(t, p) * ACC[t * d.P + p]; });
         } else {
@@ -1016,7 +1008,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             const int rel = kk - L;
             return ends[head_of(rel) * 2 * d.Q + s] * __bfloat162float(xg[s * ld + rel]);
         },
-        DirectThen{DirectRows{gv.C0, gv.ld}, L, [&](int n, int kk) { return dh_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
+        DirectThen{DirectRows{gv.C0, gv.ld}, L,
+                   [&](int n, int kk) { return dh_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
         [&](int s, int n, float value) { dB_out[s * ld + n] = __float2bfloat16_rn(value); }, st);
     mma_product<kN, true, true, false>(
         L, d.S, hin_g != nullptr ? L + HP : L, along_k(), along_rows(),
@@ -1025,7 +1018,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
             const int rel = kk - L;
             return ends[head_of(rel) * 2 * d.Q + d.Q + t] * __bfloat162float(dyg[t * ld_dy + rel]);
         },
-        DirectThen{DirectRows{gv.B0, gv.ld}, L, [&](int n, int kk) { return hin_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
+        DirectThen{DirectRows{gv.B0, gv.ld}, L,
+                   [&](int n, int kk) { return hin_g[static_cast<int64_t>(kk - L) * d.S + n]; }},
         [&](int t, int n, float value) { dC_out[t * ld + n] = __float2bfloat16_rn(value); }, st);
 }
 
