@@ -614,6 +614,26 @@ void bind_ops(py::module_& m) {
         },
         "dinp"_a, "dout"_a, "inp"_a, ctx_arg);
     m.def(
+        "relu2_forward",
+        [](py::object out, py::object inp, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *o = MF_TENSOR(out), *x = MF_TENSOR(inp);
+            call([&] { return mf_relu2_forward(cx, o, x); });
+        },
+        "out"_a, "inp"_a, ctx_arg);
+    m.def(
+        "relu2_backward",
+        [](py::object dinp, py::object dout, py::object inp, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *dx = MF_TENSOR(dinp), *dy = MF_TENSOR(dout), *x = MF_TENSOR(inp);
+            call([&] { return mf_relu2_backward(cx, dx, dy, x); });
+        },
+        "dinp"_a, "dout"_a, "inp"_a, ctx_arg);
+    m.def(
         "clamped_swiglu_forward",
         [](py::object out, py::object inp, float alpha, float limit, py::object ctx) {
             Args args;

@@ -136,6 +136,10 @@ mf_status mf_moe_unpermute_backward(const mf_context* ctx, const mf_tensor* dy_p
 /* SwiGLU: inp [N, 2I] = [gate | up] halves; out [N, I] = silu(gate) · up; dinp written. */
 mf_status mf_swiglu_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* inp);
 mf_status mf_swiglu_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dout, const mf_tensor* inp);
+/* Squared ReLU (Nemotron-H's non-gated experts): out = max(inp, 0)², inp and out [N, I];
+ * dinp = dout · 2 · max(inp, 0) (written). */
+mf_status mf_relu2_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* inp);
+mf_status mf_relu2_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dout, const mf_tensor* inp);
 /* gpt-oss (transformers GptOssExperts): inp [N, 2I] with gate and up interleaved by column;
  * g = min(gate, limit), u = clamp(up, -limit, limit), out [N, I] = (u + 1) · g · σ(alpha · g).
  * gpt-oss: alpha 1.702, limit 7. dinp [N, 2I] written (the clamps pass the gradient inside them). */

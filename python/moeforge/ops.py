@@ -29,6 +29,8 @@ from ._native import (  # noqa: F401
     moe_permute_indices,
     moe_unpermute,
     moe_unpermute_backward,
+    relu2_backward,
+    relu2_forward,
     rmsnorm_backward,
     rmsnorm_forward,
     router_sigmoid_backward,

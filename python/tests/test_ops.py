@@ -206,6 +206,20 @@ def test_swiglu():
     close_elementwise(dx, np.concatenate([d * u * s * (1 + g * (1 - s)), d * g * s], axis=1), rtol=1e-5, atol=1e-6)
 
 
+def test_relu2():
+    rng = np.random.default_rng(8)
+    x, dy = rand(rng, 4, 7, scale=2), rand(rng, 4, 7)
+    out, dx = np.zeros((4, 7), f32), np.zeros((4, 7), f32)
+    ops.relu2_forward(out, x)
+    ops.relu2_backward(dx, dy, x)
+    r = np.maximum(x.astype(np.float64), 0)
+    close_elementwise(out, r * r)
+    close_elementwise(dx, dy.astype(np.float64) * 2 * r)
+    assert np.any(x < 0) and np.any(x > 0)
+    with pytest.raises(moeforge.Error, match="relu2_forward"):
+        ops.relu2_forward(np.zeros((4, 6), f32), x)
+
+
 @pytest.mark.parametrize("alpha,limit", [(1.702, 7.0), (0.5, 2.0)])
 def test_clamped_swiglu_gpt_oss(alpha, limit):
     """transformers' GptOssExperts: gate, up = h[..., ::2], h[..., 1::2]; gate.clamp(max=limit);

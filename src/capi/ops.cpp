@@ -279,6 +279,26 @@ mf_status mf_swiglu_backward(const mf_context* ctx, const mf_tensor* dinp, const
     });
 }
 
+mf_status mf_relu2_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* inp) {
+    return guarded([&] {
+        OpCall call("mf_relu2_forward", ctx);
+        const Tensor o = call.tensor(out, "out", Want::act), x = call.tensor(inp, "inp", Want::act);
+        call.rows_of(x, "inp", rows(o), cols(o));
+        call.run([&] { mf::ops::relu2_forward(o, x); });
+    });
+}
+
+mf_status mf_relu2_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dout, const mf_tensor* inp) {
+    return guarded([&] {
+        OpCall call("mf_relu2_backward", ctx);
+        const Tensor dx = call.tensor(dinp, "dinp", Want::act), dy = call.tensor(dout, "dout", Want::act);
+        const Tensor x = call.tensor(inp, "inp", Want::act);
+        call.rows_of(x, "inp", rows(dy), cols(dy));
+        call.rows_of(dx, "dinp", rows(dy), cols(dy));
+        call.run([&] { mf::ops::relu2_backward(dx, dy, x); });
+    });
+}
+
 mf_status mf_clamped_swiglu_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* inp, float alpha,
                                     float limit) {
     return guarded([&] {

@@ -190,6 +190,21 @@ TEST(CApi, OpsEqualTheOpsFunctions) {
     ASSERT_EQ(mf_clamped_swiglu_forward(nullptr, &ta, &th, 1.702f, 7.0f), MF_OK) << mf_last_error();
     mf::ops::clamped_swiglu_forward(view(a_ref, {3, 4}), view(h, {3, 8}));
     EXPECT_EQ(a, a_ref);
+
+    // Nemotron-H's squared ReLU, forward and backward.
+    std::vector<float> u = random_vec(rng, 3 * 4, -2.0f, 2.0f), r(3 * 4), r_ref(3 * 4), dr(3 * 4), du(3 * 4),
+                       du_ref(3 * 4);
+    dr = random_vec(rng, 3 * 4, -1.0f, 1.0f);
+    mf_tensor tu = desc(u, {3, 4}), t_r2 = desc(r, {3, 4}), tdr = desc(dr, {3, 4}), tdu = desc(du, {3, 4});
+    ASSERT_EQ(mf_relu2_forward(nullptr, &t_r2, &tu), MF_OK) << mf_last_error();
+    ASSERT_EQ(mf_relu2_backward(nullptr, &tdu, &tdr, &tu), MF_OK) << mf_last_error();
+    mf::ops::relu2_forward(view(r_ref, {3, 4}), view(u, {3, 4}));
+    mf::ops::relu2_backward(view(du_ref, {3, 4}), view(dr, {3, 4}), view(u, {3, 4}));
+    EXPECT_EQ(r, r_ref);
+    EXPECT_EQ(du, du_ref);
+    for (size_t i = 0; i < u.size(); ++i) EXPECT_EQ(r[i], u[i] > 0 ? u[i] * u[i] : 0.0f) << i;
+    mf_tensor t_wide = desc(h, {3, 8});
+    expect_error(mf_relu2_forward(nullptr, &t_r2, &t_wide), MF_ERR_INVALID_ARGUMENT, {"mf_relu2_forward", "inp"});
 }
 
 TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
