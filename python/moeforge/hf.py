@@ -5,21 +5,25 @@ and makes it the default for models created after it (an explicit `experts_imple
 wins). The experts function has transformers' signature `(self, hidden_states, top_k_index,
 top_k_weights)`; its work is two torch custom ops over moeforge's C API:
 
-    moeforge::experts_swiglu           permute (expert offsets on the device), gather, grouped GEMM
-                                       gate_up, SwiGLU, grouped GEMM down, weighted unpermute
-    moeforge::experts_swiglu_backward  the explicit backward: every gradient from its own kernel,
-                                       deterministic (no atomics), no W + BA or other weight copies
+    moeforge::experts           permute (expert offsets on the device), gather, grouped GEMM up
+                                (+ bias), the activation, grouped GEMM down (+ bias), weighted unpermute
+    moeforge::experts_backward  the explicit backward: every gradient from its own kernel,
+                                deterministic (no atomics), no W + BA or other weight copies
 
 registered with `register_fake` (shapes for torch.compile) and `register_autograd`, so eager mode,
 autograd and `torch.compile(fullgraph=True)` all see one opaque op. CUDA tensors run on torch's
 current stream; CPU tensors on moeforge's fp32 reference kernels.
 
-Served: gated SwiGLU experts with the stacked layout [E, 2·I, H] (gate rows first) and [E, H, I]
-(Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3/GLM-4.5 and the others that use transformers' default
-gate), bf16 on a GPU or fp32 on the CPU. Indices >= E (expert parallelism's sentinels) contribute
-nothing. Anything else (biases, transposed or interleaved layouts, custom gates, other activations
-or dtypes) falls back to transformers' stock implementation with one logged reason per module kind;
-`status(model)` says which modules run where.
+Served, bf16 on a GPU or fp32 on the CPU, with transformers' layout flags honoured:
+  - gated SwiGLU experts (transformers' default gate, SiLU): gate_up_proj [E, 2I, H] (gate rows first)
+    and down_proj [E, H, I] (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3/GLM-4.5 and the others);
+  - gpt-oss (GptOssExperts): its interleaved, clamped SwiGLU, with biases and transposed weights;
+  - non-gated relu² experts (has_gate=False: up_proj [E, I, H], Nemotron-H);
+  - is_transposed ([E, H, P] / [E, I, H]) and has_bias (per-expert biases of both projections) for
+    any of these.
+Indices >= E (expert parallelism's sentinels) contribute nothing. Anything else (separate gate and up
+projections, other custom gates or activations, other dtypes) falls back to transformers' stock
+implementation with one logged reason per module kind; `status(model)` says which modules run where.
 
 The RMSNorm of the families served (NORM_CLASSES) runs on moeforge too, as the custom ops
 moeforge::rms_norm / moeforge::rms_norm_backward: their classes' forward is replaced while the
@@ -83,106 +87,196 @@ def _gather(hidden: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, ctx) ->
     return x_perm
 
 
-def _swiglu(h_perm: torch.Tensor, ctx) -> torch.Tensor:
-    a_perm = h_perm.new_empty(h_perm.shape[0], h_perm.shape[1] // 2)
-    ops.swiglu_forward(a_perm, h_perm, ctx=ctx)
+# The expert activations: "swiglu" (silu(gate) · up over the [gate | up] halves), "clamped_swiglu"
+# (gpt-oss: gate and up interleaved, clamped at `limit`, (up + 1) · gate · σ(alpha · gate)) and
+# "relu2" (non-gated: max(h, 0)², Nemotron-H).
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "relu2")
+
+
+def _activation_width(activation: str, proj_width: int) -> int:
+    return proj_width if activation == "relu2" else proj_width // 2
+
+
+def _activate(h_perm: torch.Tensor, activation: str, alpha: float, limit: float, ctx) -> torch.Tensor:
+    a_perm = h_perm.new_empty(h_perm.shape[0], _activation_width(activation, h_perm.shape[1]))
+    if activation == "swiglu":
+        ops.swiglu_forward(a_perm, h_perm, ctx=ctx)
+    elif activation == "clamped_swiglu":
+        ops.clamped_swiglu_forward(a_perm, h_perm, alpha, limit, ctx=ctx)
+    else:
+        ops.relu2_forward(a_perm, h_perm, ctx=ctx)
     return a_perm
 
 
-@torch.library.custom_op("moeforge::experts_swiglu", mutates_args=())
-def experts_swiglu(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                   gate_up: torch.Tensor, down: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [T, H]; top_k_index int32 [T, K] in [0, E); top_k_weights fp32 [T, K]; gate_up
-    [E, 2I, H]; down [E, H, I]. Returns out [T, H] = Σ_k w[t, k] · down[e] · swiglu(gate_up[e] ·
-    hidden[t]) with e = top_k_index[t, k], and what the backward reads: the expert offsets
-    [E + 1], the permutation (sorted_pair, pair_row: [T·K]), h_perm [T·K, 2I] and y_perm [T·K, H]."""
+def _activate_backward(da_perm: torch.Tensor, h_perm: torch.Tensor, activation: str, alpha: float, limit: float,
+                       ctx) -> torch.Tensor:
+    dh_perm = torch.empty_like(h_perm)
+    if activation == "swiglu":
+        ops.swiglu_backward(dh_perm, da_perm, h_perm, ctx=ctx)
+    elif activation == "clamped_swiglu":
+        ops.clamped_swiglu_backward(dh_perm, da_perm, h_perm, alpha, limit, ctx=ctx)
+    else:
+        ops.relu2_backward(dh_perm, da_perm, h_perm, ctx=ctx)
+    return dh_perm
+
+
+# A projection's three products for both weight layouts: [E, out, in] (out = inp · W[e]ᵀ) and, with
+# `transposed`, [E, in, out] (out = inp · W[e]), each on a grouped GEMM of the C API.
+def _project(out, inp, weight, offsets, transposed: bool, ctx) -> None:
+    if transposed:
+        ops.grouped_gemm_input_grad(out, inp, weight, offsets, ctx=ctx)
+    else:
+        ops.grouped_gemm_forward(out, inp, weight, offsets, ctx=ctx)
+
+
+def _project_input_grad(dinp, dout, weight, offsets, transposed: bool, ctx) -> None:
+    if transposed:
+        ops.grouped_gemm_forward(dinp, dout, weight, offsets, ctx=ctx)
+    else:
+        ops.grouped_gemm_input_grad(dinp, dout, weight, offsets, ctx=ctx)
+
+
+def _project_weight_grad(dweight, dout, inp, offsets, transposed: bool, ctx) -> None:
+    if transposed:
+        ops.grouped_gemm_weight_grad(dweight, inp, dout, offsets, ctx=ctx)
+    else:
+        ops.grouped_gemm_weight_grad(dweight, dout, inp, offsets, ctx=ctx)
+
+
+def _bias_grad(d_rows: torch.Tensor, offsets: torch.Tensor, num_experts: int, ctx) -> torch.Tensor:
+    """[E, width]: the sum of each expert's rows of d_rows [M, width] (zero for an expert without
+    rows), as the grouped weight gradient against a block of ones: fp32 sums in a fixed order."""
+    ones = d_rows.new_ones(d_rows.shape[0], 8)  # (8 columns: the grouped kernels' alignment)
+    sums = d_rows.new_empty(num_experts, d_rows.shape[1], 8)
+    ops.grouped_gemm_weight_grad(sums, d_rows, ones, offsets, ctx=ctx)
+    return sums[:, :, 0].contiguous()
+
+
+def _widths(w_up: torch.Tensor, w_down: torch.Tensor, transposed: bool) -> tuple:
+    """(E, proj width, hidden) of the up projection; the down projection maps the activation back."""
+    E = w_up.shape[0]
+    return (E, w_up.shape[2], w_up.shape[1]) if transposed else (E, w_up.shape[1], w_up.shape[2])
+
+
+@torch.library.custom_op("moeforge::experts", mutates_args=())
+def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor, b_up: Optional[torch.Tensor], b_down: Optional[torch.Tensor], activation: str,
+            alpha: float, limit: float, transposed: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [T, H]; top_k_index int32 [T, K] in [0, E); top_k_weights fp32 [T, K]; w_up [E, P, H]
+    (P = 2I gated, I for relu2; transposed: [E, H, P]); w_down [E, H, I] (transposed: [E, I, H]);
+    b_up [E, P] and b_down [E, H] or None. Returns out [T, H] = Σ_k w[t, k] · (down_e(act(up_e(x_t) +
+    b_up[e])) + b_down[e]) with e = top_k_index[t, k], and what the backward reads: the expert offsets
+    [E + 1], the permutation (sorted_pair, pair_row: [T·K]), h_perm [T·K, P] (before the activation,
+    with its bias) and y_perm [T·K, H] (with its bias)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moeforge::experts: activation {activation!r}, expected one of {ACTIVATIONS}")
     # (torch will not hand a tensor that requires grad to DLPack; the op's own autograd is below)
-    hidden, gate_up, down, top_k_weights = (t.detach() for t in (hidden, gate_up, down, top_k_weights))
+    hidden, w_up, w_down, top_k_weights = (t.detach() for t in (hidden, w_up, w_down, top_k_weights))
     T, H = hidden.shape
     K = top_k_index.shape[1]
-    E, OC, _ = gate_up.shape
+    E, P, _ = _widths(w_up, w_down, transposed)
     ctx = _context(hidden)
     offsets, sorted_pair, pair_row = _permute(top_k_index, E, ctx)
-    h_perm = hidden.new_empty(T * K, OC)
+    h_perm = hidden.new_empty(T * K, P)
     y_perm = hidden.new_empty(T * K, H)
     out = hidden.new_empty(T, H)
     if T == 0:
         return out, offsets.zero_(), sorted_pair, pair_row, h_perm, y_perm
+    # every pair has an expert in [0, E) (the caller maps EP sentinels to expert 0 with weight 0)
+    row_expert = top_k_index.reshape(-1).long()[sorted_pair.long()] if b_up is not None or b_down is not None else None
     x_perm = _gather(hidden, sorted_pair, K, ctx)
-    ops.grouped_gemm_forward(h_perm, x_perm, gate_up, offsets, ctx=ctx)
-    a_perm = _swiglu(h_perm, ctx)
-    ops.grouped_gemm_forward(y_perm, a_perm, down, offsets, ctx=ctx)
+    _project(h_perm, x_perm, w_up, offsets, transposed, ctx)
+    if b_up is not None:
+        h_perm += b_up.detach()[row_expert]
+    a_perm = _activate(h_perm, activation, alpha, limit, ctx)
+    _project(y_perm, a_perm, w_down, offsets, transposed, ctx)
+    if b_down is not None:
+        y_perm += b_down.detach()[row_expert]
     ops.moe_unpermute(out, y_perm, top_k_weights, pair_row, ctx=ctx)
     return out, offsets, sorted_pair, pair_row, h_perm, y_perm
 
 
-@experts_swiglu.register_fake
-def _(hidden, top_k_index, top_k_weights, gate_up, down):
+@experts.register_fake
+def _(hidden, top_k_index, top_k_weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed):
     T, H = hidden.shape
     n = top_k_index.numel()
-    E, OC, _ = gate_up.shape
+    E, P, _ = _widths(w_up, w_down, transposed)
     i32 = dict(dtype=torch.int32, device=hidden.device)
     return (hidden.new_empty(T, H), torch.empty(E + 1, **i32), torch.empty(n, **i32), torch.empty(n, **i32),
-            hidden.new_empty(n, OC), hidden.new_empty(n, H))
+            hidden.new_empty(n, P), hidden.new_empty(n, H))
 
 
-@torch.library.custom_op("moeforge::experts_swiglu_backward", mutates_args=())
-def experts_swiglu_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
-                            gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
-                            sorted_pair: torch.Tensor, pair_row: torch.Tensor, h_perm: torch.Tensor,
-                            y_perm: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of experts_swiglu's out: (d hidden, d top_k_weights (fp32), d gate_up, d down),
-    each written whole (experts without rows get zero gradients). The expert input is gathered again
-    and the SwiGLU recomputed from h_perm rather than kept from the forward."""
-    dout, hidden, top_k_weights, gate_up, down, h_perm, y_perm = (
-        t.detach() for t in (dout, hidden, top_k_weights, gate_up, down, h_perm, y_perm))
+@torch.library.custom_op("moeforge::experts_backward", mutates_args=())
+def experts_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor, w_up: torch.Tensor,
+                     w_down: torch.Tensor, offsets: torch.Tensor, sorted_pair: torch.Tensor, pair_row: torch.Tensor,
+                     h_perm: torch.Tensor, y_perm: torch.Tensor, with_b_up: bool, with_b_down: bool,
+                     activation: str, alpha: float, limit: float, transposed: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of experts' out: (d hidden, d top_k_weights (fp32), d w_up, d w_down, d b_up,
+    d b_down; a bias's is empty when it has none), each written whole (experts without rows get zero
+    gradients). The expert input is gathered again and the activation recomputed from h_perm rather
+    than kept from the forward."""
+    dout, hidden, top_k_weights, w_up, w_down, h_perm, y_perm = (
+        t.detach() for t in (dout, hidden, top_k_weights, w_up, w_down, h_perm, y_perm))
     T, H = hidden.shape
     K = top_k_weights.shape[1]
+    E = w_up.shape[0]
     ctx = _context(hidden)
     dx = torch.zeros_like(hidden)  # (the gather's backward adds into it)
     dw = torch.zeros_like(top_k_weights)
+    db_up = hidden.new_zeros(E, h_perm.shape[1]) if with_b_up else hidden.new_empty(0)
+    db_down = hidden.new_zeros(E, H) if with_b_down else hidden.new_empty(0)
     if T == 0:
-        return dx, dw, torch.zeros_like(gate_up), torch.zeros_like(down)
-    dgate_up = torch.empty_like(gate_up)  # written whole by the weight gradients
-    ddown = torch.empty_like(down)
+        return dx, dw, torch.zeros_like(w_up), torch.zeros_like(w_down), db_up, db_down
+    dw_up = torch.empty_like(w_up)  # written whole by the weight gradients
+    dw_down = torch.empty_like(w_down)
     dy_perm = torch.empty_like(y_perm)
     ops.moe_unpermute_backward(dy_perm, dw, dout, y_perm, top_k_weights, pair_row, ctx=ctx)
-    a_perm = _swiglu(h_perm, ctx)
-    ops.grouped_gemm_weight_grad(ddown, dy_perm, a_perm, offsets, ctx=ctx)
+    if with_b_down:
+        db_down = _bias_grad(dy_perm, offsets, E, ctx)
+    a_perm = _activate(h_perm, activation, alpha, limit, ctx)
+    _project_weight_grad(dw_down, dy_perm, a_perm, offsets, transposed, ctx)
     da_perm = torch.empty_like(a_perm)
-    ops.grouped_gemm_input_grad(da_perm, dy_perm, down, offsets, ctx=ctx)
-    dh_perm = torch.empty_like(h_perm)
-    ops.swiglu_backward(dh_perm, da_perm, h_perm, ctx=ctx)
+    _project_input_grad(da_perm, dy_perm, w_down, offsets, transposed, ctx)
+    dh_perm = _activate_backward(da_perm, h_perm, activation, alpha, limit, ctx)
+    if with_b_up:
+        db_up = _bias_grad(dh_perm, offsets, E, ctx)
     x_perm = _gather(hidden, sorted_pair, K, ctx)
-    ops.grouped_gemm_weight_grad(dgate_up, dh_perm, x_perm, offsets, ctx=ctx)
+    _project_weight_grad(dw_up, dh_perm, x_perm, offsets, transposed, ctx)
     dx_perm = torch.empty_like(x_perm)
-    ops.grouped_gemm_input_grad(dx_perm, dh_perm, gate_up, offsets, ctx=ctx)
+    _project_input_grad(dx_perm, dh_perm, w_up, offsets, transposed, ctx)
     ops.moe_gather_backward(dx, dx_perm, pair_row, K, ctx=ctx)
-    return dx, dw, dgate_up, ddown
+    return dx, dw, dw_up, dw_down, db_up, db_down
 
 
-@experts_swiglu_backward.register_fake
-def _(dout, hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm):
-    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(gate_up),
-            torch.empty_like(down))
+@experts_backward.register_fake
+def _(dout, hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm, with_b_up,
+      with_b_down, activation, alpha, limit, transposed):
+    E, H = w_up.shape[0], hidden.shape[1]
+    return (torch.empty_like(hidden), torch.empty_like(top_k_weights), torch.empty_like(w_up),
+            torch.empty_like(w_down), hidden.new_empty(E, h_perm.shape[1]) if with_b_up else hidden.new_empty(0),
+            hidden.new_empty(E, H) if with_b_down else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, _, top_k_weights, gate_up, down = inputs
+    hidden, _, top_k_weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed = inputs
     _, offsets, sorted_pair, pair_row, h_perm, y_perm = output
-    ctx.save_for_backward(hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm)
+    ctx.save_for_backward(hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm)
+    ctx.options = (b_up is not None, b_down is not None, activation, alpha, limit, transposed)
 
 
 def _backward(ctx, dout, *_unused):
-    hidden, top_k_weights, gate_up, down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
-    dx, dw, dgate_up, ddown = experts_swiglu_backward(dout.contiguous(), hidden, top_k_weights, gate_up, down,
-                                                      offsets, sorted_pair, pair_row, h_perm, y_perm)
-    return dx, None, dw, dgate_up, ddown
+    hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
+    with_b_up, with_b_down, activation, alpha, limit, transposed = ctx.options
+    dx, dw, dw_up, dw_down, db_up, db_down = experts_backward(
+        dout.contiguous(), hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm,
+        with_b_up, with_b_down, activation, alpha, limit, transposed)
+    return (dx, None, dw, dw_up, dw_down, db_up if with_b_up else None, db_down if with_b_down else None, None, None,
+            None, None)
 
 
-experts_swiglu.register_autograd(_backward, setup_context=_setup_context)
+experts.register_autograd(_backward, setup_context=_setup_context)
 
 # --- the experts function ------------------------------------------------------------------------------
 
@@ -193,41 +287,88 @@ def _is_silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
+def _is_relu2(act) -> bool:
+    return type(act).__name__ == "ReLUSquaredActivation"
+
+
+def _is_experts_module(module: torch.nn.Module) -> bool:
+    """A transformers experts module: stacked expert weights (tensors, not Linear submodules)."""
+    up = getattr(module, "gate_up_proj", None)
+    if up is None:
+        up = getattr(module, "up_proj", None)
+    return isinstance(up, torch.Tensor) and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+
+
+def _layout(module: torch.nn.Module) -> tuple:
+    """(activation, alpha, limit) of an experts module moeforge serves, or (None, reason)."""
+    gate = getattr(type(module), "_apply_gate", None)
+    custom_gate = gate is not None and gate is not getattr(_hf_moe, "_default_apply_gate", gate)
+    if not getattr(module, "has_gate", True):
+        act = getattr(module, "act_fn", None)
+        if not _is_relu2(act):
+            return None, f"non-gated experts with activation {type(act).__name__} (served: relu2)"
+        return ("relu2", 0.0, 0.0), None
+    if getattr(module, "is_concatenated", True) is False:
+        return None, "separate gate and up projections (is_concatenated=False) are not served yet"
+    if type(module).__name__ == "GptOssExperts":  # (its _apply_gate: interleaved, clamped; see ops)
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)):
+            return None, "GptOssExperts without numeric alpha / limit"
+        return ("clamped_swiglu", float(alpha), float(limit)), None
+    if custom_gate:
+        return None, f"a custom gate ({type(module).__name__}._apply_gate) is not served yet"
+    act = getattr(module, "act_fn", None)
+    if not _is_silu(act):
+        return None, f"activation {type(act).__name__} (SwiGLU needs SiLU)"
+    return ("swiglu", 0.0, 0.0), None
+
+
+def _weights(module: torch.nn.Module) -> tuple:
+    """(w_up, w_down, b_up, b_down) as the module holds them (biases None without has_bias)."""
+    gated = getattr(module, "has_gate", True)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    w_up, w_down = getattr(module, up_name, None), getattr(module, "down_proj", None)
+    if not getattr(module, "has_bias", False):
+        return w_up, w_down, None, None
+    return w_up, w_down, getattr(module, up_name + "_bias", None), getattr(module, "down_proj_bias", None)
+
+
 def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why `module` (a transformers experts module) cannot run on moeforge, or None when it can."""
+    spec, reason = _layout(module)
+    if spec is None:
+        return reason
+    activation = spec[0]
+    w_up, w_down, b_up, b_down = _weights(module)
+    up_name = "up_proj" if activation == "relu2" else "gate_up_proj"
+    if not isinstance(w_up, torch.Tensor) or not isinstance(w_down, torch.Tensor):
+        return f"no stacked {up_name} / down_proj tensors"
+    if w_up.dim() != 3 or w_down.dim() != 3 or w_up.shape[0] != w_down.shape[0]:
+        return f"expert weights of shapes {tuple(w_up.shape)} and {tuple(w_down.shape)}"
+    transposed = bool(getattr(module, "is_transposed", False))
+    E, P, H = _widths(w_up, w_down, transposed)
+    inter = _activation_width(activation, P)
+    want_down = (E, inter, H) if transposed else (E, H, inter)
+    if (activation != "relu2" and P % 2 != 0) or tuple(w_down.shape) != want_down:
+        layout = "[E, H, P], [E, I, H]" if transposed else "[E, P, H], [E, H, I]"
+        return f"{up_name} {tuple(w_up.shape)} and down_proj {tuple(w_down.shape)} are not {layout}"
     if getattr(module, "has_bias", False):
-        return "expert biases (has_bias) are not served yet"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights (is_transposed) are not served yet"
-    if not getattr(module, "has_gate", True):
-        return "non-gated experts (has_gate=False) are not served yet"
-    if getattr(module, "is_concatenated", True) is False:
-        return "separate gate and up projections (is_concatenated=False) are not served yet"
-    gate = getattr(type(module), "_apply_gate", None)
-    if gate is not None and gate is not getattr(_hf_moe, "_default_apply_gate", gate):
-        return f"a custom gate ({type(module).__name__}._apply_gate) is not served yet"
-    if not _is_silu(getattr(module, "act_fn", None)):
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (SwiGLU needs SiLU)"
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-        return "no stacked gate_up_proj / down_proj tensors"
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
-        return f"expert weights of shapes {tuple(gate_up.shape)} and {tuple(down.shape)}"
-    E, OC, H = gate_up.shape
-    if OC % 2 != 0 or down.shape[1] != H or down.shape[2] != OC // 2:
-        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2I, H], [E, H, I]"
-    if gate_up.dtype != down.dtype:
-        return f"expert weights in {gate_up.dtype} and {down.dtype}"
-    device = gate_up.device.type
+        if not isinstance(b_up, torch.Tensor) or not isinstance(b_down, torch.Tensor):
+            return "has_bias without both bias tensors"
+        if tuple(b_up.shape) != (E, P) or tuple(b_down.shape) != (E, H):
+            return f"biases of shapes {tuple(b_up.shape)} and {tuple(b_down.shape)} (expected [{E}, {P}], [{E}, {H}])"
+    if any(t is not None and t.dtype != w_up.dtype for t in (w_down, b_up, b_down)):
+        return f"expert weights in {w_up.dtype} and {w_down.dtype}"
+    device = w_up.device.type
     want = _served_dtype(device)
     if want is None:
         return f"device {device}"
-    if gate_up.dtype != want:
-        return f"{gate_up.dtype} expert weights on {device} (moeforge runs {want} there)"
+    if w_up.dtype != want:
+        return f"{w_up.dtype} expert weights on {device} (moeforge runs {want} there)"
     if device == "cuda" and not _HAS_CUDA:
         return "moeforge was built without CUDA (or sees no GPU)"
-    if hidden_states is not None and hidden_states.device != gate_up.device:
-        return f"hidden states on {hidden_states.device}, experts on {gate_up.device}"
+    if hidden_states is not None and hidden_states.device != w_up.device:
+        return f"hidden states on {hidden_states.device}, experts on {w_up.device}"
     return None
 
 
@@ -249,16 +390,19 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
             _reported.add(key)
             _log.warning("moeforge.hf: %s runs transformers' stock experts: %s", type(module).__name__, reason)
         return _stock(module, hidden_states, top_k_index, top_k_weights)
-    gate_up, down = module.gate_up_proj, module.down_proj
-    num_experts = gate_up.shape[0]
+    (activation, alpha, limit), _ = _layout(module)
+    w_up, w_down, b_up, b_down = _weights(module)
+    num_experts = w_up.shape[0]
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
     index = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
     weights = top_k_weights
     if weights.shape != top_k_index.shape:  # [T, E]: the weight of each chosen expert
         weights = weights.gather(1, index)
     weights = weights.float() * valid
-    out = experts_swiglu(hidden_states.contiguous(), index.to(torch.int32).contiguous(), weights.contiguous(),
-                         gate_up.contiguous(), down.contiguous())[0]  # (no copies for ordinary parameters)
+    contiguous = (lambda t: None if t is None else t.contiguous())  # (no copies for ordinary parameters)
+    out = experts(hidden_states.contiguous(), index.to(torch.int32).contiguous(), weights.contiguous(),
+                  w_up.contiguous(), w_down.contiguous(), contiguous(b_up), contiguous(b_down), activation, alpha,
+                  limit, bool(getattr(module, "is_transposed", False)))[0]
     return out.to(hidden_states.dtype)
 
 
@@ -550,7 +694,7 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
     impl = getattr(config, "_experts_implementation", None) if config is not None else None
     modules: Dict[str, Dict[str, Any]] = {}
     for sub in model.modules():
-        if not (hasattr(sub, "gate_up_proj") and hasattr(sub, "down_proj")):
+        if not _is_experts_module(sub):
             continue
         entry = modules.setdefault(type(sub).__name__, {"count": 0, "moeforge": True, "reason": None})
         entry["count"] += 1

@@ -135,24 +135,85 @@ def test_ep_sentinels_contribute_nothing():
     assert torch.all(weights.grad[valid == 0] == 0), "a sentinel's weight got a gradient"
 
 
-def op_args(device, dtype, T=12, K=2, E=5, H=64, I=32, seed=3):
+# (activation, transposed, biases): the layouts moeforge::experts serves.
+LAYOUTS = [("swiglu", False, False), ("clamped_swiglu", True, True), ("relu2", False, False),
+           ("relu2", True, True), ("swiglu", True, False), ("swiglu", False, True)]
+
+
+def op_args(device, dtype, T=12, K=2, E=5, H=64, I=32, seed=3, activation="swiglu", transposed=False, biases=False):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g).to(device, dtype).requires_grad_()
-    index = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32).to(device)
+    index = torch.randint(0, E - 2, (T, K), generator=g, dtype=torch.int32).to(device)  # expert E - 2 gets none
     index[0] = torch.tensor([E - 1, E - 1], dtype=torch.int32)  # both picks of a token on one expert
     weights = torch.rand(T, K, generator=g).to(device).requires_grad_()
-    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(device, dtype).requires_grad_()
-    down = (torch.randn(E, H, I, generator=g) * 0.1).to(device, dtype).requires_grad_()
-    return hidden, index, weights, gate_up, down
+    P = I if activation == "relu2" else 2 * I
+
+    def param(*shape):
+        return (torch.randn(*shape, generator=g) * 0.1).to(device, dtype).requires_grad_()
+
+    w_up = param(E, H, P) if transposed else param(E, P, H)
+    w_down = param(E, I, H) if transposed else param(E, H, I)
+    b_up, b_down = (param(E, P), param(E, H)) if biases else (None, None)
+    alpha, limit = (1.702, 7.0) if activation == "clamped_swiglu" else (0.0, 0.0)
+    return hidden, index, weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed
 
 
-def test_opcheck_cpu():
-    torch.library.opcheck(torch.ops.moeforge.experts_swiglu.default, op_args("cpu", torch.float32))
+def experts_reference(hidden, index, weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed):
+    """The experts' output in float64, one (token, pick) at a time."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    d = lambda t: t.detach().double().cpu()  # noqa: E731
+    for t in range(hidden.shape[0]):
+        for k in range(index.shape[1]):
+            e = int(index[t, k])
+            up = d(w_up[e]).T if transposed else d(w_up[e])
+            down = d(w_down[e]).T if transposed else d(w_down[e])
+            h = up @ d(hidden[t]) + (d(b_up[e]) if b_up is not None else 0)
+            if activation == "swiglu":
+                gate, u = h.chunk(2)
+                a = torch.nn.functional.silu(gate) * u
+            elif activation == "clamped_swiglu":
+                gate, u = h[::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+                a = (u + 1) * gate * torch.sigmoid(alpha * gate)
+            else:
+                a = torch.relu(h) ** 2
+            out[t] += d(weights[t, k]) * (down @ a + (d(b_down[e]) if b_down is not None else 0))
+    return out
+
+
+@pytest.mark.parametrize("activation,transposed,biases", LAYOUTS)
+def test_experts_op_layouts_against_float64(activation, transposed, biases):
+    """Every served layout on the CPU in fp32 against the per-pick float64 loop, and its gradients
+    against float64 autograd through that loop (expert E - 2 gets no rows: its gradients are zeros)."""
+    args = op_args("cpu", torch.float32, activation=activation, transposed=transposed, biases=biases)
+    out = torch.ops.moeforge.experts(*args)[0]
+    ref = experts_reference(*args)
+    np.testing.assert_allclose(out.detach().double().numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    got = torch.autograd.grad(out, tensors, dout)
+    ref_inputs = [a.detach().double().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a
+                  for a in args]
+    ref_out = experts_reference(*ref_inputs)
+    want = torch.autograd.grad(ref_out, [a for a in ref_inputs if isinstance(a, torch.Tensor) and a.requires_grad],
+                               dout.double())
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.double().numpy(), w.numpy(), rtol=1e-4, atol=1e-5)
+    E = args[3].shape[0]
+    for g in got[2:]:  # d w_up, d w_down (and the biases'): [E, ...]
+        assert torch.all(g[E - 2] == 0), "the expert without rows got a gradient"
+
+
+@pytest.mark.parametrize("activation,transposed,biases", LAYOUTS[:4])
+def test_opcheck_cpu(activation, transposed, biases):
+    torch.library.opcheck(torch.ops.moeforge.experts.default,
+                          op_args("cpu", torch.float32, activation=activation, transposed=transposed, biases=biases))
 
 
 @needs_cuda
-def test_opcheck_cuda():
-    torch.library.opcheck(torch.ops.moeforge.experts_swiglu.default, op_args("cuda", torch.bfloat16))
+@pytest.mark.parametrize("activation,transposed,biases", LAYOUTS[:4])
+def test_opcheck_cuda(activation, transposed, biases):
+    torch.library.opcheck(torch.ops.moeforge.experts.default,
+                          op_args("cuda", torch.bfloat16, activation=activation, transposed=transposed, biases=biases))
 
 
 @needs_cuda
@@ -162,18 +223,55 @@ def test_cuda_bf16_equals_stock_grouped_mm():
     compare_impls(model, ids, "grouped_mm", 2e-2, 3e-2)
 
 
+# Tiny models of the other families moeforge::experts serves: gpt-oss (interleaved clamped SwiGLU,
+# transposed weights, biases) and Nemotron-H (non-gated relu² experts; MoE and attention layers only).
+def make_family(name, seed=0):
+    torch.manual_seed(seed)
+    if name == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+        config = GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                              num_experts_per_tok=2, max_position_embeddings=64, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"], router_aux_loss_coef=0.0)
+        return GptOssForCausalLM._from_config(config, attn_implementation="eager")
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    config = NemotronHConfig(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             hybrid_override_pattern="E*E", n_routed_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_shared_experts=1,
+                             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                             mlp_hidden_act="relu2", max_position_embeddings=64, tie_word_embeddings=False)
+    return NemotronHForCausalLM._from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "nemotron_h"])
+def test_family_served_and_cpu_fp32_equals_stock_eager(family):
+    model = make_family(family)
+    s = mhf.status(model)
+    assert s["modules"] and all(e["moeforge"] for e in s["modules"].values()), s
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    compare_impls(model, ids, "eager", 1e-6, 1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", ["gpt_oss", "nemotron_h"])
+def test_family_cuda_bf16_equals_stock_grouped_mm(family):
+    model = make_family(family).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4)).cuda()
+    compare_impls(model, ids, "grouped_mm", 2e-2, 3e-2)
+
+
 @needs_cuda
 def test_cuda_runs_on_the_current_stream():
     """The inputs are written on a side stream after a long sleep there; the op, called on that
     stream, must wait for them: work queued on any other stream would read them unwritten."""
-    args = [a.detach() for a in op_args("cuda", torch.bfloat16)]
-    ref = torch.ops.moeforge.experts_swiglu(*args)[0]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in op_args("cuda", torch.bfloat16)]
+    ref = torch.ops.moeforge.experts(*args)[0]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)
-        late = [a.clone() for a in args]
-        got = torch.ops.moeforge.experts_swiglu(*late)[0]
+        late = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        got = torch.ops.moeforge.experts(*late)[0]
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
