@@ -296,6 +296,20 @@ __device__ void mma_slice(WarpAcc& acc, const bf16* a_hi_tile, const bf16* a_lo_
     }
 }
 
+// f(mi, ni, e, i, j) for each of a lane's 32 accumulators of the warp tile whose lane-0 element is
+// (i0, j0): WarpAcc::v[mi][ni][e] holds output (i, j).
+template <typename F>
+__device__ __forceinline__ void for_lane_elements(int i0, int j0, F f) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f(mi, ni, e, i0 + 16 * mi + 8 * (e / 2), j0 + 8 * ni + e % 2);
+        }
+    }
+}
+
 // For every i < M, j < N: emit(i, j, Σ_{k<K} a(i, k)·b(j, k), prior(i, j)), called once, by one thread.
 // a(i, k) and b(j, k) are floats (exact bf16 values unless kSplitA / kSplitB: then split into hi + lo).
 // With kLowerTriangle, warp tiles wholly above the diagonal (every j > i) are not multiplied and emit 0.
@@ -404,28 +418,12 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
                 const int i0 = m0 + (tile / tiles_n) * kWarpTile + lane / 4;
                 const int j0 = n0 + (tile % tiles_n) * kWarpTile + 2 * (lane % 4);
                 float before[2][4][4];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int i = i0 + 16 * mi + 8 * (e / 2), j = j0 + 8 * ni + e % 2;
-                            before[mi][ni][e] = i < M && j < N ? prior(i, j) : 0.0f;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int i = i0 + 16 * mi + 8 * (e / 2), j = j0 + 8 * ni + e % 2;
-                            if (i < M && j < N) emit(i, j, acc[w].v[mi][ni][e], before[mi][ni][e]);
-                        }
-                    }
-                }
+                for_lane_elements(i0, j0, [&](int mi, int ni, int e, int i, int j) {
+                    before[mi][ni][e] = i < M && j < N ? prior(i, j) : 0.0f;
+                });
+                for_lane_elements(i0, j0, [&](int mi, int ni, int e, int i, int j) {
+                    if (i < M && j < N) emit(i, j, acc[w].v[mi][ni][e], before[mi][ni][e]);
+                });
             }
         }
     }
