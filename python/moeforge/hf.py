@@ -308,13 +308,13 @@ def _layout(module: torch.nn.Module) -> tuple:
         if not _is_relu2(act):
             return None, f"non-gated experts with activation {type(act).__name__} (served: relu2)"
         return ("relu2", 0.0, 0.0), None
-    if getattr(module, "is_concatenated", True) is False:
-        return None, "separate gate and up projections (is_concatenated=False) are not served yet"
     if type(module).__name__ == "GptOssExperts":  # (its _apply_gate: interleaved, clamped; see ops)
         alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
         if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)):
             return None, "GptOssExperts without numeric alpha / limit"
         return ("clamped_swiglu", float(alpha), float(limit)), None
+    if getattr(module, "is_concatenated", True) is False:  # (gpt-oss's interleaving is served above)
+        return None, "gate and up not concatenated (is_concatenated=False) outside gpt-oss are not served yet"
     if custom_gate:
         return None, f"a custom gate ({type(module).__name__}._apply_gate) is not served yet"
     act = getattr(module, "act_fn", None)
