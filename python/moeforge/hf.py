@@ -357,8 +357,9 @@ def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Te
             return "has_bias without both bias tensors"
         if tuple(b_up.shape) != (E, P) or tuple(b_down.shape) != (E, H):
             return f"biases of shapes {tuple(b_up.shape)} and {tuple(b_down.shape)} (expected [{E}, {P}], [{E}, {H}])"
-    if any(t is not None and t.dtype != w_up.dtype for t in (w_down, b_up, b_down)):
-        return f"expert weights in {w_up.dtype} and {w_down.dtype}"
+    dtypes = {str(t.dtype) for t in (w_up, w_down, b_up, b_down) if t is not None}
+    if len(dtypes) > 1:
+        return f"expert weights and biases in mixed dtypes ({', '.join(sorted(dtypes))})"
     device = w_up.device.type
     want = _served_dtype(device)
     if want is None:
