@@ -97,6 +97,14 @@ int64_t chunks_total(const SsdGeometry& g) { return g.num_rows * ((g.T + g.Q - 1
 size_t decay_bytes(const SsdGeometry& g) {
     return align256(static_cast<size_t>(chunks_total(g) * g.H) * sizeof(float));
 }
+// The backward's scratch besides the gradient states and the decay: wsum [B·chunks, G, Q, Q] and
+// ends [B·chunks, H, 2, Q] (ChunkGradOut).
+size_t wsum_bytes(const SsdGeometry& g) {
+    return align256(static_cast<size_t>(chunks_total(g) * g.G * g.Q * g.Q) * sizeof(float));
+}
+size_t ends_bytes(const SsdGeometry& g) {
+    return align256(static_cast<size_t>(chunks_total(g) * g.H * 2 * g.Q) * sizeof(float));
+}
 
 // ----------------------------------------------------------------------------------------------
 // the tensor-core product
@@ -148,17 +156,16 @@ __device__ __forceinline__ float direct_value(const DirectRows& src, int r, int 
 // operand's, the others through the loader (reading the direct range's elements one by one where a
 // slice straddles k_switch). The direct slices come first, so none is copied into a buffer while a
 // loader slice in it is still being read.
-template <typename Direct, typename Load>
+template <typename Load>
 struct DirectThen {
-    static_assert(std::is_same_v<Direct, DirectRows>, "the direct range is read k-major");
-    Direct direct;
+    DirectRows direct;
     int k_switch;
     Load load;
 };
 template <typename T>
 struct IsDirectThen : std::false_type {};
-template <typename Direct, typename Load>
-struct IsDirectThen<DirectThen<Direct, Load>> : std::true_type {};
+template <typename Load>
+struct IsDirectThen<DirectThen<Load>> : std::true_type {};
 
 __device__ __forceinline__ bool copies_aligned(const bf16* base, int ld) {
     return reinterpret_cast<uintptr_t>(base) % 16 == 0 && ld % 8 == 0;
@@ -396,10 +403,9 @@ __device__ void mma_product_prior(int M, int N, int K, Layout layout_a, Layout l
                     const int tile = warp + w * kNumWarps;
                     if (!active[w]) continue;
                     if constexpr (kThenB) {
-                        constexpr bool kTransThen = std::is_same_v<decltype(load_b.direct), DirectRows>;
-                        if (b_direct) {
-                            mma_slice<kSplitA, false, kTransThen>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
-                                                                  tile % tiles_n);
+                        if (b_direct) {  // (its direct range is staged k-major)
+                            mma_slice<kSplitA, false, true>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
+                                                            tile % tiles_n);
                         } else {
                             mma_slice<kSplitA, kSplitB, false>(acc[w], a_hi, st.a_lo, b_hi, st.b_lo, tile / tiles_n,
                                                                tile % tiles_n);
@@ -1099,15 +1105,6 @@ void ssd_scan_forward(bf16* y, float* states, const bf16* xbc, const bf16* dt, c
         y, states, xbc, dt, params, doc_ids, d);
     MF_CHECK_CUDA(cudaGetLastError());
 }
-
-namespace {
-size_t wsum_bytes(const SsdGeometry& g) {
-    return align256(static_cast<size_t>(chunks_total(g) * g.G * g.Q * g.Q) * sizeof(float));
-}
-size_t ends_bytes(const SsdGeometry& g) {
-    return align256(static_cast<size_t>(chunks_total(g) * g.H * 2 * g.Q) * sizeof(float));
-}
-}  // namespace
 
 size_t ssd_scan_backward_scratch_bytes(const SsdGeometry& g) {
     return align256(static_cast<size_t>(ssd_states_numel(g)) * sizeof(float)) + decay_bytes(g) + wsum_bytes(g) +
