@@ -105,6 +105,22 @@ int32_t dtype_from_dlpack(const DLDataType& t, const char* arg) {
            " bits, " + std::to_string(t.lanes) + " lanes) is not one of float32, bfloat16, int32, int64, float64");
 }
 
+// Array types read through their own methods rather than DLPack (a registered type, such as
+// torch.Tensor registered by moeforge.hf): a few attribute reads instead of a capsule per tensor.
+// Such an array has data_ptr(), dtype (one of the registered dtype objects), shape, stride() in
+// elements, and is_cuda / is_cpu with get_device() (the CUDA ordinal).
+struct ArrayType {
+    py::object cls;
+    std::vector<std::pair<py::object, int32_t>> dtypes;  // the type's dtype objects, compared by identity
+};
+std::vector<ArrayType>& g_array_types = *new std::vector<ArrayType>();  // (never destroyed: outlives the interpreter)
+
+const ArrayType* array_type_of(py::handle obj) {
+    for (const ArrayType& t : g_array_types)
+        if (PyObject_IsInstance(obj.ptr(), t.cls.ptr()) == 1) return &t;
+    return nullptr;
+}
+
 // One op's tensor arguments, each converted to an mf_tensor that stays valid (and whose memory
 // stays alive: the capsule or array is held) until the call returns.
 class Args {
@@ -119,6 +135,8 @@ class Args {
         s.t = mf_tensor{};
         if (py::isinstance<RawTensor>(obj)) {
             from_raw(obj.cast<const RawTensor&>(), name, s);
+        } else if (const ArrayType* type = array_type_of(obj)) {
+            from_array(obj, *type, name, s);
         } else {
             py::object capsule = py::reinterpret_borrow<py::object>(obj);
             if (!PyCapsule_CheckExact(obj.ptr())) {
@@ -162,6 +180,39 @@ class Args {
                    std::to_string(MF_MAX_DIMS) + ")");
         s.t.ndim = static_cast<int32_t>(r.shape.size());
         std::copy(r.shape.begin(), r.shape.end(), s.t.shape);
+    }
+
+    static void from_array(py::handle obj, const ArrayType& type, const char* name, Slot& s) {
+        const py::object dtype = obj.attr("dtype");
+        s.t.dtype = -1;
+        for (const auto& [object, code] : type.dtypes)
+            if (object.ptr() == dtype.ptr()) s.t.dtype = code;
+        if (s.t.dtype < 0)
+            refuse(std::string(name) + ": dtype " + std::string(py::str(dtype)) +
+                   " (expected float32, bfloat16, int32, int64 or float64)");
+        if (obj.attr("is_cuda").cast<bool>()) {
+            s.t.device_type = MF_CUDA;
+            s.t.device_index = obj.attr("get_device")().cast<int32_t>();
+        } else if (obj.attr("is_cpu").cast<bool>()) {
+            s.t.device_type = MF_CPU;
+        } else {
+            refuse(std::string(name) + ": device " + std::string(py::str(obj.attr("device"))) +
+                   " (moeforge reads CPU and CUDA memory)");
+        }
+        const py::tuple shape = obj.attr("shape");
+        const py::tuple strides = obj.attr("stride")();
+        if (shape.size() > MF_MAX_DIMS || strides.size() != shape.size())
+            refuse(std::string(name) + ": " + std::to_string(shape.size()) + " dimensions (at most " +
+                   std::to_string(MF_MAX_DIMS) + ")");
+        s.t.ndim = static_cast<int32_t>(shape.size());
+        s.strides.resize(shape.size());
+        for (size_t i = 0; i < shape.size(); ++i) {
+            s.t.shape[i] = shape[i].cast<int64_t>();
+            s.strides[i] = strides[i].cast<int64_t>();
+        }
+        s.t.strides = s.strides.data();
+        s.t.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+        s.keep = py::reinterpret_borrow<py::object>(obj);
     }
 
     static void from_capsule(py::object capsule, const char* name, Slot& s) {
@@ -728,8 +779,8 @@ void bind_ops(py::module_& m) {
             const int32_t ld = dtype_from_name(logits_dtype, "logits_dtype");
             size_t bytes = 0;
             call([&] {
-                return mf_lm_head_cross_entropy_workspace_bytes(num_rows, vocab, ld, device == "cuda" ? MF_CUDA : MF_CPU,
-                                                               &bytes);
+                return mf_lm_head_cross_entropy_workspace_bytes(num_rows, vocab, ld,
+                                                                device == "cuda" ? MF_CUDA : MF_CPU, &bytes);
             });
             return bytes;
         },
@@ -784,6 +835,17 @@ void bind_moe_block(py::module_& m) {
         },
         "dims"_a, "num_tokens"_a, "device"_a = "cpu");
     m.def(
+        "moe_block_activation_bytes",
+        [](const py::dict& dims, int64_t num_tokens, const std::string& device) {
+            const mf_moe_dims d = moe_dims_of(dims);
+            size_t bytes = 0;
+            call([&] {
+                return mf_moe_block_activation_bytes(&d, num_tokens, device == "cuda" ? MF_CUDA : MF_CPU, &bytes);
+            });
+            return bytes;
+        },
+        "dims"_a, "num_tokens"_a, "device"_a = "cpu");
+    m.def(
         "moe_block_forward",
         [](const py::dict& dims, py::object y, py::object x, py::object router, py::object gate_up, py::object down,
            py::object correction_bias, py::object workspace, py::object ctx) {
@@ -801,7 +863,8 @@ void bind_moe_block(py::module_& m) {
         "moe_block_backward",
         [](const py::dict& dims, py::object dx, py::object drouter, py::object dgate_up, py::object ddown,
            py::object dy, py::object dprobs, py::object x, py::object router, py::object gate_up, py::object down,
-           py::object correction_bias, py::object workspace, bool accumulate_expert_grads, py::object ctx) {
+           py::object correction_bias, py::object workspace, py::object scratch, bool accumulate_expert_grads,
+           py::object ctx) {
             const mf_moe_dims d = moe_dims_of(dims);
             Args args;
             ContextArg c;
@@ -809,15 +872,15 @@ void bind_moe_block(py::module_& m) {
             const auto *tdx = MF_TENSOR(dx), *tdr = MF_TENSOR(drouter), *tdgu = MF_TENSOR(dgate_up);
             const auto *tddn = MF_TENSOR(ddown), *tdy = MF_TENSOR(dy), *tdp = MF_OPTIONAL(dprobs);
             const auto *tx = MF_TENSOR(x), *tr = MF_TENSOR(router), *tgu = MF_TENSOR(gate_up), *tdn = MF_TENSOR(down);
-            const auto *tb = MF_OPTIONAL(correction_bias), *ws = MF_TENSOR(workspace);
+            const auto *tb = MF_OPTIONAL(correction_bias), *ws = MF_TENSOR(workspace), *sc = MF_OPTIONAL(scratch);
             call([&] {
-                return mf_moe_block_backward(cx, &d, tdx, tdr, tdgu, tddn, tdy, tdp, tx, tr, tgu, tdn, tb, ws,
+                return mf_moe_block_backward(cx, &d, tdx, tdr, tdgu, tddn, tdy, tdp, tx, tr, tgu, tdn, tb, ws, sc,
                                              accumulate_expert_grads ? 1 : 0);
             });
         },
         "dims"_a, "dx"_a, "drouter"_a, "dgate_up"_a, "ddown"_a, "dy"_a, "dprobs"_a = py::none(), "x"_a, "router"_a,
-        "gate_up"_a, "down"_a, "correction_bias"_a = py::none(), "workspace"_a, "accumulate_expert_grads"_a = true,
-        "ctx"_a = py::none());
+        "gate_up"_a, "down"_a, "correction_bias"_a = py::none(), "workspace"_a, "scratch"_a = py::none(),
+        "accumulate_expert_grads"_a = true, "ctx"_a = py::none());
 }
 
 }  // namespace
@@ -848,6 +911,21 @@ PYBIND11_MODULE(_native, m) {
         },
         "ctx"_a = py::none());
 
+    m.def(
+        "register_array_type",
+        [](py::object cls, const py::dict& dtypes) {
+            ArrayType type{cls, {}};
+            for (const auto& [object, dtype_name] : dtypes)
+                type.dtypes.emplace_back(py::reinterpret_borrow<py::object>(object),
+                                         dtype_from_name(dtype_name.cast<std::string>(), "register_array_type"));
+            for (ArrayType& t : g_array_types)
+                if (t.cls.is(cls)) return void(t = std::move(type));
+            g_array_types.push_back(std::move(type));
+        },
+        "cls"_a, "dtypes"_a,
+        "Read arrays of type `cls` through their own methods rather than DLPack: data_ptr(), dtype (a key of "
+        "`dtypes`, which maps the type's dtype objects to moeforge's names), shape, stride(), is_cuda / is_cpu "
+        "and get_device(). moeforge.hf registers torch.Tensor.");
     py::class_<RawTensor>(m, "RawTensor", "A tensor given by a raw data pointer (contiguous, row-major)")
         .def(py::init([](uintptr_t data, std::string dtype, std::vector<int64_t> shape, std::string device,
                          int device_index) {

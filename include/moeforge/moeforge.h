@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration here changes meaning or layout. */
-#define MF_API_VERSION 1
+#define MF_API_VERSION 2
 
 typedef enum mf_status {
     MF_OK = 0,
@@ -151,9 +151,11 @@ mf_status mf_clamped_swiglu_backward(const mf_context* ctx, const mf_tensor* din
 /* --- the whole MoE block ------------------------------------------------------------------------
  * y = Σ_k w[t, k] · expert_{idx[t, k]}(x[t]), with the router logits x · routerᵀ (router [E, H]),
  * routed by the router kind, the pairs grouped by expert, gate_up [E, 2I, H] (relu²: [E, I, H]),
- * the activation, down [E, H, I]. Its activations live in a caller workspace of
- * mf_moe_block_workspace_bytes bytes on the tensors' device, which the forward fills and the
- * backward of the same x reads: keep it untouched in between.                                     */
+ * the activation, down [E, H, I]. Its activations live in a caller workspace of at least
+ * mf_moe_block_activation_bytes bytes on the tensors' device, which the forward fills and the
+ * backward of the same x reads: keep it untouched in between. The backward also needs scratch of
+ * mf_moe_block_workspace_bytes − mf_moe_block_activation_bytes bytes: a separate `scratch` tensor,
+ * or (scratch NULL) the rest of a workspace of mf_moe_block_workspace_bytes. Both 256-byte aligned. */
 typedef enum mf_activation { MF_ACT_SWIGLU = 0, MF_ACT_RELU2 = 1 } mf_activation;
 typedef enum mf_router_kind { MF_ROUTER_SOFTMAX = 0, MF_ROUTER_SIGMOID = 1 } mf_router_kind;
 typedef struct mf_moe_dims {
@@ -165,7 +167,11 @@ typedef struct mf_moe_dims {
     float routed_scaling_factor; /* the sigmoid router's (1: none) */
     float masked_score;          /* the sigmoid router's (-inf) */
 } mf_moe_dims;
+/* The activations and the backward's scratch of num_tokens tokens together. */
 mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type, size_t* bytes);
+/* The activations alone: what the forward writes and the backward reads. */
+mf_status mf_moe_block_activation_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type,
+                                        size_t* bytes);
 /* y [N, H] written; correction_bias [E] f32 (optional, sigmoid router). */
 mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y, const mf_tensor* x,
                                const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
@@ -177,7 +183,7 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
                                 const mf_tensor* dy, const mf_tensor* dprobs, const mf_tensor* x,
                                 const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
                                 const mf_tensor* correction_bias, const mf_tensor* workspace,
-                                int accumulate_expert_grads);
+                                const mf_tensor* scratch, int accumulate_expert_grads);
 
 /* --- attention ----------------------------------------------------------------------------------
  * Causal attention with GQA over B rows of T tokens, token-major: q [B, T, Hq·D], k, v [B, T, Hkv·D],

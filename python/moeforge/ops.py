@@ -21,6 +21,7 @@ from ._native import (  # noqa: F401
     grouped_gemm_weight_grad,
     lm_head_cross_entropy,
     lm_head_cross_entropy_workspace_bytes,
+    moe_block_activation_bytes,
     moe_block_backward,
     moe_block_forward,
     moe_block_workspace_bytes,
@@ -41,4 +42,4 @@ from ._native import (  # noqa: F401
     swiglu_forward,
     synchronize,
 )
-from ._native import built_with_cuda, has_cuda  # noqa: F401
+from ._native import built_with_cuda, has_cuda, register_array_type  # noqa: F401

@@ -305,6 +305,82 @@ def test_moe_block_forward_backward_against_numpy():
     np.testing.assert_allclose(ddown, ref_dd, rtol=1e-4, atol=1e-5)
 
 
+def aligned_zeros(nbytes):
+    buf = np.zeros(nbytes // 4 + 64, f32)
+    return buf[(-buf.ctypes.data % 256) // 4:][: nbytes // 4]
+
+
+def test_moe_block_activations_and_scratch_apart_equal_one_workspace():
+    rng = np.random.default_rng(8)
+    N, H, I, E, K = 9, 8, 4, 5, 2
+    dims = dict(hidden=H, intermediate=I, num_experts=E, top_k=K)
+    x, router = rand(rng, N, H), rand(rng, E, H)
+    gate_up, down, dy = rand(rng, E, 2 * I, H, scale=0.5), rand(rng, E, H, I, scale=0.5), rand(rng, N, H)
+    whole, acts = ops.moe_block_workspace_bytes(dims, N), ops.moe_block_activation_bytes(dims, N)
+    assert 0 < acts < whole and acts % 256 == 0
+
+    def run(workspace, scratch):
+        y, dx, drouter = np.zeros((N, H), f32), np.zeros((N, H), f32), np.zeros((E, H), f32)
+        dgu, ddown = np.zeros_like(gate_up), np.zeros_like(down)
+        ops.moe_block_forward(dims, y, x, router, gate_up, down, workspace=workspace)
+        ops.moe_block_backward(dims, dx, drouter, dgu, ddown, dy, None, x, router, gate_up, down, workspace=workspace,
+                               scratch=scratch, accumulate_expert_grads=False)
+        return y, dx, drouter, dgu, ddown
+
+    for a, b in zip(run(aligned_zeros(whole), None), run(aligned_zeros(acts), aligned_zeros(whole - acts))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(moeforge.InvalidArgumentError, match="scratch.*mf_moe_block_activation_bytes"):
+        run(aligned_zeros(acts), aligned_zeros(whole - acts - 256))
+    with pytest.raises(moeforge.InvalidArgumentError, match="workspace.*mf_moe_block_workspace_bytes"):
+        run(aligned_zeros(acts), None)
+
+
+# --- arrays read through their own methods (register_array_type) ---------------------------------------
+
+
+class MethodArray:
+    """An array type of the shape torch.Tensor has (data_ptr(), dtype, shape, stride(), is_cuda, is_cpu,
+    get_device()) over a numpy array, and no DLPack: moeforge reads it only once its type is registered."""
+
+    def __init__(self, a):
+        self.a = a
+        self.dtype = {np.dtype(np.float32): "F32", np.dtype(np.int32): "I32"}.get(a.dtype, str(a.dtype))
+        self.shape = tuple(a.shape)
+        self.is_cuda, self.is_cpu = False, True
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def stride(self):
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    def get_device(self):
+        return -1
+
+
+def test_registered_array_type_is_read_without_dlpack():
+    rng = np.random.default_rng(9)
+    h = rand(rng, 5, 8)
+    want = np.zeros((5, 4), f32)
+    ops.swiglu_forward(want, h)
+    out = np.zeros((5, 4), f32)
+    with pytest.raises(moeforge.InvalidArgumentError, match="neither a DLPack array"):
+        ops.swiglu_forward(MethodArray(out), MethodArray(h))
+    ops.register_array_type(MethodArray, {"F32": "float32", "I32": "int32"})
+    ops.swiglu_forward(MethodArray(out), MethodArray(h))
+    np.testing.assert_array_equal(out, want)
+    # a dtype not registered, a strided view and another device are refused by name
+    with pytest.raises(moeforge.InvalidArgumentError, match="inp: dtype float64"):
+        ops.swiglu_forward(MethodArray(out), MethodArray(h.astype(np.float64)))
+    with pytest.raises(moeforge.InvalidArgumentError, match="inp .* is not contiguous"):
+        ops.swiglu_forward(MethodArray(np.zeros((5, 2), f32)), MethodArray(h[:, ::2]))
+    elsewhere = MethodArray(h)
+    elsewhere.is_cpu = False
+    elsewhere.device = "meta"
+    with pytest.raises(moeforge.InvalidArgumentError, match="inp: device meta"):
+        ops.swiglu_forward(MethodArray(out), elsewhere)
+
+
 # --- attention -------------------------------------------------------------------------------------------
 
 def attention_ref(q, k, v, B, T, Hq, Hkv, docs, dtype=np.float64):

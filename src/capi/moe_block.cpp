@@ -45,15 +45,25 @@ mf::model::MoeDims dims_of(const char* op, const mf_moe_dims* dims) {
 
 DType act_dtype(Device device) { return device == Device::cuda ? DType::bf16 : DType::f32; }
 
-// Bytes of the activations and the backward's scratch of N tokens; allocating both in this order
-// from one arena is the layout of the workspace.
-size_t workspace_bytes(const mf::model::MoeDims& d, int64_t N, Device device) {
+// Bytes of N tokens' activations (kept from the forward to the backward) and of the backward's
+// scratch; allocated in this order from one arena, both are the layout of a whole workspace.
+size_t activation_bytes(const mf::model::MoeDims& d, int64_t N, Device device) {
     Arena arena = Arena::measuring(device);
     mf::model::MoeActs acts;
     acts.alloc(arena, d, N, act_dtype(device));
+    return arena.high_water();
+}
+
+size_t scratch_bytes(const mf::model::MoeDims& d, int64_t N, Device device) {
+    Arena arena = Arena::measuring(device);
     mf::model::MoeScratch scratch;
     scratch.alloc(arena, d, N, act_dtype(device));
     return arena.high_water();
+}
+
+// (every allocation is rounded to the arena's alignment, so the scratch begins where the activations end)
+size_t workspace_bytes(const mf::model::MoeDims& d, int64_t N, Device device) {
+    return activation_bytes(d, N, device) + scratch_bytes(d, N, device);
 }
 
 struct Block {
@@ -86,16 +96,27 @@ Block block_inputs(OpCall& call, const mf::model::MoeDims& d, const mf_tensor* x
     return b;
 }
 
-// An arena over the caller's workspace, which must hold the block's activations and scratch.
-Arena workspace_arena(OpCall& call, const mf_tensor* workspace, const mf::model::MoeDims& d, int64_t N) {
-    const Tensor ws = call.tensor(workspace, "workspace", Want::any);
-    const size_t need = workspace_bytes(d, N, call.device());
+// An arena over a caller's buffer (`name`), which must hold `need` bytes (`what` says which size).
+Arena borrowed_arena(OpCall& call, const mf_tensor* buffer, const char* name, size_t need, int64_t N,
+                     const char* what) {
+    const Tensor ws = call.tensor(buffer, name, Want::any);
     if (ws.nbytes() < need)
-        refuse(call.op(), ": workspace holds ", ws.nbytes(), " bytes; ", N,
-               " tokens need mf_moe_block_workspace_bytes = ", need);
+        refuse(call.op(), ": ", name, " holds ", ws.nbytes(), " bytes; ", N, " tokens need ", what, " = ", need);
     if (reinterpret_cast<uintptr_t>(ws.data()) % kWorkspaceAlignment != 0)
-        refuse(call.op(), ": workspace is not ", kWorkspaceAlignment, "-byte aligned");
+        refuse(call.op(), ": ", name, " is not ", kWorkspaceAlignment, "-byte aligned");
     return Arena::borrowing(ws.data(), ws.nbytes(), call.device());
+}
+
+// The bytes function of one C API call (the dims and the device checked).
+mf_status bytes_call(const char* op, const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type, size_t* bytes,
+                     size_t (*measure)(const mf::model::MoeDims&, int64_t, Device)) {
+    return guarded([&] {
+        const mf::model::MoeDims d = dims_of(op, dims);
+        if (num_tokens < 0) refuse(op, ": num_tokens = ", num_tokens, " is negative");
+        if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
+        if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
+        *bytes = measure(d, num_tokens, device_type == MF_CUDA ? Device::cuda : Device::cpu);
+    });
 }
 
 }  // namespace
@@ -104,14 +125,12 @@ extern "C" {
 
 mf_status mf_moe_block_workspace_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type,
                                        size_t* bytes) {
-    return guarded([&] {
-        const char* op = "mf_moe_block_workspace_bytes";
-        const mf::model::MoeDims d = dims_of(op, dims);
-        if (num_tokens < 0) refuse(op, ": num_tokens = ", num_tokens, " is negative");
-        if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
-        if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
-        *bytes = workspace_bytes(d, num_tokens, device_type == MF_CUDA ? Device::cuda : Device::cpu);
-    });
+    return bytes_call("mf_moe_block_workspace_bytes", dims, num_tokens, device_type, bytes, workspace_bytes);
+}
+
+mf_status mf_moe_block_activation_bytes(const mf_moe_dims* dims, int64_t num_tokens, int32_t device_type,
+                                        size_t* bytes) {
+    return bytes_call("mf_moe_block_activation_bytes", dims, num_tokens, device_type, bytes, activation_bytes);
 }
 
 mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, const mf_tensor* y, const mf_tensor* x,
@@ -124,7 +143,8 @@ mf_status mf_moe_block_forward(const mf_context* ctx, const mf_moe_dims* dims, c
         const Block b = block_inputs(call, d, x, router, gate_up, down, correction_bias);
         const int64_t N = b.x.dim(0);
         call.rows_of(out, "y", N, d.hidden);
-        Arena arena = workspace_arena(call, workspace, d, N);
+        Arena arena = borrowed_arena(call, workspace, "workspace", activation_bytes(d, N, call.device()), N,
+                                     "mf_moe_block_activation_bytes");
         mf::model::MoeActs acts;
         acts.alloc(arena, d, N, act_dtype(call.device()));
         call.run([&] { mf::model::moe_block_forward(out.view({N, d.hidden}), acts, b.x, b.weights(), d); });
@@ -135,7 +155,7 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
                                 const mf_tensor* drouter, const mf_tensor* dgate_up, const mf_tensor* ddown,
                                 const mf_tensor* dy, const mf_tensor* dprobs, const mf_tensor* x,
                                 const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
-                                const mf_tensor* correction_bias, const mf_tensor* workspace,
+                                const mf_tensor* correction_bias, const mf_tensor* workspace, const mf_tensor* scratch,
                                 int accumulate_expert_grads) {
     return guarded([&] {
         OpCall call("mf_moe_block_backward", ctx);
@@ -153,11 +173,21 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
         call.numel_of(tdgu, "dgate_up", b.gate_up.numel());
         call.numel_of(tdd, "ddown", b.down.numel());
         if (tdp.data() != nullptr) call.rows_of(tdp, "dprobs", N, d.num_experts);
-        Arena arena = workspace_arena(call, workspace, d, N);
+        const DType act = act_dtype(call.device());
+        // the forward's activations, then the scratch after them or in its own buffer
+        Arena arena = scratch == nullptr
+                          ? borrowed_arena(call, workspace, "workspace", workspace_bytes(d, N, call.device()), N,
+                                           "mf_moe_block_workspace_bytes")
+                          : borrowed_arena(call, workspace, "workspace", activation_bytes(d, N, call.device()), N,
+                                           "mf_moe_block_activation_bytes");
         mf::model::MoeActs acts;
-        acts.alloc(arena, d, N, act_dtype(call.device()));
-        mf::model::MoeScratch scratch;
-        scratch.alloc(arena, d, N, act_dtype(call.device()));
+        acts.alloc(arena, d, N, act);
+        Arena scratch_arena = scratch == nullptr
+                                  ? Arena()
+                                  : borrowed_arena(call, scratch, "scratch", scratch_bytes(d, N, call.device()), N,
+                                                   "mf_moe_block_workspace_bytes - mf_moe_block_activation_bytes");
+        mf::model::MoeScratch moe_scratch;
+        moe_scratch.alloc(scratch == nullptr ? arena : scratch_arena, d, N, act);
         const mf::model::MoeWeights grads{tdr.view({d.num_experts, d.hidden}), tdgu.view(b.gate_up.shape()),
                                           tdd.view(b.down.shape())};
         call.run([&] {
@@ -165,7 +195,7 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
                 acts.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
                 mf::ops::copy_to_host(acts.host_offsets.data(), acts.expert_offsets);
             }
-            mf::model::moe_block_backward(tdx.view({N, d.hidden}), grads, scratch, tdy.view({N, d.hidden}),
+            mf::model::moe_block_backward(tdx.view({N, d.hidden}), grads, moe_scratch, tdy.view({N, d.hidden}),
                                           tdp.data() != nullptr ? tdp.view({N, d.num_experts}) : Tensor(), b.x, acts,
                                           b.weights(), d, accumulate_expert_grads != 0);
         });

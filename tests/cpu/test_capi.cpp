@@ -116,7 +116,8 @@ TEST(CApi, BadArgumentsComeBackAsStatusAndMessage) {
 
 TEST(CApi, LossWorkspaceBytes) {
     size_t bytes = 7;
-    ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(8192, 151936, MF_BF16, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(8192, 151936, MF_BF16, MF_CPU, &bytes), MF_OK)
+        << mf_last_error();
     EXPECT_EQ(bytes, 0u) << "the CPU loss takes no scratch";
     expect_error(mf_lm_head_cross_entropy_workspace_bytes(-1, 16, MF_F32, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
                  {"num_rows", "negative"});
@@ -236,7 +237,7 @@ TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
     mf_tensor tdr = desc(drouter, {E, H}), tdgu = desc(dgu, {E, 2 * I, H}), tddn = desc(ddown, {E, H, I});
     ASSERT_EQ(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &tws), MF_OK) << mf_last_error();
     ASSERT_EQ(mf_moe_block_backward(nullptr, &dims, &tdx, &tdr, &tdgu, &tddn, &tdy, nullptr, &tx, &tr, &tgu, &tdn,
-                                    nullptr, &tws, 0),
+                                    nullptr, &tws, nullptr, 0),
               MF_OK)
         << mf_last_error();
 
@@ -259,9 +260,46 @@ TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
     EXPECT_EQ(drouter, dr_ref);
     EXPECT_EQ(dgu, dgu_ref);
     EXPECT_EQ(ddown, ddn_ref);
-    mf_tensor small = desc(aligned, MF_F32, {static_cast<int64_t>(bytes / 8)});
+
+    // The activations in their own workspace and the backward's scratch in another: the same results.
+    size_t act_bytes = 0;
+    ASSERT_EQ(mf_moe_block_activation_bytes(&dims, N, MF_CPU, &act_bytes), MF_OK) << mf_last_error();
+    ASSERT_GT(act_bytes, 0u);
+    ASSERT_LT(act_bytes, bytes);
+    ASSERT_EQ(act_bytes % 256, 0u);
+    std::vector<double> second((bytes + 7) / 8 + 32);
+    char* base2 = reinterpret_cast<char*>(second.data());
+    char* aligned2 = base2 + (256 - reinterpret_cast<uintptr_t>(base2) % 256) % 256;
+    mf_tensor tacts = desc(aligned, MF_F32, {static_cast<int64_t>(act_bytes / 4)});
+    mf_tensor tscratch = desc(aligned2, MF_F32, {static_cast<int64_t>((bytes - act_bytes) / 4)});
+    std::fill(workspace.begin(), workspace.end(), 0.0);
+    std::vector<float> y2(N * H), dx2(N * H, 0.0f), dr2(E * H, 0.0f), dgu2(gate_up.size()), ddn2(down.size());
+    mf_tensor ty2 = desc(y2, {N, H}), tdx2 = desc(dx2, {N, H}), tdr2 = desc(dr2, {E, H});
+    mf_tensor tdgu2 = desc(dgu2, {E, 2 * I, H}), tddn2 = desc(ddn2, {E, H, I});
+    ASSERT_EQ(mf_moe_block_forward(nullptr, &dims, &ty2, &tx, &tr, &tgu, &tdn, nullptr, &tacts), MF_OK)
+        << mf_last_error();
+    ASSERT_EQ(mf_moe_block_backward(nullptr, &dims, &tdx2, &tdr2, &tdgu2, &tddn2, &tdy, nullptr, &tx, &tr, &tgu, &tdn,
+                                    nullptr, &tacts, &tscratch, 0),
+              MF_OK)
+        << mf_last_error();
+    EXPECT_EQ(y2, y_ref);
+    EXPECT_EQ(dx2, dx_ref);
+    EXPECT_EQ(dr2, dr_ref);
+    EXPECT_EQ(dgu2, dgu_ref);
+    EXPECT_EQ(ddn2, ddn_ref);
+
+    // Buffers one element short are refused, naming the buffer and the size asked for.
+    mf_tensor small = desc(aligned, MF_F32, {static_cast<int64_t>(act_bytes / 4) - 1});
     expect_error(mf_moe_block_forward(nullptr, &dims, &ty, &tx, &tr, &tgu, &tdn, nullptr, &small),
+                 MF_ERR_INVALID_ARGUMENT, {"workspace", "mf_moe_block_activation_bytes"});
+    mf_tensor partial = desc(aligned, MF_F32, {static_cast<int64_t>(bytes / 4) - 1});
+    expect_error(mf_moe_block_backward(nullptr, &dims, &tdx2, &tdr2, &tdgu2, &tddn2, &tdy, nullptr, &tx, &tr, &tgu,
+                                       &tdn, nullptr, &partial, nullptr, 0),
                  MF_ERR_INVALID_ARGUMENT, {"workspace", "mf_moe_block_workspace_bytes"});
+    mf_tensor short_scratch = desc(aligned2, MF_F32, {static_cast<int64_t>((bytes - act_bytes) / 4) - 1});
+    expect_error(mf_moe_block_backward(nullptr, &dims, &tdx2, &tdr2, &tdgu2, &tddn2, &tdy, nullptr, &tx, &tr, &tgu,
+                                       &tdn, nullptr, &tacts, &short_scratch, 0),
+                 MF_ERR_INVALID_ARGUMENT, {"scratch", "mf_moe_block_activation_bytes"});
 }
 
 // --- the engine ------------------------------------------------------------------------------------
