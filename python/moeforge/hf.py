@@ -38,6 +38,7 @@ not serve (other dtypes or devices).
 
 import functools
 import logging
+import math
 import sys
 from typing import Any, Dict, Optional
 
@@ -57,13 +58,34 @@ _HAS_CUDA = ops.has_cuda()
 # --- the ops -----------------------------------------------------------------------------------------
 
 
+# torch tensors reach the C API through their own methods (data_ptr, shape, ...), not a DLPack
+# capsule each: a few microseconds less per tensor and call.
+ops.register_array_type(torch.Tensor, {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32: "int32",
+                                       torch.int64: "int64", torch.float64: "float64"})
+# The current stream's handle without building a torch.cuda.Stream object (its public spelling,
+# torch.cuda.current_stream(device).cuda_stream, as the fallback).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def _context(t: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> Optional[Context]:
     """Where moeforge runs the work on `t`: torch's current stream of its device (and a scratch
     tensor torch allocated, if given), or the CPU."""
-    if t.device.type == "cuda":
-        return Context(device=t.device.index, stream=torch.cuda.current_stream(t.device).cuda_stream,
-                       workspace=workspace)
+    if t.is_cuda:
+        index = t.get_device()
+        return Context(device=index, stream=_current_stream(index), workspace=workspace)
     return None
+
+
+def _bytes_tensor(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A torch-allocated buffer of nbytes (a multiple of 4) for a C API workspace (torch's allocator
+    aligns it to 512 bytes, and counts it)."""
+    return torch.empty(nbytes // 4, dtype=torch.int32, device=device)
 
 
 def _served_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -283,6 +305,13 @@ experts.register_autograd(_backward, setup_context=_setup_context)
 _reported: set = set()
 
 
+def _report(kind: str, reason: str, instead: str) -> None:
+    """Logs, once per (module kind, reason), why moeforge does not serve a module and what runs instead."""
+    if (kind, reason) not in _reported:
+        _reported.add((kind, reason))
+        _log.warning("moeforge.hf: %s runs %s: %s", kind, instead, reason)
+
+
 def _is_silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")
 
@@ -386,10 +415,7 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     [T, K] (or [T, E], DeepSeek-V2 style). Returns [T, H] in hidden_states' dtype."""
     reason = unsupported_reason(module, hidden_states)
     if reason is not None:
-        key = (type(module).__name__, reason)
-        if key not in _reported:
-            _reported.add(key)
-            _log.warning("moeforge.hf: %s runs transformers' stock experts: %s", type(module).__name__, reason)
+        _report(type(module).__name__, reason, "transformers' stock experts")
         return _stock(module, hidden_states, top_k_index, top_k_weights)
     (activation, alpha, limit), _ = _layout(module)
     w_up, w_down, b_up, b_down = _weights(module)
@@ -405,6 +431,424 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
                   w_up.contiguous(), w_down.contiguous(), contiguous(b_up), contiguous(b_down), activation, alpha,
                   limit, bool(getattr(module, "is_transposed", False)))[0]
     return out.to(hidden_states.dtype)
+
+
+# --- the whole sparse MoE block (router, top-k, permute, experts, unpermute: one op) -------------------
+
+_SIGMOID_FIELDS = ("num_group", "topk_group", "routed_scaling_factor", "e_score_correction_bias")
+
+
+def _block_dims(hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, sigmoid: bool,
+                n_group: int, topk_group: int, routed_scaling_factor: float) -> dict:
+    return dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+                norm_topk_prob=norm_topk_prob, activation="swiglu", router="sigmoid" if sigmoid else "softmax",
+                n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+
+
+def _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor) -> dict:
+    return _block_dims(x.shape[1], gate_up.shape[1] // 2, gate_up.shape[0], top_k, norm_topk_prob, sigmoid, n_group,
+                       topk_group, routed_scaling_factor)
+
+
+@torch.library.custom_op("moeforge::moe_block", mutates_args=())
+def moe_block(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              correction_bias: Optional[torch.Tensor], top_k: int, norm_topk_prob: bool, sigmoid: bool, n_group: int,
+              topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed part of a sparse MoE block, whole: x [N, H], router [E, H], gate_up [E, 2I, H] (gate
+    rows first), down [E, H, I]; the softmax router (top-k of softmax(x · routerᵀ), renormalised with
+    norm_topk_prob) or, with `sigmoid`, DeepSeek-V3's (σ(x · routerᵀ) + correction_bias [E] f32 chosen
+    by groups, the weights renormalised and scaled). Returns y [N, H] = Σ_k w · expert(x) and the
+    activations the backward reads (an opaque int32 buffer of mf_moe_block_activation_bytes)."""
+    x, router, gate_up, down = (t.detach() for t in (x, router, gate_up, down))
+    dims = _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor)
+    acts = _bytes_tensor(ops.moe_block_activation_bytes(dims, x.shape[0], x.device.type), x.device)
+    y = torch.empty_like(x)
+    ops.moe_block_forward(dims, y, x, router, gate_up, down, correction_bias=correction_bias, workspace=acts,
+                          ctx=_context(x))
+    return y, acts
+
+
+@moe_block.register_fake
+def _(x, router, gate_up, down, correction_bias, top_k, norm_topk_prob, sigmoid, n_group, topk_group,
+      routed_scaling_factor):
+    N = x.shape[0]
+    if isinstance(N, int):
+        dims = _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor)
+        words = ops.moe_block_activation_bytes(dims, N, x.device.type) // 4
+    else:  # (a symbolic token count: the buffer's size is the op's own business)
+        words = torch.library.get_ctx().new_dynamic_size()
+    return torch.empty_like(x), x.new_empty(words, dtype=torch.int32)
+
+
+@torch.library.custom_op("moeforge::moe_block_backward", mutates_args=())
+def moe_block_backward(dy: torch.Tensor, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor, correction_bias: Optional[torch.Tensor], acts: torch.Tensor, top_k: int,
+                       norm_topk_prob: bool, sigmoid: bool, n_group: int, topk_group: int,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_block's gradients (d x, d router, d gate_up, d down), from the forward's activations; the
+    backward's scratch is torch's, for this call only."""
+    dy, x, router, gate_up, down, acts = (t.detach() for t in (dy, x, router, gate_up, down, acts))
+    dims = _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor)
+    N, device = x.shape[0], x.device.type
+    scratch = _bytes_tensor(ops.moe_block_workspace_bytes(dims, N, device) -
+                            ops.moe_block_activation_bytes(dims, N, device), x.device)
+    dx, drouter = torch.zeros_like(x), torch.zeros_like(router)  # (accumulated into)
+    dgate_up, ddown = torch.empty_like(gate_up), torch.empty_like(down)  # (written whole)
+    ops.moe_block_backward(dims, dx, drouter, dgate_up, ddown, dy, None, x, router, gate_up, down,
+                           correction_bias=correction_bias, workspace=acts, scratch=scratch,
+                           accumulate_expert_grads=False, ctx=_context(x))
+    return dx, drouter, dgate_up, ddown
+
+
+@moe_block_backward.register_fake
+def _(dy, x, router, gate_up, down, correction_bias, acts, top_k, norm_topk_prob, sigmoid, n_group, topk_group,
+      routed_scaling_factor):
+    return torch.empty_like(x), torch.empty_like(router), torch.empty_like(gate_up), torch.empty_like(down)
+
+
+def _block_setup_context(ctx, inputs, output):
+    x, router, gate_up, down, correction_bias = inputs[:5]
+    ctx.save_for_backward(x, router, gate_up, down, correction_bias, output[1])
+    ctx.options = inputs[5:]
+
+
+def _block_backward(ctx, dy, *_unused):
+    x, router, gate_up, down, correction_bias, acts = ctx.saved_tensors
+    grads = moe_block_backward(dy.contiguous(), x, router, gate_up, down, correction_bias, acts, *ctx.options)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+moe_block.register_autograd(_block_backward, setup_context=_block_setup_context)
+
+try:  # (transformers' record of which module outputs a forward collects: router logits for the aux loss)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - an older transformers
+    _active_collector = None
+
+
+def _router_logits_recorded() -> bool:
+    collected = _active_collector.get() if _active_collector is not None else None
+    return bool(collected) and "router_logits" in collected
+
+
+def _router(module: torch.nn.Module) -> tuple:
+    """(router spec, None) of a block's gate that moe_block computes, or (None, reason). The spec is
+    (weight, correction_bias, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor)."""
+    gate = getattr(module, "gate", None)
+    family = _FUSED_FAMILIES.get(type(module).__name__)
+    if family is None or type(gate).__name__ != family[1]:
+        return None, f"a gate of class {type(gate).__name__} (served: {family[1] if family else 'none'})"
+    weight, top_k = getattr(gate, "weight", None), getattr(gate, "top_k", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not isinstance(top_k, int):
+        return None, "a gate without a [E, H] weight and an integer top_k"
+    if getattr(gate, "bias", None) is not None:
+        return None, "a gate with a bias"
+    norm = bool(getattr(gate, "norm_topk_prob", True))  # (Mixtral's always renormalises)
+    if family[2] == "softmax":
+        return (weight, None, top_k, norm, False, 1, 1, 1.0), None
+    n_group, topk_group, scaling, bias = (getattr(gate, f, None) for f in _SIGMOID_FIELDS)
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
+        return None, "a sigmoid gate without an fp32 e_score_correction_bias"
+    return (weight, bias, top_k, norm, True, int(n_group), int(topk_group), float(scaling)), None
+
+
+def block_unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why a sparse MoE block cannot run as one moeforge op (it then runs its own forward, the experts
+    still on moeforge where they are served), or None when it can."""
+    spec, reason = _router(module)
+    if spec is None:
+        return reason
+    experts = getattr(module, "experts", None)
+    if not _is_experts_module(experts):
+        return f"experts of class {type(experts).__name__} (not stacked expert tensors)"
+    reason = unsupported_reason(experts, hidden_states)
+    if reason is not None:
+        return reason
+    layout, _ = _layout(experts)
+    w_up, w_down, b_up, _ = _weights(experts)
+    if layout[0] != "swiglu" or getattr(experts, "is_transposed", False) or b_up is not None:
+        return "experts other than untransposed SwiGLU without biases"
+    weight = spec[0]
+    if weight.dtype != w_up.dtype or weight.device != w_up.device or tuple(weight.shape) != (w_up.shape[0],
+                                                                                              w_up.shape[2]):
+        return f"a gate weight {tuple(weight.shape)} {weight.dtype} beside experts {tuple(w_up.shape)} {w_up.dtype}"
+    if spec[4] and spec[1].device != w_up.device:
+        return "the correction bias on another device"
+    if module.training and getattr(module, "jitter_noise", 0) > 0:
+        return "router jitter noise in training"
+    if hidden_states is not None and hidden_states.dtype != w_up.dtype:
+        return f"{hidden_states.dtype} hidden states with {w_up.dtype} experts"
+    return None
+
+
+def _routed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    spec, _ = _router(module)
+    weight, bias = spec[0], spec[1]
+    w_up, w_down, _, _ = _weights(module.experts)
+    return moe_block(x.contiguous(), weight.contiguous(), w_up.contiguous(), w_down.contiguous(),
+                     None if bias is None else bias.contiguous(), *spec[2:])[0]
+
+
+class _FusedMoeBlock:
+    """A transformers sparse MoE block whose routed part (router, top-k, permute, experts, unpermute)
+    is one moeforge op; shared experts stay the block's own modules. The same parameters, names and
+    submodules as the family's class (it is a subclass); its own forward where the op does not serve
+    it (a logged reason), or while transformers records the router logits (output_router_logits: the
+    aux loss reads them from the gate)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        reason = "router logits recorded" if _router_logits_recorded() else block_unsupported_reason(self,
+                                                                                                     hidden_states)
+        if reason is not None or hidden_states.numel() == 0:
+            if reason is not None:
+                _report(type(self).__name__, reason, "its own forward")
+            return super().forward(hidden_states)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        y = _routed(self, x)
+        shared = _FUSED_FAMILIES[type(self).__name__][3]
+        if shared == "gated_shared_expert":  # Qwen2-MoE
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif shared == "shared_experts":  # DeepSeek-V3, GLM-4.5
+            y = y + self.shared_experts(x)
+        return y.reshape(shape)
+
+
+# The sparse MoE blocks served whole: class -> (modeling module, gate class, router, shared experts).
+FUSED_BLOCKS = {
+    "Qwen3MoeSparseMoeBlock": ("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", None),
+    "Qwen2MoeSparseMoeBlock": ("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", "gated_shared_expert"),
+    "MixtralSparseMoeBlock": ("mixtral", "MixtralTopKRouter", "softmax", None),
+    "OlmoeSparseMoeBlock": ("olmoe", "OlmoeTopKRouter", "softmax", None),
+    "DeepseekV3MoE": ("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", "shared_experts"),
+    "Glm4MoeMoE": ("glm4_moe", "Glm4MoeTopkRouter", "sigmoid", "shared_experts"),
+}
+_FUSED_FAMILIES: Dict[str, tuple] = {}  # the fused classes' names (and the stock ones') -> FUSED_BLOCKS' row
+_FUSED_OF: Dict[type, type] = {}  # stock class -> its fused subclass
+
+
+def _make_fused_classes() -> None:
+    import importlib
+    for name, row in FUSED_BLOCKS.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{row[0]}.modeling_{row[0]}")
+        except ImportError:
+            continue
+        stock = getattr(module, name, None)
+        if not isinstance(stock, type):
+            continue
+        fused = type(name, (_FusedMoeBlock, stock), {"__module__": __name__, "__qualname__": f"Fused{name}",
+                                                     "__doc__": f"{name} with its routed part on moeforge.moe_block"})
+        _FUSED_OF[stock] = fused
+        _FUSED_FAMILIES[name] = row
+
+
+_make_fused_classes()
+
+
+def _register_block_patches() -> None:
+    try:
+        from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
+    except ImportError:  # pragma: no cover - an older transformers
+        return
+    taken = get_patch_mapping()
+    for stock, fused in _FUSED_OF.items():
+        if stock.__name__ in taken and taken[stock.__name__] is not fused:
+            _log.warning("moeforge.hf: %s already has a patch mapping (%s): its blocks are not fused",
+                         stock.__name__, taken[stock.__name__].__name__)
+            continue
+        register_patch_mapping({stock.__name__: fused}, overwrite=True)
+
+
+def _unregister_block_patches() -> None:
+    try:
+        from transformers.monkey_patching import get_patch_mapping, unregister_patch_mapping
+    except ImportError:  # pragma: no cover
+        return
+    taken = get_patch_mapping()
+    unregister_patch_mapping([n for n, cls in taken.items() if cls in _FUSED_OF.values()])
+
+
+def _fuse_blocks(model: torch.nn.Module, fuse: bool = True) -> None:
+    """Swaps the class of each sparse MoE block of `model` to its fused subclass (fuse=False: back)."""
+    stock_of = {fused: stock for stock, fused in _FUSED_OF.items()}
+    for sub in model.modules():
+        swapped = _FUSED_OF.get(type(sub)) if fuse else stock_of.get(type(sub))
+        if swapped is not None:
+            sub.__class__ = swapped
+
+
+# --- attention (AttentionInterface "moeforge", with its AttentionMaskInterface entry) -------------------
+#
+# The mask function hands the attention the mask in the form moeforge's kernels take: None for the
+# plain causal mask, or document ids [B, T] int32 (packed sequences, from position_ids; a padded
+# batch, each padding token its own document) where a token attends to the earlier tokens of its
+# own document. Anything else (sliding windows, KV caches, padding inside a row, custom mask
+# functions) gets transformers' sdpa mask, and the attention runs torch's SDPA with it. The plain
+# causal mask runs torch's SDPA too (cuDNN's flash attention, faster at these shapes than
+# moeforge's own kernel); documents run moeforge's kernel, which skips the blocks between documents
+# instead of reading a [B, 1, T, T] mask.
+
+@torch.library.custom_op("moeforge::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              doc_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal GQA attention, token-major: q [B, T, Hq, D], k and v [B, T, Hkv, D] (contiguous), doc_ids
+    [B, T] int32 or None; scale 1/sqrt(D). Returns out [B, T, Hq, D] and the row log-sum-exps [B, Hq,
+    T] fp32 (what the backward reads)."""
+    q, k, v = q.detach(), k.detach(), v.detach()
+    B, T, Hq, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if q.numel() > 0:
+        ops.attention_forward(out, lse, q, k, v, doc_ids, B, T, Hq, k.shape[2], ctx=_context(q))
+    return out, lse
+
+
+@attention.register_fake
+def _(q, k, v, doc_ids):
+    B, T, Hq, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, Hq, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("moeforge::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, doc_ids: Optional[torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention's gradients (d q, d k, d v)."""
+    dout, q, k, v, out, lse = (t.detach() for t in (dout, q, k, v, out, lse))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() > 0:
+        B, T, Hq, _ = q.shape
+        ops.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, doc_ids, B, T, Hq, k.shape[2], ctx=_context(q))
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, doc_ids):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, doc_ids = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], doc_ids)
+
+
+def _attention_backward(ctx, dout, *_unused):
+    q, k, v, out, lse, doc_ids = ctx.saved_tensors
+    return (*attention_backward(dout.contiguous(), q, k, v, out, lse, doc_ids), None)
+
+
+attention.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+
+from transformers import masking_utils as _masking  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as _sdpa  # noqa: E402
+
+
+def _packed_document_ids(mask_function) -> Optional[torch.Tensor]:
+    """The document ids of create_causal_mask's packed-sequence mask function (causal AND same
+    packed sequence, transformers' find_packed_sequence_indices), or None for any other function."""
+
+    def free_vars(f) -> dict:
+        code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+        return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}
+
+    parts = free_vars(mask_function).get("mask_functions")
+    if getattr(mask_function, "__name__", "") != "and_mask" or not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    if parts[0] is not _masking.causal_mask_function or getattr(parts[1], "__name__", "") != "inner_mask":
+        return None
+    docs = free_vars(parts[1]).get("packed_sequence_mask")
+    return docs if isinstance(docs, torch.Tensor) and docs.dim() == 2 else None
+
+
+def _padding_document_ids(valid: torch.Tensor) -> Optional[torch.Tensor]:
+    """Document ids for a padding mask valid [B, T] whose real tokens are one run per row (left or right
+    padding): the run one document, every padding token its own; None (plain causal) when nothing is
+    padded, or the string "interior" when a row's real tokens are split."""
+    starts = torch.ones_like(valid)
+    starts[:, 1:] = ~valid[:, 1:] | ~valid[:, :-1]  # (a token after padding, or padding, starts a document)
+    runs = (valid & starts).sum(1)
+    flags = torch.stack([valid.all(), (runs > 1).any()]).tolist()  # (one device sync per forward)
+    if flags[0]:
+        return None
+    if flags[1]:
+        return "interior"
+    return (starts.cumsum(1) - 1).to(torch.int32)
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                   mask_function=_masking.causal_mask_function, attention_mask: Optional[torch.Tensor] = None,
+                   **kwargs):
+    """transformers' AttentionMaskInterface entry "moeforge" (see the section's comment)."""
+
+    def stock():
+        return _masking.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                                  kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                                  **kwargs)
+
+    plain = mask_function is _masking.causal_mask_function
+    if (kwargs.get("local_size") is not None or kwargs.get("use_vmap") or q_length != kv_length
+            or not isinstance(q_offset, int) or q_offset != 0 or kv_offset != 0):
+        return stock()
+    if plain and attention_mask is None:
+        return None
+    if plain:
+        if torch.compiler.is_compiling():  # (no data-dependent branch in a graph: transformers' mask)
+            return stock()
+        docs = _padding_document_ids(attention_mask[:, -kv_length:].bool())
+        return stock() if isinstance(docs, str) else docs
+    docs = _packed_document_ids(mask_function) if attention_mask is None else None
+    return stock() if docs is None else docs.to(torch.int32)
+
+
+def attention_unsupported_reason(module, query, key, value, dropout: float, scaling: Optional[float],
+                                 kwargs: dict) -> Optional[str]:
+    """Why moeforge's attention kernel cannot serve this call (it then runs torch's SDPA), or None."""
+    B, Hq, T, D = query.shape
+    want = _served_dtype(query.device.type)
+    if want is None or query.dtype != want or key.dtype != want or value.dtype != want:
+        return f"{query.dtype} attention on {query.device.type}"
+    if query.device.type == "cuda" and (not _HAS_CUDA or D not in (64, 128)):
+        return f"head dim {D} on the GPU (served: 64, 128)" if _HAS_CUDA else "moeforge was built without CUDA"
+    if key.shape[-1] != D or value.shape[-1] != D or key.shape[2] != T or Hq % key.shape[1] != 0:
+        return f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if scaling is not None and abs(scaling * math.sqrt(D) - 1.0) > 1e-6:
+        return f"scaling {scaling} (moeforge's is 1/sqrt({D}))"
+    if dropout > 0:
+        return f"attention dropout {dropout}"
+    for key_name in ("sliding_window", "softcap", "s_aux", "position_bias"):
+        if kwargs.get(key_name) is not None:
+            return f"{key_name} (not served)"
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+        return "non-causal attention"
+    return None
+
+
+def _document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """The [B, 1, T, T] boolean mask of document ids (causal within documents), for SDPA."""
+    T = docs.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      **kwargs):
+    """transformers' AttentionInterface entry "moeforge": query [B, Hq, T, D], key and value [B, Hkv,
+    T, D]; returns ([B, T, Hq, D], None)."""
+    docs = attention_mask if attention_mask is not None and attention_mask.dtype == torch.int32 else None
+    if docs is None or kwargs.get("output_attentions", False):
+        if docs is not None:
+            attention_mask = _document_mask(docs)
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    reason = attention_unsupported_reason(module, query, key, value, dropout if module.training else 0.0, scaling,
+                                          kwargs)
+    if reason is not None:
+        _report(type(module).__name__, reason, "torch's SDPA")
+        return _sdpa(module, query, key, value, _document_mask(docs), dropout=dropout, scaling=scaling, **kwargs)
+    out, _ = attention(query.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
+                       value.transpose(1, 2).contiguous(), docs.contiguous())
+    return out, None
 
 
 # --- RMSNorm -------------------------------------------------------------------------------------------
@@ -639,7 +1083,10 @@ def _disable_fused_loss(model: torch.nn.Module) -> None:
 # --- registration and the default ----------------------------------------------------------------------
 
 _hf_moe.ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+modeling_utils.AttentionInterface.register(IMPLEMENTATION, attention_forward)
+_masking.AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
 _stock_default = modeling_utils.PreTrainedModel.get_correct_experts_implementation
+_stock_attention_default = modeling_utils.PreTrainedModel.get_correct_attn_implementation
 _enabled = False
 
 
@@ -651,24 +1098,39 @@ def _default_to_moeforge(self, requested_experts=None, *args, **kwargs):
     return _stock_default(self, requested_experts, *args, **kwargs)
 
 
+def _attention_default_to_moeforge(self, requested_attention=None, *args, **kwargs):
+    # (where transformers would choose SDPA by default: moeforge's attention, which is SDPA for the
+    # plain causal mask and moeforge's kernel for documents)
+    chosen = _stock_attention_default(self, requested_attention, *args, **kwargs)
+    return IMPLEMENTATION if requested_attention is None and chosen == "sdpa" else chosen
+
+
 def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] = None) -> None:
-    """Without a model: "moeforge" becomes the default experts implementation of models created
-    from now on (what the import does). With one: that model's experts run on moeforge now, and with
-    fused_loss=True its loss too (the LM head and cross-entropy fused, the logits never formed; the
-    forward then returns logits=None when given labels); fused_loss=False restores its own."""
+    """Without a model: moeforge becomes the default of models created from now on (what the import
+    does): their experts, sparse MoE blocks (FUSED_BLOCKS, through transformers' patch mapping),
+    RMSNorm and, where transformers would pick SDPA, attention. With one: that model's experts, blocks,
+    RMSNorm and SDPA attention run on moeforge now, and with fused_loss=True its loss too (the LM head
+    and cross-entropy fused, the logits never formed; the forward then returns logits=None when given
+    labels); fused_loss=False restores its own."""
     global _enabled
     if model is None:
         if fused_loss is not None:
             raise ValueError("moeforge.hf.enable: fused_loss is per model: enable(model, fused_loss=True)")
         modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
+        modeling_utils.PreTrainedModel.get_correct_attn_implementation = _attention_default_to_moeforge
+        _register_block_patches()
         _enabled = True
         return
     _patch_norms({type(m) for m in model.modules()})
+    _fuse_blocks(model)
     setter = getattr(model, "set_experts_implementation", None)
     if callable(setter):
         setter(IMPLEMENTATION)
     else:
         model.config._experts_implementation = IMPLEMENTATION
+    if getattr(model.config, "_attn_implementation", None) == "sdpa" and callable(
+            getattr(model, "set_attn_implementation", None)):
+        model.set_attn_implementation(IMPLEMENTATION)
     if fused_loss:
         _enable_fused_loss(model)
     elif fused_loss is False:
@@ -676,10 +1138,13 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
 
 
 def disable() -> None:
-    """transformers' stock default again for models created from now on (models already made keep
-    theirs; `model.set_experts_implementation("grouped_mm")` switches one back)."""
+    """transformers' stock defaults again for models created from now on (models already made keep
+    theirs; `model.set_experts_implementation("grouped_mm")` and `model.set_attn_implementation("sdpa")`
+    switch one back)."""
     global _enabled
     modeling_utils.PreTrainedModel.get_correct_experts_implementation = _stock_default
+    modeling_utils.PreTrainedModel.get_correct_attn_implementation = _stock_attention_default
+    _unregister_block_patches()
     _unpatch_norms()
     _enabled = False
 
@@ -689,23 +1154,31 @@ def is_enabled() -> bool:
 
 
 def status(model: torch.nn.Module) -> Dict[str, Any]:
-    """What runs where: the model's experts implementation, and for each experts module
-    (by class) how many there are and whether moeforge serves them (or why not)."""
+    """What runs where: the model's experts and attention implementations; for each experts module
+    and each sparse MoE block (by class) how many there are and whether moeforge serves them (or why
+    not); the RMSNorm classes patched; whether the fused loss is on."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_experts_implementation", None) if config is not None else None
-    modules: Dict[str, Dict[str, Any]] = {}
-    for sub in model.modules():
-        if not _is_experts_module(sub):
-            continue
-        entry = modules.setdefault(type(sub).__name__, {"count": 0, "moeforge": True, "reason": None})
+
+    def tally(entries: Dict[str, Dict[str, Any]], sub, reason: Optional[str]) -> None:
+        entry = entries.setdefault(type(sub).__name__, {"count": 0, "moeforge": True, "reason": None})
         entry["count"] += 1
-        reason = unsupported_reason(sub)
         if reason is not None:
             entry["moeforge"], entry["reason"] = False, reason
+
+    modules: Dict[str, Dict[str, Any]] = {}
+    blocks: Dict[str, Dict[str, Any]] = {}
+    for sub in model.modules():
+        if _is_experts_module(sub):
+            tally(modules, sub, unsupported_reason(sub))
+        if type(sub).__name__ in FUSED_BLOCKS:
+            fused = isinstance(sub, _FusedMoeBlock)
+            tally(blocks, sub, block_unsupported_reason(sub) if fused else "not patched (created before the import?)")
     norms = sorted({type(m).__name__ for m in model.modules() if type(m) in _stock_norm_forwards})
     return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
-            "patched": impl == IMPLEMENTATION, "modules": modules, "rms_norm": norms,
-            "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
+            "patched": impl == IMPLEMENTATION, "modules": modules, "moe_blocks": blocks,
+            "attention": getattr(config, "_attn_implementation", None) if config is not None else None,
+            "rms_norm": norms, "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
 
 
 enable()

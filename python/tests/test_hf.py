@@ -46,9 +46,9 @@ def use(model, impl):
     assert model.config._experts_implementation == impl
 
 
-def loss_and_grads(model, ids):
+def loss_and_grads(model, ids, labels=None, **inputs):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids if labels is None else labels, **inputs)
     out.loss.backward()
     return out.loss.detach().double().item(), {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()
                                                 if p.grad is not None}
@@ -58,19 +58,21 @@ def rel_l2(a, b):
     return float((a - b).norm() / max(b.norm(), 1e-30))
 
 
-def compare_impls(model, ids, stock, loss_rtol, grad_rel):
-    """The model all stock (its experts on `stock`, its RMSNorms transformers' own) against all on
-    moeforge (experts and RMSNorms)."""
+def compare_impls(model, ids, stock, loss_rtol, grad_rel, **inputs):
+    """The model all stock (its experts on `stock`, its sparse MoE blocks and RMSNorms transformers'
+    own) against all on moeforge (experts, blocks and RMSNorms)."""
+    mhf._fuse_blocks(model, fuse=False)
     classes = {type(m) for m in model.modules()}
     mhf._unpatch_norms()
     try:
         use(model, stock)
-        ref_loss, ref_grads = loss_and_grads(model, ids)
+        ref_loss, ref_grads = loss_and_grads(model, ids, **inputs)
     finally:
         mhf._patch_norms(classes)
+        mhf._fuse_blocks(model)
     assert any(type(m).forward is mhf._norm_forward for m in model.modules()), "no RMSNorm on moeforge"
     use(model, mhf.IMPLEMENTATION)
-    loss, grads = loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids, **inputs)
     assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
     experts = [n for n in grads if "experts" in n]
@@ -485,3 +487,203 @@ def test_hf_trainer_with_gradient_accumulation_equals_stock(tmp_path):
         assert rel_l2(got[n], stock[n]) <= 1e-5, (n, rel_l2(got[n], stock[n]))
         moved += int(not torch.equal(got[n], initial[n]))
     assert moved > 0, "training moved no weight: the comparison would check nothing"
+
+
+# --- the whole sparse MoE block (moeforge::moe_block, through transformers' patch mapping) -------------
+
+def make_block_family(name, seed=0):
+    """A tiny model of each family whose sparse MoE block moeforge.hf runs whole (two layers where the
+    family has a dense first layer), its correction bias (sigmoid routers) made non-zero."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
+    if name == "qwen3_moe":
+        return make_model(seed=seed)
+    if name == "qwen2_moe":
+        config = tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, num_hidden_layers=1, num_key_value_heads=2,
+                                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                   router_aux_loss_coef=0.0)
+        cls = tf.Qwen2MoeForCausalLM
+    elif name == "mixtral":
+        config = tf.MixtralConfig(**common, intermediate_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                                  head_dim=16, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0)
+        cls = tf.MixtralForCausalLM
+    elif name == "olmoe":
+        config = tf.OlmoeConfig(**common, intermediate_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                                num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0)
+        cls = tf.OlmoeForCausalLM
+    elif name == "deepseek_v3":
+        config = tf.DeepseekV3Config(**common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                                     first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=8,
+                                     num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                     routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=None,
+                                     kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        cls = tf.DeepseekV3ForCausalLM
+    else:
+        config = tf.Glm4MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                                  first_k_dense_replace=1, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True)
+        cls = tf.Glm4MoeForCausalLM
+    model = cls._from_config(config)
+    with torch.no_grad():
+        for m in model.modules():
+            bias = getattr(m, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(0.1 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return model
+
+
+BLOCK_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe"]
+
+
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_block_fused_and_cpu_fp32_equals_stock_eager(family):
+    model = make_block_family(family)
+    blocks = mhf.status(model)["moe_blocks"]
+    assert blocks and all(e["moeforge"] for e in blocks.values()), blocks
+    assert all(isinstance(m, mhf._FusedMoeBlock) for m in model.modules() if type(m).__name__ in mhf.FUSED_BLOCKS)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = mhf.ops.moe_block_forward
+    mhf.ops.moe_block_forward = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        compare_impls(model, ids, "eager", 1e-6, 1e-5)
+    finally:
+        mhf.ops.moe_block_forward = real
+    assert calls, "the fused block never ran: the comparison would check nothing"
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", BLOCK_FAMILIES)
+def test_block_fused_cuda_bf16_equals_stock_grouped_mm(family):
+    model = make_block_family(family).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4)).cuda()
+    compare_impls(model, ids, "grouped_mm", 2e-2, 3e-2)
+
+
+def test_block_runs_its_own_forward_when_router_logits_are_recorded_and_after_disable():
+    model = make_model(router_aux_loss_coef=0.01)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert out.router_logits is not None and len(out.router_logits) == 1 and out.aux_loss is not None
+    mhf.disable()
+    try:
+        stock = make_model()
+        assert not any(isinstance(m, mhf._FusedMoeBlock) for m in stock.modules())
+        assert all(not e["moeforge"] for e in mhf.status(stock)["moe_blocks"].values())
+    finally:
+        mhf.enable()
+    mhf.enable(stock)  # an existing model: its blocks swapped in place
+    assert all(e["moeforge"] for e in mhf.status(stock)["moe_blocks"].values())
+
+
+def block_op_args(device, dtype, sigmoid=False, N=12):
+    g = torch.Generator().manual_seed(3)
+    E, H, I = 6, 16, 8
+    t = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=g)).to(device, dtype).requires_grad_()  # noqa: E731
+    bias = (0.1 * torch.randn(E, generator=g)).to(device) if sigmoid else None
+    return (t(N, H), t(E, H), t(E, 2 * I, H, s=0.3), t(E, H, I, s=0.3), bias, 2, True, sigmoid, 2 if sigmoid else 1,
+            1, 2.5 if sigmoid else 1.0)
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_opcheck_moe_block_cpu(sigmoid):
+    # (the activation buffer is opaque, its alignment padding unset: outputs are not compared bitwise)
+    torch.library.opcheck(torch.ops.moeforge.moe_block.default, block_op_args("cpu", torch.float32, sigmoid),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_opcheck_moe_block_cuda(sigmoid):
+    torch.library.opcheck(torch.ops.moeforge.moe_block.default, block_op_args("cuda", torch.bfloat16, sigmoid),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# --- attention (AttentionInterface / AttentionMaskInterface "moeforge") --------------------------------
+
+def attention_inputs(kind, B=2, T=24, device="cpu"):
+    """input ids, and the padding mask or packed position ids of each kind, with labels that ignore
+    the padding."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 96, (B, T), generator=g).to(device)
+    labels = ids.clone()
+    extra = {}
+    if kind in ("right_padding", "left_padding"):
+        mask = torch.ones(B, T, dtype=torch.long)
+        if kind == "right_padding":
+            mask[0, T - 7:] = 0
+        else:
+            mask[1, :5] = 0
+        labels[mask.to(device) == 0] = -100
+        extra["attention_mask"] = mask.to(device)
+    elif kind == "packed":
+        lengths = [[7, 9, 8], [24]][:B]
+        extra["position_ids"] = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).to(
+            device)
+    return ids, labels, extra
+
+
+def count_calls(monkeypatch, name):
+    calls = []
+    real = getattr(mhf.ops, name)
+    monkeypatch.setattr(mhf.ops, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+def attention_vs_sdpa(model, kind, device, loss_rtol, grad_rel, monkeypatch):
+    ids, labels, extra = attention_inputs(kind, device=device)
+    model.set_attn_implementation("sdpa")
+    ref_loss, ref_grads = loss_and_grads(model, ids, labels, **extra)
+    model.set_attn_implementation("moeforge")
+    calls = count_calls(monkeypatch, "attention_forward")
+    loss, grads = loss_and_grads(model, ids, labels, **extra)
+    assert bool(calls) == (kind != "plain"), f"moeforge's kernel ran {len(calls)} times for {kind}"
+    assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert rel_l2(grads[n], ref_grads[n]) <= grad_rel, (n, rel_l2(grads[n], ref_grads[n]))
+
+
+def test_attention_is_the_default_and_falls_back_by_name():
+    model = make_model()
+    assert model.config._attn_implementation == "moeforge" and mhf.status(model)["attention"] == "moeforge"
+    from transformers import Qwen3MoeForCausalLM
+    explicit = Qwen3MoeForCausalLM._from_config(tiny_config(), attn_implementation="eager")
+    assert explicit.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("kind", ["plain", "right_padding", "left_padding", "packed"])
+def test_attention_cpu_fp32_equals_sdpa(kind, monkeypatch):
+    attention_vs_sdpa(make_model(), kind, "cpu", 1e-6, 1e-5, monkeypatch)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["plain", "right_padding", "left_padding", "packed"])
+def test_attention_cuda_bf16_equals_sdpa(kind, monkeypatch):
+    model = make_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    attention_vs_sdpa(model.to("cuda", torch.bfloat16), kind, "cuda", 2e-2, 3e-2, monkeypatch)
+
+
+def test_attention_padding_inside_a_row_runs_sdpa_with_its_mask(monkeypatch):
+    model = make_model()
+    ids, labels, extra = attention_inputs("right_padding")
+    extra["attention_mask"][1, 10:12] = 0  # a hole: no document layout expresses it
+    labels[1, 10:12] = -100
+    model.set_attn_implementation("sdpa")
+    ref_loss, _ = loss_and_grads(model, ids, labels, **extra)
+    model.set_attn_implementation("moeforge")
+    calls = count_calls(monkeypatch, "attention_forward")
+    loss, _ = loss_and_grads(model, ids, labels, **extra)
+    assert not calls and abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+
+
+def test_opcheck_attention_cpu():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 10, h, 16, generator=g).requires_grad_() for h in (4, 2, 2))
+    docs = torch.tensor([[0] * 4 + [1] * 6, [0] * 10], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.moeforge.attention.default, (q, k, v, docs))
+    torch.library.opcheck(torch.ops.moeforge.attention.default, (q, k, v, None))
