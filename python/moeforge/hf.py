@@ -83,8 +83,8 @@ def _context(t: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> Optio
 
 
 def _bytes_tensor(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A torch-allocated buffer of nbytes (a multiple of 4) for a C API workspace (torch's allocator
-    aligns it to 512 bytes, and counts it)."""
+    """A torch-allocated buffer of nbytes (a multiple of 4) for a C API workspace (torch's allocators
+    align it as the C API asks: 512 bytes on a GPU, 64 on the CPU; and torch counts it)."""
     return torch.empty(nbytes // 4, dtype=torch.int32, device=device)
 
 

@@ -559,9 +559,16 @@ def test_block_fused_and_cpu_fp32_equals_stock_eager(family):
 @needs_cuda
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
 def test_block_fused_cuda_bf16_equals_stock_grouped_mm(family):
-    model = make_block_family(family).to("cuda", torch.bfloat16)
+    model = make_block_family(family)
+    # Router logits of a freshly initialised gate (std 0.02) nearly tie: stock rounds them to bf16
+    # before its top-k, moeforge keeps fp32, and a near-tie token picks other experts in the two.
+    # Gates at std 1 keep the comparison about the arithmetic rather than about tie-breaking.
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ in mhf.FUSED_BLOCKS:
+                m.gate.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(5))
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4)).cuda()
-    compare_impls(model, ids, "grouped_mm", 2e-2, 3e-2)
+    compare_impls(model.to("cuda", torch.bfloat16), ids, "grouped_mm", 2e-2, 3e-2)
 
 
 def test_block_runs_its_own_forward_when_router_logits_are_recorded_and_after_disable():
@@ -618,12 +625,17 @@ def attention_inputs(kind, B=2, T=24, device="cpu"):
             mask[0, T - 7:] = 0
         else:
             mask[1, :5] = 0
-        labels[mask.to(device) == 0] = -100
+        # (the loss of a position whose input is padding is left out: transformers' mask and
+        # moeforge's documents give padding queries different, unused, outputs)
+        after_padding = torch.cat([torch.zeros(B, 1, dtype=torch.long), 1 - mask[:, :-1]], 1)
+        labels[(mask == 0).to(device) | (after_padding == 1).to(device)] = -100
         extra["attention_mask"] = mask.to(device)
     elif kind == "packed":
         lengths = [[7, 9, 8], [24]][:B]
         extra["position_ids"] = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths]).to(
             device)
+    # (no KV cache: transformers reads packed position_ids only without one, as in training)
+    extra["use_cache"] = False
     return ids, labels, extra
 
 

@@ -21,7 +21,9 @@ using mf::capi::Want;
 
 namespace {
 
-constexpr size_t kWorkspaceAlignment = 256;
+// A caller buffer's alignment: 256 bytes for the GPU kernels' vector loads, 64 on the CPU (what
+// framework CPU allocators give).
+size_t buffer_alignment(Device device) { return device == Device::cuda ? 256 : 64; }
 
 mf::model::MoeDims dims_of(const char* op, const mf_moe_dims* dims) {
     if (dims == nullptr) refuse(op, ": dims is required (got NULL)");
@@ -102,8 +104,8 @@ Arena borrowed_arena(OpCall& call, const mf_tensor* buffer, const char* name, si
     const Tensor ws = call.tensor(buffer, name, Want::any);
     if (ws.nbytes() < need)
         refuse(call.op(), ": ", name, " holds ", ws.nbytes(), " bytes; ", N, " tokens need ", what, " = ", need);
-    if (reinterpret_cast<uintptr_t>(ws.data()) % kWorkspaceAlignment != 0)
-        refuse(call.op(), ": ", name, " is not ", kWorkspaceAlignment, "-byte aligned");
+    if (reinterpret_cast<uintptr_t>(ws.data()) % buffer_alignment(call.device()) != 0)
+        refuse(call.op(), ": ", name, " is not ", buffer_alignment(call.device()), "-byte aligned");
     return Arena::borrowing(ws.data(), ws.nbytes(), call.device());
 }
 
