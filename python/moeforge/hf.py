@@ -419,18 +419,250 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
         return _stock(module, hidden_states, top_k_index, top_k_weights)
     (activation, alpha, limit), _ = _layout(module)
     w_up, w_down, b_up, b_down = _weights(module)
-    num_experts = w_up.shape[0]
+    index, weights = _valid_routing(top_k_index, top_k_weights, w_up.shape[0])
+    contiguous = (lambda t: None if t is None else t.contiguous())  # (no copies for ordinary parameters)
+    out = experts(hidden_states.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(),
+                  contiguous(b_up), contiguous(b_down), activation, alpha, limit,
+                  bool(getattr(module, "is_transposed", False)))[0]
+    return out.to(hidden_states.dtype)
+
+
+def _valid_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int) -> tuple:
+    """The experts ops' routing arguments: int32 indices in [0, E) and fp32 weights [T, K], an index
+    outside [0, E) (expert parallelism's sentinel) mapped to expert 0 with weight 0; top_k_weights
+    [T, E] (DeepSeek-V2 style) gathered at the chosen experts."""
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
     index = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
     weights = top_k_weights
-    if weights.shape != top_k_index.shape:  # [T, E]: the weight of each chosen expert
+    if weights.shape != top_k_index.shape:
         weights = weights.gather(1, index)
-    weights = weights.float() * valid
-    contiguous = (lambda t: None if t is None else t.contiguous())  # (no copies for ordinary parameters)
-    out = experts(hidden_states.contiguous(), index.to(torch.int32).contiguous(), weights.contiguous(),
-                  w_up.contiguous(), w_down.contiguous(), contiguous(b_up), contiguous(b_down), activation, alpha,
-                  limit, bool(getattr(module, "is_transposed", False)))[0]
-    return out.to(hidden_states.dtype)
+    return index.to(torch.int32).contiguous(), (weights.float() * valid).contiguous()
+
+
+# --- PEFT LoRA on the experts (target_parameters): the base and rank-r products apart ------------------
+#
+# PEFT 0.21 wraps an experts module whose gate_up_proj / down_proj are LoRA targets in ParamWrappers
+# that, for each forward, parametrise the stacked weight as W + s·B·A (a copy of the whole expert
+# stack). moeforge.hf replaces ParamWrapper.forward while it is on: where the innermost module is a
+# served experts module and each wrapper has one active, unmerged adapter, the experts run as
+# moeforge::experts_lora, which adds s·(x·Aᵀ)·Bᵀ to each projection with two rank-r grouped GEMMs and
+# never forms W + B·A; the gradients of A and B (and of W, only where it trains) come from the
+# op's own backward. Anything else runs PEFT's forward.
+
+def _lora_project(out, inp, w, a, b, scale: float, offsets, ctx) -> None:
+    """out [M, OC] = inp · W[e]ᵀ (+ scale · (inp · A[e]ᵀ) · B[e]ᵀ with A [E, r, C], B [E, OC, r])."""
+    _project(out, inp, w, offsets, False, ctx)
+    if a is not None:
+        t = inp.new_empty(inp.shape[0], a.shape[1])
+        ops.grouped_gemm_forward(t, inp, a, offsets, ctx=ctx)
+        extra = torch.empty_like(out)
+        ops.grouped_gemm_forward(extra, t, b, offsets, ctx=ctx)
+        out.add_(extra, alpha=scale)
+
+
+def _lora_project_backward(d_inp, d_out, inp, w, a, b, scale: float, offsets, need_w: bool, ctx) -> tuple:
+    """d_inp [M, C] written; returns (d W or an empty tensor, d A, d B; empty without LoRA)."""
+    empty = d_out.new_empty(0)
+    dw = empty
+    if need_w:
+        dw = torch.empty_like(w)
+        _project_weight_grad(dw, d_out, inp, offsets, False, ctx)
+    _project_input_grad(d_inp, d_out, w, offsets, False, ctx)
+    if a is None:
+        return dw, empty, empty
+    t = inp.new_empty(inp.shape[0], a.shape[1])
+    ops.grouped_gemm_forward(t, inp, a, offsets, ctx=ctx)
+    db = torch.empty_like(b)
+    ops.grouped_gemm_weight_grad(db, d_out, t, offsets, ctx=ctx)
+    dt = torch.empty_like(t)
+    ops.grouped_gemm_input_grad(dt, d_out, b, offsets, ctx=ctx)
+    dt.mul_(scale)
+    da = torch.empty_like(a)
+    ops.grouped_gemm_weight_grad(da, dt, inp, offsets, ctx=ctx)
+    ops.grouped_gemm_input_grad(d_inp, dt, a, offsets, accumulate=True, ctx=ctx)
+    return dw, da, db.mul_(scale)
+
+
+@torch.library.custom_op("moeforge::experts_lora", mutates_args=())
+def experts_lora(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, a_up: Optional[torch.Tensor], b_up: Optional[torch.Tensor],
+                 a_down: Optional[torch.Tensor], b_down: Optional[torch.Tensor], scale_up: float, scale_down: float,
+                 activation: str, alpha: float, limit: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moeforge::experts (untransposed, without biases) with LoRA on either projection: w_up [E, P, H]
+    gets scale_up · b_up [E, P, r] · a_up [E, r, H], w_down [E, H, I] scale_down · b_down [E, H, r] ·
+    a_down [E, r, I] (either pair None: no LoRA there), each as its own rank-r products. Returns what
+    moeforge::experts returns."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moeforge::experts_lora: activation {activation!r}, expected one of {ACTIVATIONS}")
+    hidden, top_k_weights, w_up, w_down = (t.detach() for t in (hidden, top_k_weights, w_up, w_down))
+    a_up, b_up, a_down, b_down = (None if t is None else t.detach() for t in (a_up, b_up, a_down, b_down))
+    T, H = hidden.shape
+    K = top_k_index.shape[1]
+    E, P = w_up.shape[0], w_up.shape[1]
+    ctx = _context(hidden)
+    offsets, sorted_pair, pair_row = _permute(top_k_index, E, ctx)
+    h_perm, y_perm, out = hidden.new_empty(T * K, P), hidden.new_empty(T * K, H), hidden.new_empty(T, H)
+    if T == 0:
+        return out, offsets.zero_(), sorted_pair, pair_row, h_perm, y_perm
+    x_perm = _gather(hidden, sorted_pair, K, ctx)
+    _lora_project(h_perm, x_perm, w_up, a_up, b_up, scale_up, offsets, ctx)
+    a_perm = _activate(h_perm, activation, alpha, limit, ctx)
+    _lora_project(y_perm, a_perm, w_down, a_down, b_down, scale_down, offsets, ctx)
+    ops.moe_unpermute(out, y_perm, top_k_weights, pair_row, ctx=ctx)
+    return out, offsets, sorted_pair, pair_row, h_perm, y_perm
+
+
+@experts_lora.register_fake
+def _(hidden, top_k_index, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, scale_up, scale_down, activation,
+      alpha, limit):
+    T, H = hidden.shape
+    n = top_k_index.numel()
+    i32 = dict(dtype=torch.int32, device=hidden.device)
+    return (hidden.new_empty(T, H), torch.empty(w_up.shape[0] + 1, **i32), torch.empty(n, **i32),
+            torch.empty(n, **i32), hidden.new_empty(n, w_up.shape[1]), hidden.new_empty(n, H))
+
+
+@torch.library.custom_op("moeforge::experts_lora_backward", mutates_args=())
+def experts_lora_backward(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor, w_up: torch.Tensor,
+                          w_down: torch.Tensor, a_up: Optional[torch.Tensor], b_up: Optional[torch.Tensor],
+                          a_down: Optional[torch.Tensor], b_down: Optional[torch.Tensor], offsets: torch.Tensor,
+                          sorted_pair: torch.Tensor, pair_row: torch.Tensor, h_perm: torch.Tensor,
+                          y_perm: torch.Tensor, scale_up: float, scale_down: float, activation: str, alpha: float,
+                          limit: float, need_w_up: bool, need_w_down: bool) -> list[torch.Tensor]:
+    """experts_lora's gradients: [d hidden, d top_k_weights, d w_up, d w_down, d a_up, d b_up, d a_down,
+    d b_down], each empty where not asked for (a frozen base weight) or absent (no LoRA there)."""
+    dout, hidden, top_k_weights, w_up, w_down, h_perm, y_perm = (
+        t.detach() for t in (dout, hidden, top_k_weights, w_up, w_down, h_perm, y_perm))
+    a_up, b_up, a_down, b_down = (None if t is None else t.detach() for t in (a_up, b_up, a_down, b_down))
+    K = top_k_weights.shape[1]
+    ctx = _context(hidden)
+    dx, dw = torch.zeros_like(hidden), torch.zeros_like(top_k_weights)
+    if hidden.shape[0] == 0:
+        zeros = lambda t, need=True: torch.zeros_like(t) if t is not None and need else hidden.new_empty(0)  # noqa
+        return [dx, dw, zeros(w_up, need_w_up), zeros(w_down, need_w_down), zeros(a_up), zeros(b_up), zeros(a_down),
+                zeros(b_down)]
+    dy_perm = torch.empty_like(y_perm)
+    ops.moe_unpermute_backward(dy_perm, dw, dout, y_perm, top_k_weights, pair_row, ctx=ctx)
+    a_perm = _activate(h_perm, activation, alpha, limit, ctx)
+    da_perm = torch.empty_like(a_perm)
+    dw_down, da_down, db_down = _lora_project_backward(da_perm, dy_perm, a_perm, w_down, a_down, b_down, scale_down,
+                                                       offsets, need_w_down, ctx)
+    dh_perm = _activate_backward(da_perm, h_perm, activation, alpha, limit, ctx)
+    x_perm = _gather(hidden, sorted_pair, K, ctx)
+    dx_perm = torch.empty_like(x_perm)
+    dw_up, da_up, db_up = _lora_project_backward(dx_perm, dh_perm, x_perm, w_up, a_up, b_up, scale_up, offsets,
+                                                 need_w_up, ctx)
+    ops.moe_gather_backward(dx, dx_perm, pair_row, K, ctx=ctx)
+    return [dx, dw, dw_up, dw_down, da_up, db_up, da_down, db_down]
+
+
+@experts_lora_backward.register_fake
+def _(dout, hidden, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, offsets, sorted_pair, pair_row, h_perm,
+      y_perm, scale_up, scale_down, activation, alpha, limit, need_w_up, need_w_down):
+    like = lambda t, need=True: torch.empty_like(t) if t is not None and need else hidden.new_empty(0)  # noqa: E731
+    return [torch.empty_like(hidden), torch.empty_like(top_k_weights), like(w_up, need_w_up), like(w_down, need_w_down),
+            like(a_up), like(b_up), like(a_down), like(b_down)]
+
+
+def _lora_setup_context(ctx, inputs, output):
+    hidden, _, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down = inputs[:9]
+    _, offsets, sorted_pair, pair_row, h_perm, y_perm = output
+    ctx.save_for_backward(hidden, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, offsets, sorted_pair,
+                          pair_row, h_perm, y_perm)
+    ctx.options = inputs[9:]
+
+
+def _lora_backward(ctx, dout, *_unused):
+    saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grads = experts_lora_backward(dout.contiguous(), *saved, *ctx.options, need[3], need[4])
+    present = lambda g, want: g if want and g.numel() > 0 else None  # noqa: E731
+    dx, dw, dw_up, dw_down, da_up, db_up, da_down, db_down = grads
+    return (dx, None, dw, present(dw_up, need[3]), present(dw_down, need[4]), present(da_up, need[5]),
+            present(db_up, need[6]), present(da_down, need[7]), present(db_down, need[8]), None, None, None, None,
+            None)
+
+
+experts_lora.register_autograd(_lora_backward, setup_context=_lora_setup_context)
+
+try:
+    from peft.tuners.lora.layer import ParamWrapper as _ParamWrapper
+except ImportError:  # (no PEFT: nothing to wrap)
+    _ParamWrapper = None
+_stock_param_wrapper_forward = _ParamWrapper.forward if _ParamWrapper is not None else None
+
+
+def _lora_plan(wrapper, hidden: torch.Tensor) -> tuple:
+    """(experts module, {parameter name: (A, B, scale)}) when moeforge::experts_lora serves the chain of
+    ParamWrappers starting at `wrapper` for these hidden states, else (None, reason)."""
+    factors = {}
+    layer = wrapper
+    while isinstance(layer, _ParamWrapper):
+        if layer.disable_adapters or layer.merged:
+            return None, "adapters disabled or merged"
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) != 1:
+            return None, f"{len(active)} active adapters on {layer.parameter_name} (served: one)"
+        if layer.parameter_name in factors or layer.parameter_name not in ("gate_up_proj", "up_proj", "down_proj"):
+            return None, f"LoRA on {layer.parameter_name}"
+        if not layer._did_swap_in_out_features:  # (PEFT's mark of an [E, out, in] parameter)
+            return None, "LoRA on transposed experts (is_transposed) is not served yet"
+        lhs, rhs, scale = layer.get_delta_factors(active[0])  # ΔW = scale · lhs · rhs: B [E, out, r], A [E, r, in]
+        factors[layer.parameter_name] = (rhs.contiguous(), lhs.contiguous(), float(scale))
+        layer = layer.base_layer
+    if not _is_experts_module(layer):
+        return None, f"the wrapped module is a {type(layer).__name__}, not stacked experts"
+    impl = getattr(getattr(layer, "config", None), "_experts_implementation", IMPLEMENTATION)
+    if impl != IMPLEMENTATION:
+        return None, f"the experts run {impl!r}"
+    reason = unsupported_reason(layer, hidden)
+    if reason is not None:
+        return None, reason
+    if getattr(layer, "is_transposed", False) or getattr(layer, "has_bias", False):
+        return None, "LoRA on transposed or biased experts is not served yet"
+    for name, (a, _, _) in factors.items():
+        if hidden.is_cuda and a.shape[1] % 8 != 0:
+            return None, f"LoRA rank {a.shape[1]} on the GPU (served: a multiple of 8)"
+    return (layer, factors), None
+
+
+def _routing_args(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """(top_k_index, top_k_weights) of an experts call, or None for another signature."""
+    names = ("top_k_index", "top_k_weights")
+    values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+    if len(values) != 2 or any(n not in names for n in kwargs):
+        return None
+    return tuple(values)
+
+
+def _param_wrapper_forward(self, x, *args, **kwargs):
+    """ParamWrapper.forward while moeforge.hf is on (see the section's comment)."""
+    routing = _routing_args(args, kwargs)
+    plan, reason = _lora_plan(self, x) if routing is not None else (None, "a call that is not the experts'")
+    if plan is None:
+        _report("ParamWrapper", reason, "PEFT's LoRA forward")
+        return _stock_param_wrapper_forward(self, x, *args, **kwargs)
+    experts_module, factors = plan
+    (activation, alpha, limit), _ = _layout(experts_module)
+    up_name = "up_proj" if activation == "relu2" else "gate_up_proj"
+    w_up, w_down, _, _ = _weights(experts_module)
+    a_up, b_up, s_up = factors.get(up_name, (None, None, 0.0))
+    a_down, b_down, s_down = factors.get("down_proj", (None, None, 0.0))
+    index, weights = _valid_routing(*routing, w_up.shape[0])
+    out = experts_lora(x.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(), a_up, b_up, a_down,
+                       b_down, s_up, s_down, activation, alpha, limit)[0]
+    return out.to(x.dtype)
+
+
+def _patch_peft() -> None:
+    if _ParamWrapper is not None:
+        _ParamWrapper.forward = _param_wrapper_forward
+
+
+def _unpatch_peft() -> None:
+    if _ParamWrapper is not None:
+        _ParamWrapper.forward = _stock_param_wrapper_forward
 
 
 # --- the whole sparse MoE block (router, top-k, permute, experts, unpermute: one op) -------------------
@@ -559,6 +791,8 @@ def block_unsupported_reason(module: torch.nn.Module, hidden_states: Optional[to
     if spec is None:
         return reason
     experts = getattr(module, "experts", None)
+    if hasattr(experts, "base_layer"):  # (a PEFT wrapper: its LoRA runs in its own forward)
+        return f"PEFT-wrapped experts ({type(experts).__name__})"
     if not _is_experts_module(experts):
         return f"experts of class {type(experts).__name__} (not stacked expert tensors)"
     reason = unsupported_reason(experts, hidden_states)
@@ -1119,6 +1353,7 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
         modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
         modeling_utils.PreTrainedModel.get_correct_attn_implementation = _attention_default_to_moeforge
         _register_block_patches()
+        _patch_peft()
         _enabled = True
         return
     _patch_norms({type(m) for m in model.modules()})
@@ -1145,6 +1380,7 @@ def disable() -> None:
     modeling_utils.PreTrainedModel.get_correct_experts_implementation = _stock_default
     modeling_utils.PreTrainedModel.get_correct_attn_implementation = _stock_attention_default
     _unregister_block_patches()
+    _unpatch_peft()
     _unpatch_norms()
     _enabled = False
 

@@ -699,3 +699,90 @@ def test_opcheck_attention_cpu():
     docs = torch.tensor([[0] * 4 + [1] * 6, [0] * 10], dtype=torch.int32)
     torch.library.opcheck(torch.ops.moeforge.attention.default, (q, k, v, docs))
     torch.library.opcheck(torch.ops.moeforge.attention.default, (q, k, v, None))
+
+
+# --- PEFT LoRA on the experts (target_parameters) -------------------------------------------------------
+
+def make_lora_model(device="cpu", dtype=torch.float32, r=8, seed=0):
+    """A tiny Qwen3-MoE with PEFT LoRA on both expert projections (target_parameters), its B factors
+    made non-zero so that every factor gets a gradient."""
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    torch.manual_seed(seed)
+    base = make_model(seed=seed).to(device, dtype)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=[],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed + 7))
+    return model
+
+
+def lora_loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach().double().item(), grads
+
+
+def lora_vs_peft(device, dtype, loss_rtol, grad_rel, monkeypatch):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    model = make_lora_model(device, dtype)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3)).to(device)
+    mhf._unpatch_peft()
+    try:
+        ref_loss, ref_grads = lora_loss_and_grads(model, ids)  # PEFT's own: W + s·B·A formed per forward
+    finally:
+        mhf._patch_peft()
+    calls = count_calls(monkeypatch, "grouped_gemm_forward")
+
+    def refuse(*_a, **_k):
+        raise AssertionError("PEFT formed W + B·A under moeforge.hf")
+
+    monkeypatch.setattr(ParamWrapper, "_activate_lora", refuse)
+    loss, grads = lora_loss_and_grads(model, ids)
+    assert calls, "moeforge::experts_lora never ran"
+    assert abs(loss - ref_loss) <= loss_rtol * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    lora = [n for n in grads if "lora_" in n]
+    assert len(lora) == 4, lora
+    for n in grads:
+        assert rel_l2(grads[n], ref_grads[n]) <= grad_rel, (n, rel_l2(grads[n], ref_grads[n]))
+
+
+def test_lora_experts_cpu_fp32_equal_peft_without_forming_w_plus_ba(monkeypatch):
+    lora_vs_peft("cpu", torch.float32, 1e-6, 1e-5, monkeypatch)
+
+
+@needs_cuda
+def test_lora_experts_cuda_bf16_equal_peft(monkeypatch):
+    lora_vs_peft("cuda", torch.bfloat16, 2e-2, 3e-2, monkeypatch)
+
+
+def test_lora_experts_round_trip_through_peft(tmp_path):
+    """Three SGD steps of expert LoRA on moeforge, the adapter saved by PEFT and loaded by PEFT on a
+    stock model: the same logits."""
+    peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
+    model = make_lora_model(seed=1)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    for _ in range(3):
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before), "nothing trained"
+    model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    mhf.disable()
+    try:
+        stock = peft.PeftModel.from_pretrained(make_model(seed=1), tmp_path / "adapter")
+        with torch.no_grad():
+            got = stock(input_ids=ids).logits
+    finally:
+        mhf.enable()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
