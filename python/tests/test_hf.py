@@ -708,15 +708,14 @@ def make_lora_model(device="cpu", dtype=torch.float32, r=8, seed=0):
     made non-zero so that every factor gets a gradient."""
     peft = pytest.importorskip("peft", reason="the LoRA tests need peft")
     torch.manual_seed(seed)
-    base = make_model(seed=seed).to(device, dtype)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=[],
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = peft.get_peft_model(base, config)
+    model = peft.get_peft_model(make_model(seed=seed), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(seed + 7))
-    return model
+    return model.to(device, dtype)
 
 
 def lora_loss_and_grads(model, ids):
