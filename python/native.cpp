@@ -602,6 +602,26 @@ void bind_ops(py::module_& m) {
         },
         "expert_offsets"_a, "sorted_pair"_a, "pair_row"_a, "topk_idx"_a, "num_experts"_a, ctx_arg);
     m.def(
+        "group_offsets",
+        [](py::object offsets, py::object group_sizes, int64_t num_rows, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *off = MF_TENSOR(offsets), *sizes = MF_TENSOR(group_sizes);
+            call([&] { return mf_group_offsets(cx, off, sizes, num_rows); });
+        },
+        "offsets"_a, "group_sizes"_a, "num_rows"_a, ctx_arg);
+    m.def(
+        "zero_rows_past_groups",
+        [](py::object x, py::object offsets, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *tx = MF_TENSOR(x), *off = MF_TENSOR(offsets);
+            call([&] { return mf_zero_rows_past_groups(cx, tx, off); });
+        },
+        "x"_a, "offsets"_a, ctx_arg);
+    m.def(
         "moe_gather",
         [](py::object x_perm, py::object x, py::object sorted_pair, int64_t top_k, py::object ctx) {
             Args args;

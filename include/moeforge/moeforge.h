@@ -110,6 +110,16 @@ mf_status mf_router_sigmoid_backward(const mf_context* ctx, const mf_tensor* dlo
                                      const mf_tensor* scores, const mf_tensor* topk_idx, int norm_topk_prob,
                                      float routed_scaling_factor);
 
+/* --- groups given by their sizes (a framework's group_sizes, as jax.lax.ragged_dot's) -------------
+ * offsets [E + 1] i32 (written) = 0, then the running sum of group_sizes [E] i32, on the tensors'
+ * device with no host sync; a negative size counts as 0 and every offset is clamped to num_rows
+ * (0 .. INT32_MAX), so no group reaches past the rows. The offsets feed the grouped GEMMs above. */
+mf_status mf_group_offsets(const mf_context* ctx, const mf_tensor* offsets, const mf_tensor* group_sizes,
+                           int64_t num_rows);
+/* The rows [offsets[E], M) of x [M, C] set to zero: the rows no group covers (ragged_dot's rows past
+ * the last group), offsets [E + 1] i32 read on the device.                                        */
+mf_status mf_zero_rows_past_groups(const mf_context* ctx, const mf_tensor* x, const mf_tensor* offsets);
+
 /* --- permute / unpermute ------------------------------------------------------------------------
  * The N·K (token, slot) pairs p = t·K + k grouped by expert, stable: expert_offsets [E + 1] i32,
  * sorted_pair [N·K] i32 (row r holds pair sorted_pair[r]), pair_row [N·K] i32 (its inverse). A pair

@@ -16,6 +16,7 @@ from ._native import (  # noqa: F401
     attention_forward,
     clamped_swiglu_backward,
     clamped_swiglu_forward,
+    group_offsets,
     grouped_gemm_forward,
     grouped_gemm_input_grad,
     grouped_gemm_weight_grad,
@@ -41,5 +42,6 @@ from ._native import (  # noqa: F401
     swiglu_backward,
     swiglu_forward,
     synchronize,
+    zero_rows_past_groups,
 )
 from ._native import built_with_cuda, has_cuda, register_array_type  # noqa: F401

@@ -60,6 +60,34 @@ def test_grouped_gemm_forward_and_grads(offsets):
 
 # --- routers -------------------------------------------------------------------------------------------
 
+
+def test_group_offsets_and_rows_past_the_groups():
+    """ragged_dot's group sizes: offsets by a clamped running sum (negative sizes count as 0, no group
+    past the rows), the grouped GEMM over them, and the rows no group covers zeroed."""
+    rng = np.random.default_rng(11)
+    M, C, OC = 10, 8, 8
+    for sizes, want in [([3, 0, 4], [0, 3, 3, 7]), ([5, -2, 9, 1], [0, 5, 5, 10, 10]), ([], [0])]:
+        offsets = np.full(len(sizes) + 1, -7, np.int32)
+        ops.group_offsets(offsets, np.array(sizes, np.int32), M)
+        np.testing.assert_array_equal(offsets, want)
+    sizes = np.array([3, 0, 4], np.int32)
+    offsets = np.zeros(4, np.int32)
+    ops.group_offsets(offsets, sizes, M)
+    x, w = rand(rng, M, C), rand(rng, 3, OC, C)
+    out = np.full((M, OC), np.nan, f32)
+    ops.grouped_gemm_forward(out, x, w, offsets)
+    ops.zero_rows_past_groups(out, offsets)
+    ref = np.zeros((M, OC))
+    for e in range(3):
+        ref[offsets[e]:offsets[e + 1]] = x[offsets[e]:offsets[e + 1]].astype(np.float64) @ w[e].astype(np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(moeforge.InvalidArgumentError, match="offsets .* expected 4"):
+        ops.group_offsets(np.zeros(3, np.int32), sizes, M)
+    with pytest.raises(moeforge.InvalidArgumentError, match="num_rows = -1"):
+        ops.group_offsets(offsets, sizes, -1)
+    with pytest.raises(moeforge.InvalidArgumentError, match="group_sizes"):
+        ops.group_offsets(offsets, sizes.astype(np.int64), M)
+
 def softmax64(logits):
     z = logits.astype(np.float64)
     z = np.exp(z - z.max(-1, keepdims=True))

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include "capi/capi_util.h"
@@ -172,6 +173,29 @@ mf_status mf_router_sigmoid_backward(const mf_context* ctx, const mf_tensor* dlo
 }
 
 // --- permute / unpermute ---------------------------------------------------------------------------
+
+mf_status mf_group_offsets(const mf_context* ctx, const mf_tensor* offsets, const mf_tensor* group_sizes,
+                           int64_t num_rows) {
+    return guarded([&] {
+        OpCall call("mf_group_offsets", ctx);
+        const Tensor off = call.tensor(offsets, "offsets", Want::i32);
+        const Tensor sizes = call.tensor(group_sizes, "group_sizes", Want::i32);
+        if (num_rows < 0 || num_rows > std::numeric_limits<int32_t>::max())
+            refuse(call.op(), ": num_rows = ", num_rows, " (expected 0 .. ", std::numeric_limits<int32_t>::max(), ")");
+        call.numel_of(off, "offsets", sizes.numel() + 1);
+        call.run([&] { mf::ops::group_offsets(off, sizes, num_rows); });
+    });
+}
+
+mf_status mf_zero_rows_past_groups(const mf_context* ctx, const mf_tensor* x, const mf_tensor* offsets) {
+    return guarded([&] {
+        OpCall call("mf_zero_rows_past_groups", ctx);
+        const Tensor tx = call.tensor(x, "x", Want::act), off = call.tensor(offsets, "offsets", Want::i32);
+        if (off.numel() < 1) refuse(call.op(), ": offsets is empty (expected [E + 1])");
+        if (tx.ndim() < 1) refuse(call.op(), ": x is a scalar (expected [M, C])");
+        call.run([&] { mf::ops::zero_rows_past_groups(tx, off); });
+    });
+}
 
 mf_status mf_moe_permute_indices(const mf_context* ctx, const mf_tensor* expert_offsets, const mf_tensor* sorted_pair,
                                  const mf_tensor* pair_row, const mf_tensor* topk_idx, int64_t num_experts) {

@@ -594,6 +594,14 @@ void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sor
     mf::cuda::moe_gather_forward(B(x_perm), B(x), I(sorted_pair), rows(x), top_k, x.dim(-1), ctx().stream);
 }
 
+void group_offsets(const Tensor& offsets, const Tensor& group_sizes, int64_t num_rows) {
+    mf::cuda::group_offsets(I(offsets), I(group_sizes), group_sizes.numel(), num_rows, ctx().stream);
+}
+
+void zero_rows_past_groups(const Tensor& x, const Tensor& offsets) {
+    mf::cuda::zero_rows_past_groups(B(x), I(offsets), offsets.numel() - 1, rows(x), x.dim(-1), ctx().stream);
+}
+
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k) {
     mf::cuda::moe_gather_backward(B(dx), true, B(dx_perm), I(pair_row), rows(dx), top_k, dx.dim(-1), ctx().stream);
 }

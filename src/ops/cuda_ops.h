@@ -31,6 +31,7 @@
     X(sigmoid_gate_forward) X(sigmoid_gate_backward)                                                                   \
     X(router_forward) X(router_backward) X(moe_aux_stats) X(moe_aux_dprobs) X(moe_permute_indices)                     \
     X(moe_gather_forward) X(moe_gather_backward) X(moe_unpermute_forward) X(moe_unpermute_backward)                    \
+    X(group_offsets) X(zero_rows_past_groups)                                                                          \
     X(ep_token_positions) X(ep_pack_rows) X(ep_pack_meta) X(ep_scatter_rows) X(ep_scatter_grad) X(ep_reduce_rows)      \
     X(ep_sum_blocks) X(ep_gather_slots)                                                                                \
     X(grouped_matmul_forward) X(grouped_matmul_backward) X(grouped_matmul_backward_weight)                             \

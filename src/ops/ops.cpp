@@ -718,6 +718,22 @@ void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& 
     cpu::moe_gather_backward(f(dx), f(dx_perm), i32(pair_row), rows(dx), top_k, dx.dim(-1));
 }
 
+void group_offsets(const Tensor& offsets, const Tensor& group_sizes, int64_t num_rows) {
+    OpScope scope_("group_offsets");
+    MF_CHECK(offsets.numel() == group_sizes.numel() + 1, "group_offsets: offsets holds ", offsets.numel(),
+             " values for ", group_sizes.numel(), " groups (expected one more)");
+    if (device_of({&offsets, &group_sizes}) == Device::cuda)
+        return cuda_call(&CudaOps::group_offsets, offsets, group_sizes, num_rows);
+    cpu::group_offsets(offsets.ptr<int32_t>(), i32(group_sizes), group_sizes.numel(), num_rows);
+}
+
+void zero_rows_past_groups(const Tensor& x, const Tensor& offsets) {
+    OpScope scope_("zero_rows_past_groups");
+    MF_CHECK(offsets.numel() >= 1, "zero_rows_past_groups: offsets is empty");
+    if (device_of({&x, &offsets}) == Device::cuda) return cuda_call(&CudaOps::zero_rows_past_groups, x, offsets);
+    cpu::zero_rows_past_groups(f(x), i32(offsets), offsets.numel() - 1, rows(x), x.dim(-1));
+}
+
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row) {
     OpScope scope_("moe_unpermute_forward");
     if (device_of({&out, &y_perm, &topk_weight, &pair_row}) == Device::cuda)

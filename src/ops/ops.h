@@ -141,6 +141,12 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
                          const Tensor& topk_idx, int64_t num_experts);
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k);
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k);  // dx +=
+// Ragged groups given by their sizes (a framework's group_sizes, as jax.lax.ragged_dot's):
+// offsets [E + 1] i32 (written) from group_sizes [E] i32, a negative size counting as 0 and every
+// offset clamped to num_rows (on the device, no host sync); and the rows [offsets[E], rows) of x
+// set to zero (the rows no group covers).
+void group_offsets(const Tensor& offsets, const Tensor& group_sizes, int64_t num_rows);
+void zero_rows_past_groups(const Tensor& x, const Tensor& offsets);
 void moe_unpermute_forward(const Tensor& out, const Tensor& y_perm, const Tensor& topk_weight, const Tensor& pair_row);
 void moe_unpermute_backward(const Tensor& dy_perm, const Tensor& dtopk_weight, const Tensor& dout, const Tensor& y_perm,
                             const Tensor& topk_weight, const Tensor& pair_row);

@@ -208,6 +208,36 @@ TEST(CApi, OpsEqualTheOpsFunctions) {
     expect_error(mf_relu2_forward(nullptr, &t_r2, &t_wide), MF_ERR_INVALID_ARGUMENT, {"mf_relu2_forward", "inp"});
 }
 
+// jax.lax.ragged_dot's group sizes: offsets by a running sum clamped to the rows (a negative size
+// counting as nothing), and the rows past the last group zeroed.
+TEST(CApi, GroupSizesToOffsetsAndTheRowsPastTheGroups) {
+    const std::vector<std::pair<std::vector<int32_t>, std::vector<int32_t>>> cases = {
+        {{3, 0, 4}, {0, 3, 3, 7}},
+        {{5, -2, 9, 1}, {0, 5, 5, 10, 10}},
+        {{2147483647, 2147483647}, {0, 10, 10}},  // (sums past int32 before the clamp)
+        {{}, {0}},
+    };
+    for (const auto& [sizes_in, want] : cases) {
+        std::vector<int32_t> sizes = sizes_in, offsets(sizes.size() + 1, -7);
+        mf_tensor ts = desc(sizes, {static_cast<int64_t>(sizes.size())});
+        mf_tensor to = desc(offsets, {static_cast<int64_t>(offsets.size())});
+        ASSERT_EQ(mf_group_offsets(nullptr, &to, &ts, 10), MF_OK) << mf_last_error();
+        EXPECT_EQ(offsets, want);
+    }
+    std::vector<float> x(10 * 3, 1.0f);
+    std::vector<int32_t> offsets = {0, 3, 3, 7};
+    mf_tensor tx = desc(x, {10, 3}), to = desc(offsets, {4});
+    ASSERT_EQ(mf_zero_rows_past_groups(nullptr, &tx, &to), MF_OK) << mf_last_error();
+    for (int64_t i = 0; i < 30; ++i) EXPECT_EQ(x[i], i < 21 ? 1.0f : 0.0f) << i;
+    std::vector<int32_t> sizes = {1, 2, 3}, short_offsets(3);
+    mf_tensor ts = desc(sizes, {3}), tshort = desc(short_offsets, {3});
+    expect_error(mf_group_offsets(nullptr, &tshort, &ts, 10), MF_ERR_INVALID_ARGUMENT, {"mf_group_offsets", "offsets"});
+    expect_error(mf_group_offsets(nullptr, &to, &ts, -1), MF_ERR_INVALID_ARGUMENT, {"num_rows = -1"});
+    expect_error(mf_group_offsets(nullptr, &to, &ts, int64_t{1} << 31), MF_ERR_INVALID_ARGUMENT, {"num_rows"});
+    mf_tensor tf = desc(x, {3});
+    expect_error(mf_group_offsets(nullptr, &to, &tf, 10), MF_ERR_INVALID_ARGUMENT, {"group_sizes"});
+}
+
 TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
     std::mt19937 rng(6);
     mf_moe_dims dims{};

@@ -372,3 +372,41 @@ TEST(CudaMoeBench, Qwen3MoeShapes) {
 }
 
 }  // namespace
+
+// Group sizes to offsets (jax.lax.ragged_dot's group_sizes) and the rows past the last group: the
+// GPU against the CPU reference, bitwise; negative sizes, sums past the rows and past int32 included.
+TEST(CudaMoePermute, GroupOffsetsAndRowsPastTheGroupsMatchCpu) {
+    std::mt19937 rng(21);
+    for (const int64_t E : {int64_t{0}, int64_t{3}, int64_t{31}, int64_t{33}, int64_t{1000}}) {
+        for (const int64_t M : {int64_t{0}, int64_t{50}, int64_t{100000}}) {
+            std::uniform_int_distribution<int32_t> size(-3, 200);
+            std::vector<int32_t> sizes(static_cast<size_t>(E));
+            for (int32_t& s : sizes) s = size(rng);
+            if (E > 2) sizes[1] = 2147483000;  // (the running sum passes int32 before the clamp)
+            std::vector<int32_t> ref(static_cast<size_t>(E + 1));
+            mf::cpu::group_offsets(ref.data(), sizes.data(), E, M);
+            DeviceBuffer d_sizes = device_copy(sizes.empty() ? std::vector<int32_t>{0} : sizes);
+            DeviceBuffer d_off((E + 1) * sizeof(int32_t));
+            mf::cuda::group_offsets(d_off.as<int32_t>(), d_sizes.as<int32_t>(), E, M, nullptr);
+            device_sync();
+            const std::string tag = "E=" + std::to_string(E) + " M=" + std::to_string(M);
+            expect_exact(download<int32_t>(d_off.as<void>(), ref.size()), ref, "group_offsets " + tag);
+        }
+    }
+    for (const int64_t C : {int64_t{16}, int64_t{3}}) {
+        for (const int32_t end : {0, 7, 12, 40, -5}) {
+            const int64_t M = 12;
+            std::vector<float> x(static_cast<size_t>(M * C));
+            for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 13) - 6.0f;
+            std::vector<float> ref = x;
+            const std::vector<int32_t> offsets = {0, 2, end};
+            mf::cpu::zero_rows_past_groups(ref.data(), offsets.data(), 2, M, C);
+            DeviceBuffer d_x(x.size() * 2), d_off = device_copy(offsets);
+            upload_bf16(d_x.as<void>(), x);
+            mf::cuda::zero_rows_past_groups(d_x.as<bf16>(), d_off.as<int32_t>(), 2, M, C, nullptr);
+            device_sync();
+            expect_exact(download_bf16(d_x.as<void>(), x.size()), ref,
+                         "zero_rows_past_groups C=" + std::to_string(C) + " end=" + std::to_string(end));
+        }
+    }
+}

@@ -125,4 +125,20 @@ void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* do
     }
 }
 
+void group_offsets(int32_t* offsets, const int32_t* group_sizes, int64_t E, int64_t num_rows) {
+    MF_CHECK(E >= 0 && num_rows >= 0 && num_rows <= std::numeric_limits<int32_t>::max(), "group_offsets: E = ", E,
+             ", num_rows = ", num_rows);
+    int64_t sum = 0;
+    offsets[0] = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        sum = std::min(sum + std::max<int64_t>(group_sizes[e], 0), num_rows);
+        offsets[e + 1] = static_cast<int32_t>(sum);
+    }
+}
+
+void zero_rows_past_groups(float* x, const int32_t* offsets, int64_t E, int64_t M, int64_t C) {
+    const int64_t end = std::clamp<int64_t>(offsets[E], 0, M);
+    std::fill(x + end * C, x + M * C, 0.0f);
+}
+
 }  // namespace mf::cpu

@@ -27,4 +27,11 @@ void moe_unpermute_forward(float* out, const float* y_perm, const float* topk_we
 void moe_unpermute_backward(float* dy_perm, float* dtopk_weight, const float* dout, const float* y_perm,
                             const float* topk_weight, const int32_t* pair_row, int64_t N, int64_t K, int64_t H);
 
+// Group sizes to offsets (ragged_dot's group_sizes): offsets[E + 1] (written) = 0, then the running
+// sum of group_sizes[E], a negative size counting as 0 and every offset clamped to num_rows, so that
+// no group reaches past the rows.
+void group_offsets(int32_t* offsets, const int32_t* group_sizes, int64_t E, int64_t num_rows);
+// Rows [offsets[E], M) of x [M, C] set to zero (the rows no group covers).
+void zero_rows_past_groups(float* x, const int32_t* offsets, int64_t E, int64_t M, int64_t C);
+
 }  // namespace mf::cpu

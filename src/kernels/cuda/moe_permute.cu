@@ -282,6 +282,39 @@ void check_shape(const char* op, int64_t N, int64_t K, int64_t H) {
              " does not fit the int32 row indices");
 }
 
+// One warp: the group sizes in chunks of 32, each scanned with shuffles on top of the running sum
+// (int64: sizes may add past int32 before the clamp).
+__global__ void group_offsets_kernel(int32_t* offsets, const int32_t* group_sizes, int64_t E, int64_t num_rows) {
+    const int lane = threadIdx.x;
+    int64_t carry = 0;
+    if (lane == 0) offsets[0] = 0;
+    for (int64_t base = 0; base < E; base += 32) {
+        const int64_t e = base + lane;
+        int64_t v = e < E ? max(group_sizes[e], 0) : 0;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int64_t other = __shfl_up_sync(detail::kFullMask, v, offset);
+            if (lane >= offset) v += other;
+        }
+        if (e < E) offsets[e + 1] = static_cast<int32_t>(min(carry + v, num_rows));
+        carry = min(carry + __shfl_sync(detail::kFullMask, v, 31), num_rows);
+    }
+}
+
+template <int kVec>
+__global__ void zero_rows_past_kernel(bf16* x, const int32_t* end_row, int64_t M, int64_t C) {
+    const int64_t end = min(static_cast<int64_t>(max(*end_row, 0)), M);
+    const int64_t first = end * C / kVec, total = M * C / kVec;
+    for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        if constexpr (kVec == 8) {
+            reinterpret_cast<uint4*>(x)[i] = make_uint4(0, 0, 0, 0);
+        } else {
+            x[i] = __float2bfloat16(0.0f);
+        }
+    }
+}
+
 int grid_for(int64_t work) {
     return static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
@@ -403,6 +436,26 @@ void moe_unpermute_backward(bf16* dy_perm, float* dtopk_weight, const bf16* dout
         unpermute_backward_kernel<1, 32>
             <<<blocks, kThreads, 0, stream>>>(dy_perm, dtopk_weight, dout, y_perm, topk_weight, pair_row, N, k32, H);
     }
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+void group_offsets(int32_t* offsets, const int32_t* group_sizes, int64_t E, int64_t num_rows, cudaStream_t stream) {
+    MF_CHECK(E >= 0 && num_rows >= 0 && num_rows <= std::numeric_limits<int32_t>::max(), "group_offsets: E = ", E,
+             ", num_rows = ", num_rows);
+    MF_CHECK(offsets != nullptr && (E == 0 || group_sizes != nullptr), "group_offsets: null buffer");
+    group_offsets_kernel<<<1, 32, 0, stream>>>(offsets, group_sizes, E, num_rows);
+    MF_CHECK_CUDA(cudaGetLastError());
+}
+
+void zero_rows_past_groups(bf16* x, const int32_t* offsets, int64_t E, int64_t M, int64_t C, cudaStream_t stream) {
+    MF_CHECK(E >= 0 && M >= 0 && C >= 0, "zero_rows_past_groups: E = ", E, ", M = ", M, ", C = ", C);
+    if (M * C == 0) return;
+    MF_CHECK(x != nullptr && offsets != nullptr, "zero_rows_past_groups: null buffer");
+    // (a grid for all the rows: which of them lie past the groups is known on the device only)
+    if (C % 8 == 0 && aligned_to(16, x))
+        zero_rows_past_kernel<8><<<grid_for(M * C / 8), kThreads, 0, stream>>>(x, offsets + E, M, C);
+    else
+        zero_rows_past_kernel<1><<<grid_for(M * C), kThreads, 0, stream>>>(x, offsets + E, M, C);
     MF_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -44,4 +44,11 @@ void moe_unpermute_backward(bf16* dy_perm, float* dtopk_weight, const bf16* dout
                             const float* topk_weight, const int32_t* pair_row, int64_t N, int64_t K, int64_t H,
                             cudaStream_t stream);
 
+// offsets [E + 1] (written) from group_sizes [E] (ragged_dot's): the running sum, a negative size
+// counting as 0 and every offset clamped to num_rows (<= INT32_MAX); on the device, no host sync.
+void group_offsets(int32_t* offsets, const int32_t* group_sizes, int64_t E, int64_t num_rows, cudaStream_t stream);
+
+// Rows [offsets[E], M) of x [M, C] set to zero; the end row is read on the device.
+void zero_rows_past_groups(bf16* x, const int32_t* offsets, int64_t E, int64_t M, int64_t C, cudaStream_t stream);
+
 }  // namespace mf::cuda
