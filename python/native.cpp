@@ -602,6 +602,28 @@ void bind_ops(py::module_& m) {
         },
         "expert_offsets"_a, "sorted_pair"_a, "pair_row"_a, "topk_idx"_a, "num_experts"_a, ctx_arg);
     m.def(
+        "moe_aux_stats",
+        [](py::object counts, py::object prob_sums, py::object topk_idx, py::object probs, py::object mask,
+           py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *tc = MF_TENSOR(counts), *tps = MF_TENSOR(prob_sums), *idx = MF_TENSOR(topk_idx);
+            const auto *p = MF_TENSOR(probs), *m = MF_TENSOR(mask);
+            call([&] { return mf_moe_aux_stats(cx, tc, tps, idx, p, m); });
+        },
+        "counts"_a, "prob_sums"_a, "topk_idx"_a, "probs"_a, "mask"_a, ctx_arg);
+    m.def(
+        "moe_aux_dprobs",
+        [](py::object dprobs, py::object counts, py::object mask, float scale, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *dp = MF_TENSOR(dprobs), *tc = MF_TENSOR(counts), *m = MF_TENSOR(mask);
+            call([&] { return mf_moe_aux_dprobs(cx, dp, tc, m, scale); });
+        },
+        "dprobs"_a, "counts"_a, "mask"_a, "scale"_a, ctx_arg);
+    m.def(
         "group_offsets",
         [](py::object offsets, py::object group_sizes, int64_t num_rows, py::object ctx) {
             Args args;

@@ -110,6 +110,19 @@ mf_status mf_router_sigmoid_backward(const mf_context* ctx, const mf_tensor* dlo
                                      const mf_tensor* scores, const mf_tensor* topk_idx, int norm_topk_prob,
                                      float routed_scaling_factor);
 
+/* --- the load-balancing loss's statistics (transformers' load_balancing_loss_func) ----------------
+ * Over the tokens of one or more MoE layers (accumulate layer by layer): counts [E] f32 +=
+ * Σ_t mask[t] · #{k: topk_idx[t, k] = e} (an index outside [0, E) counts nothing) and prob_sums [E]
+ * f32 += Σ_t mask[t] · probs[t, e], with topk_idx [N, K] i32, probs [N, E] f32, mask [N] f32 (1 a
+ * counted token, 0 padding). The loss is then E · Σ_e counts[e] · prob_sums[e] / R² (R the counted
+ * rows of all the layers summed).                                                                 */
+mf_status mf_moe_aux_stats(const mf_context* ctx, const mf_tensor* counts, const mf_tensor* prob_sums,
+                           const mf_tensor* topk_idx, const mf_tensor* probs, const mf_tensor* mask);
+/* Its gradient at the probabilities: dprobs [N, E] f32 (written) = scale · counts[e] · mask[t]
+ * (scale: E · the loss's weight / R²). */
+mf_status mf_moe_aux_dprobs(const mf_context* ctx, const mf_tensor* dprobs, const mf_tensor* counts,
+                            const mf_tensor* mask, float scale);
+
 /* --- groups given by their sizes (a framework's group_sizes, as jax.lax.ragged_dot's) -------------
  * offsets [E + 1] i32 (written) = 0, then the running sum of group_sizes [E] i32, on the tensors'
  * device with no host sync; a negative size counts as 0 and every offset is clamped to num_rows
@@ -193,8 +206,8 @@ mf_status mf_moe_block_backward(const mf_context* ctx, const mf_moe_dims* dims, 
                                 const mf_tensor* drouter, const mf_tensor* dgate_up, const mf_tensor* ddown,
                                 const mf_tensor* dy, const mf_tensor* dprobs, const mf_tensor* x,
                                 const mf_tensor* router, const mf_tensor* gate_up, const mf_tensor* down,
-                                const mf_tensor* correction_bias, const mf_tensor* workspace,
-                                const mf_tensor* scratch, int accumulate_expert_grads);
+                                const mf_tensor* correction_bias, const mf_tensor* workspace, const mf_tensor* scratch,
+                                int accumulate_expert_grads);
 
 /* --- attention ----------------------------------------------------------------------------------
  * Causal attention with GQA over B rows of T tokens, token-major: q [B, T, Hq·D], k, v [B, T, Hkv·D],

@@ -22,6 +22,8 @@ from ._native import (  # noqa: F401
     grouped_gemm_weight_grad,
     lm_head_cross_entropy,
     lm_head_cross_entropy_workspace_bytes,
+    moe_aux_dprobs,
+    moe_aux_stats,
     moe_block_activation_bytes,
     moe_block_backward,
     moe_block_forward,

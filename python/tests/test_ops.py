@@ -276,6 +276,45 @@ def test_clamped_swiglu_gpt_oss(alpha, limit):
     np.testing.assert_array_equal(out_default, out)
 
 
+
+def test_load_balancing_statistics_and_gradient():
+    """transformers' load_balancing_loss_func over two layers with padding, from the statistics
+    (sentinel indices count nothing), and its gradient at the probabilities against the derivative
+    of that formula (E / R² · mask[t] · counts[e]: the counts do not depend on the probabilities)."""
+    rng = np.random.default_rng(12)
+    N, E, K = 7, 5, 2
+    mask = np.array([1, 1, 0, 1, 1, 1, 0], f32)
+    layers = []
+    for _ in range(2):
+        probs = softmax64(rand(rng, N, E).astype(np.float64)).astype(f32)
+        idx = np.argsort(-probs, axis=1, kind="stable")[:, :K].astype(np.int32)
+        layers.append((probs, idx))
+    layers[1][1][3, 1] = E + 2  # another rank's expert: counts nothing
+    counts, sums = np.zeros(E, f32), np.zeros(E, f32)
+    for probs, idx in layers:
+        ops.moe_aux_stats(counts, sums, idx, probs, mask)
+    want_counts, want_sums = np.zeros(E), np.zeros(E)
+    for probs, idx in layers:
+        for t in range(N):
+            for k in range(K):
+                if 0 <= idx[t, k] < E:
+                    want_counts[idx[t, k]] += mask[t]
+            want_sums += mask[t] * probs[t].astype(np.float64)
+    np.testing.assert_allclose(counts, want_counts, rtol=1e-6)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-6)
+    R = 2 * mask.sum()
+    loss = E * float((counts.astype(np.float64) * sums).sum()) / R**2
+    # transformers' formula: E · Σ_e (the fraction of routings to e) · (e's mean router probability)
+    hf = E * float(((want_counts / R) * (want_sums / R)).sum())
+    assert abs(loss - hf) <= 1e-6 * hf
+    dprobs = np.zeros((N, E), f32)
+    ops.moe_aux_dprobs(dprobs, counts, mask, E / float(R**2))
+    np.testing.assert_allclose(dprobs, E / R**2 * np.outer(mask, counts), rtol=1e-6)
+    with pytest.raises(moeforge.InvalidArgumentError, match="mask"):
+        ops.moe_aux_stats(counts, sums, layers[0][1], layers[0][0], np.ones(N + 1, f32))
+    with pytest.raises(moeforge.InvalidArgumentError, match="scale"):
+        ops.moe_aux_dprobs(dprobs, counts, mask, float("nan"))
+
 # --- the whole MoE block ---------------------------------------------------------------------------------
 
 def test_moe_block_forward_backward_against_numpy():

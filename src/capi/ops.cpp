@@ -174,6 +174,40 @@ mf_status mf_router_sigmoid_backward(const mf_context* ctx, const mf_tensor* dlo
 
 // --- permute / unpermute ---------------------------------------------------------------------------
 
+mf_status mf_moe_aux_stats(const mf_context* ctx, const mf_tensor* counts, const mf_tensor* prob_sums,
+                           const mf_tensor* topk_idx, const mf_tensor* probs, const mf_tensor* mask) {
+    return guarded([&] {
+        OpCall call("mf_moe_aux_stats", ctx);
+        const Tensor c = call.tensor(counts, "counts", Want::f32), ps = call.tensor(prob_sums, "prob_sums", Want::f32);
+        const Tensor idx = call.tensor(topk_idx, "topk_idx", Want::i32), p = call.tensor(probs, "probs", Want::f32);
+        const Tensor m = call.tensor(mask, "mask", Want::f32);
+        if (p.ndim() != 2 || p.dim(1) < 1)
+            refuse(call.op(), ": probs is ", mf::shape_str(p.shape()), ", expected [N, E]");
+        const int64_t N = p.dim(0), E = p.dim(1);
+        if (idx.ndim() != 2 || idx.dim(0) != N || idx.dim(1) < 1)
+            refuse(call.op(), ": topk_idx is ", mf::shape_str(idx.shape()), ", expected [", N, ", K]");
+        call.numel_of(c, "counts", E);
+        call.numel_of(ps, "prob_sums", E);
+        call.numel_of(m, "mask", N);
+        call.run([&] { mf::ops::moe_aux_stats(c, ps, idx, p, m); });
+    });
+}
+
+mf_status mf_moe_aux_dprobs(const mf_context* ctx, const mf_tensor* dprobs, const mf_tensor* counts,
+                            const mf_tensor* mask, float scale) {
+    return guarded([&] {
+        OpCall call("mf_moe_aux_dprobs", ctx);
+        const Tensor dp = call.tensor(dprobs, "dprobs", Want::f32), c = call.tensor(counts, "counts", Want::f32);
+        const Tensor m = call.tensor(mask, "mask", Want::f32);
+        if (dp.ndim() != 2 || dp.dim(1) < 1)
+            refuse(call.op(), ": dprobs is ", mf::shape_str(dp.shape()), ", expected [N, E]");
+        call.numel_of(c, "counts", dp.dim(1));
+        call.numel_of(m, "mask", dp.dim(0));
+        if (!std::isfinite(scale)) refuse(call.op(), ": scale = ", scale, " is not finite");
+        call.run([&] { mf::ops::moe_aux_dprobs(dp, c, m, scale); });
+    });
+}
+
 mf_status mf_group_offsets(const mf_context* ctx, const mf_tensor* offsets, const mf_tensor* group_sizes,
                            int64_t num_rows) {
     return guarded([&] {

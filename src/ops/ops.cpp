@@ -674,7 +674,10 @@ void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& 
     std::vector<double> cs(static_cast<size_t>(E), 0.0), pss(static_cast<size_t>(E), 0.0);
     for (int64_t t = 0; t < N; ++t) {
         if (m[t] == 0.0f) continue;
-        for (int64_t k = 0; k < K; ++k) cs[static_cast<size_t>(idx[t * K + k])] += m[t];
+        for (int64_t k = 0; k < K; ++k) {  // (an index outside [0, E), an EP sentinel, counts nothing, as on the GPU)
+            const int32_t e = idx[t * K + k];
+            if (e >= 0 && e < E) cs[static_cast<size_t>(e)] += m[t];
+        }
         for (int64_t e = 0; e < E; ++e) pss[static_cast<size_t>(e)] += static_cast<double>(m[t]) * p[t * E + e];
     }
     for (int64_t e = 0; e < E; ++e) {

@@ -131,7 +131,8 @@ void router_sigmoid_forward(const Tensor& scores, const Tensor& topk_idx, const 
 // the indices fixed (zero for experts not chosen). dtopk_weight [N,K] f32; scores, topk_idx: the forward's.
 void router_sigmoid_backward(const Tensor& dlogits, const Tensor& dtopk_weight, const Tensor& scores,
                              const Tensor& topk_idx, bool norm_topk_prob, float routed_scaling_factor);
-// Aux-loss statistics, accumulated over layers: counts[E] += Σ_t mask_t·#{k: idx=e}, prob_sums[E] += Σ_t mask_t·p_te.
+// Aux-loss statistics, accumulated over layers: counts[E] += Σ_t mask_t·#{k: idx=e}, prob_sums[E] += Σ_t mask_t·p_te
+// (an index outside [0, E) counts nothing).
 void moe_aux_stats(const Tensor& counts, const Tensor& prob_sums, const Tensor& topk_idx, const Tensor& probs,
                    const Tensor& mask);
 // dprobs[t, e] = scale · counts[e] · mask[t]  (written; f32).

@@ -238,6 +238,32 @@ TEST(CApi, GroupSizesToOffsetsAndTheRowsPastTheGroups) {
     expect_error(mf_group_offsets(nullptr, &to, &tf, 10), MF_ERR_INVALID_ARGUMENT, {"group_sizes"});
 }
 
+// The load-balancing statistics and gradient through the C API equal mf::ops' (the engine's aux loss).
+TEST(CApi, LoadBalancingStatisticsEqualTheOps) {
+    std::mt19937 rng(31);
+    const int64_t N = 6, E = 4, K = 2;
+    std::vector<float> probs = random_vec(rng, N * E, 0.0f, 1.0f), mask = {1, 1, 0, 1, 1, 0};
+    std::vector<int32_t> idx = {0, 1, 2, 3, 1, 1, 3, 0, 2, 9, 0, 2};  // (9: an expert elsewhere, counted by no one)
+    std::vector<float> counts(E, 0.5f), sums(E, 0.25f), counts_ref = counts, sums_ref = sums;
+    mf_tensor tc = desc(counts, {E}), ts = desc(sums, {E}), ti = desc(idx, {N, K}), tp = desc(probs, {N, E});
+    mf_tensor tm = desc(mask, {N});
+    ASSERT_EQ(mf_moe_aux_stats(nullptr, &tc, &ts, &ti, &tp, &tm), MF_OK) << mf_last_error();
+    mf::ops::moe_aux_stats(view(counts_ref, {E}), view(sums_ref, {E}), view(idx, {N, K}), view(probs, {N, E}),
+                           view(mask, {N}));
+    EXPECT_EQ(counts, counts_ref);
+    EXPECT_EQ(sums, sums_ref);
+    EXPECT_EQ(counts[0], 0.5f + 2.0f);  // rows 0 and 3 (row 5 is padding)
+    EXPECT_EQ(counts[2], 0.5f + 2.0f);  // rows 1 and 4 (row 5 is padding; the 9 beside row 4's 2 counts nowhere)
+    std::vector<float> dprobs(N * E), dprobs_ref(N * E);
+    mf_tensor td = desc(dprobs, {N, E});
+    ASSERT_EQ(mf_moe_aux_dprobs(nullptr, &td, &tc, &tm, 0.125f), MF_OK) << mf_last_error();
+    mf::ops::moe_aux_dprobs(view(dprobs_ref, {N, E}), view(counts, {E}), view(mask, {N}), 0.125f);
+    EXPECT_EQ(dprobs, dprobs_ref);
+    mf_tensor tshort = desc(mask.data(), MF_F32, {N - 1});
+    expect_error(mf_moe_aux_stats(nullptr, &tc, &ts, &ti, &tp, &tshort), MF_ERR_INVALID_ARGUMENT,
+                 {"mf_moe_aux_stats", "mask"});
+}
+
 TEST(CApi, MoeBlockThroughOneWorkspaceEqualsTheModelBlock) {
     std::mt19937 rng(6);
     mf_moe_dims dims{};
