@@ -362,13 +362,24 @@ def _weights(module: torch.nn.Module) -> tuple:
     return w_up, w_down, getattr(module, up_name + "_bias", None), getattr(module, "down_proj_bias", None)
 
 
-def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
-    """Why `module` (a transformers experts module) cannot run on moeforge, or None when it can."""
+def _experts_plan(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> tuple:
+    """((activation, alpha, limit, w_up, w_down, b_up, b_down), None) for a transformers experts
+    module moeforge serves, else (None, the reason)."""
     spec, reason = _layout(module)
     if spec is None:
-        return reason
-    activation = spec[0]
-    w_up, w_down, b_up, b_down = _weights(module)
+        return None, reason
+    weights = _weights(module)
+    reason = _experts_refusal(module, spec[0], *weights, hidden_states)
+    return (None, reason) if reason is not None else (spec + weights, None)
+
+
+def unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why `module` (a transformers experts module) cannot run on moeforge, or None when it can."""
+    return _experts_plan(module, hidden_states)[1]
+
+
+def _experts_refusal(module, activation: str, w_up, w_down, b_up, b_down, hidden_states) -> Optional[str]:
+    """_experts_plan's checks of the weights of a served layout."""
     up_name = "up_proj" if activation == "relu2" else "gate_up_proj"
     if not isinstance(w_up, torch.Tensor) or not isinstance(w_down, torch.Tensor):
         return f"no stacked {up_name} / down_proj tensors"
@@ -413,12 +424,11 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts signature: hidden_states [T, H], top_k_index [T, K], top_k_weights
     [T, K] (or [T, E], DeepSeek-V2 style). Returns [T, H] in hidden_states' dtype."""
-    reason = unsupported_reason(module, hidden_states)
-    if reason is not None:
+    plan, reason = _experts_plan(module, hidden_states)
+    if plan is None:
         _report(type(module).__name__, reason, "transformers' stock experts")
         return _stock(module, hidden_states, top_k_index, top_k_weights)
-    (activation, alpha, limit), _ = _layout(module)
-    w_up, w_down, b_up, b_down = _weights(module)
+    activation, alpha, limit, w_up, w_down, b_up, b_down = plan
     index, weights = _valid_routing(top_k_index, top_k_weights, w_up.shape[0])
     contiguous = (lambda t: None if t is None else t.contiguous())  # (no copies for ordinary parameters)
     out = experts(hidden_states.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(),
@@ -594,8 +604,8 @@ _stock_param_wrapper_forward = _ParamWrapper.forward if _ParamWrapper is not Non
 
 
 def _lora_plan(wrapper, hidden: torch.Tensor) -> tuple:
-    """(experts module, {parameter name: (A, B, scale)}) when moeforge::experts_lora serves the chain of
-    ParamWrappers starting at `wrapper` for these hidden states, else (None, reason)."""
+    """((the experts' _experts_plan, {parameter name: (A, B, scale)}), None) when moeforge::experts_lora
+    serves the chain of ParamWrappers starting at `wrapper` for these hidden states, else (None, reason)."""
     factors = {}
     layer = wrapper
     while isinstance(layer, _ParamWrapper):
@@ -616,15 +626,15 @@ def _lora_plan(wrapper, hidden: torch.Tensor) -> tuple:
     impl = getattr(getattr(layer, "config", None), "_experts_implementation", IMPLEMENTATION)
     if impl != IMPLEMENTATION:
         return None, f"the experts run {impl!r}"
-    reason = unsupported_reason(layer, hidden)
-    if reason is not None:
+    experts_plan, reason = _experts_plan(layer, hidden)
+    if experts_plan is None:
         return None, reason
     if getattr(layer, "is_transposed", False) or getattr(layer, "has_bias", False):
         return None, "LoRA on transposed or biased experts is not served yet"
     for name, (a, _, _) in factors.items():
         if hidden.is_cuda and a.shape[1] % 8 != 0:
             return None, f"LoRA rank {a.shape[1]} on the GPU (served: a multiple of 8)"
-    return (layer, factors), None
+    return (experts_plan, factors), None
 
 
 def _routing_args(args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -643,10 +653,8 @@ def _param_wrapper_forward(self, x, *args, **kwargs):
     if plan is None:
         _report("ParamWrapper", reason, "PEFT's LoRA forward")
         return _stock_param_wrapper_forward(self, x, *args, **kwargs)
-    experts_module, factors = plan
-    (activation, alpha, limit), _ = _layout(experts_module)
+    (activation, alpha, limit, w_up, w_down, _, _), factors = plan
     up_name = "up_proj" if activation == "relu2" else "gate_up_proj"
-    w_up, w_down, _, _ = _weights(experts_module)
     a_up, b_up, s_up = factors.get(up_name, (None, None, 0.0))
     a_down, b_down, s_down = factors.get("down_proj", (None, None, 0.0))
     index, weights = _valid_routing(*routing, w_up.shape[0])
@@ -670,16 +678,11 @@ def _unpatch_peft() -> None:
 _SIGMOID_FIELDS = ("num_group", "topk_group", "routed_scaling_factor", "e_score_correction_bias")
 
 
-def _block_dims(hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, sigmoid: bool,
-                n_group: int, topk_group: int, routed_scaling_factor: float) -> dict:
-    return dict(hidden=hidden, intermediate=intermediate, num_experts=num_experts, top_k=top_k,
+def _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor) -> dict:
+    """The C API's MoE block dims of moe_block's arguments."""
+    return dict(hidden=x.shape[1], intermediate=gate_up.shape[1] // 2, num_experts=gate_up.shape[0], top_k=top_k,
                 norm_topk_prob=norm_topk_prob, activation="swiglu", router="sigmoid" if sigmoid else "softmax",
                 n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
-
-
-def _dims_of(x, gate_up, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor) -> dict:
-    return _block_dims(x.shape[1], gate_up.shape[1] // 2, gate_up.shape[0], top_k, norm_topk_prob, sigmoid, n_group,
-                       topk_group, routed_scaling_factor)
 
 
 @torch.library.custom_op("moeforge::moe_block", mutates_args=())
@@ -767,7 +770,7 @@ def _router(module: torch.nn.Module) -> tuple:
     """(router spec, None) of a block's gate that moe_block computes, or (None, reason). The spec is
     (weight, correction_bias, top_k, norm_topk_prob, sigmoid, n_group, topk_group, routed_scaling_factor)."""
     gate = getattr(module, "gate", None)
-    family = _FUSED_FAMILIES.get(type(module).__name__)
+    family = FUSED_BLOCKS.get(type(module).__name__)
     if family is None or type(gate).__name__ != family[1]:
         return None, f"a gate of class {type(gate).__name__} (served: {family[1] if family else 'none'})"
     weight, top_k = getattr(gate, "weight", None), getattr(gate, "top_k", None)
@@ -784,43 +787,42 @@ def _router(module: torch.nn.Module) -> tuple:
     return (weight, bias, top_k, norm, True, int(n_group), int(topk_group), float(scaling)), None
 
 
-def block_unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
-    """Why a sparse MoE block cannot run as one moeforge op (it then runs its own forward, the experts
-    still on moeforge where they are served), or None when it can."""
+def _block_plan(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> tuple:
+    """((router spec, w_up, w_down), None) for a sparse MoE block that runs as one moeforge op, else
+    (None, the reason: the block then runs its own forward, its experts still on moeforge where they
+    are served)."""
     spec, reason = _router(module)
     if spec is None:
-        return reason
+        return None, reason
     experts = getattr(module, "experts", None)
     if hasattr(experts, "base_layer"):  # (a PEFT wrapper: its LoRA runs in its own forward)
-        return f"PEFT-wrapped experts ({type(experts).__name__})"
+        return None, f"PEFT-wrapped experts ({type(experts).__name__})"
     if not _is_experts_module(experts):
-        return f"experts of class {type(experts).__name__} (not stacked expert tensors)"
-    reason = unsupported_reason(experts, hidden_states)
-    if reason is not None:
-        return reason
-    layout, _ = _layout(experts)
-    w_up, w_down, b_up, _ = _weights(experts)
-    if layout[0] != "swiglu" or getattr(experts, "is_transposed", False) or b_up is not None:
-        return "experts other than untransposed SwiGLU without biases"
+        return None, f"experts of class {type(experts).__name__} (not stacked expert tensors)"
+    plan, reason = _experts_plan(experts, hidden_states)
+    if plan is None:
+        return None, reason
+    activation, _, _, w_up, w_down, b_up, _ = plan
+    if activation != "swiglu" or getattr(experts, "is_transposed", False) or b_up is not None:
+        return None, "experts other than untransposed SwiGLU without biases"
     weight = spec[0]
     if weight.dtype != w_up.dtype or weight.device != w_up.device or tuple(weight.shape) != (w_up.shape[0],
                                                                                               w_up.shape[2]):
-        return f"a gate weight {tuple(weight.shape)} {weight.dtype} beside experts {tuple(w_up.shape)} {w_up.dtype}"
+        return None, (f"a gate weight {tuple(weight.shape)} {weight.dtype} beside experts {tuple(w_up.shape)} "
+                      f"{w_up.dtype}")
     if spec[4] and spec[1].device != w_up.device:
-        return "the correction bias on another device"
+        return None, "the correction bias on another device"
     if module.training and getattr(module, "jitter_noise", 0) > 0:
-        return "router jitter noise in training"
+        return None, "router jitter noise in training"
     if hidden_states is not None and hidden_states.dtype != w_up.dtype:
-        return f"{hidden_states.dtype} hidden states with {w_up.dtype} experts"
-    return None
+        return None, f"{hidden_states.dtype} hidden states with {w_up.dtype} experts"
+    return (spec, w_up, w_down), None
 
 
-def _routed(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    spec, _ = _router(module)
-    weight, bias = spec[0], spec[1]
-    w_up, w_down, _, _ = _weights(module.experts)
-    return moe_block(x.contiguous(), weight.contiguous(), w_up.contiguous(), w_down.contiguous(),
-                     None if bias is None else bias.contiguous(), *spec[2:])[0]
+def block_unsupported_reason(module: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why a sparse MoE block cannot run as one moeforge op (it then runs its own forward, the experts
+    still on moeforge where they are served), or None when it can."""
+    return _block_plan(module, hidden_states)[1]
 
 
 class _FusedMoeBlock:
@@ -831,16 +833,18 @@ class _FusedMoeBlock:
     aux loss reads them from the gate)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        reason = "router logits recorded" if _router_logits_recorded() else block_unsupported_reason(self,
-                                                                                                     hidden_states)
-        if reason is not None or hidden_states.numel() == 0:
-            if reason is not None:
+        plan, reason = (None, "router logits recorded") if _router_logits_recorded() else _block_plan(
+            self, hidden_states)
+        if plan is None or hidden_states.numel() == 0:
+            if plan is None:
                 _report(type(self).__name__, reason, "its own forward")
             return super().forward(hidden_states)
+        (weight, bias, *router_options), w_up, w_down = plan
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        y = _routed(self, x)
-        shared = _FUSED_FAMILIES[type(self).__name__][3]
+        y = moe_block(x.contiguous(), weight.contiguous(), w_up.contiguous(), w_down.contiguous(),
+                      None if bias is None else bias.contiguous(), *router_options)[0]
+        shared = FUSED_BLOCKS[type(self).__name__][3]
         if shared == "gated_shared_expert":  # Qwen2-MoE
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif shared == "shared_experts":  # DeepSeek-V3, GLM-4.5
@@ -857,7 +861,6 @@ FUSED_BLOCKS = {
     "DeepseekV3MoE": ("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", "shared_experts"),
     "Glm4MoeMoE": ("glm4_moe", "Glm4MoeTopkRouter", "sigmoid", "shared_experts"),
 }
-_FUSED_FAMILIES: Dict[str, tuple] = {}  # the fused classes' names (and the stock ones') -> FUSED_BLOCKS' row
 _FUSED_OF: Dict[type, type] = {}  # stock class -> its fused subclass
 
 
@@ -874,7 +877,6 @@ def _make_fused_classes() -> None:
         fused = type(name, (_FusedMoeBlock, stock), {"__module__": __name__, "__qualname__": f"Fused{name}",
                                                      "__doc__": f"{name} with its routed part on moeforge.moe_block"})
         _FUSED_OF[stock] = fused
-        _FUSED_FAMILIES[name] = row
 
 
 _make_fused_classes()
