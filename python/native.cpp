@@ -802,6 +802,38 @@ void bind_ops(py::module_& m) {
         },
         "dinp"_a, "dweight"_a, "dout"_a, "inp"_a, "weight"_a, "rstd"_a, ctx_arg);
     m.def(
+        "qknorm_rope_forward",
+        [](py::object q_out, py::object k_out, py::object q_rstd, py::object k_rstd, py::object q, py::object k,
+           py::object q_weight, py::object k_weight, py::object cos, py::object sin, float eps, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *qo = MF_TENSOR(q_out), *ko = MF_TENSOR(k_out), *qr = MF_TENSOR(q_rstd), *kr = MF_TENSOR(k_rstd);
+            const auto *tq = MF_TENSOR(q), *tk = MF_TENSOR(k), *qw = MF_TENSOR(q_weight), *kw = MF_TENSOR(k_weight);
+            const auto *tc = MF_TENSOR(cos), *ts = MF_TENSOR(sin);
+            call([&] { return mf_qknorm_rope_forward(cx, qo, ko, qr, kr, tq, tk, qw, kw, tc, ts, eps); });
+        },
+        "q_out"_a, "k_out"_a, "q_rstd"_a, "k_rstd"_a, "q"_a, "k"_a, "q_weight"_a, "k_weight"_a, "cos"_a, "sin"_a,
+        "eps"_a, ctx_arg);
+    m.def(
+        "qknorm_rope_backward",
+        [](py::object dq, py::object dk, py::object dq_weight, py::object dk_weight, py::object dq_out,
+           py::object dk_out, py::object q, py::object k, py::object q_weight, py::object k_weight, py::object q_rstd,
+           py::object k_rstd, py::object cos, py::object sin, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *tdq = MF_TENSOR(dq), *tdk = MF_TENSOR(dk), *dqw = MF_TENSOR(dq_weight);
+            const auto *dkw = MF_TENSOR(dk_weight), *gq = MF_TENSOR(dq_out), *gk = MF_TENSOR(dk_out);
+            const auto *tq = MF_TENSOR(q), *tk = MF_TENSOR(k), *qw = MF_TENSOR(q_weight), *kw = MF_TENSOR(k_weight);
+            const auto *qr = MF_TENSOR(q_rstd), *kr = MF_TENSOR(k_rstd), *tc = MF_TENSOR(cos), *ts = MF_TENSOR(sin);
+            call([&] {
+                return mf_qknorm_rope_backward(cx, tdq, tdk, dqw, dkw, gq, gk, tq, tk, qw, kw, qr, kr, tc, ts);
+            });
+        },
+        "dq"_a, "dk"_a, "dq_weight"_a, "dk_weight"_a, "dq_out"_a, "dk_out"_a, "q"_a, "k"_a, "q_weight"_a,
+        "k_weight"_a, "q_rstd"_a, "k_rstd"_a, "cos"_a, "sin"_a, ctx_arg);
+    m.def(
         "lm_head_cross_entropy",
         [](py::object losses, py::object dh, py::object dw, py::object h, py::object w, py::object targets,
            float grad_scale, const std::string& logits_dtype, py::object ctx) {

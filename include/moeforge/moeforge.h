@@ -232,6 +232,25 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
                               const mf_tensor* dout, const mf_tensor* inp, const mf_tensor* weight,
                               const mf_tensor* rstd);
 
+/* --- per-head RMSNorm + rotary embedding of the query and key heads (Qwen3's q_norm / k_norm) -----
+ * q [N, Hq, D], k [N, Hkv, D] (the projections) -> q_out, k_out (same shapes, written): each head
+ * normalised, n = w ⊙ x / sqrt(mean(x²) + eps) (q_weight, k_weight [D]), then rotated by the tables
+ * cos, sin [N, D] (transformers' position_embeddings, any rope type: y[i] = n[i]·cos[i] −
+ * n[i+D/2]·sin[i], y[i+D/2] = n[i+D/2]·cos[i+D/2] + n[i]·sin[i+D/2], i < D/2), q_rstd [N, Hq] and
+ * k_rstd [N, Hkv] f32 (written, for the backward). D even, at most 256 on a GPU. Activations,
+ * weights and tables in the device's activation dtype.                                             */
+mf_status mf_qknorm_rope_forward(const mf_context* ctx, const mf_tensor* q_out, const mf_tensor* k_out,
+                                 const mf_tensor* q_rstd, const mf_tensor* k_rstd, const mf_tensor* q,
+                                 const mf_tensor* k, const mf_tensor* q_weight, const mf_tensor* k_weight,
+                                 const mf_tensor* cos, const mf_tensor* sin, float eps);
+/* dq, dk (written) and dq_weight, dk_weight [D] (+=, f32, or bf16 too on a GPU) from the output
+ * gradients dq_out, dk_out (only read), the forward's inputs q, k and its q_rstd, k_rstd. */
+mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, const mf_tensor* dk,
+                                  const mf_tensor* dq_weight, const mf_tensor* dk_weight, const mf_tensor* dq_out,
+                                  const mf_tensor* dk_out, const mf_tensor* q, const mf_tensor* k,
+                                  const mf_tensor* q_weight, const mf_tensor* k_weight, const mf_tensor* q_rstd,
+                                  const mf_tensor* k_rstd, const mf_tensor* cos, const mf_tensor* sin);
+
 /* --- fused LM head + cross-entropy --------------------------------------------------------------
  * losses [N] f32 = CE(h [N, C] · w [V, C]ᵀ, targets [N] i32) per row, the logits never stored
  * whole; a target of -100 is ignored (loss 0), any other must lie in [0, V). With grad_scale != 0 also dh [N, C] += and

@@ -82,6 +82,11 @@ def _context(t: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> Optio
     return None
 
 
+def _no_grads(ctx) -> tuple:
+    """An op's backward result when its main output got no gradient: None for every input."""
+    return (None,) * len(ctx.needs_input_grad)
+
+
 def _bytes_tensor(nbytes: int, device: torch.device) -> torch.Tensor:
     """A torch-allocated buffer of nbytes (a multiple of 4) for a C API workspace (torch's allocators
     align it as the C API asks: 512 bytes on a GPU, 64 on the CPU; and torch counts it)."""
@@ -282,6 +287,7 @@ def _(dout, hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row,
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     hidden, _, top_k_weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed = inputs
     _, offsets, sorted_pair, pair_row, h_perm, y_perm = output
     ctx.save_for_backward(hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm)
@@ -289,6 +295,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, *_unused):
+    if dout is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
     with_b_up, with_b_down, activation, alpha, limit, transposed = ctx.options
     dx, dw, dw_up, dw_down, db_up, db_down = experts_backward(
@@ -576,6 +584,7 @@ def _(dout, hidden, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, off
 
 
 def _lora_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     hidden, _, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down = inputs[:9]
     _, offsets, sorted_pair, pair_row, h_perm, y_perm = output
     ctx.save_for_backward(hidden, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, offsets, sorted_pair,
@@ -584,6 +593,8 @@ def _lora_setup_context(ctx, inputs, output):
 
 
 def _lora_backward(ctx, dout, *_unused):
+    if dout is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     saved = ctx.saved_tensors
     need = ctx.needs_input_grad
     grads = experts_lora_backward(dout.contiguous(), *saved, *ctx.options, need[3], need[4])
@@ -742,12 +753,15 @@ def _(dy, x, router, gate_up, down, correction_bias, acts, top_k, norm_topk_prob
 
 
 def _block_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     x, router, gate_up, down, correction_bias = inputs[:5]
     ctx.save_for_backward(x, router, gate_up, down, correction_bias, output[1])
     ctx.options = inputs[5:]
 
 
 def _block_backward(ctx, dy, *_unused):
+    if dy is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     x, router, gate_up, down, correction_bias, acts = ctx.saved_tensors
     grads = moe_block_backward(dy.contiguous(), x, router, gate_up, down, correction_bias, acts, *ctx.options)
     return (*grads, None, None, None, None, None, None, None)
@@ -861,22 +875,164 @@ FUSED_BLOCKS = {
     "DeepseekV3MoE": ("deepseek_v3", "DeepseekV3TopkRouter", "sigmoid", "shared_experts"),
     "Glm4MoeMoE": ("glm4_moe", "Glm4MoeTopkRouter", "sigmoid", "shared_experts"),
 }
+# --- the attention's per-head q/k RMSNorm and rotary embedding, fused (Qwen3-MoE's q_norm / k_norm) ---
+
+
+@torch.library.custom_op("moeforge::qknorm_rope", mutates_args=())
+def qknorm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, Hq, D] and k [N, Hkv, D] (the projections, contiguous): each head RMS-normalised with
+    q_weight / k_weight [D], then rotated by cos, sin [N, D] (transformers' position_embeddings, as
+    q·cos + rotate_half(q)·sin). Returns (q_out, k_out, q_rstd, k_rstd), the last two f32 for the
+    backward."""
+    q, k, q_weight, k_weight = q.detach(), k.detach(), q_weight.detach(), k_weight.detach()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_rstd = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    k_rstd = torch.empty(k.shape[:2], dtype=torch.float32, device=k.device)
+    if q.shape[0] > 0:
+        ops.qknorm_rope_forward(q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, cos.detach(), sin.detach(),
+                                eps=eps, ctx=_context(q))
+    return q_out, k_out, q_rstd, k_rstd
+
+
+@qknorm_rope.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps):
+    return (torch.empty_like(q), torch.empty_like(k), q.new_empty(q.shape[:2], dtype=torch.float32),
+            k.new_empty(k.shape[:2], dtype=torch.float32))
+
+
+@torch.library.custom_op("moeforge::qknorm_rope_backward", mutates_args=())
+def qknorm_rope_backward(dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, q_rstd: torch.Tensor, k_rstd: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    """qknorm_rope's gradients (d q, d k, d q_weight, d k_weight; the weights' summed in fp32)."""
+    args = [t.detach() for t in (dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, cos, sin)]
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    D = q.shape[-1]
+    dq_weight = torch.zeros(D, dtype=torch.float32, device=q.device)  # (accumulated into)
+    dk_weight = torch.zeros(D, dtype=torch.float32, device=q.device)
+    if q.shape[0] > 0:
+        ops.qknorm_rope_backward(dq, dk, dq_weight, dk_weight, *args, ctx=_context(q))
+    return dq, dk, dq_weight.to(q_weight.dtype), dk_weight.to(k_weight.dtype)
+
+
+@qknorm_rope_backward.register_fake
+def _(dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, cos, sin):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)
+
+
+def _qknorm_rope_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
+    q, k, q_weight, k_weight, cos, sin, _ = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, output[2], output[3], cos, sin)
+
+
+def _qknorm_rope_backward(ctx, dq_out, dk_out, *_unused):
+    if dq_out is None and dk_out is None:
+        return _no_grads(ctx)
+    q, k, q_weight, k_weight, q_rstd, k_rstd, cos, sin = ctx.saved_tensors
+    dq_out = torch.zeros_like(q) if dq_out is None else dq_out.contiguous()
+    dk_out = torch.zeros_like(k) if dk_out is None else dk_out.contiguous()
+    dq, dk, dq_weight, dk_weight = qknorm_rope_backward(dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, cos,
+                                                        sin)
+    return dq, dk, dq_weight, dk_weight, None, None, None
+
+
+qknorm_rope.register_autograd(_qknorm_rope_backward, setup_context=_qknorm_rope_setup_context)
+
+
+def qknorm_rope_unsupported_reason(module: torch.nn.Module, hidden_states: torch.Tensor,
+                                   position_embeddings) -> Optional[str]:
+    """Why an attention module's q/k norm and rotary embedding run stock, or None when moeforge's
+    qknorm_rope serves them."""
+    want = _served_dtype(hidden_states.device.type)
+    if want is None or hidden_states.dtype != want or hidden_states.dim() != 3:
+        return f"{hidden_states.dim()}-d {hidden_states.dtype} hidden states on {hidden_states.device.type}"
+    if hidden_states.device.type == "cuda" and not _HAS_CUDA:
+        return "moeforge was built without CUDA (or sees no GPU)"
+    q_norm, k_norm, D = getattr(module, "q_norm", None), getattr(module, "k_norm", None), module.head_dim
+    norm_class = FUSED_ATTENTION[type(module).__name__][1]
+    if type(q_norm).__name__ != norm_class or type(k_norm).__name__ != norm_class:
+        return f"q/k norms of classes {type(q_norm).__name__} / {type(k_norm).__name__} (served: {norm_class})"
+    if q_norm.variance_epsilon != k_norm.variance_epsilon:
+        return "q and k norms with different epsilons"
+    for w in (q_norm.weight, k_norm.weight):
+        if w.shape != (D,) or w.dtype != want or w.device != hidden_states.device:
+            return f"a {w.dtype} q/k norm weight of shape {tuple(w.shape)} (head dim {D})"
+    if D % 2 != 0 or (hidden_states.device.type == "cuda" and D > 256):
+        return f"head dim {D} (served: even, at most 256 on a GPU)"
+    if not isinstance(position_embeddings, (tuple, list)) or len(position_embeddings) != 2:
+        return "position_embeddings that are not (cos, sin)"
+    B, T = hidden_states.shape[:2]
+    for t in position_embeddings:
+        if (not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] not in (1, B) or t.shape[1:] != (T, D)
+                or t.dtype != want or t.requires_grad):
+            return "cos/sin tables that are not [B or 1, T, head_dim] constants of the hidden states' dtype"
+    return None
+
+
+class _FusedQKNormRopeAttention:
+    """A transformers attention module whose per-head q/k RMSNorm and rotary embedding run as one
+    moeforge op (qknorm_rope), the rest as its own forward (projections, the attention interface,
+    o_proj, a KV cache's update with the rotated keys); its own forward where the op does not serve
+    it (a logged reason): other dtypes, another norm class, tables of another shape."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        reason = qknorm_rope_unsupported_reason(self, hidden_states, position_embeddings)
+        if reason is not None:
+            _report(type(self).__name__, reason, "its own q/k norm and rotary embedding")
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        B, T = hidden_states.shape[:2]
+        D = self.head_dim
+        cos, sin = (t.expand(B, T, D).reshape(B * T, D) for t in position_embeddings)
+        q = self.q_proj(hidden_states).reshape(B * T, -1, D)
+        k = self.k_proj(hidden_states).reshape(B * T, -1, D)
+        q, k = qknorm_rope(q.contiguous(), k.contiguous(), self.q_norm.weight, self.k_norm.weight, cos.contiguous(),
+                           sin.contiguous(), float(self.q_norm.variance_epsilon))[:2]
+        query_states = q.view(B, T, -1, D).transpose(1, 2)
+        key_states = k.view(B, T, -1, D).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        modeling = sys.modules[FUSED_ATTENTION[type(self).__name__][2]]
+        attention_interface = modeling_utils.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                                  modeling.eager_attention_forward)
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs)
+        attn_output = attn_output.reshape(B, T, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+# The attention classes whose q/k norm and rotary embedding run fused: class -> (modeling module, norm
+# class, the module's import name, filled in by _make_fused_classes). Their forward is Qwen3-MoE's
+# (transformers 5.x): q_norm / k_norm over each head, then apply_rotary_pos_emb.
+FUSED_ATTENTION = {
+    "Qwen3MoeAttention": ["qwen3_moe", "Qwen3MoeRMSNorm", None],
+}
 _FUSED_OF: Dict[type, type] = {}  # stock class -> its fused subclass
 
 
 def _make_fused_classes() -> None:
     import importlib
-    for name, row in FUSED_BLOCKS.items():
-        try:
-            module = importlib.import_module(f"transformers.models.{row[0]}.modeling_{row[0]}")
-        except ImportError:
-            continue
-        stock = getattr(module, name, None)
-        if not isinstance(stock, type):
-            continue
-        fused = type(name, (_FusedMoeBlock, stock), {"__module__": __name__, "__qualname__": f"Fused{name}",
-                                                     "__doc__": f"{name} with its routed part on moeforge.moe_block"})
-        _FUSED_OF[stock] = fused
+    kinds = [(FUSED_BLOCKS, _FusedMoeBlock, "its routed part on moeforge.moe_block"),
+             (FUSED_ATTENTION, _FusedQKNormRopeAttention, "its q/k norm and rotary embedding on moeforge.qknorm_rope")]
+    for table, mixin, what in kinds:
+        for name, row in table.items():
+            try:
+                module = importlib.import_module(f"transformers.models.{row[0]}.modeling_{row[0]}")
+            except ImportError:
+                continue
+            stock = getattr(module, name, None)
+            if not isinstance(stock, type):
+                continue
+            if table is FUSED_ATTENTION:
+                row[2] = module.__name__
+            _FUSED_OF[stock] = type(name, (mixin, stock), {"__module__": __name__, "__qualname__": f"Fused{name}",
+                                                           "__doc__": f"{name} with {what}"})
 
 
 _make_fused_classes()
@@ -965,11 +1121,14 @@ def _(dout, q, k, v, out, lse, doc_ids):
 
 
 def _attention_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     q, k, v, doc_ids = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], doc_ids)
 
 
 def _attention_backward(ctx, dout, *_unused):
+    if dout is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     q, k, v, out, lse, doc_ids = ctx.saved_tensors
     return (*attention_backward(dout.contiguous(), q, k, v, out, lse, doc_ids), None)
 
@@ -1130,11 +1289,14 @@ def _(dout, x, weight, rstd):
 
 
 def _rms_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_backward(ctx, dout, *_unused):
+    if dout is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     x, weight, rstd = ctx.saved_tensors
     dx, dweight = rms_norm_backward(dout.contiguous(), x, weight, rstd)
     return dx, dweight, None
@@ -1222,10 +1384,13 @@ def _(hidden, weight, targets, count, logits_bf16):
 
 
 def _lce_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     ctx.save_for_backward(output[1], output[2])
 
 
 def _lce_backward(ctx, dloss, *_unused):
+    if dloss is None:  # (the main output took no part in the loss)
+        return _no_grads(ctx)
     dh, dw = ctx.saved_tensors
     # (dloss is 1 for a loss that is backpropagated as it is: the products are then exact.)
     return dh * dloss.to(dh.dtype), dw * dloss.to(dw.dtype), None, None, None
@@ -1406,15 +1571,19 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
 
     modules: Dict[str, Dict[str, Any]] = {}
     blocks: Dict[str, Dict[str, Any]] = {}
+    qk: Dict[str, Dict[str, Any]] = {}
     for sub in model.modules():
         if _is_experts_module(sub):
             tally(modules, sub, unsupported_reason(sub))
         if type(sub).__name__ in FUSED_BLOCKS:
             fused = isinstance(sub, _FusedMoeBlock)
             tally(blocks, sub, block_unsupported_reason(sub) if fused else "not patched (created before the import?)")
+        if type(sub).__name__ in FUSED_ATTENTION:
+            tally(qk, sub, None if isinstance(sub, _FusedQKNormRopeAttention) else
+                  "not patched (created before the import?)")
     norms = sorted({type(m).__name__ for m in model.modules() if type(m) in _stock_norm_forwards})
     return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
-            "patched": impl == IMPLEMENTATION, "modules": modules, "moe_blocks": blocks,
+            "patched": impl == IMPLEMENTATION, "modules": modules, "moe_blocks": blocks, "qknorm_rope": qk,
             "attention": getattr(config, "_attn_implementation", None) if config is not None else None,
             "rms_norm": norms, "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
 

@@ -33,6 +33,8 @@ from ._native import (  # noqa: F401
     moe_permute_indices,
     moe_unpermute,
     moe_unpermute_backward,
+    qknorm_rope_backward,
+    qknorm_rope_forward,
     relu2_backward,
     relu2_forward,
     rmsnorm_backward,

@@ -693,6 +693,67 @@ def test_attention_padding_inside_a_row_runs_sdpa_with_its_mask(monkeypatch):
     assert not calls and abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
 
 
+def qknorm_rope_vs_stock(model, ids, device, loss_rtol, grad_rel, monkeypatch, **inputs):
+    """Qwen3-MoE's attention with its q/k norm and rotary embedding as moeforge's qknorm_rope against
+    the whole model stock (compare_impls), proving that the op ran forward and backward."""
+    qk = mhf.status(model)["qknorm_rope"]
+    assert qk == {"FusedQwen3MoeAttention": {"count": 1, "moeforge": True, "reason": None}} or (
+        list(qk.values())[0]["moeforge"]), qk
+    forward, backward = count_calls(monkeypatch, "qknorm_rope_forward"), count_calls(monkeypatch,
+                                                                                       "qknorm_rope_backward")
+    compare_impls(model, ids.to(device), "eager" if device == "cpu" else "grouped_mm", loss_rtol, grad_rel, **inputs)
+    assert forward and backward, "qknorm_rope never ran: the comparison would check nothing"
+
+
+def test_qknorm_rope_cpu_fp32_equals_stock(monkeypatch):
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    qknorm_rope_vs_stock(make_model(), ids, "cpu", 1e-6, 1e-5, monkeypatch)
+
+
+def test_qknorm_rope_cpu_fp32_packed_positions_equal_stock(monkeypatch):
+    ids, labels, extra = attention_inputs("packed")
+    model = make_model()
+    qknorm_rope_vs_stock(model, ids, "cpu", 1e-6, 1e-5, monkeypatch, labels=labels, **extra)
+
+
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qknorm_rope_cuda_bf16_equals_stock(head_dim, monkeypatch):
+    model = make_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(4))
+    qknorm_rope_vs_stock(model.to("cuda", torch.bfloat16), ids, "cuda", 2e-2, 3e-2, monkeypatch)
+
+
+def test_qknorm_rope_with_a_kv_cache_decodes_as_the_whole_sequence(monkeypatch):
+    """transformers makes a KV cache even in training (use_cache defaults to on); incremental decoding
+    through it, the cached keys rotated by the op, gives the logits of one pass over the sequence."""
+    model = make_model().eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    forward = count_calls(monkeypatch, "qknorm_rope_forward")
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :8], use_cache=True)
+        step = model(input_ids=ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
+    assert len(forward) == 3, f"qknorm_rope ran {len(forward)} times for 3 forwards of one layer"
+    torch.testing.assert_close(prefix.logits, whole[:, :8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, whole[:, 8:], rtol=1e-5, atol=1e-5)
+    stock_of = {fused: stock for stock, fused in mhf._FUSED_OF.items()}
+    attn = model.model.layers[0].self_attn
+    assert type(attn) in stock_of and stock_of[type(attn)].__name__ == "Qwen3MoeAttention"
+
+
+def test_opcheck_qknorm_rope():
+    devices = ["cpu"] + (["cuda"] if CUDA else [])
+    for device in devices:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        g = torch.Generator().manual_seed(9)
+        t = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+        q, k, qw, kw = t(6, 4, 16), t(6, 2, 16), t(16), t(16)
+        for x in (q, k, qw, kw):
+            x.requires_grad_()
+        torch.library.opcheck(torch.ops.moeforge.qknorm_rope.default, (q, k, qw, kw, t(6, 16), t(6, 16), 1e-6))
+
+
 def test_opcheck_attention_cpu():
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, 10, h, 16, generator=g).requires_grad_() for h in (4, 2, 2))

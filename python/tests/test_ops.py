@@ -521,6 +521,61 @@ def test_rmsnorm_forward_backward():
     np.testing.assert_allclose(dw, (dy.astype(np.float64) * xh).sum(0), rtol=1e-4, atol=1e-6)
 
 
+def _rotate(x, cos, sin):
+    """transformers' x·cos + rotate_half(x)·sin over the last dim, cos/sin broadcast over heads."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None, :] + np.concatenate([-x[..., h:], x[..., :h]], -1) * sin[:, None, :]
+
+
+def test_qknorm_rope_forward_backward_against_numpy():
+    rng = np.random.default_rng(10)
+    N, Hq, Hkv, D, eps = 5, 4, 2, 16, 1e-6
+    q, k = rand(rng, N, Hq, D), rand(rng, N, Hkv, D)
+    qw, kw = (rng.uniform(0.5, 1.5, D).astype(f32) for _ in range(2))
+    cos, sin = rand(rng, N, D), rand(rng, N, D)  # (halves that differ: the general table)
+    q_out, k_out = np.zeros_like(q), np.zeros_like(k)
+    q_rstd, k_rstd = np.zeros((N, Hq), f32), np.zeros((N, Hkv), f32)
+    ops.qknorm_rope_forward(q_out, k_out, q_rstd, k_rstd, q, k, qw, kw, cos, sin, eps)
+    c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
+
+    def forward64(x, w):
+        x = x.astype(np.float64)
+        r = 1 / np.sqrt((x ** 2).mean(-1) + eps)
+        return _rotate(x * r[..., None] * w, c64, s64), r
+
+    for got, rstd, x, w in ((q_out, q_rstd, q, qw), (k_out, k_rstd, k, kw)):
+        want, r = forward64(x, w)
+        close_elementwise(rstd, r, rtol=1e-6)
+        close_elementwise(got, want, rtol=1e-5, atol=1e-6)
+
+    # Backward against the transposed rotation and RMSNorm's gradient, in fp64.
+    dq_out, dk_out = rand(rng, N, Hq, D), rand(rng, N, Hkv, D)
+    dq, dk = np.full_like(q, 7.0), np.full_like(k, 7.0)  # (written, not accumulated)
+    dqw, dkw = np.full(D, 0.5, f32), np.full(D, 0.5, f32)  # (accumulated)
+    before = dq_out.copy()
+    ops.qknorm_rope_backward(dq, dk, dqw, dkw, dq_out, dk_out, q, k, qw, kw, q_rstd, k_rstd, cos, sin)
+    np.testing.assert_array_equal(dq_out, before)
+    h = D // 2
+    for got, got_w, dy, x, w, rstd in ((dq, dqw, dq_out, q, qw, q_rstd), (dk, dkw, dk_out, k, kw, k_rstd)):
+        dy = dy.astype(np.float64)
+        a, b = dy[..., :h], dy[..., h:]
+        dn = np.concatenate([a * c64[:, None, :h] + b * s64[:, None, h:],
+                             b * c64[:, None, h:] - a * s64[:, None, :h]], -1)
+        r = rstd.astype(np.float64)[..., None]
+        xh = x.astype(np.float64) * r
+        g = dn * w
+        want = r * (g - xh * (g * xh).mean(-1, keepdims=True))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got_w, 0.5 + (dn * xh).sum((0, 1)), rtol=1e-4, atol=1e-5)
+
+    with pytest.raises(moeforge.InvalidArgumentError, match="cos"):
+        ops.qknorm_rope_forward(q_out, k_out, q_rstd, k_rstd, q, k, qw, kw, cos[:-1], sin[:-1], eps)
+    with pytest.raises(moeforge.InvalidArgumentError, match="even"):
+        odd = rand(rng, N, Hq, D - 1)
+        ops.qknorm_rope_forward(odd, odd, q_rstd, q_rstd, odd, odd, qw[:-1], qw[:-1], np.ascontiguousarray(cos[:, :-1]),
+                                np.ascontiguousarray(sin[:, :-1]), eps)
+
+
 def test_lm_head_cross_entropy_workspace_bytes():
     assert ops.lm_head_cross_entropy_workspace_bytes(8192, 151936, "bfloat16", "cpu") == 0
     with pytest.raises(moeforge.InvalidArgumentError, match="num_rows = -1 is negative"):

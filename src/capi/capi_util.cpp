@@ -132,7 +132,7 @@ Tensor OpCall::tensor(const mf_tensor* t, const char* name, Want want, bool opti
     } catch (const Error&) {
         refuse(op_, ": ", name, " ", shape_str(shape), " has more elements than int64 holds");
     }
-    if (t->strides != nullptr) {
+    if (t->strides != nullptr && numel > 0) {  // (an empty tensor has no layout to check)
         int64_t expect = 1;
         for (int i = t->ndim - 1; i >= 0; --i) {
             if (shape[static_cast<size_t>(i)] != 1 && t->strides[i] != expect)

@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "capi/capi_util.h"
@@ -472,6 +473,84 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
         call.numel_of(dw, "dweight", C);
         call.numel_of(r, "rstd", rows(x));
         call.run([&] { mf::ops::rmsnorm_backward(dx, dw, dy, x, w, r); });
+    });
+}
+
+// --- per-head RMSNorm + rotary embedding ---------------------------------------------------------------
+
+namespace {
+// The shared checks of the q/k-norm + rope pair: q-side tensors [N, Hq, D], k-side [N, Hkv, D],
+// weights [D], tables [N, D]; returns (Hq, Hkv).
+std::pair<int64_t, int64_t> qknorm_rope_heads(const OpCall& call, const Tensor& q, const Tensor& k,
+                                               const Tensor& q_weight, const Tensor& k_weight, const Tensor& cos,
+                                               const Tensor& sin) {
+    if (q.ndim() != 3 || k.ndim() != 3)
+        refuse(call.op(), ": q ", mf::shape_str(q.shape()), " and k ", mf::shape_str(k.shape()), " must be [N, heads, D]");
+    const int64_t N = q.dim(0), D = q.dim(2);
+    if (D < 2 || D % 2 != 0) refuse(call.op(), ": head dim D = ", D, " must be even and >= 2");
+    if (k.dim(0) != N || k.dim(2) != D)
+        refuse(call.op(), ": k ", mf::shape_str(k.shape()), " must be [N = ", N, ", Hkv, D = ", D, "]");
+    call.numel_of(q_weight, "q_weight", D);
+    call.numel_of(k_weight, "k_weight", D);
+    call.rows_of(cos, "cos", N, D);
+    call.rows_of(sin, "sin", N, D);
+    return {q.dim(1), k.dim(1)};
+}
+}  // namespace
+
+mf_status mf_qknorm_rope_forward(const mf_context* ctx, const mf_tensor* q_out, const mf_tensor* k_out,
+                                 const mf_tensor* q_rstd, const mf_tensor* k_rstd, const mf_tensor* q,
+                                 const mf_tensor* k, const mf_tensor* q_weight, const mf_tensor* k_weight,
+                                 const mf_tensor* cos, const mf_tensor* sin, float eps) {
+    return guarded([&] {
+        OpCall call("mf_qknorm_rope_forward", ctx);
+        const Tensor qo = call.tensor(q_out, "q_out", Want::act), ko = call.tensor(k_out, "k_out", Want::act);
+        const Tensor qr = call.tensor(q_rstd, "q_rstd", Want::f32), kr = call.tensor(k_rstd, "k_rstd", Want::f32);
+        const Tensor tq = call.tensor(q, "q", Want::act), tk = call.tensor(k, "k", Want::act);
+        const Tensor qw = call.tensor(q_weight, "q_weight", Want::act);
+        const Tensor kw = call.tensor(k_weight, "k_weight", Want::act);
+        const Tensor c = call.tensor(cos, "cos", Want::act), sn = call.tensor(sin, "sin", Want::act);
+        if (!(std::isfinite(eps) && eps >= 0.0f)) refuse(call.op(), ": eps = ", eps, " must be finite and >= 0");
+        const auto [Hq, Hkv] = qknorm_rope_heads(call, tq, tk, qw, kw, c, sn);
+        const int64_t N = tq.dim(0), D = tq.dim(2);
+        call.rows_of(qo, "q_out", N * Hq, D);
+        call.rows_of(ko, "k_out", N * Hkv, D);
+        call.numel_of(qr, "q_rstd", N * Hq);
+        call.numel_of(kr, "k_rstd", N * Hkv);
+        call.run([&] { mf::ops::qknorm_rope_table_forward(qo, ko, qr, kr, tq, tk, qw, kw, c, sn, Hq, Hkv, eps); });
+    });
+}
+
+mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, const mf_tensor* dk,
+                                  const mf_tensor* dq_weight, const mf_tensor* dk_weight, const mf_tensor* dq_out,
+                                  const mf_tensor* dk_out, const mf_tensor* q, const mf_tensor* k,
+                                  const mf_tensor* q_weight, const mf_tensor* k_weight, const mf_tensor* q_rstd,
+                                  const mf_tensor* k_rstd, const mf_tensor* cos, const mf_tensor* sin) {
+    return guarded([&] {
+        OpCall call("mf_qknorm_rope_backward", ctx);
+        const Tensor tdq = call.tensor(dq, "dq", Want::act), tdk = call.tensor(dk, "dk", Want::act);
+        const Tensor dqw = call.tensor(dq_weight, "dq_weight", Want::param);
+        const Tensor dkw = call.tensor(dk_weight, "dk_weight", Want::param);
+        const Tensor gq = call.tensor(dq_out, "dq_out", Want::act), gk = call.tensor(dk_out, "dk_out", Want::act);
+        const Tensor tq = call.tensor(q, "q", Want::act), tk = call.tensor(k, "k", Want::act);
+        const Tensor qw = call.tensor(q_weight, "q_weight", Want::act);
+        const Tensor kw = call.tensor(k_weight, "k_weight", Want::act);
+        const Tensor qr = call.tensor(q_rstd, "q_rstd", Want::f32), kr = call.tensor(k_rstd, "k_rstd", Want::f32);
+        const Tensor c = call.tensor(cos, "cos", Want::act), sn = call.tensor(sin, "sin", Want::act);
+        const auto [Hq, Hkv] = qknorm_rope_heads(call, tq, tk, qw, kw, c, sn);
+        const int64_t N = tq.dim(0), D = tq.dim(2);
+        if (dqw.dtype() != dkw.dtype()) refuse(call.op(), ": dq_weight and dk_weight differ in dtype");
+        for (const auto& [t, name, heads] : {std::tuple{&tdq, "dq", Hq}, std::tuple{&tdk, "dk", Hkv},
+                                             std::tuple{&gq, "dq_out", Hq}, std::tuple{&gk, "dk_out", Hkv}}) {
+            call.rows_of(*t, name, N * heads, D);
+        }
+        call.numel_of(dqw, "dq_weight", D);
+        call.numel_of(dkw, "dk_weight", D);
+        call.numel_of(qr, "q_rstd", N * Hq);
+        call.numel_of(kr, "k_rstd", N * Hkv);
+        call.run([&] {
+            mf::ops::qknorm_rope_table_backward(tdq, tdk, dqw, dkw, gq, gk, tq, tk, qw, kw, qr, kr, c, sn, Hq, Hkv);
+        });
     });
 }
 

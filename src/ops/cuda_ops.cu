@@ -351,6 +351,29 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                                    ctx().stream);
 }
 
+void qknorm_rope_table_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                               const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                               const Tensor& cos, const Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                               float eps) {
+    mf::cuda::rope_qknorm_table_forward(B(q), B(k), F(q_rstd), F(k_rstd), B(q_raw), B(k_raw), B(q_weight),
+                                        B(k_weight), B(cos), B(sin), cos.dim(0), num_heads, num_kv_heads,
+                                        q_weight.numel(), eps, ctx().stream);
+}
+
+void qknorm_rope_table_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight,
+                                const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw,
+                                const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                                const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& cos, const Tensor& sin,
+                                int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t N = cos.dim(0), D = q_weight.numel();
+    MF_CHECK(dq_weight.dtype() == dk_weight.dtype(), "q/k norm gradients differ in dtype");
+    const size_t bytes = mf::cuda::rope_qknorm_backward_scratch_bytes(N, D);
+    mf::cuda::rope_qknorm_table_backward(B(dq_raw), B(dk_raw), dq_weight.data(), dk_weight.data(), dq_weight.dtype(),
+                                         B(dq), B(dk), B(q_raw), B(k_raw), B(q_weight), B(k_weight), F(q_rstd),
+                                         F(k_rstd), B(cos), B(sin), N, num_heads, num_kv_heads, D, ctx().get(bytes),
+                                         bytes, ctx().stream);
+}
+
 // RoPE alone: q or k may be undefined when its head count is 0.
 void rope_forward(const Tensor& q, const Tensor& k, const Tensor& q_raw, const Tensor& k_raw, const Tensor& positions,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim, float theta) {

@@ -25,7 +25,7 @@
     X(zero) X(copy) X(copy_from_host) X(copy_to_host) X(fill_normal) X(add) X(cast) X(synchronize)                     \
     X(matmul_forward) X(matmul_backward) X(add_bias) X(bias_backward) X(embedding_forward) X(embedding_backward)       \
     X(rmsnorm_forward) X(rmsnorm_backward) X(qknorm_rope_forward) X(qknorm_rope_backward) X(rope_forward)              \
-    X(rope_backward) X(attention_forward) X(attention_backward) X(swiglu_forward) X(swiglu_backward)                   \
+    X(qknorm_rope_table_forward) X(qknorm_rope_table_backward) X(rope_backward) X(attention_forward) X(attention_backward) X(swiglu_forward) X(swiglu_backward)                   \
     X(relu2_forward) X(relu2_backward) X(router_sigmoid_forward) X(router_sigmoid_backward)                            \
     X(clamped_swiglu_forward) X(clamped_swiglu_backward)                                                               \
     X(sigmoid_gate_forward) X(sigmoid_gate_backward)                                                                   \

@@ -394,6 +394,79 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
 }
 
 namespace {
+// The table variant's shapes: q/q_raw [N·Hq·D], k/k_raw [N·Hkv·D], rstd [N·H], cos and sin [N, D].
+void check_qknorm_table_shapes(const char* op, const Tensor& q, const Tensor& k, const Tensor& q_raw,
+                               const Tensor& k_raw, const Tensor& q_rstd, const Tensor& k_rstd,
+                               const Tensor& q_weight, const Tensor& k_weight, const Tensor& cos, const Tensor& sin,
+                               int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t D = q_weight.numel();
+    MF_CHECK(num_heads >= 0 && num_kv_heads >= 0 && D >= 2 && D % 2 == 0 && k_weight.numel() == D, op,
+             ": q/k norm weights of ", D, " and ", k_weight.numel(), " (one even head dim) for ", num_heads, "/",
+             num_kv_heads, " heads");
+    MF_CHECK(cos.ndim() == 2 && cos.dim(1) == D && sin.shape() == cos.shape(), op, ": cos ", shape_str(cos.shape()),
+             " and sin ", shape_str(sin.shape()), " must both be [N, D = ", D, "]");
+    const int64_t N = cos.dim(0);
+    MF_CHECK(q_raw.numel() == N * num_heads * D && q.numel() == q_raw.numel() && q_rstd.numel() == N * num_heads, op,
+             ": q ", shape_str(q.shape()), ", q_raw ", shape_str(q_raw.shape()), " and q_rstd ",
+             shape_str(q_rstd.shape()), " must hold N·Hq·D = ", N * num_heads * D, " and N·Hq elements (N = ", N,
+             " rows of cos)");
+    MF_CHECK(k_raw.numel() == N * num_kv_heads * D && k.numel() == k_raw.numel() &&
+                 k_rstd.numel() == N * num_kv_heads,
+             op, ": k ", shape_str(k.shape()), ", k_raw ", shape_str(k_raw.shape()), " and k_rstd ",
+             shape_str(k_rstd.shape()), " must hold N·Hkv·D = ", N * num_kv_heads * D, " and N·Hkv elements (N = ", N,
+             " rows of cos)");
+}
+}  // namespace
+
+void qknorm_rope_table_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                               const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                               const Tensor& cos, const Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                               float eps) {
+    OpScope scope_("qknorm_rope_table_forward");
+    check_qknorm_table_shapes("qknorm_rope_table_forward", q, k, q_raw, k_raw, q_rstd, k_rstd, q_weight, k_weight,
+                              cos, sin, num_heads, num_kv_heads);
+    const int64_t D = q_weight.numel(), N = cos.dim(0);
+    if (device_of({&q, &k, &q_rstd, &k_rstd, &q_raw, &k_raw, &q_weight, &k_weight, &cos, &sin}) == Device::cuda)
+        return cuda_call(&CudaOps::qknorm_rope_table_forward, q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight,
+                         cos, sin, num_heads, num_kv_heads, eps);
+    cpu::rmsnorm_forward(f(q), f(q_rstd), f(q_raw), f(q_weight), N * num_heads, D, eps);
+    cpu::rope_table_forward(f(q), f(cos), f(sin), N, num_heads, D);
+    cpu::rmsnorm_forward(f(k), f(k_rstd), f(k_raw), f(k_weight), N * num_kv_heads, D, eps);
+    cpu::rope_table_forward(f(k), f(cos), f(sin), N, num_kv_heads, D);
+}
+
+void qknorm_rope_table_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight,
+                                const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw,
+                                const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                                const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& cos, const Tensor& sin,
+                                int64_t num_heads, int64_t num_kv_heads) {
+    OpScope scope_("qknorm_rope_table_backward");
+    check_qknorm_table_shapes("qknorm_rope_table_backward", dq, dk, q_raw, k_raw, q_rstd, k_rstd, q_weight, k_weight,
+                              cos, sin, num_heads, num_kv_heads);
+    MF_CHECK(dq_raw.numel() == dq.numel() && dk_raw.numel() == dk.numel(),
+             "qknorm_rope_table_backward: dq_raw / dk_raw must match dq / dk");
+    MF_CHECK(dq_weight.numel() == q_weight.numel() && dk_weight.numel() == k_weight.numel(),
+             "qknorm_rope_table_backward: dq_weight / dk_weight must match the weights");
+    const int64_t D = q_weight.numel(), N = cos.dim(0);
+    if (device_of({&dq_raw, &dk_raw, &dq_weight, &dk_weight, &dq, &dk, &q_raw, &k_raw, &q_weight, &k_weight, &q_rstd,
+                   &k_rstd, &cos, &sin}) == Device::cuda)
+        return cuda_call(&CudaOps::qknorm_rope_table_backward, dq_raw, dk_raw, dq_weight, dk_weight, dq, dk, q_raw,
+                         k_raw, q_weight, k_weight, q_rstd, k_rstd, cos, sin, num_heads, num_kv_heads);
+    // dn = the transposed rotation of each gradient (in a copy: dq and dk are only read), then the
+    // RMSNorm backward, which adds into dq_raw / dk_raw (zeroed first) and the weight gradients.
+    std::vector<float> dn(static_cast<size_t>(std::max(dq.numel(), dk.numel())));
+    const auto one = [&](const Tensor& d_raw, const Tensor& d_weight, const Tensor& d, const Tensor& raw,
+                         const Tensor& weight, const Tensor& rstd, int64_t heads) {
+        std::copy_n(f(d), d.numel(), dn.data());
+        cpu::rope_table_backward(dn.data(), f(cos), f(sin), N, heads, D);
+        zero(d_raw);
+        cpu::rmsnorm_backward(f(d_raw), f(d_weight), dn.data(), f(raw), f(weight), f(rstd), N * heads, D);
+    };
+    one(dq_raw, dq_weight, dq, q_raw, q_weight, q_rstd, num_heads);
+    one(dk_raw, dk_weight, dk, k_raw, k_weight, k_rstd, num_kv_heads);
+}
+
+namespace {
 // q[N, Hq·D], k[N, Hkv·D] and their partners of the same sizes (the raw projections or gradients);
 // an even rotary_dim in [2, D].
 void check_rope_shapes(const char* op, const Tensor& q, const Tensor& k, const Tensor& q_other, const Tensor& k_other,

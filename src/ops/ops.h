@@ -64,6 +64,20 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
                           const Tensor& q_weight, const Tensor& k_weight, const Tensor& q_rstd, const Tensor& k_rstd,
                           const Tensor& positions, int64_t num_heads, int64_t num_kv_heads, float theta);
 
+// qknorm_rope_forward / backward with the rotation of tables cos, sin [N, D] (transformers'
+// position_embeddings, any rope type; f32 on the CPU, bf16 on CUDA; kernels/cpu/rope.h's table
+// rotation) instead of positions. The backward only reads dq and dk (dq_raw, dk_raw: written;
+// dq_weight, dk_weight +=).
+void qknorm_rope_table_forward(const Tensor& q, const Tensor& k, const Tensor& q_rstd, const Tensor& k_rstd,
+                               const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                               const Tensor& cos, const Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                               float eps);
+void qknorm_rope_table_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight,
+                                const Tensor& dk_weight, const Tensor& dq, const Tensor& dk, const Tensor& q_raw,
+                                const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
+                                const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& cos, const Tensor& sin,
+                                int64_t num_heads, int64_t num_kv_heads);
+
 // RoPE alone (no norm), HF rotate_half layout with partial rotary: of each head of head_dim D only
 // the first rotary_dim R dims (even, <= D) rotate, pair (i, i + R/2) at angle pos · θ^(-2i/R) (fp32,
 // as HF computes inv_freq), and dims [R, D) pass through (R = D: the whole head). q_raw[N, Hq·D],

@@ -224,6 +224,14 @@ TEST(CApi, GroupSizesToOffsetsAndTheRowsPastTheGroups) {
         ASSERT_EQ(mf_group_offsets(nullptr, &to, &ts, 10), MF_OK) << mf_last_error();
         EXPECT_EQ(offsets, want);
     }
+    {  // An empty array may carry any stride (numpy 2 gives stride 0): it has no layout to refuse.
+        std::vector<int32_t> none, offsets(1, -7);
+        const int64_t zero_stride[1] = {0};
+        mf_tensor ts = desc(none, {0}), to = desc(offsets, {1});
+        ts.strides = zero_stride;
+        ASSERT_EQ(mf_group_offsets(nullptr, &to, &ts, 10), MF_OK) << mf_last_error();
+        EXPECT_EQ(offsets, std::vector<int32_t>{0});
+    }
     std::vector<float> x(10 * 3, 1.0f);
     std::vector<int32_t> offsets = {0, 3, 3, 7};
     mf_tensor tx = desc(x, {10, 3}), to = desc(offsets, {4});

@@ -435,6 +435,76 @@ TEST(Rope, GradientFiniteDifference) {
     });
 }
 
+// The rotation of cos/sin tables [N, D] (transformers' position_embeddings), whose two halves may
+// differ: y[i] = x[i]·c[i] − x[i+h]·s[i], y[i+h] = x[i+h]·c[i+h] + x[i]·s[i+h].
+template <typename T>
+std::vector<T> ref_rope_table(const FloatVec& x, const FloatVec& cos, const FloatVec& sin, int64_t N, int64_t H,
+                              int64_t D) {
+    std::vector<T> out(x.size());
+    const int64_t half = D / 2;
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t base = (n * H + h) * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const T a = x[base + i], b = x[base + i + half];
+                out[base + i] = a * T(cos[n * D + i]) - b * T(sin[n * D + i]);
+                out[base + i + half] = b * T(cos[n * D + half + i]) + a * T(sin[n * D + half + i]);
+            }
+        }
+    }
+    return out;
+}
+
+TEST(Rope, TablesMatchReferenceAndThePositionsPath) {
+    std::mt19937 rng(31);
+    const int64_t N = 6, H = 3, D = 10;
+    const float theta = 10000.0f;
+    FloatVec x = random_vec(rng, N * H * D);
+    // Tables whose halves differ (the general case) against the reference.
+    FloatVec cos = random_vec(rng, N * D), sin = random_vec(rng, N * D);
+    FloatVec y = x;
+    rope_table_forward(y.data(), cos.data(), sin.data(), N, H, D);
+    expect_within_rule("rope table forward", y, ref_rope_table<double>(x, cos, sin, N, H, D),
+                       ref_rope_table<float>(x, cos, sin, N, H, D));
+    // Tables made from positions as the positions path makes its angles: the same bits both ways.
+    std::vector<int32_t> pos = {0, 1, 2, 17, 5, 4095};
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t i = 0; i < D / 2; ++i) {
+            const float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(D));
+            const float angle = static_cast<float>(pos[n]) * inv_freq;
+            cos[n * D + i] = cos[n * D + D / 2 + i] = std::cos(angle);
+            sin[n * D + i] = sin[n * D + D / 2 + i] = std::sin(angle);
+        }
+    }
+    for (const bool forward : {true, false}) {
+        FloatVec by_table = x, by_positions = x;
+        if (forward) {
+            rope_table_forward(by_table.data(), cos.data(), sin.data(), N, H, D);
+            rope_forward(by_positions.data(), pos.data(), N, H, D, theta);
+        } else {
+            rope_table_backward(by_table.data(), cos.data(), sin.data(), N, H, D);
+            rope_backward(by_positions.data(), pos.data(), N, H, D, theta);
+        }
+        expect_bitwise_equal(forward ? "rope table forward = positions" : "rope table backward = positions", by_table,
+                             by_positions);
+    }
+    EXPECT_THROW(rope_table_forward(y.data(), cos.data(), sin.data(), N, H, 7), mf::Error) << "an odd head dim";
+}
+
+TEST(Rope, TableGradientFiniteDifference) {
+    std::mt19937 rng(32);
+    const int64_t N = 4, H = 2, D = 8;
+    FloatVec x = random_vec(rng, N * H * D), r = random_vec(rng, N * H * D);
+    const FloatVec cos = random_vec(rng, N * D), sin = random_vec(rng, N * D);
+    FloatVec dx = r;
+    rope_table_backward(dx.data(), cos.data(), sin.data(), N, H, D);
+    check_grad("rope table dx", x, dx, [&] {
+        FloatVec y = x;
+        rope_table_forward(y.data(), cos.data(), sin.data(), N, H, D);
+        return project(y, r);
+    });
+}
+
 // Partial rotary (HF partial_rotary_factor), in double and float: the first R dims of each head
 // rotate with inv_freq over R, the rest are copied.
 template <typename T>

@@ -6,6 +6,7 @@
 // with the one "built without CUDA" message (no device memory is touched: the tensors only point).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -16,6 +17,7 @@
 
 #include "core/tensor.h"
 #include "kernels/cpu/bias.h"
+#include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/sigmoid_gate.h"
 #include "ops/ops.h"
@@ -108,6 +110,86 @@ TEST(Ops, RopeOutOfPlaceEqualsInPlace) {
     expect_bits(q_out, std::vector<float>(q0.size(), 0.0f), "refused calls write nothing (out of place)");
 }
 
+// qknorm_rope_table_*: per-head RMSNorm then the table rotation, bit for bit the two CPU kernels in
+// turn (forward) and their transposes in turn (backward: dq_raw written, the weight gradients
+// accumulated, dq only read); finite differences of the whole pair; bad shapes refused unwritten.
+TEST(Ops, QkNormRopeTablesAreNormThenRotation) {
+    std::mt19937 rng(4);
+    const int64_t N = 3, Hq = 2, Hkv = 1, D = 8;
+    const float eps = 1e-6f;
+    std::vector<float> q = random_vec(rng, N * Hq * D), k = random_vec(rng, N * Hkv * D);
+    std::vector<float> qw = random_vec(rng, D, 0.5f, 1.5f), kw = random_vec(rng, D, 0.5f, 1.5f);
+    std::vector<float> cos = random_vec(rng, N * D), sin = random_vec(rng, N * D);
+    auto forward = [&](std::vector<float>& q_out, std::vector<float>& k_out, std::vector<float>& q_rstd,
+                       std::vector<float>& k_rstd) {
+        mf::ops::qknorm_rope_table_forward(view(q_out, {N, Hq, D}), view(k_out, {N, Hkv, D}), view(q_rstd, {N, Hq}),
+                                           view(k_rstd, {N, Hkv}), view(q, {N, Hq, D}), view(k, {N, Hkv, D}),
+                                           view(qw, {D}), view(kw, {D}), view(cos, {N, D}), view(sin, {N, D}), Hq,
+                                           Hkv, eps);
+    };
+    std::vector<float> q_out(q.size()), k_out(k.size()), q_rstd(N * Hq), k_rstd(N * Hkv);
+    forward(q_out, k_out, q_rstd, k_rstd);
+    std::vector<float> q_want(q.size()), q_rstd_want(N * Hq);
+    mf::cpu::rmsnorm_forward(q_want.data(), q_rstd_want.data(), q.data(), qw.data(), N * Hq, D, eps);
+    mf::cpu::rope_table_forward(q_want.data(), cos.data(), sin.data(), N, Hq, D);
+    expect_bits(q_out, q_want, "qknorm_rope_table_forward q");
+    expect_bits(q_rstd, q_rstd_want, "qknorm_rope_table_forward q_rstd");
+
+    // Backward of L = Σ r_q ⊙ q_out + Σ r_k ⊙ k_out.
+    const std::vector<float> r_q = random_vec(rng, q.size()), r_k = random_vec(rng, k.size());
+    std::vector<float> dq_out = r_q, dk_out = r_k, dq(q.size(), 7.0f), dk(k.size(), 7.0f);
+    std::vector<float> dqw(D, 0.25f), dkw(D, 0.25f);
+    mf::ops::qknorm_rope_table_backward(view(dq, {N, Hq, D}), view(dk, {N, Hkv, D}), view(dqw, {D}), view(dkw, {D}),
+                                        view(dq_out, {N, Hq, D}), view(dk_out, {N, Hkv, D}), view(q, {N, Hq, D}),
+                                        view(k, {N, Hkv, D}), view(qw, {D}), view(kw, {D}), view(q_rstd, {N, Hq}),
+                                        view(k_rstd, {N, Hkv}), view(cos, {N, D}), view(sin, {N, D}), Hq, Hkv);
+    expect_bits(dq_out, r_q, "the output gradient is only read");
+    std::vector<float> dn = r_q, dq_want(q.size(), 0.0f), dqw_want(D, 0.25f);
+    mf::cpu::rope_table_backward(dn.data(), cos.data(), sin.data(), N, Hq, D);
+    mf::cpu::rmsnorm_backward(dq_want.data(), dqw_want.data(), dn.data(), q.data(), qw.data(), q_rstd.data(), N * Hq,
+                              D);
+    expect_bits(dq, dq_want, "dq is written: the transposed rotation, then the RMSNorm backward");
+    expect_bits(dqw, dqw_want, "dq_weight accumulates");
+
+    // Central differences of L (fp32 forward, accumulated in double), the pass rule of test_kernels.cpp.
+    auto loss = [&] {
+        std::vector<float> qo(q.size()), ko(k.size()), qr(N * Hq), kr(N * Hkv);
+        forward(qo, ko, qr, kr);
+        double sum = 0.0;
+        for (size_t i = 0; i < qo.size(); ++i) sum += static_cast<double>(qo[i]) * r_q[i];
+        for (size_t i = 0; i < ko.size(); ++i) sum += static_cast<double>(ko[i]) * r_k[i];
+        return sum;
+    };
+    auto fd = [&](std::vector<float>& x, const std::vector<float>& analytic, double offset, const char* what) {
+        for (size_t j = 0; j < x.size(); ++j) {
+            const float saved = x[j], plus = saved + 1e-2f, minus = saved - 1e-2f;
+            x[j] = plus;
+            const double lp = loss();
+            x[j] = minus;
+            const double lm = loss();
+            x[j] = saved;
+            const double numeric = (lp - lm) / (static_cast<double>(plus) - static_cast<double>(minus));
+            const double a = analytic[j] - offset;
+            EXPECT_LE(std::abs(a - numeric), 2e-3 * std::max(std::abs(a), std::abs(numeric)) + 2e-4)
+                << what << "[" << j << "] analytic " << a << " numeric " << numeric;
+        }
+    };
+    fd(q, dq, 0.0, "dq");
+    fd(k, dk, 0.0, "dk");
+    fd(qw, dqw, 0.25, "dq_weight");
+    fd(kw, dkw, 0.25, "dk_weight");
+
+    std::vector<float> short_cos(N * D - D), q_before = q_out;
+    EXPECT_THROW(mf::ops::qknorm_rope_table_forward(view(q_out, {N, Hq, D}), view(k_out, {N, Hkv, D}),
+                                                    view(q_rstd, {N, Hq}), view(k_rstd, {N, Hkv}), view(q, {N, Hq, D}),
+                                                    view(k, {N, Hkv, D}), view(qw, {D}), view(kw, {D}),
+                                                    view(short_cos, {N - 1, D}), view(short_cos, {N - 1, D}), Hq, Hkv,
+                                                    eps),
+                 mf::Error)
+        << "cos with a row short";
+    expect_bits(q_out, q_before, "refused calls write nothing");
+}
+
 TEST(Ops, SigmoidGateTakesColumnLogits) {
     std::mt19937 rng(3);
     const int64_t N = 5, H = 7;
@@ -188,6 +270,11 @@ TEST(Ops, CudaTensorsNeedACudaBuild) {
                    [&] { mf::ops::qknorm_rope_forward(x, x, rstd, rstd, x, x, row, row, ids, 1, 1, 1e-6f, 1e4f); });
     expect_refused("qknorm_rope_backward", [&] {
         mf::ops::qknorm_rope_backward(x, x, row, row, x, x, x, x, row, row, rstd, rstd, ids, 1, 1, 1e4f);
+    });
+    expect_refused("qknorm_rope_table_forward",
+                   [&] { mf::ops::qknorm_rope_table_forward(x, x, rstd, rstd, x, x, row, row, x, x, 1, 1, 1e-6f); });
+    expect_refused("qknorm_rope_table_backward", [&] {
+        mf::ops::qknorm_rope_table_backward(x, x, row, row, x, x, x, x, row, row, rstd, rstd, x, x, 1, 1);
     });
     expect_refused("rope_forward", [&] { mf::ops::rope_forward(x, x, x, x, ids, 1, 1, 8, 4, 1e4f); });
     expect_refused("rope_backward", [&] { mf::ops::rope_backward(x, x, x, x, ids, 1, 1, 8, 4, 1e4f); });

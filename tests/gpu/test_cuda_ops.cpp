@@ -416,6 +416,75 @@ TEST(CudaRopeQknorm, BackwardMatchesCpu) {
     }
 }
 
+// The rotation given by bf16 tables cos, sin [N, D] (transformers' position_embeddings) with halves
+// that differ, forward and backward, against the CPU's norm + table rotation (f32 weight grads).
+TEST(CudaRopeQknorm, TablesMatchCpu) {
+    std::mt19937 rng(10);
+    const float eps = 1e-6f;
+    for (const RopeCase& s : kRopeCases) {
+        const std::string name = "rope_qknorm tables N=" + std::to_string(s.N) + " H=" + std::to_string(s.Hq) + "/" +
+                                 std::to_string(s.Hkv) + " D=" + std::to_string(s.D);
+        const size_t nq = static_cast<size_t>(s.N * s.Hq * s.D), nk = static_cast<size_t>(s.N * s.Hkv * s.D);
+        const size_t nt = static_cast<size_t>(s.N * s.D);
+        const std::vector<float> q = random_bf16(rng, nq, -3.0f, 3.0f), k = random_bf16(rng, nk, -3.0f, 3.0f);
+        const std::vector<float> qw = random_bf16(rng, static_cast<size_t>(s.D), 0.5f, 1.5f);
+        const std::vector<float> kw = random_bf16(rng, static_cast<size_t>(s.D), 0.5f, 1.5f);
+        const std::vector<float> cos = random_bf16(rng, nt), sin = random_bf16(rng, nt);
+        const std::vector<float> dyq = random_bf16(rng, nq), dyk = random_bf16(rng, nk);
+
+        std::vector<float> q_ref(nq), k_ref(nk), qr_ref(static_cast<size_t>(s.N * s.Hq));
+        std::vector<float> kr_ref(static_cast<size_t>(s.N * s.Hkv));
+        mf::cpu::rmsnorm_forward(q_ref.data(), qr_ref.data(), q.data(), qw.data(), s.N * s.Hq, s.D, eps);
+        mf::cpu::rmsnorm_forward(k_ref.data(), kr_ref.data(), k.data(), kw.data(), s.N * s.Hkv, s.D, eps);
+        mf::cpu::rope_table_forward(q_ref.data(), cos.data(), sin.data(), s.N, s.Hq, s.D);
+        mf::cpu::rope_table_forward(k_ref.data(), cos.data(), sin.data(), s.N, s.Hkv, s.D);
+        std::vector<float> dnq = dyq, dnk = dyk, dq_ref(nq, 0.0f), dk_ref(nk, 0.0f);
+        std::vector<float> dqw_ref(static_cast<size_t>(s.D), 0.0f), dkw_ref(static_cast<size_t>(s.D), 0.0f);
+        mf::cpu::rope_table_backward(dnq.data(), cos.data(), sin.data(), s.N, s.Hq, s.D);
+        mf::cpu::rope_table_backward(dnk.data(), cos.data(), sin.data(), s.N, s.Hkv, s.D);
+        mf::cpu::rmsnorm_backward(dq_ref.data(), dqw_ref.data(), dnq.data(), q.data(), qw.data(), qr_ref.data(),
+                                  s.N * s.Hq, s.D);
+        mf::cpu::rmsnorm_backward(dk_ref.data(), dkw_ref.data(), dnk.data(), k.data(), kw.data(), kr_ref.data(),
+                                  s.N * s.Hkv, s.D);
+
+        DeviceBuffer d_q = device_bf16(q), d_k = device_bf16(k), d_qw = device_bf16(qw), d_kw = device_bf16(kw);
+        DeviceBuffer d_cos = device_bf16(cos), d_sin = device_bf16(sin), d_qo(nq * 2), d_ko(nk * 2);
+        DeviceBuffer d_qr(qr_ref.size() * 4), d_kr(kr_ref.size() * 4);
+        d_qo.poison();
+        d_ko.poison();
+        mf::cuda::rope_qknorm_table_forward(d_qo.as<bf16>(), d_ko.as<bf16>(), d_qr.as<float>(), d_kr.as<float>(),
+                                            d_q.as<bf16>(), d_k.as<bf16>(), d_qw.as<bf16>(), d_kw.as<bf16>(),
+                                            d_cos.as<bf16>(), d_sin.as<bf16>(), s.N, s.Hq, s.Hkv, s.D, eps, nullptr);
+        device_sync();
+        expect_close_bf16(download_bf16(d_qo.as<void>(), nq), q_ref, name + " q");
+        expect_close_bf16(download_bf16(d_ko.as<void>(), nk), k_ref, name + " k");
+
+        DeviceBuffer d_dyq = device_bf16(dyq), d_dyk = device_bf16(dyk), d_dq(nq * 2), d_dk(nk * 2);
+        DeviceBuffer d_dqw = device_copy(std::vector<float>(static_cast<size_t>(s.D), 0.0f));
+        DeviceBuffer d_dkw = device_copy(std::vector<float>(static_cast<size_t>(s.D), 0.0f));
+        DeviceBuffer d_qr_ref = device_copy(qr_ref), d_kr_ref = device_copy(kr_ref);
+        d_dq.poison();
+        d_dk.poison();
+        const size_t scratch_bytes = mf::cuda::rope_qknorm_backward_scratch_bytes(s.N, s.D);
+        DeviceBuffer scratch(scratch_bytes);
+        scratch.poison();
+        mf::cuda::rope_qknorm_table_backward(d_dq.as<bf16>(), d_dk.as<bf16>(), d_dqw.as<void>(), d_dkw.as<void>(),
+                                             DType::f32, d_dyq.as<bf16>(), d_dyk.as<bf16>(), d_q.as<bf16>(),
+                                             d_k.as<bf16>(), d_qw.as<bf16>(), d_kw.as<bf16>(), d_qr_ref.as<float>(),
+                                             d_kr_ref.as<float>(), d_cos.as<bf16>(), d_sin.as<bf16>(), s.N, s.Hq, s.Hkv,
+                                             s.D, scratch.as<void>(), scratch_bytes, nullptr);
+        device_sync();
+        expect_close_bf16(download_bf16(d_dq.as<void>(), nq), dq_ref, name + " dq");
+        expect_close_bf16(download_bf16(d_dk.as<void>(), nk), dk_ref, name + " dk");
+        if (s.Hq > 0) {
+            expect_reduction(download<float>(d_dqw.as<void>(), dqw_ref.size()), dqw_ref, dqw_ref, name + " dq_weight");
+        }
+        if (s.Hkv > 0) {
+            expect_reduction(download<float>(d_dkw.as<void>(), dkw_ref.size()), dkw_ref, dkw_ref, name + " dk_weight");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // RoPE alone (partial rotary)
 

@@ -6,6 +6,10 @@
 //      the pair chunks c = l, l + G, ... (kVec = 8 consecutive pairs with 16-byte loads when
 //      D/2 % 8 == 0, else single pairs), holding both halves x[c] and x[c + D/2] in registers; Σx²
 //      is a xor butterfly inside the group; then norm, weight and rotation are applied and written.
+//   The rotation's cos/sin come either from positions (step 1) or from tables cos, sin [N, D] bf16
+//   (transformers' position_embeddings, any rope type), read into shared memory per token; the two
+//   halves may then differ: y[i] = n[i]·cos[i] − n[i+D/2]·sin[i], y[i+D/2] = n[i+D/2]·cos[i+D/2] +
+//   n[i]·sin[i+D/2], as transformers' q·cos + rotate_half(q)·sin.
 // Backward: the same walk; dn = inverse rotation of dy, then the RMSNorm backward per head. The
 // weight gradients dn ⊙ x̂ accumulate per group in shared memory (each lane owns fixed words, laid
 // out so a group's lanes touch consecutive words; heads and tokens in a fixed order), the groups
@@ -36,6 +40,14 @@ constexpr int64_t kMaxBackwardBlocks = 2048;  // N / 2048 tokens per block at mo
 
 struct InvFreq {
     float v[kMaxHeadDim / 2];
+};
+
+// The source of a QK-norm kernel's rotation: the tables when cos != null, else positions and inv_freq.
+struct Rotation {
+    const int32_t* positions;
+    InvFreq inv_freq;
+    const bf16* cos;
+    const bf16* sin;
 };
 
 // Chunks one lane holds: with 8-wide chunks D <= 256 needs at most 16 chunks, so G >= chunks and
@@ -86,16 +98,37 @@ __device__ __forceinline__ void fill_angles(float* cos_s, float* sin_s, const In
     __syncthreads();
 }
 
+// Fills cos_s/sin_s [D] for one token (both halves: equal when made from an angle); all threads take
+// part; syncs before and after.
+__device__ __forceinline__ void fill_rotation(float* cos_s, float* sin_s, const Rotation& rot, int64_t token, int D) {
+    const int half = D / 2;
+    __syncthreads();
+    if (rot.cos != nullptr) {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) {
+            cos_s[i] = __bfloat162float(rot.cos[token * D + i]);
+            sin_s[i] = __bfloat162float(rot.sin[token * D + i]);
+        }
+    } else {
+        const float pos = static_cast<float>(rot.positions[token]);
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const float angle = pos * rot.inv_freq.v[i];
+            cos_s[i] = cos_s[i + half] = cosf(angle);
+            sin_s[i] = sin_s[i + half] = sinf(angle);
+        }
+    }
+    __syncthreads();
+}
+
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_qknorm_forward_kernel(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
-                               const bf16* q_weight, const bf16* k_weight, const int32_t* positions, InvFreq inv_freq,
-                               int64_t N, int Hq, int Hkv, int D, int G, float eps) {
+                               const bf16* q_weight, const bf16* k_weight,
+                               Rotation rot, int64_t N, int Hq, int Hkv, int D, int G, float eps) {
     constexpr int kLane = kPerLane<kVec>;
     extern __shared__ float smem[];
     const int half = D / 2;
     float* cos_s = smem;
-    float* sin_s = smem + half;
+    float* sin_s = smem + D;
     const int chunks = half / kVec;
     const int groups = blockDim.x / G;
     const int group = threadIdx.x / G;
@@ -103,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
     const int H = Hq + Hkv;
 
     for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
-        fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
+        fill_rotation(cos_s, sin_s, rot, token, D);
         for (int h0 = 0; h0 < H; h0 += groups) {
             const int h = h0 + group;
             const bool active = h < H;
@@ -142,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
                         const float a = w_lo[e] * (lo[j][e] * r);
                         const float b = w_hi[e] * (hi[j][e] * r);
                         y_lo[e] = a * cos_s[i] + (-b) * sin_s[i];
-                        y_hi[e] = b * cos_s[i] + a * sin_s[i];
+                        y_hi[e] = b * cos_s[half + i] + a * sin_s[half + i];
                     }
                     detail::store_f32<kVec>(y + c * kVec, y_lo);
                     detail::store_f32<kVec>(y + half + c * kVec, y_hi);
@@ -207,14 +240,14 @@ template <int kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_qknorm_backward_kernel(bf16* dq, bf16* dk, float* partial, const bf16* dq_out, const bf16* dk_out,
                                 const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
-                                const float* q_rstd, const float* k_rstd, const int32_t* positions, InvFreq inv_freq,
-                                int64_t N, int Hq, int Hkv, int D, int G) {
+                                const float* q_rstd, const float* k_rstd,
+                                Rotation rot, int64_t N, int Hq, int Hkv, int D, int G) {
     constexpr int kLane = kPerLane<kVec>;
     extern __shared__ float smem[];
     const int half = D / 2;
     float* cos_s = smem;
-    float* sin_s = smem + half;
-    float* dw_s = smem + D;
+    float* sin_s = smem + D;
+    float* dw_s = smem + 2 * D;
     const int chunks = half / kVec;
     const int groups = blockDim.x / G;
     const int group = threadIdx.x / G;
@@ -226,10 +259,10 @@ __global__ void __launch_bounds__(kThreads)
     float* my_dw = dw_s + group * stride;
     if (partial != nullptr) {
         for (int i = threadIdx.x; i < groups * stride; i += blockDim.x) dw_s[i] = 0.0f;
-    }  // fill_angles syncs before anyone accumulates
+    }  // fill_rotation syncs before anyone accumulates
 
     for (int64_t token = blockIdx.x; token < N; token += gridDim.x) {
-        fill_angles(cos_s, sin_s, inv_freq, positions[token], half);
+        fill_rotation(cos_s, sin_s, rot, token, D);
         for (int h0 = 0; h0 < H; h0 += groups) {
             const int h = h0 + group;
             const bool active = h < H;
@@ -257,9 +290,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
                     for (int e = 0; e < kVec; ++e) {
                         const int i = c * kVec + e;
-                        const float s = -sin_s[i];
-                        dn_lo[j][e] = a[e] * cos_s[i] + (-b[e]) * s;
-                        dn_hi[j][e] = b[e] * cos_s[i] + a[e] * s;
+                        // the transposed rotation: dn_lo = a·cos_lo + b·sin_hi, dn_hi = b·cos_hi − a·sin_lo
+                        dn_lo[j][e] = a[e] * cos_s[i] + b[e] * sin_s[half + i];
+                        dn_hi[j][e] = b[e] * cos_s[half + i] + a[e] * (-sin_s[i]);
                         xh_lo[j][e] *= r;
                         xh_hi[j][e] *= r;
                         sum_gx += (dn_lo[j][e] * w_lo[e]) * xh_lo[j][e] + (dn_hi[j][e] * w_hi[e]) * xh_hi[j][e];
@@ -365,34 +398,113 @@ void launch_rope(const char* op, bf16* q_out, bf16* k_out, const bf16* q, const 
 // ----------------------------------------------------------------------------------------------
 // public entries
 
-void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
-                         const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
-                         int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream) {
-    check_shape("rope_qknorm_forward", N, Hq, Hkv, D, theta);
-    MF_CHECK(eps >= 0.0f, "rope_qknorm_forward: eps must be >= 0, got ", eps);
+namespace {
+
+void launch_qknorm_forward(const char* op, bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q,
+                           const bf16* k, const bf16* q_weight, const bf16* k_weight, const Rotation& rot, int64_t N,
+                           int64_t Hq, int64_t Hkv, int64_t D, float eps, cudaStream_t stream) {
+    MF_CHECK(eps >= 0.0f, op, ": eps must be >= 0, got ", eps);
     if (N == 0 || Hq + Hkv == 0) return;
-    MF_CHECK(positions != nullptr, "rope_qknorm_forward: null positions");
-    MF_CHECK(Hq == 0 || (q_out != nullptr && q_rstd != nullptr && q != nullptr && q_weight != nullptr),
-             "rope_qknorm_forward: null query buffer");
-    MF_CHECK(Hkv == 0 || (k_out != nullptr && k_rstd != nullptr && k != nullptr && k_weight != nullptr),
-             "rope_qknorm_forward: null key buffer");
-    const InvFreq inv_freq = make_inv_freq(D, theta);
+    MF_CHECK(Hq == 0 || (q_out != nullptr && q_rstd != nullptr && q != nullptr && q_weight != nullptr), op,
+             ": null query buffer");
+    MF_CHECK(Hkv == 0 || (k_out != nullptr && k_rstd != nullptr && k != nullptr && k_weight != nullptr), op,
+             ": null key buffer");
     const bool vec = use_vectors(D, {q_out, k_out, q, k, q_weight, k_weight});
     const int kvec = vec ? 8 : 1;
     const int G = group_width(D / 2 / kvec);
     const int threads = kThreads;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(N, 1 << 20));
-    const size_t shared = static_cast<size_t>(D) * sizeof(float);
+    const size_t shared = static_cast<size_t>(2 * D) * sizeof(float);
     if (vec) {
         rope_qknorm_forward_kernel<8><<<blocks, threads, shared, stream>>>(
-            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq),
             static_cast<int>(Hkv), static_cast<int>(D), G, eps);
     } else {
         rope_qknorm_forward_kernel<1><<<blocks, threads, shared, stream>>>(
-            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, positions, inv_freq, N, static_cast<int>(Hq),
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq),
             static_cast<int>(Hkv), static_cast<int>(D), G, eps);
     }
     MF_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_qknorm_backward(const char* op, bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype,
+                            const bf16* dq_out, const bf16* dk_out, const bf16* q, const bf16* k,
+                            const bf16* q_weight, const bf16* k_weight, const float* q_rstd, const float* k_rstd,
+                            const Rotation& rot, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, void* scratch,
+                            size_t scratch_bytes, cudaStream_t stream) {
+    MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, op,
+             ": dweight dtype must be f32 or bf16, got ", dtype_name(dweight_dtype));
+    if (N == 0 || Hq + Hkv == 0) return;
+    MF_CHECK(
+        Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
+        op, ": null query buffer");
+    MF_CHECK(
+        Hkv == 0 || (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
+        op, ": null key buffer");
+    const bool want_dw = dq_weight != nullptr || dk_weight != nullptr;
+    float* partial = nullptr;
+    if (want_dw) {
+        const size_t needed = rope_qknorm_backward_scratch_bytes(N, D);
+        MF_CHECK(scratch != nullptr && scratch_bytes >= needed, op, ": scratch has ", scratch_bytes, " bytes, needs ",
+                 needed);
+        MF_CHECK(aligned_to(16, scratch), op, ": scratch must be 16-byte aligned");
+        partial = static_cast<float*>(scratch);
+    }
+    const bool vec = use_vectors(D, {dq, dk, dq_out, dk_out, q, k, q_weight, k_weight});
+    const int kvec = vec ? 8 : 1;
+    const int G = group_width(D / 2 / kvec);
+    const int threads = kThreads;
+    const int64_t blocks = backward_blocks(N);
+    const size_t shared =
+        static_cast<size_t>(2 * D + (want_dw ? (threads / G) * group_stride(D, G) : 0)) * sizeof(float);
+    if (vec) {
+        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared)));
+        rope_qknorm_backward_kernel<8><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
+            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, rot, N, static_cast<int>(Hq),
+            static_cast<int>(Hkv), static_cast<int>(D), G);
+    } else {
+        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(shared)));
+        rope_qknorm_backward_kernel<1><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
+            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, rot, N, static_cast<int>(Hq),
+            static_cast<int>(Hkv), static_cast<int>(D), G);
+    }
+    MF_CHECK_CUDA(cudaGetLastError());
+    if (dq_weight != nullptr) reduce_partial_rows(dq_weight, dweight_dtype, partial, blocks, D, true, stream);
+    if (dk_weight != nullptr) {
+        reduce_partial_rows(dk_weight, dweight_dtype, partial + blocks * D, blocks, D, true, stream);
+    }
+}
+
+Rotation from_positions(const char* op, const int32_t* positions, int64_t N, int64_t D, float theta) {
+    MF_CHECK(N == 0 || positions != nullptr, op, ": null positions");
+    return Rotation{positions, make_inv_freq(D, theta), nullptr, nullptr};
+}
+
+Rotation from_tables(const char* op, const bf16* cos, const bf16* sin, int64_t N) {
+    MF_CHECK(N == 0 || (cos != nullptr && sin != nullptr), op, ": null cos/sin table");
+    return Rotation{nullptr, InvFreq{}, cos, sin};
+}
+
+}  // namespace
+
+void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                         const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
+                         int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream) {
+    const char* op = "rope_qknorm_forward";
+    check_shape(op, N, Hq, Hkv, D, theta);
+    launch_qknorm_forward(op, q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight,
+                          from_positions(op, positions, N, D, theta), N, Hq, Hkv, D, eps, stream);
+}
+
+void rope_qknorm_table_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                               const bf16* q_weight, const bf16* k_weight, const bf16* cos, const bf16* sin, int64_t N,
+                               int64_t Hq, int64_t Hkv, int64_t D, float eps, cudaStream_t stream) {
+    const char* op = "rope_qknorm_table_forward";
+    check_shape(op, N, Hq, Hkv, D, 1.0f);
+    launch_qknorm_forward(op, q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, from_tables(op, cos, sin, N), N,
+                          Hq, Hkv, D, eps, stream);
 }
 
 void rope_forward(bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions, int64_t N,
@@ -415,51 +527,23 @@ void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, 
                           const float* q_rstd, const float* k_rstd, const int32_t* positions, int64_t N, int64_t Hq,
                           int64_t Hkv, int64_t D, float theta, void* scratch, size_t scratch_bytes,
                           cudaStream_t stream) {
-    check_shape("rope_qknorm_backward", N, Hq, Hkv, D, theta);
-    MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
-             "rope_qknorm_backward: dweight dtype must be f32 or bf16, got ", dtype_name(dweight_dtype));
-    if (N == 0 || Hq + Hkv == 0) return;
-    MF_CHECK(positions != nullptr, "rope_qknorm_backward: null positions");
-    MF_CHECK(
-        Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
-        "rope_qknorm_backward: null query buffer");
-    MF_CHECK(
-        Hkv == 0 || (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
-        "rope_qknorm_backward: null key buffer");
-    const bool want_dw = dq_weight != nullptr || dk_weight != nullptr;
-    float* partial = nullptr;
-    if (want_dw) {
-        const size_t needed = rope_qknorm_backward_scratch_bytes(N, D);
-        MF_CHECK(scratch != nullptr && scratch_bytes >= needed, "rope_qknorm_backward: scratch has ", scratch_bytes,
-                 " bytes, needs ", needed);
-        MF_CHECK(aligned_to(16, scratch), "rope_qknorm_backward: scratch must be 16-byte aligned");
-        partial = static_cast<float*>(scratch);
-    }
-    const InvFreq inv_freq = make_inv_freq(D, theta);
-    const bool vec = use_vectors(D, {dq, dk, dq_out, dk_out, q, k, q_weight, k_weight});
-    const int kvec = vec ? 8 : 1;
-    const int G = group_width(D / 2 / kvec);
-    const int threads = kThreads;
-    const int64_t blocks = backward_blocks(N);
-    const size_t shared = static_cast<size_t>(D + (want_dw ? (threads / G) * group_stride(D, G) : 0)) * sizeof(float);
-    if (vec) {
-        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared)));
-        rope_qknorm_backward_kernel<8><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
-            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
-            static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
-    } else {
-        MF_CHECK_CUDA(cudaFuncSetAttribute(rope_qknorm_backward_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared)));
-        rope_qknorm_backward_kernel<1><<<static_cast<unsigned>(blocks), threads, shared, stream>>>(
-            dq, dk, partial, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, positions, inv_freq, N,
-            static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D), G);
-    }
-    MF_CHECK_CUDA(cudaGetLastError());
-    if (dq_weight != nullptr) reduce_partial_rows(dq_weight, dweight_dtype, partial, blocks, D, true, stream);
-    if (dk_weight != nullptr) {
-        reduce_partial_rows(dk_weight, dweight_dtype, partial + blocks * D, blocks, D, true, stream);
-    }
+    const char* op = "rope_qknorm_backward";
+    check_shape(op, N, Hq, Hkv, D, theta);
+    launch_qknorm_backward(op, dq, dk, dq_weight, dk_weight, dweight_dtype, dq_out, dk_out, q, k, q_weight, k_weight,
+                           q_rstd, k_rstd, from_positions(op, positions, N, D, theta), N, Hq, Hkv, D, scratch,
+                           scratch_bytes, stream);
+}
+
+void rope_qknorm_table_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype,
+                                const bf16* dq_out, const bf16* dk_out, const bf16* q, const bf16* k,
+                                const bf16* q_weight, const bf16* k_weight, const float* q_rstd, const float* k_rstd,
+                                const bf16* cos, const bf16* sin, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
+                                void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    const char* op = "rope_qknorm_table_backward";
+    check_shape(op, N, Hq, Hkv, D, 1.0f);
+    launch_qknorm_backward(op, dq, dk, dq_weight, dk_weight, dweight_dtype, dq_out, dk_out, q, k, q_weight, k_weight,
+                           q_rstd, k_rstd, from_tables(op, cos, sin, N), N, Hq, Hkv, D, scratch, scratch_bytes,
+                           stream);
 }
 
 }  // namespace mf::cuda

@@ -27,6 +27,13 @@ void rope_qknorm_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd,
                          const bf16* q_weight, const bf16* k_weight, const int32_t* positions, int64_t N, int64_t Hq,
                          int64_t Hkv, int64_t D, float theta, float eps, cudaStream_t stream);
 
+// The same with the rotation given by tables cos, sin [N, D] bf16 (transformers' position_embeddings,
+// any rope type) instead of positions and θ: y[i] = n[i]·cos[i] − n[i+D/2]·sin[i], y[i+D/2] =
+// n[i+D/2]·cos[i+D/2] + n[i]·sin[i+D/2] (fp32 math on the bf16 table values).
+void rope_qknorm_table_forward(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
+                               const bf16* q_weight, const bf16* k_weight, const bf16* cos, const bf16* sin, int64_t N,
+                               int64_t Hq, int64_t Hkv, int64_t D, float eps, cudaStream_t stream);
+
 // RoPE alone: q_out [N, Hq, D] = rope(q), k_out [N, Hkv, D] = rope(k) (bf16, written; may alias q and
 // k: in place). R = rotary_dim even, R <= D, R <= 256. positions [N] int32.
 void rope_forward(bf16* q_out, bf16* k_out, const bf16* q, const bf16* k, const int32_t* positions, int64_t N,
@@ -52,5 +59,13 @@ void rope_qknorm_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, 
                           const float* q_rstd, const float* k_rstd, const int32_t* positions, int64_t N, int64_t Hq,
                           int64_t Hkv, int64_t D, float theta, void* scratch, size_t scratch_bytes,
                           cudaStream_t stream);
+
+// rope_qknorm_backward with the rotation of the tables cos, sin [N, D] bf16 (its transpose:
+// dn[i] = dy[i]·cos[i] + dy[i+D/2]·sin[i+D/2], dn[i+D/2] = dy[i+D/2]·cos[i+D/2] − dy[i]·sin[i]).
+void rope_qknorm_table_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype,
+                                const bf16* dq_out, const bf16* dk_out, const bf16* q, const bf16* k,
+                                const bf16* q_weight, const bf16* k_weight, const float* q_rstd, const float* k_rstd,
+                                const bf16* cos, const bf16* sin, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
+                                void* scratch, size_t scratch_bytes, cudaStream_t stream);
 
 }  // namespace mf::cuda
