@@ -482,10 +482,11 @@ namespace {
 // The shared checks of the q/k-norm + rope pair: q-side tensors [N, Hq, D], k-side [N, Hkv, D],
 // weights [D], tables [N, D]; returns (Hq, Hkv).
 std::pair<int64_t, int64_t> qknorm_rope_heads(const OpCall& call, const Tensor& q, const Tensor& k,
-                                               const Tensor& q_weight, const Tensor& k_weight, const Tensor& cos,
-                                               const Tensor& sin) {
+                                              const Tensor& q_weight, const Tensor& k_weight, const Tensor& cos,
+                                              const Tensor& sin) {
     if (q.ndim() != 3 || k.ndim() != 3)
-        refuse(call.op(), ": q ", mf::shape_str(q.shape()), " and k ", mf::shape_str(k.shape()), " must be [N, heads, D]");
+        refuse(call.op(), ": q ", mf::shape_str(q.shape()), " and k ", mf::shape_str(k.shape()),
+               " must be [N, heads, D]");
     const int64_t N = q.dim(0), D = q.dim(2);
     if (D < 2 || D % 2 != 0) refuse(call.op(), ": head dim D = ", D, " must be even and >= 2");
     if (k.dim(0) != N || k.dim(2) != D)

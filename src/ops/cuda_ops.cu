@@ -355,9 +355,9 @@ void qknorm_rope_table_forward(const Tensor& q, const Tensor& k, const Tensor& q
                                const Tensor& q_raw, const Tensor& k_raw, const Tensor& q_weight, const Tensor& k_weight,
                                const Tensor& cos, const Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                                float eps) {
-    mf::cuda::rope_qknorm_table_forward(B(q), B(k), F(q_rstd), F(k_rstd), B(q_raw), B(k_raw), B(q_weight),
-                                        B(k_weight), B(cos), B(sin), cos.dim(0), num_heads, num_kv_heads,
-                                        q_weight.numel(), eps, ctx().stream);
+    mf::cuda::rope_qknorm_table_forward(B(q), B(k), F(q_rstd), F(k_rstd), B(q_raw), B(k_raw), B(q_weight), B(k_weight),
+                                        B(cos), B(sin), cos.dim(0), num_heads, num_kv_heads, q_weight.numel(), eps,
+                                        ctx().stream);
 }
 
 void qknorm_rope_table_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tensor& dq_weight,

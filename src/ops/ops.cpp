@@ -396,9 +396,9 @@ void qknorm_rope_backward(const Tensor& dq_raw, const Tensor& dk_raw, const Tens
 namespace {
 // The table variant's shapes: q/q_raw [N·Hq·D], k/k_raw [N·Hkv·D], rstd [N·H], cos and sin [N, D].
 void check_qknorm_table_shapes(const char* op, const Tensor& q, const Tensor& k, const Tensor& q_raw,
-                               const Tensor& k_raw, const Tensor& q_rstd, const Tensor& k_rstd,
-                               const Tensor& q_weight, const Tensor& k_weight, const Tensor& cos, const Tensor& sin,
-                               int64_t num_heads, int64_t num_kv_heads) {
+                               const Tensor& k_raw, const Tensor& q_rstd, const Tensor& k_rstd, const Tensor& q_weight,
+                               const Tensor& k_weight, const Tensor& cos, const Tensor& sin, int64_t num_heads,
+                               int64_t num_kv_heads) {
     const int64_t D = q_weight.numel();
     MF_CHECK(num_heads >= 0 && num_kv_heads >= 0 && D >= 2 && D % 2 == 0 && k_weight.numel() == D, op,
              ": q/k norm weights of ", D, " and ", k_weight.numel(), " (one even head dim) for ", num_heads, "/",
@@ -410,8 +410,7 @@ void check_qknorm_table_shapes(const char* op, const Tensor& q, const Tensor& k,
              ": q ", shape_str(q.shape()), ", q_raw ", shape_str(q_raw.shape()), " and q_rstd ",
              shape_str(q_rstd.shape()), " must hold N·Hq·D = ", N * num_heads * D, " and N·Hq elements (N = ", N,
              " rows of cos)");
-    MF_CHECK(k_raw.numel() == N * num_kv_heads * D && k.numel() == k_raw.numel() &&
-                 k_rstd.numel() == N * num_kv_heads,
+    MF_CHECK(k_raw.numel() == N * num_kv_heads * D && k.numel() == k_raw.numel() && k_rstd.numel() == N * num_kv_heads,
              op, ": k ", shape_str(k.shape()), ", k_raw ", shape_str(k_raw.shape()), " and k_rstd ",
              shape_str(k_rstd.shape()), " must hold N·Hkv·D = ", N * num_kv_heads * D, " and N·Hkv elements (N = ", N,
              " rows of cos)");
@@ -423,8 +422,8 @@ void qknorm_rope_table_forward(const Tensor& q, const Tensor& k, const Tensor& q
                                const Tensor& cos, const Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
                                float eps) {
     OpScope scope_("qknorm_rope_table_forward");
-    check_qknorm_table_shapes("qknorm_rope_table_forward", q, k, q_raw, k_raw, q_rstd, k_rstd, q_weight, k_weight,
-                              cos, sin, num_heads, num_kv_heads);
+    check_qknorm_table_shapes("qknorm_rope_table_forward", q, k, q_raw, k_raw, q_rstd, k_rstd, q_weight, k_weight, cos,
+                              sin, num_heads, num_kv_heads);
     const int64_t D = q_weight.numel(), N = cos.dim(0);
     if (device_of({&q, &k, &q_rstd, &k_rstd, &q_raw, &k_raw, &q_weight, &k_weight, &cos, &sin}) == Device::cuda)
         return cuda_call(&CudaOps::qknorm_rope_table_forward, q, k, q_rstd, k_rstd, q_raw, k_raw, q_weight, k_weight,

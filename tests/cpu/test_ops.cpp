@@ -124,8 +124,8 @@ TEST(Ops, QkNormRopeTablesAreNormThenRotation) {
                        std::vector<float>& k_rstd) {
         mf::ops::qknorm_rope_table_forward(view(q_out, {N, Hq, D}), view(k_out, {N, Hkv, D}), view(q_rstd, {N, Hq}),
                                            view(k_rstd, {N, Hkv}), view(q, {N, Hq, D}), view(k, {N, Hkv, D}),
-                                           view(qw, {D}), view(kw, {D}), view(cos, {N, D}), view(sin, {N, D}), Hq,
-                                           Hkv, eps);
+                                           view(qw, {D}), view(kw, {D}), view(cos, {N, D}), view(sin, {N, D}), Hq, Hkv,
+                                           eps);
     };
     std::vector<float> q_out(q.size()), k_out(k.size()), q_rstd(N * Hq), k_rstd(N * Hkv);
     forward(q_out, k_out, q_rstd, k_rstd);
@@ -180,11 +180,10 @@ TEST(Ops, QkNormRopeTablesAreNormThenRotation) {
     fd(kw, dkw, 0.25, "dk_weight");
 
     std::vector<float> short_cos(N * D - D), q_before = q_out;
-    EXPECT_THROW(mf::ops::qknorm_rope_table_forward(view(q_out, {N, Hq, D}), view(k_out, {N, Hkv, D}),
-                                                    view(q_rstd, {N, Hq}), view(k_rstd, {N, Hkv}), view(q, {N, Hq, D}),
-                                                    view(k, {N, Hkv, D}), view(qw, {D}), view(kw, {D}),
-                                                    view(short_cos, {N - 1, D}), view(short_cos, {N - 1, D}), Hq, Hkv,
-                                                    eps),
+    EXPECT_THROW(mf::ops::qknorm_rope_table_forward(
+                     view(q_out, {N, Hq, D}), view(k_out, {N, Hkv, D}), view(q_rstd, {N, Hq}), view(k_rstd, {N, Hkv}),
+                     view(q, {N, Hq, D}), view(k, {N, Hkv, D}), view(qw, {D}), view(kw, {D}),
+                     view(short_cos, {N - 1, D}), view(short_cos, {N - 1, D}), Hq, Hkv, eps),
                  mf::Error)
         << "cos with a row short";
     expect_bits(q_out, q_before, "refused calls write nothing");

@@ -73,9 +73,13 @@ void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t num_h
     rope_rotate(dx, positions, N, num_heads, D, D, theta, -1.0f);
 }
 
-void rope_table_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t num_heads, int64_t D) {
-    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads,
-             " D=", D, " (D must be even)");
+namespace {
+
+// The table rotation in place on x[N, num_heads, D]; `transposed` applies its transpose (the backward).
+void rope_table_rotate(float* x, const float* cos, const float* sin, int64_t N, int64_t num_heads, int64_t D,
+                       bool transposed) {
+    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads, " D=", D,
+             " (D must be even)");
     const int64_t half = D / 2;
     for (int64_t n = 0; n < N; ++n) {
         const float* c = cos + n * D;
@@ -86,31 +90,26 @@ void rope_table_forward(float* x, const float* cos, const float* sin, int64_t N,
             for (int64_t i = 0; i < half; ++i) {
                 const float a = lo[i];
                 const float b = hi[i];
-                lo[i] = a * c[i] + (-b) * s[i];
-                hi[i] = b * c[half + i] + a * s[half + i];
+                if (transposed) {
+                    lo[i] = a * c[i] + b * s[half + i];
+                    hi[i] = b * c[half + i] + a * (-s[i]);
+                } else {  // transformers' order: x·cos + rotate_half(x)·sin
+                    lo[i] = a * c[i] + (-b) * s[i];
+                    hi[i] = b * c[half + i] + a * s[half + i];
+                }
             }
         }
     }
 }
 
+}  // namespace
+
+void rope_table_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t num_heads, int64_t D) {
+    rope_table_rotate(x, cos, sin, N, num_heads, D, false);
+}
+
 void rope_table_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t num_heads, int64_t D) {
-    MF_CHECK(N >= 0 && num_heads >= 0 && D > 0 && D % 2 == 0, "rope: bad shape N=", N, " heads=", num_heads,
-             " D=", D, " (D must be even)");
-    const int64_t half = D / 2;
-    for (int64_t n = 0; n < N; ++n) {
-        const float* c = cos + n * D;
-        const float* s = sin + n * D;
-        for (int64_t h = 0; h < num_heads; ++h) {
-            float* lo = dx + (n * num_heads + h) * D;
-            float* hi = lo + half;
-            for (int64_t i = 0; i < half; ++i) {
-                const float a = lo[i];
-                const float b = hi[i];
-                lo[i] = a * c[i] + b * s[half + i];
-                hi[i] = b * c[half + i] + a * (-s[i]);
-            }
-        }
-    }
+    rope_table_rotate(dx, cos, sin, N, num_heads, D, true);
 }
 
 }  // namespace mf::cpu

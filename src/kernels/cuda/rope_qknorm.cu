@@ -122,8 +122,8 @@ __device__ __forceinline__ void fill_rotation(float* cos_s, float* sin_s, const 
 template <int kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_qknorm_forward_kernel(bf16* q_out, bf16* k_out, float* q_rstd, float* k_rstd, const bf16* q, const bf16* k,
-                               const bf16* q_weight, const bf16* k_weight,
-                               Rotation rot, int64_t N, int Hq, int Hkv, int D, int G, float eps) {
+                               const bf16* q_weight, const bf16* k_weight, Rotation rot, int64_t N, int Hq, int Hkv,
+                               int D, int G, float eps) {
     constexpr int kLane = kPerLane<kVec>;
     extern __shared__ float smem[];
     const int half = D / 2;
@@ -240,8 +240,8 @@ template <int kVec>
 __global__ void __launch_bounds__(kThreads)
     rope_qknorm_backward_kernel(bf16* dq, bf16* dk, float* partial, const bf16* dq_out, const bf16* dk_out,
                                 const bf16* q, const bf16* k, const bf16* q_weight, const bf16* k_weight,
-                                const float* q_rstd, const float* k_rstd,
-                                Rotation rot, int64_t N, int Hq, int Hkv, int D, int G) {
+                                const float* q_rstd, const float* k_rstd, Rotation rot, int64_t N, int Hq, int Hkv,
+                                int D, int G) {
     constexpr int kLane = kPerLane<kVec>;
     extern __shared__ float smem[];
     const int half = D / 2;
@@ -417,27 +417,27 @@ void launch_qknorm_forward(const char* op, bf16* q_out, bf16* k_out, float* q_rs
     const size_t shared = static_cast<size_t>(2 * D) * sizeof(float);
     if (vec) {
         rope_qknorm_forward_kernel<8><<<blocks, threads, shared, stream>>>(
-            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq),
-            static_cast<int>(Hkv), static_cast<int>(D), G, eps);
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq), static_cast<int>(Hkv),
+            static_cast<int>(D), G, eps);
     } else {
         rope_qknorm_forward_kernel<1><<<blocks, threads, shared, stream>>>(
-            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq),
-            static_cast<int>(Hkv), static_cast<int>(D), G, eps);
+            q_out, k_out, q_rstd, k_rstd, q, k, q_weight, k_weight, rot, N, static_cast<int>(Hq), static_cast<int>(Hkv),
+            static_cast<int>(D), G, eps);
     }
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
 void launch_qknorm_backward(const char* op, bf16* dq, bf16* dk, void* dq_weight, void* dk_weight, DType dweight_dtype,
-                            const bf16* dq_out, const bf16* dk_out, const bf16* q, const bf16* k,
-                            const bf16* q_weight, const bf16* k_weight, const float* q_rstd, const float* k_rstd,
-                            const Rotation& rot, int64_t N, int64_t Hq, int64_t Hkv, int64_t D, void* scratch,
-                            size_t scratch_bytes, cudaStream_t stream) {
+                            const bf16* dq_out, const bf16* dk_out, const bf16* q, const bf16* k, const bf16* q_weight,
+                            const bf16* k_weight, const float* q_rstd, const float* k_rstd, const Rotation& rot,
+                            int64_t N, int64_t Hq, int64_t Hkv, int64_t D, void* scratch, size_t scratch_bytes,
+                            cudaStream_t stream) {
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16, op,
              ": dweight dtype must be f32 or bf16, got ", dtype_name(dweight_dtype));
     if (N == 0 || Hq + Hkv == 0) return;
     MF_CHECK(
-        Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr),
-        op, ": null query buffer");
+        Hq == 0 || (dq != nullptr && dq_out != nullptr && q != nullptr && q_weight != nullptr && q_rstd != nullptr), op,
+        ": null query buffer");
     MF_CHECK(
         Hkv == 0 || (dk != nullptr && dk_out != nullptr && k != nullptr && k_weight != nullptr && k_rstd != nullptr),
         op, ": null key buffer");
@@ -542,8 +542,7 @@ void rope_qknorm_table_backward(bf16* dq, bf16* dk, void* dq_weight, void* dk_we
     const char* op = "rope_qknorm_table_backward";
     check_shape(op, N, Hq, Hkv, D, 1.0f);
     launch_qknorm_backward(op, dq, dk, dq_weight, dk_weight, dweight_dtype, dq_out, dk_out, q, k, q_weight, k_weight,
-                           q_rstd, k_rstd, from_tables(op, cos, sin, N), N, Hq, Hkv, D, scratch, scratch_bytes,
-                           stream);
+                           q_rstd, k_rstd, from_tables(op, cos, sin, N), N, Hq, Hkv, D, scratch, scratch_bytes, stream);
 }
 
 }  // namespace mf::cuda
