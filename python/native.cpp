@@ -497,6 +497,61 @@ void release_view(PyObject* owner) {
     }
 }
 
+// --- a model directory's weights -------------------------------------------------------------------
+
+class Weights {
+ public:
+    explicit Weights(const std::string& model_dir) {
+        call([&] { return mf_weights_open(&weights_, model_dir.c_str()); });
+    }
+    ~Weights() { close(); }
+    Weights(const Weights&) = delete;
+    Weights& operator=(const Weights&) = delete;
+
+    void close() {
+        mf_weights_free(weights_);
+        weights_ = nullptr;
+    }
+
+    std::vector<std::string> names() {
+        int64_t count = 0;
+        call([&] { return mf_weights_count(handle(), &count); });
+        std::vector<std::string> out;
+        for (int64_t i = 0; i < count; ++i) {
+            size_t needed = 0;
+            call([&] { return mf_weights_name(handle(), i, nullptr, 0, &needed); });
+            std::vector<char> name(needed);
+            call([&] { return mf_weights_name(handle(), i, name.data(), name.size(), &needed); });
+            out.emplace_back(name.data());
+        }
+        return out;
+    }
+
+    // (stored dtype, shape)
+    py::tuple info(const std::string& name) {
+        char dtype[16] = {};
+        int32_t ndim = 0;
+        int64_t shape[MF_MAX_DIMS] = {};
+        call([&] { return mf_weights_info(handle(), name.c_str(), dtype, sizeof(dtype), &ndim, shape); });
+        py::tuple dims(ndim);
+        for (int32_t i = 0; i < ndim; ++i) dims[i] = shape[i];
+        return py::make_tuple(std::string(dtype), dims);
+    }
+
+    void read_f32(const std::string& name, py::object out) {
+        Args args;
+        const mf_tensor* o = args.get(out, "out");
+        call([&] { return mf_weights_read_f32(handle(), name.c_str(), o); });
+    }
+
+ private:
+    const mf_weights* handle() const {
+        if (weights_ == nullptr) refuse("the weights are closed");
+        return weights_;
+    }
+    mf_weights* weights_ = nullptr;
+};
+
 // --- ops -------------------------------------------------------------------------------------------
 // Each binding converts its tensors, then calls the mf_* function of the same name without the GIL.
 #define MF_TENSOR(name) args.get(name, #name)
@@ -1047,6 +1102,13 @@ PYBIND11_MODULE(_native, m) {
             },
             "name"_a, "gradient"_a = false)
         .def("close", &Engine::close);
+
+    py::class_<Weights>(m, "Weights", "A Hugging Face model directory's weights (mf_weights_*); use moeforge.Weights")
+        .def(py::init<const std::string&>(), "model_dir"_a)
+        .def("names", &Weights::names)
+        .def("info", &Weights::info, "name"_a)
+        .def("read_f32", &Weights::read_f32, "name"_a, "out"_a)
+        .def("close", &Weights::close);
 
     bind_ops(m);
     bind_moe_block(m);

@@ -320,6 +320,24 @@ mf_status mf_engine_param_name(const mf_engine* engine, int64_t index, char* nam
 mf_status mf_engine_param(const mf_engine* engine, const char* name, int gradient, mf_tensor* out);
 void mf_engine_free(mf_engine* engine);
 
+/* --- a Hugging Face model directory's weights (for bindings that load parameters themselves) ------
+ * mf_weights_open maps model.safetensors, or the shards model.safetensors.index.json names, and
+ * validates every header as the engine's loader does (the files are untrusted: lengths, offsets,
+ * shapes and shard names checked; errors name the file and the tensor; MF_ERR_IO for a file that
+ * cannot be read). Names are listed in sorted order; a tensor is read converted to f32.           */
+typedef struct mf_weights mf_weights;
+mf_status mf_weights_open(mf_weights** weights, const char* model_dir);
+mf_status mf_weights_count(const mf_weights* weights, int64_t* count);
+/* The index-th name (copied with its NUL, truncated to name_bytes; *needed: the size it needs). */
+mf_status mf_weights_name(const mf_weights* weights, int64_t index, char* name, size_t name_bytes, size_t* needed);
+/* A tensor's stored dtype as the format spells it ("BF16", "F32", ...; into dtype, dtype_bytes >= 8)
+ * and its shape (*ndim dimensions into shape[MF_MAX_DIMS]). */
+mf_status mf_weights_info(const mf_weights* weights, const char* name, char* dtype, size_t dtype_bytes, int32_t* ndim,
+                          int64_t* shape);
+/* The tensor into out, a CPU f32 tensor of its shape, converted from F32, BF16, F16 or F64. */
+mf_status mf_weights_read_f32(const mf_weights* weights, const char* name, const mf_tensor* out);
+void mf_weights_free(mf_weights* weights);
+
 #ifdef __cplusplus
 }
 #endif

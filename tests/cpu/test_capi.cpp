@@ -19,7 +19,9 @@
 #include <string>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/json.h"
+#include "io/safetensors.h"
 #include "model/ffn_blocks.h"
 #include "moeforge/moeforge.h"
 #include "ops/ops.h"
@@ -470,3 +472,49 @@ TEST_F(CApiEngine, FineTunesTheTinyModelAsTheCliDoes) {
 }
 
 }  // namespace
+
+// mf_weights_*: a model directory written by the engine's writer, listed, described and read as f32
+// (bf16 converted); an unknown name, a wrong out shape, a missing directory and NULLs refused.
+TEST(CApi, WeightsListDescribeAndRead) {
+    namespace fs = std::filesystem;
+    const fs::path dir = mf::test::temp_dir("capi_weights");
+    std::vector<float> f32 = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, -0.5f};
+    std::vector<uint16_t> bf16 = {mf::f32_to_bf16(0.5f), mf::f32_to_bf16(-4.0f), mf::f32_to_bf16(1.0f)};
+    mf::io::write_model_weights(
+        dir,
+        {{"b.weight", mf::io::StDType::F32, {2, 3}, f32.data()}, {"a.weight", mf::io::StDType::BF16, {3}, bf16.data()}},
+        size_t{1} << 30);
+    mf_weights* w = nullptr;
+    ASSERT_EQ(mf_weights_open(&w, dir.string().c_str()), MF_OK) << mf_last_error();
+    int64_t count = 0;
+    ASSERT_EQ(mf_weights_count(w, &count), MF_OK);
+    EXPECT_EQ(count, 2);
+    char name[16];
+    size_t needed = 0;
+    ASSERT_EQ(mf_weights_name(w, 0, name, sizeof(name), &needed), MF_OK);
+    EXPECT_STREQ(name, "a.weight");  // sorted
+    EXPECT_EQ(needed, 9u);
+    expect_error(mf_weights_name(w, 2, name, sizeof(name), &needed), MF_ERR_INVALID_ARGUMENT, {"index 2"});
+    char dtype[8];
+    int32_t ndim = 0;
+    int64_t shape[MF_MAX_DIMS] = {};
+    ASSERT_EQ(mf_weights_info(w, "b.weight", dtype, sizeof(dtype), &ndim, shape), MF_OK);
+    EXPECT_STREQ(dtype, "F32");
+    EXPECT_EQ(ndim, 2);
+    EXPECT_EQ(shape[0], 2);
+    EXPECT_EQ(shape[1], 3);
+    std::vector<float> out(3, 9.0f);
+    mf_tensor tout = desc(out, {3});
+    ASSERT_EQ(mf_weights_read_f32(w, "a.weight", &tout), MF_OK) << mf_last_error();
+    EXPECT_EQ(out, (std::vector<float>{0.5f, -4.0f, 1.0f}));
+    expect_error(mf_weights_read_f32(w, "b.weight", &tout), MF_ERR_INVALID_ARGUMENT, {"out is [3]", "[2, 3]"});
+    expect_error(mf_weights_read_f32(w, "c.weight", &tout), MF_ERR_INVALID_ARGUMENT, {"no tensor named 'c.weight'"});
+    expect_error(mf_weights_info(nullptr, "a.weight", dtype, sizeof(dtype), &ndim, shape), MF_ERR_INVALID_ARGUMENT,
+                 {"NULL"});
+    mf_weights_free(w);
+    mf_weights* missing = nullptr;
+    EXPECT_NE(mf_weights_open(&missing, (dir / "nope").string().c_str()), MF_OK);
+    EXPECT_NE(std::string(mf_last_error()).find("nope"), std::string::npos) << mf_last_error();
+    EXPECT_EQ(missing, nullptr);
+    fs::remove_all(dir);
+}
