@@ -178,8 +178,8 @@ mf_status mf_clamped_swiglu_backward(const mf_context* ctx, const mf_tensor* din
  * mf_moe_block_activation_bytes bytes on the tensors' device, which the forward fills and the
  * backward of the same x reads: keep it untouched in between. The backward also needs scratch of
  * mf_moe_block_workspace_bytes − mf_moe_block_activation_bytes bytes: a separate `scratch` tensor,
- * or (scratch NULL) the rest of a workspace of mf_moe_block_workspace_bytes. Both 256-byte aligned
- * on a GPU, 64-byte on the CPU.                                                                   */
+ * or (scratch NULL) the rest of a workspace of mf_moe_block_workspace_bytes. Both 128-byte aligned
+ * on a GPU (what XLA gives its buffers), 64-byte on the CPU.                                      */
 typedef enum mf_activation { MF_ACT_SWIGLU = 0, MF_ACT_RELU2 = 1 } mf_activation;
 typedef enum mf_router_kind { MF_ROUTER_SOFTMAX = 0, MF_ROUTER_SIGMOID = 1 } mf_router_kind;
 typedef struct mf_moe_dims {

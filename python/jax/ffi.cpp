@@ -14,11 +14,19 @@
 //   expert_mlp_bwd      dx, dgate_up, ddown (written), with da, dh as scratch outputs
 //   moe_ffn / _bwd      mf_moe_block_forward / backward: the whole dropless layer; the activations the
 //                       backward reads are an int32 output of the forward, the scratch one of the backward
+//   route_softmax / _sigmoid (+ _bwd)  the routers: logits [N, E] f32 → probs or scores, topk_idx,
+//                       topk_weight; dlogits from dtopk_weight (and, softmax, dprobs)
+//   aux_stats / aux_dprobs  the load-balancing loss's per-expert counts and probability sums of one
+//                       layer, and its gradient at the probabilities
+//   permute / _bwd      the pairs grouped by expert (expert_offsets, sorted_pair, pair_row) and x's rows
+//                       in that order; dx summed back per token
+//   unpermute / _bwd    y = Σ_k w · y_perm[pair_row]; dy_perm and dtopk_weight
 //
 // Invariants. No handler synchronises with the host: group sizes become offsets on the device
 // (mf_group_offsets) and every kernel reads them there. Every buffer a handler needs is an XLA
 // buffer (an argument or a result sized by moeforge.jax at trace time); XLA's scratch allocator is
-// not used. A failed C API call becomes an ffi::Error carrying mf_last_error()'s message.
+// not used, and the ops that need scratch on a GPU get a result of the call as their workspace.
+// A failed C API call becomes an ffi::Error carrying mf_last_error()'s message.
 // NOTE: XLA aligns its buffers to 128 bytes on a GPU (64 on the CPU), the C API wants the MoE
 // block's workspace 256-byte aligned there: the activations are kept as the C API's image from byte
 // 0 of their buffer, and a call whose buffer is not aligned goes through an aligned copy of it
@@ -499,6 +507,182 @@ ffi::Error moe_ffn_backward(const Where& where, ffi::AnyBuffer dy, ffi::AnyBuffe
     return ffi::Error::Success();
 }
 
+// --- the ops' scratch from an XLA buffer -----------------------------------------------------------
+
+// The call's context with a scratch result of the call as the C API's workspace (from its first
+// aligned byte): the ops that need scratch on a GPU (the permutation's histogram, the aux-loss
+// statistics' partial sums) take it from there instead of growing the engine's own pool, so the call
+// allocates nothing. moeforge.jax sizes the buffer, alignment slack included. NOTE: an op that needs
+// more than the buffer holds falls back to the engine's pool (correct, but it may allocate once).
+class ScratchContext {
+ public:
+    ScratchContext(const Where& where, ffi::Result<ffi::AnyBuffer>& buffer)
+        : context_(where.context), on_gpu_(where.on_gpu()) {
+        auto* base = static_cast<char*>(buffer->untyped_data());
+        const uintptr_t address = reinterpret_cast<uintptr_t>(base);
+        const size_t skip = align_up(address, where.workspace_alignment()) - address, bytes = buffer->size_bytes();
+        if (base != nullptr && bytes > skip) {
+            context_.workspace = base + skip;
+            context_.workspace_bytes = bytes - skip;
+        }
+    }
+    // The C API's context: NULL on the CPU (whose kernels need no scratch), as Where::ctx().
+    const mf_context* ctx() const { return on_gpu_ ? &context_ : nullptr; }
+
+ private:
+    mf_context context_;
+    bool on_gpu_;
+};
+
+// --- route: the softmax and sigmoid routers ----------------------------------------------------------
+// logits [N, E] f32 → probs (the sigmoid's scores) [N, E] f32, topk_idx [N, K] i32, topk_weight [N, K]
+// f32, K being the results' (the C API reads it from topk_idx). The softmax backward takes the
+// probabilities' own gradient (dprobs: an aux loss's) besides topk_weight's; the sigmoid backward
+// takes topk_weight's alone (moeforge.jax adds the scores' own gradient, dscores · σ', elementwise).
+
+ffi::Error router_softmax_forward(const Where& where, ffi::AnyBuffer logits, ffi::Result<ffi::AnyBuffer> probs,
+                                  ffi::Result<ffi::AnyBuffer> topk_idx, ffi::Result<ffi::AnyBuffer> topk_weight,
+                                  int64_t norm_topk_prob) {
+    constexpr const char* op = "route (softmax)";
+    Views v(where, op);
+    const mf_tensor *tl = v.of(logits, "logits"), *tp = v.of(*probs, "probs"), *ti = v.of(*topk_idx, "topk_idx");
+    const mf_tensor* tw = v.of(*topk_weight, "topk_weight");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_router_softmax_topk_forward(where.ctx(), tp, ti, tw, tl, norm_topk_prob != 0 ? 1 : 0));
+    return ffi::Error::Success();
+}
+
+ffi::Error router_softmax_backward(const Where& where, ffi::AnyBuffer dtopk_weight, ffi::AnyBuffer dprobs,
+                                   ffi::AnyBuffer probs, ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> dlogits,
+                                   int64_t norm_topk_prob) {
+    constexpr const char* op = "route (softmax, backward)";
+    Views v(where, op);
+    const mf_tensor *tdw = v.of(dtopk_weight, "dtopk_weight"), *tdp = v.of(dprobs, "dprobs");
+    const mf_tensor *tp = v.of(probs, "probs"), *ti = v.of(topk_idx, "topk_idx"), *tdl = v.of(*dlogits, "dlogits");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_router_softmax_topk_backward(where.ctx(), tdl, tdw, tdp, tp, ti, norm_topk_prob != 0 ? 1 : 0));
+    return ffi::Error::Success();
+}
+
+ffi::Error router_sigmoid_forward(const Where& where, ffi::AnyBuffer logits, ffi::AnyBuffer correction_bias,
+                                  ffi::Result<ffi::AnyBuffer> scores, ffi::Result<ffi::AnyBuffer> topk_idx,
+                                  ffi::Result<ffi::AnyBuffer> topk_weight, int64_t norm_topk_prob, int64_t n_group,
+                                  int64_t topk_group, int64_t masked_zero, float routed_scaling_factor) {
+    constexpr const char* op = "route (sigmoid)";
+    Views v(where, op);
+    const mf_tensor *tl = v.of(logits, "logits"), *tb = v.optional(correction_bias, "correction_bias");
+    const mf_tensor *ts = v.of(*scores, "scores"), *ti = v.of(*topk_idx, "topk_idx");
+    const mf_tensor* tw = v.of(*topk_weight, "topk_weight");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(
+        op, mf_router_sigmoid_forward(where.ctx(), ts, ti, tw, tl, tb, n_group, topk_group, norm_topk_prob != 0 ? 1 : 0,
+                                      routed_scaling_factor, masked_zero != 0 ? 0.0f : -INFINITY));
+    return ffi::Error::Success();
+}
+
+ffi::Error router_sigmoid_backward(const Where& where, ffi::AnyBuffer dtopk_weight, ffi::AnyBuffer scores,
+                                   ffi::AnyBuffer topk_idx, ffi::Result<ffi::AnyBuffer> dlogits, int64_t norm_topk_prob,
+                                   float routed_scaling_factor) {
+    constexpr const char* op = "route (sigmoid, backward)";
+    Views v(where, op);
+    const mf_tensor *tdw = v.of(dtopk_weight, "dtopk_weight"), *ts = v.of(scores, "scores");
+    const mf_tensor *ti = v.of(topk_idx, "topk_idx"), *tdl = v.of(*dlogits, "dlogits");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_router_sigmoid_backward(where.ctx(), tdl, tdw, ts, ti, norm_topk_prob != 0 ? 1 : 0,
+                                               routed_scaling_factor));
+    return ffi::Error::Success();
+}
+
+// --- load_balancing_loss: the aux loss's statistics and its gradient at the probabilities -------------
+// counts [E] and prob_sums [E] f32 (the C API's accumulate: zeroed here first) of one layer's
+// topk_idx [N, K] i32, probs [N, E] f32, mask [N] f32; dprobs [N, E] = scale · counts[e] · mask[t]
+// (moeforge.jax folds the loss's factor into counts and passes scale 1).
+
+ffi::Error aux_stats_forward(const Where& where, ffi::AnyBuffer topk_idx, ffi::AnyBuffer probs, ffi::AnyBuffer mask,
+                             ffi::Result<ffi::AnyBuffer> counts, ffi::Result<ffi::AnyBuffer> prob_sums,
+                             ffi::Result<ffi::AnyBuffer> scratch) {
+    constexpr const char* op = "load_balancing_loss";
+    const ScratchContext sc(where, scratch);
+    Views v(where, op);
+    const mf_tensor *ti = v.of(topk_idx, "topk_idx"), *tp = v.of(probs, "probs"), *tm = v.of(mask, "mask");
+    const mf_tensor *tc = v.of(*counts, "counts"), *tps = v.of(*prob_sums, "prob_sums");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_RETURN_IF_ERROR(zero_bytes(where, counts->untyped_data(), counts->size_bytes(), op));
+    MF_FFI_RETURN_IF_ERROR(zero_bytes(where, prob_sums->untyped_data(), prob_sums->size_bytes(), op));
+    MF_FFI_CALL(op, mf_moe_aux_stats(sc.ctx(), tc, tps, ti, tp, tm));
+    return ffi::Error::Success();
+}
+
+ffi::Error aux_dprobs_backward(const Where& where, ffi::AnyBuffer counts, ffi::AnyBuffer mask,
+                               ffi::Result<ffi::AnyBuffer> dprobs, float scale) {
+    constexpr const char* op = "load_balancing_loss (backward)";
+    Views v(where, op);
+    const mf_tensor *tc = v.of(counts, "counts"), *tm = v.of(mask, "mask"), *tdp = v.of(*dprobs, "dprobs");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_moe_aux_dprobs(where.ctx(), tdp, tc, tm, scale));
+    return ffi::Error::Success();
+}
+
+// --- permute / unpermute -------------------------------------------------------------------------------
+// permute: the pairs' indices (mf_moe_permute_indices) and x_perm = the rows of x in that order (a
+// zero row for each dropped pair's row, past expert_offsets[E]); its backward sums dx_perm back per
+// token (dx zeroed first: the C API accumulates). unpermute: y = Σ_k w · y_perm[pair_row]; its
+// backward writes dy_perm (zeroed first: the C API leaves dropped pairs' rows alone) and dtopk_weight.
+
+ffi::Error permute_forward(const Where& where, ffi::AnyBuffer x, ffi::AnyBuffer topk_idx,
+                           ffi::Result<ffi::AnyBuffer> x_perm, ffi::Result<ffi::AnyBuffer> expert_offsets,
+                           ffi::Result<ffi::AnyBuffer> sorted_pair, ffi::Result<ffi::AnyBuffer> pair_row,
+                           ffi::Result<ffi::AnyBuffer> scratch, int64_t num_experts) {
+    constexpr const char* op = "permute";
+    const auto idx_dims = topk_idx.dimensions();
+    if (idx_dims.size() != 2) return ffi::Error::InvalidArgument("moeforge.jax permute: topk_idx must be [N, K]");
+    const ScratchContext sc(where, scratch);
+    Views v(where, op);
+    const mf_tensor *tx = v.of(x, "x"), *ti = v.of(topk_idx, "topk_idx"), *txp = v.of(*x_perm, "x_perm");
+    const mf_tensor *toff = v.of(*expert_offsets, "expert_offsets"), *tsp = v.of(*sorted_pair, "sorted_pair");
+    const mf_tensor* tpr = v.of(*pair_row, "pair_row");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_moe_permute_indices(sc.ctx(), toff, tsp, tpr, ti, num_experts));
+    MF_FFI_CALL(op, mf_moe_gather(sc.ctx(), txp, tx, tsp, idx_dims[1]));
+    return ffi::Error::Success();
+}
+
+ffi::Error permute_backward(const Where& where, ffi::AnyBuffer dx_perm, ffi::AnyBuffer pair_row,
+                            ffi::Result<ffi::AnyBuffer> dx, int64_t top_k) {
+    constexpr const char* op = "permute (backward)";
+    Views v(where, op);
+    const mf_tensor *tdxp = v.of(dx_perm, "dx_perm"), *tpr = v.of(pair_row, "pair_row"), *tdx = v.of(*dx, "dx");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_RETURN_IF_ERROR(zero_bytes(where, dx->untyped_data(), dx->size_bytes(), op));
+    MF_FFI_CALL(op, mf_moe_gather_backward(where.ctx(), tdx, tdxp, tpr, top_k));
+    return ffi::Error::Success();
+}
+
+ffi::Error unpermute_forward(const Where& where, ffi::AnyBuffer y_perm, ffi::AnyBuffer topk_weight,
+                             ffi::AnyBuffer pair_row, ffi::Result<ffi::AnyBuffer> out) {
+    constexpr const char* op = "unpermute";
+    Views v(where, op);
+    const mf_tensor *typ = v.of(y_perm, "y_perm"), *tw = v.of(topk_weight, "topk_weight");
+    const mf_tensor *tpr = v.of(pair_row, "pair_row"), *to = v.of(*out, "y");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_CALL(op, mf_moe_unpermute(where.ctx(), to, typ, tw, tpr));
+    return ffi::Error::Success();
+}
+
+ffi::Error unpermute_backward(const Where& where, ffi::AnyBuffer dout, ffi::AnyBuffer y_perm,
+                              ffi::AnyBuffer topk_weight, ffi::AnyBuffer pair_row, ffi::Result<ffi::AnyBuffer> dy_perm,
+                              ffi::Result<ffi::AnyBuffer> dtopk_weight) {
+    constexpr const char* op = "unpermute (backward)";
+    Views v(where, op);
+    const mf_tensor *tdy = v.of(dout, "dy"), *typ = v.of(y_perm, "y_perm"), *tw = v.of(topk_weight, "topk_weight");
+    const mf_tensor *tpr = v.of(pair_row, "pair_row"), *tdyp = v.of(*dy_perm, "dy_perm");
+    const mf_tensor* tdw = v.of(*dtopk_weight, "dtopk_weight");
+    MF_FFI_RETURN_IF_ERROR(v.status());
+    MF_FFI_RETURN_IF_ERROR(zero_bytes(where, dy_perm->untyped_data(), dy_perm->size_bytes(), op));
+    MF_FFI_CALL(op, mf_moe_unpermute_backward(where.ctx(), tdyp, tdw, tdy, typ, tw, tpr));
+    return ffi::Error::Success();
+}
+
 // --- bindings: one signature per op, bound for the CPU and for CUDA ---------------------------------
 
 template <typename B>
@@ -511,6 +695,37 @@ auto moe_attrs(B&& binding) {
         .template Attr<int64_t>("topk_group")
         .template Attr<int64_t>("masked_zero")
         .template Attr<float>("routed_scaling_factor");
+}
+
+// The other ops' attributes, after their buffers, in the order their bodies take them.
+template <typename B>
+auto norm_attrs(B&& binding) {
+    return std::move(binding).template Attr<int64_t>("norm_topk_prob");
+}
+template <typename B>
+auto sigmoid_attrs(B&& binding) {
+    return std::move(binding)
+        .template Attr<int64_t>("norm_topk_prob")
+        .template Attr<int64_t>("n_group")
+        .template Attr<int64_t>("topk_group")
+        .template Attr<int64_t>("masked_zero")
+        .template Attr<float>("routed_scaling_factor");
+}
+template <typename B>
+auto sigmoid_bwd_attrs(B&& binding) {
+    return std::move(binding).template Attr<int64_t>("norm_topk_prob").template Attr<float>("routed_scaling_factor");
+}
+template <typename B>
+auto scale_attr(B&& binding) {
+    return std::move(binding).template Attr<float>("scale");
+}
+template <typename B>
+auto num_experts_attr(B&& binding) {
+    return std::move(binding).template Attr<int64_t>("num_experts");
+}
+template <typename B>
+auto top_k_attr(B&& binding) {
+    return std::move(binding).template Attr<int64_t>("top_k");
 }
 
 // The moe handlers get the attributes of moe_attrs after their buffers; the bodies take one struct.
@@ -583,6 +798,16 @@ MF_HANDLERS(expert_mlp, expert_mlp_forward, 4, 4, );
 MF_HANDLERS(expert_mlp_bwd, expert_mlp_backward, 7, 5, );
 MF_HANDLERS(moe_ffn, moe_ffn_forward_call, 5, 2, moe_attrs);
 MF_HANDLERS(moe_ffn_bwd, moe_ffn_backward_call, 7, 5, moe_attrs);
+MF_HANDLERS(route_softmax, router_softmax_forward, 1, 3, norm_attrs);
+MF_HANDLERS(route_softmax_bwd, router_softmax_backward, 4, 1, norm_attrs);
+MF_HANDLERS(route_sigmoid, router_sigmoid_forward, 2, 3, sigmoid_attrs);
+MF_HANDLERS(route_sigmoid_bwd, router_sigmoid_backward, 3, 1, sigmoid_bwd_attrs);
+MF_HANDLERS(aux_stats, aux_stats_forward, 3, 3, );
+MF_HANDLERS(aux_dprobs, aux_dprobs_backward, 2, 1, scale_attr);
+MF_HANDLERS(permute, permute_forward, 2, 5, num_experts_attr);
+MF_HANDLERS(permute_bwd, permute_backward, 2, 1, top_k_attr);
+MF_HANDLERS(unpermute, unpermute_forward, 3, 1, );
+MF_HANDLERS(unpermute_bwd, unpermute_backward, 4, 2, );
 
 py::capsule capsule_of(XLA_FFI_Handler* handler) { return py::capsule(reinterpret_cast<void*>(handler)); }
 }  // namespace
@@ -605,6 +830,16 @@ PYBIND11_MODULE(_jax_ffi, m) {
     MF_EXPORT(expert_mlp_bwd)
     MF_EXPORT(moe_ffn)
     MF_EXPORT(moe_ffn_bwd)
+    MF_EXPORT(route_softmax)
+    MF_EXPORT(route_softmax_bwd)
+    MF_EXPORT(route_sigmoid)
+    MF_EXPORT(route_sigmoid_bwd)
+    MF_EXPORT(aux_stats)
+    MF_EXPORT(aux_dprobs)
+    MF_EXPORT(permute)
+    MF_EXPORT(permute_bwd)
+    MF_EXPORT(unpermute)
+    MF_EXPORT(unpermute_bwd)
     m.attr("CPU_HANDLERS") = cpu;
     m.attr("CUDA_HANDLERS") = cuda;
     m.attr("FFI_API_VERSION") = py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

@@ -21,9 +21,10 @@ using mf::capi::Want;
 
 namespace {
 
-// A caller buffer's alignment: 256 bytes for the GPU kernels' vector loads, 64 on the CPU (what
-// framework CPU allocators give).
-size_t buffer_alignment(Device device) { return device == Device::cuda ? 256 : 64; }
+// A caller buffer's alignment: 128 bytes on a GPU (what XLA gives its buffers; the block's kernels
+// need 16: vector loads and TMA base addresses, the arena keeping every view at a multiple of 256
+// from the base), 64 on the CPU (what framework CPU allocators give).
+size_t buffer_alignment(Device device) { return device == Device::cuda ? 128 : 64; }
 
 mf::model::MoeDims dims_of(const char* op, const mf_moe_dims* dims) {
     if (dims == nullptr) refuse(op, ": dims is required (got NULL)");

@@ -44,7 +44,9 @@ def _check_jaxlib() -> None:
 _check_jaxlib()
 
 # Handler names (the extension's dict keys) and the XLA target each is registered as.
-HANDLERS = ("grouped_matmul", "grouped_matmul_bwd", "expert_mlp", "expert_mlp_bwd", "moe_ffn", "moe_ffn_bwd")
+HANDLERS = ("grouped_matmul", "grouped_matmul_bwd", "expert_mlp", "expert_mlp_bwd", "moe_ffn", "moe_ffn_bwd",
+            "route_softmax", "route_softmax_bwd", "route_sigmoid", "route_sigmoid_bwd", "aux_stats", "aux_dprobs",
+            "permute", "permute_bwd", "unpermute", "unpermute_bwd")
 for _name in HANDLERS:
     jax.ffi.register_ffi_target(_TARGET_PREFIX + _name, _jax_ffi.CPU_HANDLERS[_name], platform="cpu", api_version=1)
     if _name in _jax_ffi.CUDA_HANDLERS:
