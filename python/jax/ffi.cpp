@@ -27,10 +27,10 @@
 // buffer (an argument or a result sized by moeforge.jax at trace time); XLA's scratch allocator is
 // not used, and the ops that need scratch on a GPU get a result of the call as their workspace.
 // A failed C API call becomes an ffi::Error carrying mf_last_error()'s message.
-// NOTE: XLA aligns its buffers to 128 bytes on a GPU (64 on the CPU), the C API wants the MoE
-// block's workspace 256-byte aligned there: the activations are kept as the C API's image from byte
-// 0 of their buffer, and a call whose buffer is not aligned goes through an aligned copy of it
-// (stream-ordered cudaMallocAsync on a GPU), so the image stays valid wherever XLA moves it.
+// NOTE: the C API wants the MoE block's workspace 128-byte aligned on a GPU (64 on the CPU), what
+// XLA gives its buffers: the activations are kept as the C API's image from byte 0 of their buffer,
+// and a call whose buffer is not aligned (should XLA ever give less) goes through an aligned copy of
+// it (stream-ordered cudaMallocAsync on a GPU), so the image stays valid wherever XLA moves it.
 #include "xla/ffi/api/ffi.h"
 
 #include <pybind11/pybind11.h>
@@ -69,7 +69,7 @@ struct Where {
     const mf_context* ctx() const { return device_type == MF_CUDA ? &context : nullptr; }
     bool on_gpu() const { return device_type == MF_CUDA; }
     // The alignment the C API wants of a workspace here.
-    size_t workspace_alignment() const { return on_gpu() ? 256 : 64; }
+    size_t workspace_alignment() const { return on_gpu() ? 128 : 64; }
 
     static Where cpu() { return Where{}; }
 #ifdef MOEFORGE_WITH_CUDA

@@ -27,10 +27,11 @@ jax.config.update("jax_enable_x64", True)
 # --- where a case runs ------------------------------------------------------------------------------
 
 class Where:
-    """A device and the dtype moeforge serves there, with the rounding floor of the tolerance rule."""
+    """A device and the dtype moeforge serves there, with the rounding floors of the tolerance rule: of
+    that dtype, and of the float32 router and loss math (on a GPU its fast exp/σ)."""
 
-    def __init__(self, device, dtype, floor):
-        self.device, self.dtype, self.floor = device, dtype, floor
+    def __init__(self, device, dtype, floor, router_floor):
+        self.device, self.dtype, self.floor, self.router_floor = device, dtype, floor, router_floor
 
     def put(self, a):
         """a (numpy) on the device in the dtype; and its rounded values as float64 numpy."""
@@ -39,6 +40,10 @@ class Where:
 
     def ints(self, a):
         return jax.device_put(jnp.asarray(np.asarray(a, np.int32)), self.device)
+
+    def f32(self, a):
+        """a as float32 on the device (router and loss math is float32 everywhere)."""
+        return jax.device_put(jnp.asarray(np.asarray(a, np.float32)), self.device)
 
 
 def _gpu_devices():
@@ -51,13 +56,13 @@ def _gpu_devices():
 @pytest.fixture(params=["cpu", "gpu"], ids=["cpu-f32", "gpu-bf16"])
 def where(request):
     if request.param == "cpu":
-        return Where(jax.devices("cpu")[0], jnp.float32, 1e-5)
+        return Where(jax.devices("cpu")[0], jnp.float32, 1e-5, 1e-6)
     if not mfj.BUILT_WITH_CUDA:
         pytest.skip("moeforge was built without CUDA: no GPU handlers")
     gpus = _gpu_devices()
     if not gpus:
         pytest.skip("jax sees no GPU")
-    return Where(gpus[0], jnp.bfloat16, 2.0 ** -7)
+    return Where(gpus[0], jnp.bfloat16, 2.0 ** -7, 1e-5)
 
 
 def f64(a):
@@ -397,3 +402,348 @@ def test_an_older_jaxlib_is_refused(monkeypatch):
     monkeypatch.setattr(_ffi.jaxlib, "__version__", "0.4.1")
     with pytest.raises(ImportError, match="was built against jaxlib"):
         _ffi._check_jaxlib()
+
+
+# --- route ------------------------------------------------------------------------------------------
+
+def _cpu(a):
+    return jax.device_put(jnp.asarray(a), jax.devices("cpu")[0])
+
+
+def _route_kw(router, bias):
+    """ROUTERS[router], with the correction bias for the sigmoid router that takes one."""
+    kw = dict(ROUTERS[router])
+    if kw.get("router") == "sigmoid" and kw.get("masked_score") is None:
+        kw["correction_bias"] = bias
+    return kw
+
+
+def _kw64(kw):
+    kw64 = dict(kw)
+    if "correction_bias" in kw64:
+        kw64["correction_bias"] = _cpu(kw["correction_bias"]).astype(jnp.float64)
+    return kw64
+
+
+@pytest.mark.parametrize("router", list(ROUTERS), ids=list(ROUTERS))
+def test_route_matches_the_reference(where, router):
+    rng = np.random.default_rng(7)
+    N, E = 37, 8
+    logits = where.f32(rng.standard_normal((N, E)) * 2.0)  # well separated: no near-ties
+    kw = _route_kw(router, where.f32(rng.standard_normal(E) * 0.1))
+    K = kw["top_k"]
+    dw, dp = where.f32(rng.standard_normal((N, K))), where.f32(rng.standard_normal((N, E)))
+
+    idx, w, p = mfj.route(logits, **kw)
+    _, vjp = jax.vjp(lambda a: mfj.route(a, **kw)[1:], logits)
+    (dl,) = vjp((dw, dp))
+    ridx, rw, rp = reference.route(logits, **kw)
+    _, naive_vjp = jax.vjp(lambda a: reference.route(a, **kw)[1:], logits)
+    (ndl,) = naive_vjp((dw, dp))
+    kw64 = _kw64(kw)
+    l64 = _cpu(f64(logits))
+    i64, w64, p64 = reference.route(l64, **kw64)
+    _, vjp64 = jax.vjp(lambda a: reference.route(a, **kw64)[1:], l64)
+    (dl64,) = vjp64((_cpu(f64(dw)), _cpu(f64(dp))))
+
+    assert (idx.dtype, w.dtype, p.dtype, dl.dtype) == (jnp.int32, jnp.float32, jnp.float32, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(i64), err_msg=f"{router} topk_idx")
+    np.testing.assert_array_equal(np.asarray(ridx), np.asarray(i64), err_msg=f"{router} the twin's topk_idx")
+    for what, got, ref, naive in (("topk_weight", w, w64, rw), ("probs", p, p64, rp), ("dlogits", dl, dl64, ndl)):
+        close_by_rule(f64(got), np.asarray(ref), f64(naive), floor=where.router_floor, what=f"{router} {what}")
+
+
+def test_route_keeps_leading_dimensions_and_ties_go_to_the_lower_index(where):
+    rows = [[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 0.0, 0.0], [0.0] * 8, [-2.0, 0.5, 0.5, 0.5, 0.5, 4.0, 0.5, 0.5]]
+    logits = where.f32(rows)
+    for kw in (dict(top_k=3), dict(top_k=3, norm_topk_prob=False, router="sigmoid")):
+        idx = mfj.route(logits, **kw)[0]
+        np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 4], [0, 1, 2], [5, 1, 2]], err_msg=str(kw))
+        idx3, w3, p3 = mfj.route(logits.reshape(3, 1, 8), **kw)
+        assert idx3.shape == (3, 1, 3) and w3.shape == (3, 1, 3) and p3.shape == (3, 1, 8)
+        np.testing.assert_array_equal(np.asarray(idx3).reshape(3, 3), np.asarray(idx))
+
+
+# --- load_balancing_loss ----------------------------------------------------------------------------
+
+AUX_CASES = ["one-layer", "one-layer-masked", "layers", "layers-masked-sentinels"]
+
+
+@pytest.mark.parametrize("case", AUX_CASES)
+def test_load_balancing_loss_matches_the_reference(where, case):
+    rng = np.random.default_rng(8)
+    B, S, E, K = 3, 7, 8, 2
+    L = 3 if case.startswith("layers") else 1
+    logits = [rng.standard_normal((B, S, E)) for _ in range(L)]
+    probs64 = [np.exp(a) / np.exp(a).sum(-1, keepdims=True) for a in logits]
+    idx = [np.argsort(-p, axis=-1, kind="stable")[..., :K].astype(np.int32) for p in probs64]
+    if "sentinels" in case:  # other ranks' experts count nothing
+        idx[0][0, :3, 0] = E
+        idx[1][1, 2, 1] = E + 5
+        idx[2][2, 0, 0] = -1
+    mask = mask64 = None
+    if "masked" in case:
+        m = np.ones((B, S))
+        m[0, 5:], m[2, 3:] = 0, 0
+        mask, mask64 = where.f32(m), _cpu(m)
+    probs = [where.f32(p) for p in probs64]
+    idx_dev = [where.ints(i) for i in idx]
+    idx_cpu = [_cpu(i) for i in idx]
+    probs_cpu = [_cpu(f64(p)) for p in probs]
+    one = L == 1
+
+    def run(fn, ids, ps, m, ct):
+        arg = ps[0] if one else ps
+        loss, vjp = jax.vjp(lambda a: fn(ids[0] if one else ids, a, m, num_experts=E), arg)
+        (d,) = vjp(ct)
+        return loss, [d] if one else d
+
+    loss, dprobs = run(mfj.load_balancing_loss, idx_dev, probs, mask, where.f32(1.7))
+    naive, ndprobs = run(reference.load_balancing_loss, idx_dev, probs, mask, where.f32(1.7))
+    loss64, dprobs64 = run(reference.load_balancing_loss, idx_cpu, probs_cpu, mask64, _cpu(np.float64(1.7)))
+
+    assert loss.shape == () and loss.dtype == jnp.float32
+    close_by_rule(f64(loss), np.asarray(loss64), f64(naive), floor=where.router_floor, what=f"{case} loss")
+    for layer, (got, ref, n) in enumerate(zip(dprobs, dprobs64, ndprobs)):
+        assert got.dtype == jnp.float32 and got.shape == (B, S, E)
+        close_by_rule(f64(got), np.asarray(ref), f64(n), floor=where.router_floor, what=f"{case} dprobs {layer}")
+
+
+def test_load_balancing_loss_without_counted_tokens_is_zero():
+    with jax.default_device(jax.devices("cpu")[0]):
+        idx, probs, mask = jnp.zeros((4, 2), jnp.int32), jnp.full((4, 6), 1 / 6, jnp.float32), jnp.zeros((4,))
+        loss, grad = jax.value_and_grad(lambda p: mfj.load_balancing_loss(idx, p, mask, num_experts=6))(probs)
+        assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+        assert float(reference.load_balancing_loss(idx, probs, mask, num_experts=6)) == 0.0
+
+
+def test_the_aux_loss_gradient_reaches_the_logits_through_route(where):
+    """route's backward takes the aux loss's dprobs (the C API's softmax backward input) with topk_weight's."""
+    rng = np.random.default_rng(10)
+    N, E, K = 40, 8, 2
+    logits, c = where.f32(rng.standard_normal((N, E)) * 2.0), where.f32(rng.standard_normal((N, K)))
+
+    def loss(route, aux, a, weights):
+        idx, w, p = route(a, top_k=K)
+        return jnp.sum(w * weights) + 0.5 * aux(idx, p, num_experts=E)
+
+    g = jax.grad(lambda a: loss(mfj.route, mfj.load_balancing_loss, a, c))(logits)
+    naive = jax.grad(lambda a: loss(reference.route, reference.load_balancing_loss, a, c))(logits)
+    g64 = jax.grad(lambda a: loss(reference.route, reference.load_balancing_loss, a, _cpu(f64(c))))(_cpu(f64(logits)))
+    close_by_rule(f64(g), np.asarray(g64), f64(naive), floor=where.router_floor, what="dlogits")
+    aux_only = jax.grad(lambda a: mfj.load_balancing_loss(*mfj.route(a, top_k=K)[::2], num_experts=E))(logits)
+    assert np.any(f64(aux_only) != 0), "the aux loss alone moves the logits"
+
+
+# --- permute / unpermute ----------------------------------------------------------------------------
+
+PERMUTE_CASES = {
+    "plain": lambda rng, N, K, E: rng.integers(0, E, (N, K)),
+    "empty-experts": lambda rng, N, K, E: rng.choice([1, 4, 5], (N, K)),  # experts 0, 2, 3 get no row
+    "ep-sentinels": lambda rng, N, K, E: rng.integers(-1, E + 3, (N, K)),  # -1 and >= E: dropped
+}
+
+
+@pytest.mark.parametrize("case", list(PERMUTE_CASES))
+def test_permute_and_unpermute_match_the_reference(where, case):
+    rng = np.random.default_rng(9)
+    N, K, E, H = 29, 3, 6, 40
+    idx_np = PERMUTE_CASES[case](rng, N, K, E).astype(np.int32)
+    x, x64 = where.put(rng.standard_normal((N, H)))
+    idx = where.ints(idx_np)
+
+    x_perm, gs, routing = mfj.permute(x, idx, E)
+    rx, rgs, rr = reference.permute(x, idx, E)
+    assert isinstance(routing, mfj.Routing) and x_perm.shape == (N * K, H) and x_perm.dtype == where.dtype
+    for name, got, want in (("group_sizes", gs, rgs), *zip(mfj.Routing._fields, routing, rr)):
+        assert got.dtype == jnp.int32, name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{case} {name}")
+    np.testing.assert_array_equal(f64(x_perm), f64(rx), err_msg=f"{case} x_perm (a permutation: exact)")
+    kept = int(np.sum((idx_np >= 0) & (idx_np < E)))
+    assert int(routing.expert_offsets[-1]) == kept
+    assert np.all(f64(x_perm)[kept:] == 0) and np.all(np.asarray(routing.sorted_pair)[kept:] == -1)
+    assert np.all((np.asarray(routing.pair_row) == -1) == ((idx_np < 0) | (idx_np >= E)).reshape(-1))
+
+    # permute's gradient: each token's rows summed back
+    dxp, dxp64 = where.put(rng.standard_normal((N * K, H)))
+    (dx,) = jax.vjp(lambda a: mfj.permute(a, idx, E)[0], x)[1](dxp)
+    (ndx,) = jax.vjp(lambda a: reference.permute(a, idx, E)[0], x)[1](dxp)
+    (dx64,) = jax.vjp(lambda a: reference.permute(a, _cpu(idx_np), E)[0], _cpu(x64))[1](_cpu(dxp64))
+    assert dx.dtype == where.dtype
+    close_by_rule(f64(dx), np.asarray(dx64), f64(ndx), floor=where.floor, what=f"{case} permute dx")
+
+    # unpermute and its gradients
+    y_perm, yp64 = where.put(rng.standard_normal((N * K, H)))
+    dy, dy64 = where.put(rng.standard_normal((N, H)))
+    w = where.f32(rng.standard_normal((N, K)))
+    y, vjp = jax.vjp(lambda a, b: mfj.unpermute(a, b, routing), y_perm, w)
+    dyp, dw = vjp(dy)
+    ny, nvjp = jax.vjp(lambda a, b: reference.unpermute(a, b, routing), y_perm, w)
+    ndyp, ndw = nvjp(dy)
+    r64 = mfj.Routing(*(_cpu(a) for a in routing))
+    y64, vjp64 = jax.vjp(lambda a, b: reference.unpermute(a, b, r64), _cpu(yp64), _cpu(f64(w)))
+    dyp64, dw64 = vjp64(_cpu(dy64))
+    assert y.dtype == where.dtype and dyp.dtype == where.dtype and dw.dtype == jnp.float32
+    close_by_rule(f64(y), np.asarray(y64), f64(ny), floor=where.floor, what=f"{case} unpermute y")
+    close_by_rule(f64(dyp), np.asarray(dyp64), f64(ndyp), floor=where.floor, what=f"{case} dy_perm")
+    close_by_rule(f64(dw), np.asarray(dw64), f64(ndw), floor=where.router_floor, what=f"{case} dtopk_weight")
+    assert np.all(f64(dyp)[kept:] == 0), "the dropped pairs' rows get no gradient"
+    assert np.all(f64(dw)[(idx_np < 0) | (idx_np >= E)] == 0), "a dropped pair's weight gets no gradient"
+
+
+@pytest.mark.parametrize("router", list(ROUTERS), ids=list(ROUTERS))
+def test_route_permute_expert_mlp_unpermute_is_moe_ffn(where, router):
+    """moe_ffn taken apart: the same routed output and gradients, against the same float64 reference."""
+    N, H, I, E = 24, 32, 16, 8
+    (x, rw, gu, dn), args64, bias = _moe_inputs(where, N, H, I, E)
+    kw = _route_kw(router, bias)
+    dy, dy64 = where.put(np.random.default_rng(5).standard_normal((N, H)))
+
+    def composed(a, r, g, d):
+        logits = jnp.einsum("th,eh->te", a, r, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        idx, w, _ = mfj.route(logits, **kw)
+        x_perm, group_sizes, routing = mfj.permute(a, idx, E)
+        return mfj.unpermute(mfj.expert_mlp(x_perm, g, d, group_sizes), w, routing)
+
+    y, vjp = jax.vjp(composed, x, rw, gu, dn)
+    grads = vjp(dy)
+    ym, vjpm = jax.vjp(lambda *a: mfj.moe_ffn(*a, **kw), x, rw, gu, dn)
+    grads_m = vjpm(dy)
+    naive, naive_vjp = jax.vjp(lambda *a: reference.moe_ffn(*a, **kw), x, rw, gu, dn)
+    naive_grads = naive_vjp(dy)
+    cpu64 = [_cpu(a) for a in (*args64, dy64)]
+    y64, vjp64 = jax.vjp(lambda *a: reference.moe_ffn(*a, **_kw64(kw)), *cpu64[:4])
+    grads64 = vjp64(cpu64[4])
+
+    scale = max(1.0, float(np.max(np.abs(np.asarray(y64)))))
+    np.testing.assert_allclose(f64(y), f64(ym), rtol=0, atol=2 * where.floor * scale, err_msg=f"{router} y vs moe_ffn")
+    close_by_rule(f64(y), np.asarray(y64), f64(naive), floor=where.floor, what=f"{router} composed y")
+    names = ("dx", "drouter_w", "dw_gate_up", "dw_down")
+    for what, got, m, r, n in zip(names, grads, grads_m, grads64, naive_grads):
+        assert got.dtype == where.dtype, what
+        close_by_rule(f64(got), np.asarray(r), f64(n), floor=where.floor, what=f"{router} composed {what}")
+        close_by_rule(f64(m), np.asarray(r), f64(n), floor=where.floor, what=f"{router} moe_ffn {what}")
+
+
+# --- the routing functions under transformations -----------------------------------------------------
+
+def test_routing_functions_under_jit_grad_and_vmap(where):
+    rng = np.random.default_rng(11)
+    N, E, K, H = 16, 8, 2, 24
+    logits = where.f32(rng.standard_normal((2, N, E)) * 2.0)
+    x, _ = where.put(rng.standard_normal((2, N, H)))
+
+    def pieces(a, b):
+        idx, w, p = mfj.route(a, top_k=K)
+        x_perm, gs, routing = mfj.permute(b, idx, E)
+        return idx, w, p, x_perm, gs, routing, mfj.unpermute(x_perm, w, routing)
+
+    def layer(a, b):
+        idx, w, p, x_perm, _, routing, y = pieces(a, b)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + mfj.load_balancing_loss(idx, p, num_experts=E)
+
+    def same(got, want, exact=True, what=""):
+        for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            if exact:
+                np.testing.assert_array_equal(f64(g), f64(e), err_msg=what)
+            else:
+                np.testing.assert_allclose(f64(g), f64(e), rtol=where.floor, atol=where.floor, err_msg=what)
+
+    eager = pieces(logits[0], x[0])
+    same(jax.jit(pieces)(logits[0], x[0]), eager, what="jit")
+    batched = jax.jit(jax.vmap(pieces))(logits, x)
+    for i in range(2):
+        same(jax.tree_util.tree_map(lambda a: a[i], batched), pieces(logits[i], x[i]), what=f"vmap {i}")
+    grad = jax.grad(layer, argnums=(0, 1))
+    g_eager = grad(logits[0], x[0])
+    same(jax.jit(grad)(logits[0], x[0]), g_eager, exact=False, what="jit(grad)")
+    g_batched = jax.jit(jax.vmap(grad))(logits, x)
+    for i in range(2):
+        same(jax.tree_util.tree_map(lambda a: a[i], g_batched), grad(logits[i], x[i]), exact=False,
+             what=f"vmap(grad) {i}")
+    g_ckpt = jax.jit(jax.grad(jax.checkpoint(layer), argnums=(0, 1)))(logits[0], x[0])
+    same(g_ckpt, g_eager, exact=False, what="checkpoint")
+
+
+def test_the_routing_twins_match_numpy():
+    """reference.permute / unpermute / load_balancing_loss (float64 on the CPU) against numpy loops."""
+    rng = np.random.default_rng(12)
+    N, K, E, H = 11, 3, 5, 4
+    idx = rng.integers(-1, E + 2, (N, K)).astype(np.int32)
+    flat = idx.reshape(-1)
+    x, y_perm, w = rng.standard_normal((N, H)), rng.standard_normal((N * K, H)), rng.standard_normal((N, K))
+    with jax.default_device(jax.devices("cpu")[0]):
+        x_perm, gs, routing = reference.permute(jnp.asarray(x), jnp.asarray(idx), E)
+        order = [p for e in range(E) for p in range(N * K) if flat[p] == e]  # stable: pair order within an expert
+        pair_row = np.full(N * K, -1)
+        pair_row[order] = np.arange(len(order))
+        np.testing.assert_array_equal(np.asarray(gs), [np.sum(flat == e) for e in range(E)])
+        np.testing.assert_array_equal(np.asarray(routing.sorted_pair), order + [-1] * (N * K - len(order)))
+        np.testing.assert_array_equal(np.asarray(routing.pair_row), pair_row)
+        want = np.zeros((N * K, H))
+        want[:len(order)] = x[np.asarray(order) // K]
+        np.testing.assert_array_equal(np.asarray(x_perm), want)
+        y = np.zeros((N, H))
+        for p in range(N * K):
+            if pair_row[p] >= 0:
+                y[p // K] += w[p // K, p % K] * y_perm[pair_row[p]]
+        np.testing.assert_allclose(reference.unpermute(jnp.asarray(y_perm), jnp.asarray(w), routing), y, rtol=1e-12,
+                                   atol=1e-12)
+        probs = rng.dirichlet(np.ones(E), size=(2, N))
+        mask = (rng.random(N) > 0.3).astype(np.float64)
+        counts, prob_sums = np.zeros(E), np.zeros(E)
+        for layer in range(2):
+            for t in range(N):
+                prob_sums += mask[t] * probs[layer, t]
+                for k in range(K):
+                    if 0 <= idx[t, k] < E:
+                        counts[idx[t, k]] += mask[t]
+        want = E * np.sum(counts * prob_sums) / (2 * mask.sum()) ** 2
+        got = reference.load_balancing_loss([jnp.asarray(idx)] * 2, [jnp.asarray(p) for p in probs], jnp.asarray(mask),
+                                            num_experts=E)
+        np.testing.assert_allclose(float(got), want, rtol=1e-12)
+
+
+def test_routing_bad_arguments_raise_errors_naming_them():
+    with jax.default_device(jax.devices("cpu")[0]):
+        logits = jnp.ones((4, 6), jnp.float32)
+        with pytest.raises(ValueError, match="route: top_k=7"):
+            mfj.route(logits, top_k=7)
+        with pytest.raises(TypeError, match="logits is int32"):
+            mfj.route(jnp.ones((4, 6), jnp.int32), top_k=2)
+        with pytest.raises(ValueError, match="route: correction_bias is the sigmoid router's"):
+            mfj.route(logits, top_k=2, correction_bias=jnp.zeros(6, jnp.float32))
+        with pytest.raises(ValueError, match=r"correction_bias is float32\[5\]"):
+            mfj.route(logits, top_k=2, router="sigmoid", correction_bias=jnp.zeros(5, jnp.float32))
+        with pytest.raises(ValueError, match="n_group=4"):
+            mfj.route(logits, top_k=2, router="sigmoid", n_group=4)
+        idx, probs = jnp.zeros((4, 2), jnp.int32), jnp.full((4, 6), 1 / 6, jnp.float32)
+        with pytest.raises(ValueError, match="probs has shape"):
+            mfj.load_balancing_loss(idx, probs, num_experts=5)
+        with pytest.raises(TypeError, match="topk_idx is float32"):
+            mfj.load_balancing_loss(idx.astype(jnp.float32), probs, num_experts=6)
+        with pytest.raises(ValueError, match="mask has shape"):
+            mfj.load_balancing_loss(idx, probs, jnp.ones(5), num_experts=6)
+        with pytest.raises(ValueError, match="topk_idx has 2 layers and probs 1"):
+            mfj.load_balancing_loss([idx, idx], [probs], num_experts=6)
+        with pytest.raises(TypeError, match="both lists"):
+            mfj.load_balancing_loss([idx], probs, num_experts=6)
+        with pytest.raises(ValueError, match="num_experts=0"):
+            mfj.load_balancing_loss(idx, probs, num_experts=0)
+        x = jnp.ones((4, 8), jnp.float32)
+        with pytest.raises(ValueError, match=r"topk_idx has shape \(3, 2\)"):
+            mfj.permute(x, jnp.zeros((3, 2), jnp.int32), 6)
+        with pytest.raises(ValueError, match="num_experts=0"):
+            mfj.permute(x, idx, 0)
+        with pytest.raises(TypeError, match="x is float16"):
+            mfj.permute(x.astype(jnp.float16), idx, 6)
+        with pytest.raises(TypeError, match="topk_idx is float32"):
+            mfj.permute(x, idx.astype(jnp.float32), 6)
+        x_perm, _, routing = mfj.permute(x, idx, 6)
+        w = jnp.ones((4, 2), jnp.float32)
+        with pytest.raises(TypeError, match="routing is tuple"):
+            mfj.unpermute(x_perm, w, tuple(routing))
+        with pytest.raises(ValueError, match="y_perm has shape"):
+            mfj.unpermute(x_perm[:7], w, routing)
+        with pytest.raises(ValueError, match="routing.pair_row has 8 pairs"):
+            mfj.unpermute(x_perm, jnp.ones((4, 3), jnp.float32), routing)

@@ -180,8 +180,8 @@ class _MoeConfig(NamedTuple):
 
 
 def _moe_config(E: int, top_k, norm_topk_prob, router, n_group, topk_group, routed_scaling_factor, masked_score,
-                has_bias: bool) -> _MoeConfig:
-    fn = "moe_ffn"
+                has_bias: bool, fn: str = "moe_ffn") -> _MoeConfig:
+    """The router's settings checked (errors name fn, the public function) for E experts."""
     if router not in ("softmax", "sigmoid"):
         raise ValueError(f"moeforge.jax.{fn}: router={router!r}, expected 'softmax' or 'sigmoid'")
     sigmoid = router == "sigmoid"
@@ -207,9 +207,21 @@ def _moe_config(E: int, top_k, norm_topk_prob, router, n_group, topk_group, rout
                       masked_score == 0.0)
 
 
+def _correction_bias(fn: str, correction_bias, E: int):
+    """The sigmoid router's bias as float32[E], or an empty array when there is none (the handler then
+    passes none)."""
+    if correction_bias is None:
+        return jnp.zeros((0,), jnp.float32)
+    bias = _array(fn, "correction_bias", correction_bias, 1)
+    if bias.shape[0] != E or bias.dtype != jnp.float32:
+        raise ValueError(f"moeforge.jax.{fn}: correction_bias is {bias.dtype}{list(bias.shape)}, expected "
+                         f"float32[{E}]")
+    return bias
+
+
 def moe_ffn(x, router_w, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool = True, router: str = "softmax",
             correction_bias=None, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
-            masked_score: float = -math.inf):
+            masked_score: float = -math.inf, ep_axis: Optional[str] = None):
     """The whole dropless MoE layer (moeforge's MoE block, one custom_vjp): router logits
     x · router_wᵀ (float32), top_k experts per token, the (token, expert) pairs grouped by expert, the
     expert_mlp of each expert on its rows, and y[t] = Σ_k w[t, k] · expert_{idx[t, k]}(x[t]). No token
@@ -221,7 +233,15 @@ def moe_ffn(x, router_w, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool 
         optional, not differentiated) within the topk_group best of n_group groups (a group's score:
         its two largest; an expert of a dropped group competes with masked_score, -inf or 0); w = the
         chosen scores, / their sum when norm_topk_prob, × routed_scaling_factor.
-    Returns y [..., H] in x's dtype. Gradients: x, router_w, w_gate_up, w_down."""
+    Returns y [..., H] in x's dtype. Gradients: x, router_w, w_gate_up, w_down.
+    ep_axis: expert parallelism over that mesh axis, inside jax.shard_map(..., check_vma=False), with
+    w_gate_up / w_down this device's E/P experts and x its tokens (moeforge.jax.ep.moe_ffn_ep)."""
+    if ep_axis is not None:
+        from .ep import moe_ffn_ep
+        return moe_ffn_ep(x, router_w, w_gate_up, w_down, ep_axis=ep_axis, top_k=top_k,
+                          norm_topk_prob=norm_topk_prob, router=router, correction_bias=correction_bias,
+                          n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                          masked_score=masked_score)
     fn = "moe_ffn"
     x = _array(fn, "x", x)
     rw, gu, dn = (_array(fn, "router_w", router_w, 2), _array(fn, "w_gate_up", w_gate_up, 3),
@@ -241,13 +261,7 @@ def moe_ffn(x, router_w, w_gate_up, w_down, *, top_k: int, norm_topk_prob: bool 
     _floats(fn, x=x, router_w=rw, w_gate_up=gu, w_down=dn)
     cfg = _moe_config(E, top_k, norm_topk_prob, router, n_group, topk_group, routed_scaling_factor, masked_score,
                       correction_bias is not None)
-    if correction_bias is None:
-        bias = jnp.zeros((0,), jnp.float32)  # (no element: the handler passes none)
-    else:
-        bias = _array(fn, "correction_bias", correction_bias, 1)
-        if bias.shape[0] != E or bias.dtype != jnp.float32:
-            raise ValueError(f"moeforge.jax.{fn}: correction_bias is {bias.dtype}{list(bias.shape)}, expected "
-                             f"float32[{E}]")
+    bias = _correction_bias(fn, correction_bias, E)
     lead = x.shape[:-1]
     y = _moe_ffn(cfg, x.reshape(-1, H), rw, gu, dn, bias)
     return y.reshape(*lead, H)
