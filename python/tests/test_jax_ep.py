@@ -2,10 +2,10 @@
 moeforge.jax.moe_ffn and the pure-JAX reference, values and gradients (x, router_w, w_gate_up,
 w_down): over 4 CPU devices (XLA's forced host device count, so in a subprocess: the flag must be
 set before jax is imported) in float32 with the padded all_to_all exchange, and over the one GPU
-(a mesh of 1) in bfloat16 with ragged_all_to_all and the padded exchange, which must agree bit for
-bit (the exchange only moves rows). Cases: softmax top-k with and without renormalisation, every
-pair routed to one device's experts (the dropless worst case), the sigmoid router with groups and a
-correction bias. Skips, saying why, without jax (CI), moeforge.jax or (the GPU case) a GPU."""
+(a mesh of 1) in bfloat16 with ragged_all_to_all and the padded exchange, whose outputs must agree
+bit for bit (the exchange only moves rows). Cases: softmax top-k with and without renormalisation,
+every pair routed to one device's experts (the dropless worst case), the sigmoid router with groups
+and a correction bias. Skips, saying why, without jax (CI), moeforge.jax or (the GPU case) a GPU."""
 
 import os
 import subprocess
@@ -110,11 +110,12 @@ def _check_case(mesh, num_devices, dtype, exchanges, tol_value, tol_grad, rng, n
             assert err <= tol_grad, f"{what}: d{arg} differs from moe_ffn's by {err:.3g} of its scale"
         results[exchange] = (np.asarray(got.astype(jnp.float32)), [np.asarray(g.astype(jnp.float32))
                                                                     for g in grads])
-    if len(results) == 2:  # the exchanges move the same rows to the same places: bit for bit
+    if len(results) == 2:  # the exchanges move the same rows to the same places: y bit for bit
         (y0, g0), (y1, g1) = results.values()
         assert np.array_equal(y0, y1), f"{name}: ragged and dense exchanges give different y"
-        for arg, a, b in zip(("x", "router_w", "w_gate_up", "w_down"), g0, g1):
-            assert np.array_equal(a, b), f"{name}: ragged and dense exchanges give different d{arg}"
+        # (Not the gradients: XLA transposes the pairs' gather of x into a scatter-add, which on a GPU
+        # adds the K contributions of a token in no fixed order; each exchange's gradients are held to
+        # moe_ffn's above. Seen on the H200: softmax-k2's dx differed in the last bits.)
 
 
 def test_ep_four_cpu_devices():
