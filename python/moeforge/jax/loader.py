@@ -26,12 +26,16 @@ def _prefix(layer: int) -> str:
     return f"model.layers.{layer}.mlp"
 
 
-def _tensor(w: Weights, name: str, shape: tuple, where: str) -> np.ndarray:
+def _check(w: Weights, name: str, shape: tuple, where: str) -> None:
     if name not in w:
         raise InvalidArgumentError(f"{where}: tensor {name} is missing")
     got = tuple(w.shape(name))
     if got != tuple(shape):
         raise InvalidArgumentError(f"{where}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+
+
+def _tensor(w: Weights, name: str, shape: tuple, where: str) -> np.ndarray:
+    _check(w, name, shape, where)
     return w.read(name)
 
 
@@ -54,12 +58,16 @@ def _per_expert(w: Weights, p: str, E: int, H: int, where: str) -> Dict[str, np.
     if len(shape) != 2 or shape[1] != H:
         raise InvalidArgumentError(f"{where}: tensor {first} has shape {list(shape)}, expected [I, {H}]")
     I = shape[0]
+    expected = [(f"{p}.experts.{e}.{proj}.weight", dims) for e in range(E)
+                for proj, dims in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))]
+    for name, dims in expected:  # every tensor there and shaped before anything is allocated: the
+        _check(w, name, dims, where)  # stacked arrays are then no larger than the files' own data
     gate_up, down = np.empty((E, 2 * I, H), np.float32), np.empty((E, H, I), np.float32)
     for e in range(E):
         q = f"{p}.experts.{e}"
-        gate_up[e, :I] = _tensor(w, f"{q}.gate_proj.weight", (I, H), where)
-        gate_up[e, I:] = _tensor(w, f"{q}.up_proj.weight", (I, H), where)
-        down[e] = _tensor(w, f"{q}.down_proj.weight", (H, I), where)
+        gate_up[e, :I] = w.read(f"{q}.gate_proj.weight")
+        gate_up[e, I:] = w.read(f"{q}.up_proj.weight")
+        down[e] = w.read(f"{q}.down_proj.weight")
     return {"gate_up": gate_up, "down": down}
 
 
