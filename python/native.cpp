@@ -915,6 +915,28 @@ void bind_ops(py::module_& m) {
         },
         "num_rows"_a, "vocab"_a, "logits_dtype"_a = "float32", "device"_a = "cpu");
     m.def(
+        "moe_aux_stats_workspace_bytes",
+        [](int64_t num_rows, int64_t num_experts, const std::string& device) {
+            size_t bytes = 0;
+            call([&] {
+                return mf_moe_aux_stats_workspace_bytes(num_rows, num_experts, device == "cuda" ? MF_CUDA : MF_CPU,
+                                                        &bytes);
+            });
+            return bytes;
+        },
+        "num_rows"_a, "num_experts"_a, "device"_a = "cpu");
+    m.def(
+        "moe_permute_indices_workspace_bytes",
+        [](int64_t num_rows, int64_t top_k, int64_t num_experts, const std::string& device) {
+            size_t bytes = 0;
+            call([&] {
+                return mf_moe_permute_indices_workspace_bytes(num_rows, top_k, num_experts,
+                                                              device == "cuda" ? MF_CUDA : MF_CPU, &bytes);
+            });
+            return bytes;
+        },
+        "num_rows"_a, "top_k"_a, "num_experts"_a, "device"_a = "cpu");
+    m.def(
         "adamw_update",
         [](py::object param, py::object master, py::object m_, py::object v, py::object grad, float lr, float beta1,
            float beta2, float eps, float weight_decay, int64_t step, float grad_scale, py::object ctx) {

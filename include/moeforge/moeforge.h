@@ -122,6 +122,9 @@ mf_status mf_moe_aux_stats(const mf_context* ctx, const mf_tensor* counts, const
  * (scale: E · the loss's weight / R²). */
 mf_status mf_moe_aux_dprobs(const mf_context* ctx, const mf_tensor* dprobs, const mf_tensor* counts,
                             const mf_tensor* mask, float scale);
+/* The scratch mf_moe_aux_stats takes for num_rows rows over num_experts on device_type (0 on the
+ * CPU); a context workspace of this many bytes serves it (otherwise moeforge allocates it, once). */
+mf_status mf_moe_aux_stats_workspace_bytes(int64_t num_rows, int64_t num_experts, int32_t device_type, size_t* bytes);
 
 /* --- groups given by their sizes (a framework's group_sizes, as jax.lax.ragged_dot's) -------------
  * offsets [E + 1] i32 (written) = 0, then the running sum of group_sizes [E] i32, on the tensors'
@@ -140,6 +143,10 @@ mf_status mf_zero_rows_past_groups(const mf_context* ctx, const mf_tensor* x, co
  * sorted_pair -1 on the rows past expert_offsets[E]; it contributes nothing below.                */
 mf_status mf_moe_permute_indices(const mf_context* ctx, const mf_tensor* expert_offsets, const mf_tensor* sorted_pair,
                                  const mf_tensor* pair_row, const mf_tensor* topk_idx, int64_t num_experts);
+/* The scratch mf_moe_permute_indices takes for num_rows tokens of top_k pairs among num_experts on
+ * device_type (0 on the CPU), as mf_moe_aux_stats_workspace_bytes. */
+mf_status mf_moe_permute_indices_workspace_bytes(int64_t num_rows, int64_t top_k, int64_t num_experts,
+                                                 int32_t device_type, size_t* bytes);
 /* x_perm [N·K, H] = x[sorted_pair[r] / K] (a zero row for a dropped pair's row). */
 mf_status mf_moe_gather(const mf_context* ctx, const mf_tensor* x_perm, const mf_tensor* x,
                         const mf_tensor* sorted_pair, int64_t top_k);

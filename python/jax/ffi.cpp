@@ -68,7 +68,7 @@ struct Where {
     // The C API's context: NULL on the CPU.
     const mf_context* ctx() const { return device_type == MF_CUDA ? &context : nullptr; }
     bool on_gpu() const { return device_type == MF_CUDA; }
-    // The alignment the C API wants of a workspace here.
+    // The alignment the C API wants of the MoE block's buffers here.
     size_t workspace_alignment() const { return on_gpu() ? 128 : 64; }
 
     static Where cpu() { return Where{}; }
@@ -520,7 +520,8 @@ class ScratchContext {
         : context_(where.context), on_gpu_(where.on_gpu()) {
         auto* base = static_cast<char*>(buffer->untyped_data());
         const uintptr_t address = reinterpret_cast<uintptr_t>(base);
-        const size_t skip = align_up(address, where.workspace_alignment()) - address, bytes = buffer->size_bytes();
+        // (an mf_context's workspace is 256-byte aligned, as moeforge.h asks; the result has that slack)
+        const size_t skip = align_up(address, 256) - address, bytes = buffer->size_bytes();
         if (base != nullptr && bytes > skip) {
             context_.workspace = base + skip;
             context_.workspace_bytes = bytes - skip;

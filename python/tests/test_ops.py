@@ -582,6 +582,15 @@ def test_lm_head_cross_entropy_workspace_bytes():
         ops.lm_head_cross_entropy_workspace_bytes(-1, 16)
 
 
+def test_permute_and_aux_stats_workspace_bytes():
+    assert ops.moe_permute_indices_workspace_bytes(4096, 8, 128, "cpu") == 0
+    assert ops.moe_aux_stats_workspace_bytes(4096, 128) == 0
+    with pytest.raises(moeforge.InvalidArgumentError, match="num_rows = -1"):
+        ops.moe_permute_indices_workspace_bytes(-1, 8, 128)
+    with pytest.raises(moeforge.InvalidArgumentError, match="num_experts = 0"):
+        ops.moe_aux_stats_workspace_bytes(4, 0)
+
+
 def test_lm_head_cross_entropy_with_ignored_targets():
     rng = np.random.default_rng(10)
     N, C, V = 9, 12, 33

@@ -27,6 +27,17 @@ using mf::capi::Want;
 namespace {
 
 int64_t rows(const Tensor& t) { return t.ndim() == 0 ? 1 : t.numel() / std::max<int64_t>(t.dim(-1), 1); }
+
+// A workspace-size query's device (device_type MF_CPU or MF_CUDA, refused otherwise, and CUDA only
+// where a device is there) with its bytes out-pointer checked.
+Device sizing_device(const char* op, int32_t device_type, const size_t* bytes) {
+    if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
+    if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
+    if (device_type == MF_CUDA && !mf::cuda_available())
+        throw ApiError(MF_ERR_UNSUPPORTED,
+                       std::string(op) + ": CUDA, but no CUDA device is available (or this build has no CUDA)");
+    return device_type == MF_CUDA ? Device::cuda : Device::cpu;
+}
 int64_t cols(const Tensor& t) { return t.ndim() == 0 ? 1 : t.dim(-1); }
 
 // offsets [E + 1] i32 of groups within M rows; on the CPU their values too.
@@ -592,14 +603,30 @@ mf_status mf_lm_head_cross_entropy_workspace_bytes(int64_t num_rows, int64_t voc
         if (vocab < 1) refuse(op, ": vocab = ", vocab, " must be at least 1");
         if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
             refuse(op, ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
-        if (device_type != MF_CPU && device_type != MF_CUDA) refuse(op, ": device_type = ", device_type, " is unknown");
-        if (bytes == nullptr) refuse(op, ": bytes is required (got NULL)");
-        if (device_type == MF_CUDA && !mf::cuda_available())
-            throw ApiError(MF_ERR_UNSUPPORTED,
-                           std::string(op) + ": CUDA, but no CUDA device is available (or this build has no CUDA)");
-        *bytes = mf::ops::lm_head_cross_entropy_scratch_bytes(num_rows, vocab,
-                                                              logits_dtype == MF_BF16 ? DType::bf16 : DType::f32,
-                                                              device_type == MF_CUDA ? Device::cuda : Device::cpu);
+        const Device device = sizing_device(op, device_type, bytes);
+        *bytes = mf::ops::lm_head_cross_entropy_scratch_bytes(
+            num_rows, vocab, logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, device);
+    });
+}
+
+mf_status mf_moe_aux_stats_workspace_bytes(int64_t num_rows, int64_t num_experts, int32_t device_type, size_t* bytes) {
+    return guarded([&] {
+        const char* op = "mf_moe_aux_stats_workspace_bytes";
+        if (num_rows < 0) refuse(op, ": num_rows = ", num_rows, " is negative");
+        if (num_experts < 1) refuse(op, ": num_experts = ", num_experts, " must be at least 1");
+        *bytes = mf::ops::moe_aux_stats_scratch_bytes(num_rows, num_experts, sizing_device(op, device_type, bytes));
+    });
+}
+
+mf_status mf_moe_permute_indices_workspace_bytes(int64_t num_rows, int64_t top_k, int64_t num_experts,
+                                                 int32_t device_type, size_t* bytes) {
+    return guarded([&] {
+        const char* op = "mf_moe_permute_indices_workspace_bytes";
+        if (num_rows < 0) refuse(op, ": num_rows = ", num_rows, " is negative");
+        if (top_k < 1 || num_experts < 1)
+            refuse(op, ": top_k = ", top_k, " and num_experts = ", num_experts, " must be at least 1");
+        *bytes = mf::ops::moe_permute_indices_scratch_bytes(num_rows, top_k, num_experts,
+                                                            sizing_device(op, device_type, bytes));
     });
 }
 

@@ -613,6 +613,14 @@ void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair
                                   ctx().get(bytes), bytes, ctx().stream);
 }
 
+size_t moe_permute_indices_scratch_bytes(int64_t N, int64_t K, int64_t num_experts, Device) {
+    return mf::cuda::moe_permute_indices_scratch_bytes(N, K, num_experts);
+}
+
+size_t moe_aux_stats_scratch_bytes(int64_t N, int64_t num_experts, Device) {
+    return mf::cuda::router_aux_stats_scratch_bytes(N, num_experts);
+}
+
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k) {
     mf::cuda::moe_gather_forward(B(x_perm), B(x), I(sorted_pair), rows(x), top_k, x.dim(-1), ctx().stream);
 }

@@ -39,6 +39,7 @@
     X(conv1d_silu_forward) X(conv1d_silu_backward) X(ssd_scan_forward) X(ssd_scan_backward)                            \
     X(gated_rmsnorm_forward) X(gated_rmsnorm_backward)                                                                 \
     X(lm_head_cross_entropy) X(lm_head_cross_entropy_scratch_bytes)                                                    \
+    X(moe_permute_indices_scratch_bytes) X(moe_aux_stats_scratch_bytes)                                                \
     X(adamw_update) X(sum) X(sum_squares) X(all_finite) X(wait_background)
 // clang-format on
 

@@ -1346,6 +1346,19 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dt
     return cuda_call(&CudaOps::lm_head_cross_entropy_scratch_bytes, N, V, logits_dtype, device);
 }
 
+size_t moe_permute_indices_scratch_bytes(int64_t N, int64_t K, int64_t num_experts, Device device) {
+    MF_CHECK(N >= 0 && K >= 1 && num_experts >= 1, "moe_permute_indices_scratch_bytes: N = ", N, ", K = ", K,
+             ", num_experts = ", num_experts);
+    if (device == Device::cpu) return 0;
+    return cuda_call(&CudaOps::moe_permute_indices_scratch_bytes, N, K, num_experts, device);
+}
+
+size_t moe_aux_stats_scratch_bytes(int64_t N, int64_t num_experts, Device device) {
+    MF_CHECK(N >= 0 && num_experts >= 1, "moe_aux_stats_scratch_bytes: N = ", N, ", num_experts = ", num_experts);
+    if (device == Device::cpu) return 0;
+    return cuda_call(&CudaOps::moe_aux_stats_scratch_bytes, N, num_experts, device);
+}
+
 // --- optimizer -------------------------------------------------------------------------------------
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

@@ -154,6 +154,10 @@ void moe_aux_dprobs(const Tensor& dprobs, const Tensor& counts, const Tensor& ma
 
 void moe_permute_indices(const Tensor& expert_offsets, const Tensor& sorted_pair, const Tensor& pair_row,
                          const Tensor& topk_idx, int64_t num_experts);
+// The scratch moe_permute_indices and moe_aux_stats take on `device` for N rows of K choices among
+// num_experts (0 on the CPU): the context's workspace serves it when it holds this many bytes.
+size_t moe_permute_indices_scratch_bytes(int64_t N, int64_t K, int64_t num_experts, Device device);
+size_t moe_aux_stats_scratch_bytes(int64_t N, int64_t num_experts, Device device);
 void moe_gather_forward(const Tensor& x_perm, const Tensor& x, const Tensor& sorted_pair, int64_t top_k);
 void moe_gather_backward(const Tensor& dx, const Tensor& dx_perm, const Tensor& pair_row, int64_t top_k);  // dx +=
 // Ragged groups given by their sizes (a framework's group_sizes, as jax.lax.ragged_dot's):

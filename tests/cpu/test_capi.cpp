@@ -116,6 +116,35 @@ TEST(CApi, BadArgumentsComeBackAsStatusAndMessage) {
     EXPECT_STREQ(mf_last_error(), "") << "a success clears the message";
 }
 
+// The permutation's and the aux statistics' scratch sizes: 0 on the CPU, refused arguments named; on a
+// GPU the kernels' figures (growing with the rows), which moeforge.jax sizes its scratch results by.
+TEST(CApi, PermuteAndAuxStatsWorkspaceBytes) {
+    size_t bytes = 7;
+    ASSERT_EQ(mf_moe_permute_indices_workspace_bytes(4096, 8, 128, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    EXPECT_EQ(bytes, 0u);
+    bytes = 7;
+    ASSERT_EQ(mf_moe_aux_stats_workspace_bytes(4096, 128, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    EXPECT_EQ(bytes, 0u);
+    expect_error(mf_moe_permute_indices_workspace_bytes(-1, 8, 128, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"mf_moe_permute_indices_workspace_bytes", "num_rows = -1"});
+    expect_error(mf_moe_permute_indices_workspace_bytes(4, 0, 128, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT,
+                 {"top_k = 0"});
+    expect_error(mf_moe_aux_stats_workspace_bytes(4, 0, MF_CPU, &bytes), MF_ERR_INVALID_ARGUMENT, {"num_experts = 0"});
+    expect_error(mf_moe_aux_stats_workspace_bytes(4, 8, 5, &bytes), MF_ERR_INVALID_ARGUMENT, {"device_type"});
+    expect_error(mf_moe_aux_stats_workspace_bytes(4, 8, MF_CPU, nullptr), MF_ERR_INVALID_ARGUMENT, {"bytes"});
+    if (!mf::cuda_available()) {
+        expect_error(mf_moe_permute_indices_workspace_bytes(4, 2, 8, MF_CUDA, &bytes), MF_ERR_UNSUPPORTED, {"CUDA"});
+        return;
+    }
+    size_t small = 0, large = 0;
+    ASSERT_EQ(mf_moe_permute_indices_workspace_bytes(64, 8, 128, MF_CUDA, &small), MF_OK) << mf_last_error();
+    ASSERT_EQ(mf_moe_permute_indices_workspace_bytes(65536, 8, 128, MF_CUDA, &large), MF_OK) << mf_last_error();
+    EXPECT_GT(small, 0u);
+    EXPECT_GT(large, small);
+    ASSERT_EQ(mf_moe_aux_stats_workspace_bytes(64, 128, MF_CUDA, &small), MF_OK) << mf_last_error();
+    EXPECT_GT(small, 0u);
+}
+
 TEST(CApi, LossWorkspaceBytes) {
     size_t bytes = 7;
     ASSERT_EQ(mf_lm_head_cross_entropy_workspace_bytes(8192, 151936, MF_BF16, MF_CPU, &bytes), MF_OK)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .. import ops
 from . import _ffi
 from ._functions import _MoeConfig, _array, _correction_bias, _floats, _moe_config, _spec
 
@@ -140,11 +141,19 @@ _route_sigmoid.defvjp(_route_sigmoid_fwd, _route_sigmoid_bwd)
 
 # --- load_balancing_loss ----------------------------------------------------------------------------
 
+# Whether a call can run on a GPU here (a CUDA build that sees one): only then do the ops take scratch.
+_GPU = bool(_ffi.BUILT_WITH_CUDA) and ops.has_cuda()
+
+
+def _scratch_words(nbytes: int) -> int:
+    """int32 words of a scratch result of nbytes (the C API's figure for a GPU) with 256 bytes of
+    alignment slack (an mf_context's workspace is 256-byte aligned)."""
+    return -(-nbytes // 4) + 64
+
+
 def _aux_scratch_words(N: int, E: int) -> int:
-    """int32 words of the scratch mf_moe_aux_stats takes on a GPU (per-block partial sums: two floats per
-    expert for each block of 16 rows, at most 1024 blocks), with 256 bytes of alignment slack."""
-    blocks = min(max(-(-N // 16), 1), 1024)
-    return 2 * blocks * E + 64
+    """The scratch result of mf_moe_aux_stats on a GPU (its per-block partial sums)."""
+    return _scratch_words(ops.moe_aux_stats_workspace_bytes(N, E, "cuda") if _GPU else 0)
 
 
 def load_balancing_loss(topk_idx, probs, mask=None, *, num_experts: int):
@@ -249,10 +258,9 @@ class Routing(NamedTuple):
         return self.expert_offsets[1:] - self.expert_offsets[:-1]
 
 
-def _permute_scratch_words(num_pairs: int, E: int) -> int:
-    """int32 words of the scratch mf_moe_permute_indices takes on a GPU (its histogram: one count per tile
-    of 512 pairs and expert), with 256 bytes of alignment slack."""
-    return max(-(-num_pairs // 512), 1) * E + 64
+def _permute_scratch_words(N: int, K: int, E: int) -> int:
+    """The scratch result of mf_moe_permute_indices on a GPU (its per-tile expert histogram)."""
+    return _scratch_words(ops.moe_permute_indices_workspace_bytes(N, K, E, "cuda") if _GPU else 0)
 
 
 def permute(x, topk_idx, num_experts: int):
@@ -278,7 +286,7 @@ def permute(x, topk_idx, num_experts: int):
 def _permute_forward(E, x, idx):
     (N, H), K = x.shape, idx.shape[1]
     results = (_spec((N * K, H), x.dtype), _spec((E + 1,), _I32), _spec((N * K,), _I32), _spec((N * K,), _I32),
-               _spec((_permute_scratch_words(N * K, E),), _I32))
+               _spec((_permute_scratch_words(N, K, E),), _I32))
     return _ffi.call("permute", results, x, idx, num_experts=E)[:4]
 
 
