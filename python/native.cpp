@@ -390,6 +390,23 @@ struct View {
     }
 };
 
+// The names behind a C API pair of "how many" and "the i-th name" (each name asked for twice: its
+// size, then it): the engine's parameters, a model directory's tensors.
+template <typename Count, typename Name>
+std::vector<std::string> names_of(const Count& count_of, const Name& name_of) {
+    int64_t count = 0;
+    call([&] { return count_of(&count); });
+    std::vector<std::string> names;
+    for (int64_t i = 0; i < count; ++i) {
+        size_t needed = 0;
+        call([&] { return name_of(i, nullptr, 0, &needed); });
+        std::vector<char> name(needed);
+        call([&] { return name_of(i, name.data(), name.size(), &needed); });
+        names.emplace_back(name.data());
+    }
+    return names;
+}
+
 // --- the engine ------------------------------------------------------------------------------------
 
 class Engine {
@@ -453,17 +470,10 @@ class Engine {
     }
 
     std::vector<std::string> param_names() {
-        int64_t count = 0;
-        call([&] { return mf_engine_num_params(handle(), &count); });
-        std::vector<std::string> names;
-        for (int64_t i = 0; i < count; ++i) {
-            size_t needed = 0;
-            call([&] { return mf_engine_param_name(handle(), i, nullptr, 0, &needed); });
-            std::vector<char> name(needed);
-            call([&] { return mf_engine_param_name(handle(), i, name.data(), name.size(), &needed); });
-            names.emplace_back(name.data());
-        }
-        return names;
+        return names_of([&](int64_t* count) { return mf_engine_num_params(handle(), count); },
+                        [&](int64_t i, char* name, size_t bytes, size_t* needed) {
+                            return mf_engine_param_name(handle(), i, name, bytes, needed);
+                        });
     }
 
     mf_tensor param(const std::string& name, bool gradient) {
@@ -514,17 +524,10 @@ class Weights {
     }
 
     std::vector<std::string> names() {
-        int64_t count = 0;
-        call([&] { return mf_weights_count(handle(), &count); });
-        std::vector<std::string> out;
-        for (int64_t i = 0; i < count; ++i) {
-            size_t needed = 0;
-            call([&] { return mf_weights_name(handle(), i, nullptr, 0, &needed); });
-            std::vector<char> name(needed);
-            call([&] { return mf_weights_name(handle(), i, name.data(), name.size(), &needed); });
-            out.emplace_back(name.data());
-        }
-        return out;
+        return names_of([&](int64_t* count) { return mf_weights_count(handle(), count); },
+                        [&](int64_t i, char* name, size_t bytes, size_t* needed) {
+                            return mf_weights_name(handle(), i, name, bytes, needed);
+                        });
     }
 
     // (stored dtype, shape)

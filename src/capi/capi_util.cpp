@@ -1,6 +1,8 @@
 // The C API's errors and descriptor checks (capi_util.h).
 #include "capi/capi_util.h"
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <new>
 #include <string_view>
@@ -56,6 +58,14 @@ const char* dtype_label(int32_t dtype) {
 }
 
 }  // namespace
+
+void copy_out(const std::string& text, char* dst, size_t bytes, size_t* needed) {
+    if (needed != nullptr) *needed = text.size() + 1;
+    if (dst == nullptr || bytes == 0) return;
+    const size_t n = std::min(text.size(), bytes - 1);
+    std::memcpy(dst, text.data(), n);
+    dst[n] = '\0';
+}
 
 mf_status guarded(const std::function<void()>& body) {
     try {

@@ -39,6 +39,10 @@ template <typename... Args>
 
 mf_status guarded(const std::function<void()>& body);
 
+// Copies `text` with its NUL into dst[0, bytes) when it fits (truncated otherwise); *needed = size + 1
+// (needed and dst optional): the API's string results.
+void copy_out(const std::string& text, char* dst, size_t bytes, size_t* needed);
+
 // What a tensor's dtype must be.
 enum class Want {
     act,    // the device's activation dtype: f32 on the CPU, bf16 on a GPU

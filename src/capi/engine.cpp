@@ -19,6 +19,7 @@ struct mf_engine {
     std::unique_ptr<mf::train::Trainer> trainer;
 };
 
+using mf::capi::copy_out;
 using mf::capi::guarded;
 using mf::capi::refuse;
 
@@ -27,15 +28,6 @@ namespace {
 mf::train::Trainer& trainer_of(const char* op, const mf_engine* engine) {
     if (engine == nullptr || engine->trainer == nullptr) refuse(op, ": engine is NULL (open one with mf_engine_open)");
     return *engine->trainer;
-}
-
-// Copies `text` with its NUL into dst[0, bytes) when it fits (truncated otherwise); *needed = size + 1.
-void copy_out(const std::string& text, char* dst, size_t bytes, size_t* needed) {
-    if (needed != nullptr) *needed = text.size() + 1;
-    if (dst == nullptr || bytes == 0) return;
-    const size_t n = std::min(text.size(), bytes - 1);
-    std::memcpy(dst, text.data(), n);
-    dst[n] = '\0';
 }
 
 void fill_descriptor(const mf::Tensor& t, mf_tensor* out) {

@@ -1,6 +1,5 @@
 // The C API's model-directory weights (moeforge.h, "a Hugging Face model directory's weights"): the
 // engine's validating safetensors reader (io::ModelWeights) behind a handle.
-#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -60,12 +59,7 @@ mf_status mf_weights_name(const mf_weights* weights, int64_t index, char* name, 
         weights_of("mf_weights_name", weights);
         if (index < 0 || index >= static_cast<int64_t>(weights->names.size()))
             refuse("mf_weights_name: index ", index, " outside [0, ", weights->names.size(), ")");
-        const std::string& text = weights->names[static_cast<size_t>(index)];
-        if (needed != nullptr) *needed = text.size() + 1;
-        if (name == nullptr || name_bytes == 0) return;
-        const size_t n = std::min(text.size(), name_bytes - 1);
-        std::memcpy(name, text.data(), n);
-        name[n] = '\0';
+        mf::capi::copy_out(weights->names[static_cast<size_t>(index)], name, name_bytes, needed);
     });
 }
 
