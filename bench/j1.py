@@ -9,9 +9,12 @@ grouped by a random, moderately skewed routing, for 512 / 2048 / 8192 tokens; sy
 Each (system, tokens) runs in a fresh process so that its peak memory is its own. Time: WARMUP calls,
 then the median over REPEATS of INNER back-to-back calls (block_until_ready after each batch).
 TFLOP/s are model FLOPs: 3 × 2 · rows · H · (2I + I) for the expert MLP forward + backward (moe_ffn adds
-its router's 3 × 2 · tokens · H · E). Peak temporary memory: the device's peak bytes in use during the
-calls minus the bytes live before them and minus the results' bytes. One JSON line per (system, tokens),
-then one line of ratios.
+its router's 3 × 2 · tokens · H · E). Peak temporary memory, from the first call only (the step compiled
+beforehand): the device's peak bytes in use during it minus the bytes live before it and minus its
+results' bytes (later calls would count the previous call's results, still held while the next one
+runs); beside it XLA's own figure for the compiled step (memory_analysis().temp_size_in_bytes: the
+buffers that are neither arguments nor results, the FFI handlers' scratch results included). One
+JSON line per (system, tokens), then one line of ratios.
 Usage (GPU machine): PYTHONPATH=build/python python3 bench/j1.py [--tokens 512,2048,8192] [--systems ...]"""
 
 import argparse
@@ -140,17 +143,23 @@ def measure(system: str, tokens: int, warmup: int, repeats: int, inner: int) -> 
     device = jax.devices()[0]
     record["device"] = device.device_kind
     args = jax.block_until_ready(jax.device_put(args, device))
-    stats = device.memory_stats() or {}
-    live_before = stats.get("bytes_in_use", 0)
     try:
-        out = None
+        compiled = step.lower(*args).compile()
+        analysis = compiled.memory_analysis()
+        stats = device.memory_stats() or {}
+        live_before, peak_before = stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
+        out = jax.block_until_ready(compiled(*args))
+        stats = device.memory_stats() or {}
+        peak = stats.get("peak_bytes_in_use", 0)
+        result_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(out))
+        del out
         for _ in range(warmup):
-            out = jax.block_until_ready(step(*args))
+            jax.block_until_ready(compiled(*args))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(inner):
-                out = step(*args)
+                out = compiled(*args)
             jax.block_until_ready(out)
             times.append((time.perf_counter() - t0) / inner)
     except Exception as e:  # noqa: BLE001  (an OOM or a kernel that does not compile here is a result)
@@ -158,13 +167,12 @@ def measure(system: str, tokens: int, warmup: int, repeats: int, inner: int) -> 
         oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
         status = "oom" if oom else ("unavailable" if system == "pallas" else "error")
         return dict(record, status=status, error=text[:600])
-    stats = device.memory_stats() or {}
-    result_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(out))
     seconds = statistics.median(times)
-    peak = stats.get("peak_bytes_in_use", 0)
+    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
     return dict(record, status="ok", ms=round(seconds * 1e3, 4), tflops=round(flops / seconds / 1e12, 2),
-                model_flops=flops, peak_temp_gib=round((peak - live_before - result_bytes) / 2**30, 3),
-                peak_over_live_gib=round((peak - live_before) / 2**30, 3),
+                model_flops=flops, peak_temp_gib=gib(peak - live_before - result_bytes),
+                peak_set_by_first_call=peak > peak_before, result_gib=gib(result_bytes),
+                xla_temp_gib=gib(analysis.temp_size_in_bytes) if analysis is not None else None,
                 pallas_blocks=list(PALLAS_BLOCKS) if system == "pallas" else None)
 
 

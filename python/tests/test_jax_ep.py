@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (name, E, H, I, tokens per device, router options, skew): skew routes every pair to device 0's experts
 CASES = [
     ("softmax-k2", 8, 16, 8, 6, dict(top_k=2), False),
-    ("softmax-k3-unnormalised", 8, 16, 12, 5, dict(top_k=3, norm_topk_prob=False), False),
+    ("softmax-k3-unnormalised", 8, 16, 24, 5, dict(top_k=3, norm_topk_prob=False), False),
     ("all-to-one-device", 8, 16, 8, 6, dict(top_k=2), True),
     ("sigmoid-groups-bias", 8, 16, 8, 6, dict(top_k=2, router="sigmoid", n_group=4, topk_group=2,
                                                 routed_scaling_factor=2.5), False),
