@@ -87,6 +87,18 @@ mf_status mf_grouped_gemm_input_grad(const mf_context* ctx, const mf_tensor* din
 /* dweight[e] = dout[rows of e]ᵀ · inp[rows of e] (+= when accumulate; written: an empty group's is 0). */
 mf_status mf_grouped_gemm_weight_grad(const mf_context* ctx, const mf_tensor* dweight, const mf_tensor* dout,
                                       const mf_tensor* inp, const mf_tensor* offsets, int accumulate);
+/* The SwiGLU expert MLP's first product with its activation: h[M, 2I] = inp[M, C] · weight[e]ᵀ
+ * (weight [E, 2I, C], gate rows then up rows) and a[M, I] = silu(h[:, :I]) · h[:, I:] per group:
+ * mf_grouped_gemm_forward then mf_swiglu_forward, bit for bit, in one pass on a Hopper GPU. */
+mf_status mf_grouped_gemm_swiglu_forward(const mf_context* ctx, const mf_tensor* h, const mf_tensor* a,
+                                         const mf_tensor* inp, const mf_tensor* weight, const mf_tensor* offsets);
+/* Its gradient through the second product: dh[M, 2I] = swiglu_backward(dout[M, OC] · weight[e], h)
+ * per group (weight [E, OC, I]): mf_grouped_gemm_input_grad into da [M, I] then mf_swiglu_backward,
+ * bit for bit. da is scratch (a Hopper GPU's one pass never writes it): da's contents afterwards, and
+ * dh's rows outside the groups, are unspecified. */
+mf_status mf_grouped_gemm_swiglu_backward(const mf_context* ctx, const mf_tensor* dh, const mf_tensor* da,
+                                          const mf_tensor* dout, const mf_tensor* weight, const mf_tensor* h,
+                                          const mf_tensor* offsets);
 
 /* --- routers ------------------------------------------------------------------------------------
  * logits [N, E] f32 -> probs [N, E] f32 (softmax), topk_idx [N, K] i32 (descending, ties to the

@@ -121,6 +121,43 @@ mf_status mf_grouped_gemm_weight_grad(const mf_context* ctx, const mf_tensor* dw
     });
 }
 
+mf_status mf_grouped_gemm_swiglu_forward(const mf_context* ctx, const mf_tensor* h, const mf_tensor* a,
+                                         const mf_tensor* inp, const mf_tensor* weight, const mf_tensor* offsets) {
+    return guarded([&] {
+        OpCall call("mf_grouped_gemm_swiglu_forward", ctx);
+        const Tensor th = call.tensor(h, "h", Want::act), ta = call.tensor(a, "a", Want::act);
+        const Tensor x = call.tensor(inp, "inp", Want::act), w = call.tensor(weight, "weight", Want::act);
+        const Tensor off = call.tensor(offsets, "offsets", Want::i32);
+        const auto [E, two_i, C] = expert_weight_dims(call, w, "weight");
+        if (two_i % 2 != 0) refuse(call.op(), ": weight ", mf::shape_str(w.shape()), " must be [E, 2I, C]");
+        const int64_t M = rows(x);
+        call.rows_of(x, "inp", M, C);
+        call.rows_of(th, "h", M, two_i);
+        call.rows_of(ta, "a", M, two_i / 2);
+        check_offsets(call, off, E, M);
+        call.run([&] { mf::ops::grouped_matmul_swiglu_forward(th, ta, x, w, off); });
+    });
+}
+
+mf_status mf_grouped_gemm_swiglu_backward(const mf_context* ctx, const mf_tensor* dh, const mf_tensor* da,
+                                          const mf_tensor* dout, const mf_tensor* weight, const mf_tensor* h,
+                                          const mf_tensor* offsets) {
+    return guarded([&] {
+        OpCall call("mf_grouped_gemm_swiglu_backward", ctx);
+        const Tensor tdh = call.tensor(dh, "dh", Want::act), tda = call.tensor(da, "da", Want::act);
+        const Tensor dy = call.tensor(dout, "dout", Want::act), w = call.tensor(weight, "weight", Want::act);
+        const Tensor th = call.tensor(h, "h", Want::act), off = call.tensor(offsets, "offsets", Want::i32);
+        const auto [E, OC, I] = expert_weight_dims(call, w, "weight");
+        const int64_t M = rows(dy);
+        call.rows_of(dy, "dout", M, OC);
+        call.rows_of(tda, "da", M, I);
+        call.rows_of(th, "h", M, 2 * I);
+        call.rows_of(tdh, "dh", M, 2 * I);
+        check_offsets(call, off, E, M);
+        call.run([&] { mf::ops::grouped_matmul_swiglu_backward(tdh, tda, dy, w, th, off); });
+    });
+}
+
 // --- routers ---------------------------------------------------------------------------------------
 
 mf_status mf_router_softmax_topk_forward(const mf_context* ctx, const mf_tensor* probs, const mf_tensor* topk_idx,

@@ -852,6 +852,32 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     }
 }
 
+// One pass through the sm90 SwiGLU epilogues where they serve, else the two ops.
+void grouped_matmul_swiglu_forward(const Tensor& h, const Tensor& a, const Tensor& inp, const Tensor& weight,
+                                   const Tensor& offsets, std::span<const int32_t> host_offsets) {
+    const int64_t M = rows(inp), E = weight.dim(0), inter = weight.dim(1) / 2, C = weight.dim(2);
+    if (use_sm90(E) && mf::cuda::grouped_matmul_forward_swiglu_sm90_supported(C, inter)) {
+        mf::cuda::grouped_matmul_forward_swiglu_sm90(B(h), B(a), B(inp), B(weight), I(offsets), M, E, C, inter,
+                                                     ctx().stream);
+        return;
+    }
+    grouped_matmul_forward(h, inp, weight, offsets, host_offsets);
+    swiglu_forward(a, h);
+}
+
+void grouped_matmul_swiglu_backward(const Tensor& dh, const Tensor& da, const Tensor& dout, const Tensor& weight,
+                                    const Tensor& h, const Tensor& offsets, std::span<const int32_t> host_offsets) {
+    const int64_t M = rows(dout), E = weight.dim(0), OC = weight.dim(1), inter = weight.dim(2);
+    if (use_sm90(E) && mf::cuda::grouped_matmul_backward_swiglu_sm90_supported(inter, OC)) {
+        mf::cuda::grouped_matmul_backward_swiglu_sm90(B(dh), B(dout), B(weight), B(h), I(offsets), M, E, inter, OC,
+                                                      ctx().stream);
+        return;
+    }
+    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false,
+                            true);  // (inp = da: its rows)
+    swiglu_backward(dh, da, h);
+}
+
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate,

@@ -35,6 +35,7 @@
     X(ep_token_positions) X(ep_pack_rows) X(ep_pack_meta) X(ep_scatter_rows) X(ep_scatter_grad) X(ep_reduce_rows)      \
     X(ep_sum_blocks) X(ep_gather_slots)                                                                                \
     X(grouped_matmul_forward) X(grouped_matmul_backward) X(grouped_matmul_backward_weight)                             \
+    X(grouped_matmul_swiglu_forward) X(grouped_matmul_swiglu_backward)                                                 \
     X(grouped_matmul_uses_host_offsets) X(set_grouped_matmul_reserved_sms)                                             \
     X(conv1d_silu_forward) X(conv1d_silu_backward) X(ssd_scan_forward) X(ssd_scan_backward)                            \
     X(gated_rmsnorm_forward) X(gated_rmsnorm_backward)                                                                 \

@@ -1079,6 +1079,37 @@ void grouped_matmul_backward(const Tensor& dinp, const Tensor& dweight, const Te
     cpu::grouped_matmul_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), i32(offsets), E, C, OC);
 }
 
+void grouped_matmul_swiglu_forward(const Tensor& h, const Tensor& a, const Tensor& inp, const Tensor& weight,
+                                   const Tensor& offsets, std::span<const int32_t> host_offsets) {
+    OpScope scope_("grouped_matmul_swiglu_forward");
+    const int64_t E = weight.dim(0), two_i = weight.dim(1), C = weight.dim(2);
+    MF_CHECK(two_i % 2 == 0 && inp.dim(-1) == C && h.dim(-1) == two_i && a.dim(-1) == two_i / 2 &&
+                 rows(h) == rows(inp) && rows(a) == rows(inp) && offsets.numel() == E + 1,
+             "grouped_matmul_swiglu_forward: h ", shape_str(h.shape()), ", a ", shape_str(a.shape()), ", inp ",
+             shape_str(inp.shape()), ", weight ", shape_str(weight.shape()),
+             " (expected [M, 2I], [M, I], [M, C], "
+             "[E, 2I, C])");
+    if (device_of({&h, &a, &inp, &weight, &offsets}) == Device::cuda)
+        return cuda_call(&CudaOps::grouped_matmul_swiglu_forward, h, a, inp, weight, offsets, host_offsets);
+    grouped_matmul_forward(h, inp, weight, offsets, host_offsets);
+    swiglu_forward(a, h);
+}
+
+void grouped_matmul_swiglu_backward(const Tensor& dh, const Tensor& da, const Tensor& dout, const Tensor& weight,
+                                    const Tensor& h, const Tensor& offsets, std::span<const int32_t> host_offsets) {
+    OpScope scope_("grouped_matmul_swiglu_backward");
+    const int64_t E = weight.dim(0), OC = weight.dim(1), I = weight.dim(2);
+    MF_CHECK(dout.dim(-1) == OC && da.dim(-1) == I && dh.dim(-1) == 2 * I && h.dim(-1) == 2 * I &&
+                 rows(da) == rows(dout) && rows(dh) == rows(dout) && rows(h) == rows(dout) && offsets.numel() == E + 1,
+             "grouped_matmul_swiglu_backward: dh ", shape_str(dh.shape()), ", da ", shape_str(da.shape()), ", dout ",
+             shape_str(dout.shape()), ", weight ", shape_str(weight.shape()), ", h ", shape_str(h.shape()),
+             " (expected [M, 2I], [M, I], [M, OC], [E, OC, I], [M, 2I])");
+    if (device_of({&dh, &da, &dout, &weight, &h, &offsets}) == Device::cuda)
+        return cuda_call(&CudaOps::grouped_matmul_swiglu_backward, dh, da, dout, weight, h, offsets, host_offsets);
+    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false);  // (inp = da: its rows)
+    swiglu_backward(dh, da, h);
+}
+
 void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate,

@@ -245,6 +245,18 @@ void grouped_matmul_backward_weight(const Tensor& dweight, const Tensor& dout, c
                                     std::span<const Tensor> offsets,
                                     std::span<const std::span<const int32_t>> host_offsets, bool accumulate,
                                     const Tensor& square_sum = Tensor());
+// The SwiGLU expert MLP's first product with its activation: h[M, 2I] = inp · weight[e]ᵀ (weight
+// [E, 2I, C], gate rows then up rows) and a[M, I] = swiglu(h), for the rows of the groups. The values
+// of grouped_matmul_forward then swiglu_forward (bitwise), in one pass where the GPU's sm90 epilogue
+// serves (h and a written for the groups' rows only; a's other rows are unspecified).
+void grouped_matmul_swiglu_forward(const Tensor& h, const Tensor& a, const Tensor& inp, const Tensor& weight,
+                                   const Tensor& offsets, std::span<const int32_t> host_offsets = {});
+// Its backward through the second product: da = dout · weight[e] (weight [E, OC, I], written as
+// grouped_matmul_backward's dinp) and dh[M, 2I] = swiglu_backward(da, h) for the groups' rows
+// (bitwise those two ops); da [M, I] is scratch, left unwritten by the GPU's one-pass path, so its
+// contents afterwards (and dh's rows outside the groups) are unspecified.
+void grouped_matmul_swiglu_backward(const Tensor& dh, const Tensor& da, const Tensor& dout, const Tensor& weight,
+                                    const Tensor& h, const Tensor& offsets, std::span<const int32_t> host_offsets = {});
 // Whether callers on `device` should pass host offsets to the grouped products of a weight [E, OC, C]
 // (its forward, written input gradient and weight gradient): the GPU's cuBLAS path needs them
 // (reading the offsets once and passing them to every call saves a sync per call), the sm90 kernels

@@ -216,6 +216,35 @@ TEST(CApi, OpsEqualTheOpsFunctions) {
     expect_error(mf_grouped_gemm_forward(nullptr, &tgo, &ti, &tgw, &tfar), MF_ERR_INVALID_ARGUMENT,
                  {"offsets", "within [0, 7]"});
 
+    // The SwiGLU MLP's fused pairs: the grouped product then the activation, and the input gradient
+    // then the activation's gradient (bit for bit on the CPU, which composes the two ops).
+    {
+        const int64_t I2 = 2 * 3;  // I = 3
+        std::vector<float> gu = random_vec(rng, E * I2 * IC), hs(M * I2), as(M * 3), h_ref(M * I2), a_ref2(M * 3);
+        mf_tensor tgu = desc(gu, {E, I2, IC}), ths = desc(hs, {M, I2}), tas = desc(as, {M, 3});
+        ASSERT_EQ(mf_grouped_gemm_swiglu_forward(nullptr, &ths, &tas, &ti, &tgu, &to), MF_OK) << mf_last_error();
+        mf::ops::grouped_matmul_forward(view(h_ref, {M, I2}), view(inp, {M, IC}), view(gu, {E, I2, IC}),
+                                        view(offsets, {E + 1}));
+        mf::ops::swiglu_forward(view(a_ref2, {M, 3}), view(h_ref, {M, I2}));
+        EXPECT_EQ(hs, h_ref);
+        EXPECT_EQ(as, a_ref2);
+        std::vector<float> dn = random_vec(rng, E * IC * 3), dys = random_vec(rng, M * IC), dh(M * I2), da(M * 3),
+                           da_ref(M * 3), dh_ref(M * I2);
+        mf_tensor tdn = desc(dn, {E, IC, 3}), tdys = desc(dys, {M, IC}), tdh = desc(dh, {M, I2}),
+                  tda = desc(da, {M, 3});
+        ASSERT_EQ(mf_grouped_gemm_swiglu_backward(nullptr, &tdh, &tda, &tdys, &tdn, &ths, &to), MF_OK)
+            << mf_last_error();
+        mf::ops::grouped_matmul_backward(view(da_ref, {M, 3}), mf::Tensor(), view(dys, {M, IC}), view(da_ref, {M, 3}),
+                                         view(dn, {E, IC, 3}), view(offsets, {E + 1}), {}, false);
+        mf::ops::swiglu_backward(view(dh_ref, {M, I2}), view(da_ref, {M, 3}), view(h_ref, {M, I2}));
+        EXPECT_EQ(dh, dh_ref);
+        mf_tensor todd = desc(gu, {E, 5, IC});  // an odd 2I
+        expect_error(mf_grouped_gemm_swiglu_forward(nullptr, &ths, &tas, &ti, &todd, &to), MF_ERR_INVALID_ARGUMENT,
+                     {"mf_grouped_gemm_swiglu_forward", "[E, 2I, C]"});
+        expect_error(mf_grouped_gemm_swiglu_backward(nullptr, &tdh, &tda, &tdys, &tdn, &tas, &to),
+                     MF_ERR_INVALID_ARGUMENT, {"mf_grouped_gemm_swiglu_backward", "h"});
+    }
+
     // gpt-oss's clamped SwiGLU.
     std::vector<float> h = random_vec(rng, 3 * 8, -9.0f, 9.0f), a(3 * 4), a_ref(3 * 4);
     mf_tensor th = desc(h, {3, 8}), ta = desc(a, {3, 4});

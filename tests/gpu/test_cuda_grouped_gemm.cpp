@@ -29,6 +29,7 @@
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
+#include "kernels/cuda/swiglu.cuh"
 #include "test_cuda_helpers.h"
 
 namespace {
@@ -45,7 +46,7 @@ struct Path {
     const char* name;
     bool cublas;
     bool host_offsets = false;  // cuBLAS only: the caller passes the offsets on the host (no read-back)
-    bool sm90 = false;  // through the wgmma kernels (grouped_gemm_sm90.cuh; input gradient written only)
+    bool sm90 = false;          // through the wgmma kernels (grouped_gemm_sm90.cuh; input gradient written only)
 };
 
 const std::vector<Path> kPaths = {{"own", false}, {"cublas", true}, {"cublas+host", true, true}};
@@ -225,8 +226,8 @@ void check_backward_input(const Path& p, const GroupCase& g, std::mt19937& rng, 
     const auto weight = random_bf16(rng, g.E * g.OC * g.C);
     const auto before = random_bf16(rng, M * g.C);
     std::vector<float> product(M * g.C, 0.0f);
-    mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(), off.data(), g.E,
-                                     g.C, g.OC);
+    mf::cpu::grouped_matmul_backward(product.data(), nullptr, dout.data(), nullptr, weight.data(), off.data(), g.E, g.C,
+                                     g.OC);
     const auto ref = accumulate ? fp32_add(before, product) : product;
     const auto naive = accumulate ? naive_bf16_add(before, product) : round_bf16(product);
 
@@ -241,8 +242,8 @@ void check_backward_input(const Path& p, const GroupCase& g, std::mt19937& rng, 
             upload_bf16(d_dinp.as<void>(), before);
         else
             d_dinp.poison();
-        backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C,
-                       g.OC, accumulate);
+        backward_input(p, d_dinp.as<bf16>(), d_dout.as<bf16>(), d_w.as<bf16>(), d_off.as<int32_t>(), M, g.E, g.C, g.OC,
+                       accumulate);
         MF_CHECK_CUDA(cudaDeviceSynchronize());
         const auto bits = download<uint16_t>(d_dinp.as<void>(), ref.size());
         if (run > 0) {
@@ -333,8 +334,8 @@ void expect_written_equals_accumulated(const Path& p, const GroupCase& g, std::m
         } else {
             const HostOffsets host(p, d_off.as<int32_t>(), g.E, nullptr);
             mf::cuda::grouped_matmul_backward_weight_cublas(cublas_state(), written.as<void>(), dtype,
-                                                            d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(),
-                                                            M, g.E, g.C, g.OC, nullptr, host.values, false);
+                                                            d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M,
+                                                            g.E, g.C, g.OC, nullptr, host.values, false);
         }
         backward_weight(p, summed.as<void>(), dtype, d_dout.as<bf16>(), d_inp.as<bf16>(), d_off.as<int32_t>(), M, g.E,
                         g.C, g.OC);
@@ -355,8 +356,7 @@ void expect_square_sums(const GroupCase& g, std::mt19937& rng) {
             const int64_t M = g.rows(), n = g.E * g.OC * g.C;
             const bool f32 = dtype == mf::DType::f32;
             const auto off = g.offsets();
-            const auto dout = random_bf16(rng, M * g.OC), inp = random_bf16(rng, M * g.C),
-                       before = random_bf16(rng, n);
+            const auto dout = random_bf16(rng, M * g.OC), inp = random_bf16(rng, M * g.C), before = random_bf16(rng, n);
             DeviceBuffer d_dout(dout.size() * 2), d_inp(inp.size() * 2), plain(n * (f32 ? 4 : 2)),
                 fused(n * (f32 ? 4 : 2)), sum(sizeof(double)),
                 scratch(mf::cuda::grouped_matmul_backward_weight_sm90_squares_bytes(g.E, g.C, g.OC));
@@ -373,8 +373,8 @@ void expect_square_sums(const GroupCase& g, std::mt19937& rng) {
                                                           d_off.as<int32_t>(), M, g.E, g.C, g.OC, accumulate, nullptr,
                                                           nullptr, sum.as<double>(), scratch.as<void>());
             MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const std::string what = g.label(Path{"sm90", false, false, true}, "backward weight square sums") + (f32 ? " f32" : " bf16") +
-                                     (accumulate ? " +=" : " =");
+            const std::string what = g.label(Path{"sm90", false, false, true}, "backward weight square sums") +
+                                     (f32 ? " f32" : " bf16") + (accumulate ? " +=" : " =");
             const auto a = download<uint8_t>(plain.as<void>(), n * (f32 ? 4 : 2));
             const auto b = download<uint8_t>(fused.as<void>(), n * (f32 ? 4 : 2));
             EXPECT_TRUE(a == b) << what << ": the gradient changed";
@@ -383,7 +383,8 @@ void expect_square_sums(const GroupCase& g, std::mt19937& rng) {
             for (const float x : stored) want += static_cast<double>(x) * x;
             double got = 0;
             MF_CHECK_CUDA(cudaMemcpy(&got, sum.as<void>(), sizeof got, cudaMemcpyDeviceToHost));
-            const double bound = 128.0 * std::ldexp(want, -24) + 2.0 * static_cast<double>(n + 64) * std::ldexp(old + want, -53);
+            const double bound =
+                128.0 * std::ldexp(want, -24) + 2.0 * static_cast<double>(n + 64) * std::ldexp(old + want, -53);
             EXPECT_NEAR(got, old + want, bound) << what;
             EXPECT_GT(want, 0.0) << what;
         }
@@ -454,7 +455,8 @@ TEST(CudaGroupedGemm, Sm90Parity) {
     // The input gradient's shapes swap C and OC: C % 8 == 0, OC % 64 == 0.
     for (GroupCase g : sm90_cases()) {
         std::swap(g.C, g.OC);
-        ASSERT_TRUE(mf::cuda::grouped_matmul_backward_input_sm90_supported(g.C, g.OC)) << g.label(kSm90, "backward input");
+        ASSERT_TRUE(mf::cuda::grouped_matmul_backward_input_sm90_supported(g.C, g.OC))
+            << g.label(kSm90, "backward input");
         check_backward_input(kSm90, g, rng, false, 2);
     }
     // The weight gradient: OC % 8 == 0, C % 8 == 0 (tiles of 128 x 256 that overhang OC and C are
@@ -462,12 +464,8 @@ TEST(CudaGroupedGemm, Sm90Parity) {
     // (the next group's rows, or the end of the buffer, must not count), empty groups, lead and tail
     // rows; accumulated onto random values, and written over NaNs.
     std::vector<GroupCase> weight_cases = {
-        {4, 256, 128, {0, 1, 130, 37}},
-        {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7},
-        {3, 768, 2048, {129, 2, 255}},
-        {2, 2048, 128, {64, 300}, 0, 0},
-        {4, 320, 192, {0, 70, 129, 3}, 2, 5},
-        {3, 136, 200, {65, 0, 190}},
+        {4, 256, 128, {0, 1, 130, 37}},  {5, 256, 256, {3, 0, 0, 257, 64}, 5, 7}, {3, 768, 2048, {129, 2, 255}},
+        {2, 2048, 128, {64, 300}, 0, 0}, {4, 320, 192, {0, 70, 129, 3}, 2, 5},    {3, 136, 200, {65, 0, 190}},
         {2, 1856, 2688, {70, 130}},  // Nemotron 3 Nano's expert down projection
     };
     GroupCase many{130, 256, 128, {}, 1, 1};
@@ -521,11 +519,98 @@ TEST(CudaGroupedGemm, Sm90Parity) {
                  mf::Error);
     // More groups than the shared-memory table holds: refused before anything is read.
     const int64_t too_many = mf::cuda::kSm90MaxGroups + 1;
-    EXPECT_THROW(forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, too_many, 64, 256),
-                 mf::Error);
-    EXPECT_THROW(mf::cuda::grouped_matmul_backward_weight_sm90(buf.as<void>(), mf::DType::f32, buf.as<bf16>(),
-                                                               buf.as<bf16>(), buf.as<int32_t>(), 4, too_many, 256, 128,
-                                                               false, nullptr),
+    EXPECT_THROW(
+        forward(kSm90, buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(), buf.as<int32_t>(), 4, too_many, 64, 256),
+        mf::Error);
+    EXPECT_THROW(
+        mf::cuda::grouped_matmul_backward_weight_sm90(buf.as<void>(), mf::DType::f32, buf.as<bf16>(), buf.as<bf16>(),
+                                                      buf.as<int32_t>(), 4, too_many, 256, 128, false, nullptr),
+        mf::Error);
+}
+
+// The SwiGLU epilogues (grouped_matmul_forward_swiglu_sm90, grouped_matmul_backward_swiglu_sm90)
+// give the bits of the separate passes (the sm90 product, then swiglu_forward / swiglu_backward,
+// themselves held to the CPU references above and in test_cuda_ops) in the groups' rows, and leave
+// the other rows untouched (NaN poison). Cases: P1's expert (C 2048, I 768), pair tiles that
+// overhang I (I = 136, 8), ragged and empty groups, lead and tail rows, 130 experts, and J1's
+// 16384 rows over 128 experts (several tiles per block).
+TEST(CudaGroupedGemm, Sm90SwigluEpiloguesEqualSeparatePasses) {
+    if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
+    std::mt19937 rng(31);
+    struct Case {
+        int64_t E, C, I;  // the forward's C (hidden); the backward's OC is C
+        std::vector<int32_t> sizes;
+        int32_t lead = 0, tail = 0;
+    };
+    std::vector<Case> cases = {
+        {4, 2048, 768, {0, 130, 1, 300}},
+        {3, 256, 136, {65, 0, 200}, 3, 5},
+        {2, 64, 8, {7, 129}, 0, 2},
+        {5, 128, 256, {3, 0, 0, 257, 64}, 5, 7},
+    };
+    Case many{130, 64, 24, {}, 1, 1};
+    for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
+    cases.push_back(many);
+    // J1's middle size (2048 tokens x top-8 over P1's 128 experts, uneven): many tiles per block, so
+    // the ring's stages and phases run on across tiles (the cases above give a block one tile or two).
+    Case j1{128, 2048, 768, {}};
+    std::lognormal_distribution<double> load(0.0, 0.6);
+    for (int e = 0; e < 128; ++e) j1.sizes.push_back(static_cast<int32_t>(128 * load(rng)));
+    cases.push_back(j1);
+    for (const Case& c : cases) {
+        GroupCase g{c.E, c.C, 2 * c.I, c.sizes, c.lead, c.tail};
+        const int64_t M = g.rows(), E = c.E, C = c.C, I = c.I;
+        const auto off = g.offsets();
+        const std::string what = "E=" + std::to_string(E) + " C=" + std::to_string(C) + " I=" + std::to_string(I) +
+                                 " M=" + std::to_string(M);
+        ASSERT_TRUE(mf::cuda::grouped_matmul_forward_swiglu_sm90_supported(C, I)) << what;
+        ASSERT_TRUE(mf::cuda::grouped_matmul_backward_swiglu_sm90_supported(I, C)) << what;
+        const DeviceBuffer d_off = device_copy(off);
+        const auto inside = [&](const std::vector<float>& all, int64_t width) {
+            std::vector<float> in, out;
+            split_rows(all, width, off, &in, &out);
+            return std::make_pair(in, out);
+        };
+        // forward: separate passes, then the fused one over NaNs
+        const DeviceBuffer x = device_bf16(random_bf16(rng, M * C)), gu = device_bf16(random_bf16(rng, E * 2 * I * C));
+        DeviceBuffer h_ref(M * 2 * I * 2), a_ref(M * I * 2), h(M * 2 * I * 2), a(M * I * 2);
+        mf::cuda::grouped_matmul_forward_sm90(h_ref.as<bf16>(), x.as<bf16>(), gu.as<bf16>(), d_off.as<int32_t>(), M, E,
+                                              C, 2 * I, nullptr);
+        mf::cuda::swiglu_forward(a_ref.as<bf16>(), h_ref.as<bf16>(), M, I, nullptr);
+        MF_CHECK_CUDA(cudaMemset(h.as<void>(), 0xff, h.bytes()));
+        MF_CHECK_CUDA(cudaMemset(a.as<void>(), 0xff, a.bytes()));
+        mf::cuda::grouped_matmul_forward_swiglu_sm90(h.as<bf16>(), a.as<bf16>(), x.as<bf16>(), gu.as<bf16>(),
+                                                     d_off.as<int32_t>(), M, E, C, I, nullptr);
+        device_sync();
+        const auto [h_in, h_out] = inside(download_bf16(h.as<void>(), M * 2 * I), 2 * I);
+        const auto [a_in, a_out] = inside(download_bf16(a.as<void>(), M * I), I);
+        expect_exact(h_in, inside(download_bf16(h_ref.as<void>(), M * 2 * I), 2 * I).first, "swiglu fwd h " + what);
+        expect_exact(a_in, inside(download_bf16(a_ref.as<void>(), M * I), I).first, "swiglu fwd a " + what);
+        expect_untouched("swiglu fwd h " + what, h_out, std::vector<float>(h_out.size(), NAN));
+        expect_untouched("swiglu fwd a " + what, a_out, std::vector<float>(a_out.size(), NAN));
+        // backward: dy [M, C] through down [E, C, I] and h
+        const DeviceBuffer dy = device_bf16(random_bf16(rng, M * C)), dn = device_bf16(random_bf16(rng, E * C * I));
+        const DeviceBuffer hb = device_bf16(random_bf16(rng, M * 2 * I, -4.0f, 4.0f));
+        DeviceBuffer da_ref(M * I * 2), dh_ref(M * 2 * I * 2), dh(M * 2 * I * 2);
+        mf::cuda::grouped_matmul_backward_input_sm90(da_ref.as<bf16>(), dy.as<bf16>(), dn.as<bf16>(),
+                                                     d_off.as<int32_t>(), M, E, I, C, nullptr);
+        mf::cuda::swiglu_backward(dh_ref.as<bf16>(), da_ref.as<bf16>(), hb.as<bf16>(), M, I, nullptr);
+        MF_CHECK_CUDA(cudaMemset(dh.as<void>(), 0xff, dh.bytes()));
+        mf::cuda::grouped_matmul_backward_swiglu_sm90(dh.as<bf16>(), dy.as<bf16>(), dn.as<bf16>(), hb.as<bf16>(),
+                                                      d_off.as<int32_t>(), M, E, I, C, nullptr);
+        device_sync();
+        const auto [dh_in, dh_out] = inside(download_bf16(dh.as<void>(), M * 2 * I), 2 * I);
+        expect_exact(dh_in, inside(download_bf16(dh_ref.as<void>(), M * 2 * I), 2 * I).first, "swiglu bwd dh " + what);
+        expect_untouched("swiglu bwd dh " + what, dh_out, std::vector<float>(dh_out.size(), NAN));
+    }
+    // Shapes they do not serve are refused: I not in whole 16-byte pieces, a reduction not in slices.
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_swiglu_sm90_supported(2048, 12));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_forward_swiglu_sm90_supported(100, 768));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_swiglu_sm90_supported(12, 2048));
+    EXPECT_FALSE(mf::cuda::grouped_matmul_backward_swiglu_sm90_supported(768, 100));
+    DeviceBuffer buf(4096);
+    EXPECT_THROW(mf::cuda::grouped_matmul_forward_swiglu_sm90(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(),
+                                                              buf.as<bf16>(), buf.as<int32_t>(), 4, 1, 64, 12, nullptr),
                  mf::Error);
 }
 
@@ -612,7 +697,8 @@ TEST(CudaGroupedGemm, ArgumentErrors) {
 
 // ---------------------------------------------------------------------------------------------
 // MF_BENCH=1: Qwen3-30B-A3B expert GEMMs (hidden 2048, expert dim 768: gate_up C=2048 OC=1536, down
-// C=768 OC=2048) at 65536 rows over 128 experts (8192 tokens x top-8), 131072 rows over 128 experts
+// C=768 OC=2048) at 16384 rows over 128 experts (2048 tokens x top-8: J1's middle size), 65536 rows over
+// 128 experts (8192 tokens x top-8), 131072 rows over 128 experts
 // (16384 tokens), 65536 rows over 64 experts (one rank's share under P2's EP=2: 8192 tokens x top-8 from
 // each of two ranks, half of them to its experts) and 131072 rows over 64 experts. Expert loads are uneven
 // (log-normal, two experts empty). Every path is timed (median of 20 after 3 warm-ups, CUDA events
@@ -643,7 +729,8 @@ TEST(CudaGroupedGemm, Benchmark) {
         const char* label;
         int64_t C, OC;
     };
-    for (const Config& cfg : {Config{65536, 64}, Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
+    for (const Config& cfg :
+         {Config{16384, 128}, Config{65536, 64}, Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
         const int64_t M = cfg.M, E = cfg.E;
         const auto off = bench_offsets(M, E, rng);
         int32_t min_rows = INT32_MAX, max_rows = 0;
@@ -674,27 +761,34 @@ TEST(CudaGroupedGemm, Benchmark) {
                 static_cast<long long>(M), static_cast<long long>(E), c.label, static_cast<long long>(c.C),
                 static_cast<long long>(c.OC), dense, flops / dense * 1e-6);
             if (sm90_available()) {
-                const double fwd = median_us([&] {
-                    forward(kSm90, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
-                            c.OC);
-                }, 20, 5000);
-                const double bwd_in = median_us([&] {
-                    backward_input(kSm90, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
-                                   c.C, c.OC, false);
-                }, 20, 5000);
+                const double fwd = median_us(
+                    [&] {
+                        forward(kSm90, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
+                                c.OC);
+                    },
+                    20, 5000);
+                const double bwd_in = median_us(
+                    [&] {
+                        backward_input(kSm90, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E,
+                                       c.C, c.OC, false);
+                    },
+                    20, 5000);
                 const auto bwd_w = [&](mf::DType dtype, auto& dw) {
-                    return median_us([&] {
-                        mf::cuda::grouped_matmul_backward_weight_sm90(dw.template as<void>(), dtype, out.as<bf16>(),
-                                                                      inp.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,
-                                                                      c.OC, false, nullptr);
-                    }, 20, 5000);
+                    return median_us(
+                        [&] {
+                            mf::cuda::grouped_matmul_backward_weight_sm90(dw.template as<void>(), dtype, out.as<bf16>(),
+                                                                          inp.as<bf16>(), d_off.as<int32_t>(), M, E,
+                                                                          c.C, c.OC, false, nullptr);
+                        },
+                        20, 5000);
                 };
                 const double bwd_w32 = bwd_w(mf::DType::f32, dw32), bwd_w16 = bwd_w(mf::DType::bf16, dw16);
-                std::printf("BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f"
-                            " | bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f (written)\n",
-                            static_cast<long long>(M), static_cast<long long>(E), c.label, "sm90 (wgmma)", fwd,
-                            flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16,
-                            flops / bwd_w16 * 1e-6);
+                std::printf(
+                    "BENCH grouped M=%lld E=%lld %-8s %-14s fwd %8.1f us %6.1f TFLOP/s | bwd-in %8.1f us %6.1f"
+                    " | bwd-w f32 %8.1f us %6.1f | bwd-w bf16 %8.1f us %6.1f (written)\n",
+                    static_cast<long long>(M), static_cast<long long>(E), c.label, "sm90 (wgmma)", fwd,
+                    flops / fwd * 1e-6, bwd_in, flops / bwd_in * 1e-6, bwd_w32, flops / bwd_w32 * 1e-6, bwd_w16,
+                    flops / bwd_w16 * 1e-6);
             }
             for (const Path& p : kPaths) {
                 const auto timed = [&](auto&& fn) {
@@ -706,7 +800,8 @@ TEST(CudaGroupedGemm, Benchmark) {
                     }
                 };
                 const double fwd = timed([&] {
-                    forward(p, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C, c.OC, &off);
+                    forward(p, out.as<bf16>(), inp.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C, c.OC,
+                            &off);
                 });
                 const double bwd_in = timed([&] {
                     backward_input(p, dinp.as<bf16>(), out.as<bf16>(), wt.as<bf16>(), d_off.as<int32_t>(), M, E, c.C,

@@ -30,6 +30,7 @@
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 namespace mf::cuda {
 
@@ -37,10 +38,10 @@ namespace {
 
 constexpr int kTileM = 128;
 constexpr int kTileN = 256;
-constexpr int kSliceK = 64;     // bf16 per 128-byte smem row
-constexpr int kStoreCols = 8;   // bf16 per 16-byte store: the granule of a tile's valid columns
+constexpr int kSliceK = 64;    // bf16 per 128-byte smem row
+constexpr int kStoreCols = 8;  // bf16 per 16-byte store: the granule of a tile's valid columns
 constexpr int kStages = 4;
-constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kThreads = 384;                  // producer warpgroup + two consumer warpgroups
 constexpr int kABytes = kTileM * kSliceK * 2;  // 16 KB
 constexpr int kBBytes = kTileN * kSliceK * 2;  // 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;
@@ -104,8 +105,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // A 2-D tile of `map` at (c0 innermost, c1) into shared memory, completing on `bar`.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
     asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
-        ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+        "[%2];\n" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
         : "memory");
 }
 
@@ -126,22 +128,23 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
         "%128, %129, 1, 1, 1, %130, %131;\n"
         "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+          "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+          "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+          "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+          "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+          "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+          "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+          "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+          "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+          "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+          "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+          "+f"(d[126]), "+f"(d[127])
         : "l"(desc_a), "l"(desc_b), "n"(kTransA), "n"(kTransB));
 }
 
@@ -167,8 +170,8 @@ __device__ void clamp_offsets(int* table, int num_experts, int num_rows) {
 
 // Clamped offsets (and a second table when `offsets2` is given), and the exclusive prefix of row
 // tiles per group of the first (the sm80 kernel's table). Ends with a block barrier.
-__device__ void build_table(int* begin, int* begin2, int* tile_prefix, const int32_t* offsets,
-                            const int32_t* offsets2, int num_experts, int num_rows) {
+__device__ void build_table(int* begin, int* begin2, int* tile_prefix, const int32_t* offsets, const int32_t* offsets2,
+                            int num_experts, int num_rows) {
     const int tid = static_cast<int>(threadIdx.x);
     for (int e = tid; e <= num_experts; e += kThreads) {
         begin[e] = offsets[e];
@@ -199,41 +202,113 @@ __device__ void build_table(int* begin, int* begin2, int* tile_prefix, const int
     __syncthreads();
 }
 
-// One accumulator row of this lane stored as bf16 in 16-byte pieces: the lane holds columns 8j + 2t
-// and + 1 (t = lane % 4) at acc[4j + kHalf] and acc[4j + kHalf + 1], j < 32 (kHalf 0: the fragment's
-// row g, 2: row g + 8). Within each run of four 8-column blocks the quad's lanes swap values (two
-// xor shuffles, a 4 x 4 transpose) so that lane t holds all of block 4m + t; a warp's store then
-// covers 64 contiguous bytes per row instead of 16 (full 32-byte sectors). Every lane of the warp
-// takes part; `store` only says whether this lane's row is written, and only the first `cols_valid`
-// columns of it are (a multiple of 8: a tile that overhangs the matrix's last column).
+// One accumulator row of this lane as bf16 in 16-byte pieces: the lane holds columns 8j + 2t and + 1
+// (t = lane % 4) at acc[4j + kHalf] and acc[4j + kHalf + 1], j < 32 (kHalf 0: the fragment's row g,
+// 2: row g + 8). Within each run of four 8-column blocks (run m: blocks 4m .. 4m + 3) the quad's
+// lanes swap values (two xor shuffles, a 4 x 4 transpose) so that lane t holds all of block 4m + t:
+// row_piece returns that piece (8 bf16, rounded to nearest); a warp's store of a run then covers 64
+// contiguous bytes per row instead of 16 (full 32-byte sectors). Every lane of the warp takes part.
 template <int kHalf>
-__device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128], bool store, int cols_valid) {
+__device__ __forceinline__ uint4 row_piece(const float (&acc)[128], int m) {
     const int t = static_cast<int>(threadIdx.x) % 4;
     const bool bit1 = (t & 2) != 0, bit0 = (t & 1) != 0;
     constexpr unsigned kFull = 0xffffffffu;
+    uint32_t v[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162 pair =
+            __floats2bfloat162_rn(acc[4 * (4 * m + q) + kHalf], acc[4 * (4 * m + q) + kHalf + 1]);
+        v[q] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    uint32_t x0 = __shfl_xor_sync(kFull, bit1 ? v[0] : v[2], 2), x1 = __shfl_xor_sync(kFull, bit1 ? v[1] : v[3], 2);
+    if (bit1) {
+        v[0] = x0, v[1] = x1;
+    } else {
+        v[2] = x0, v[3] = x1;
+    }
+    x0 = __shfl_xor_sync(kFull, bit0 ? v[0] : v[1], 1), x1 = __shfl_xor_sync(kFull, bit0 ? v[2] : v[3], 1);
+    if (bit0) {
+        v[0] = x0, v[2] = x1;
+    } else {
+        v[1] = x0, v[3] = x1;
+    }
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// The lane's row of the tile stored at `row` (256 columns); `store` says whether this lane's row is
+// written, and only the first `cols_valid` columns of it are (a multiple of 8: a tile that overhangs
+// the matrix's last column).
+template <int kHalf>
+__device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128], bool store, int cols_valid) {
+    const int t = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
     for (int m = 0; m < kTileN / 32; ++m) {
-        uint32_t v[4];
+        const uint4 piece = row_piece<kHalf>(acc, m);
+        if (store && 8 * (4 * m + t) < cols_valid) *reinterpret_cast<uint4*>(row + 8 * (4 * m + t)) = piece;
+    }
+}
+
+// 8 bf16 of a piece as floats, and back (round to nearest).
+__device__ __forceinline__ void piece_to_f32(float (&out)[8], const uint4& piece) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&piece);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const __nv_bfloat162 pair =
-                __floats2bfloat162_rn(acc[4 * (4 * m + q) + kHalf], acc[4 * (4 * m + q) + kHalf + 1]);
-            v[q] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-        uint32_t x0 = __shfl_xor_sync(kFull, bit1 ? v[0] : v[2], 2), x1 = __shfl_xor_sync(kFull, bit1 ? v[1] : v[3], 2);
-        if (bit1) {
-            v[0] = x0, v[1] = x1;
-        } else {
-            v[2] = x0, v[3] = x1;
-        }
-        x0 = __shfl_xor_sync(kFull, bit0 ? v[0] : v[1], 1), x1 = __shfl_xor_sync(kFull, bit0 ? v[2] : v[3], 1);
-        if (bit0) {
-            v[0] = x0, v[2] = x1;
-        } else {
-            v[1] = x0, v[3] = x1;
-        }
-        if (store && 8 * (4 * m + t) < cols_valid)
-            *reinterpret_cast<uint4*>(row + 8 * (4 * m + t)) = make_uint4(v[0], v[1], v[2], v[3]);
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(pairs[j]);
+        out[2 * j] = f.x;
+        out[2 * j + 1] = f.y;
+    }
+}
+__device__ __forceinline__ uint4 f32_to_piece(const float (&in)[8]) {
+    uint4 piece;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&piece);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(in[2 * j], in[2 * j + 1]);
+    return piece;
+}
+
+// The SwiGLU forward epilogue of a tile whose columns 0 .. 127 are gate columns j0 .. j0 + 127 of h and
+// 128 .. 255 the up columns I + j0 ..: the lane's row of h (gate at h_row, up at h_row + I) and of
+// a = silu(gate) · up (at a_row), computed from h as stored (bf16), as swiglu_forward does.
+template <int kHalf>
+__device__ __forceinline__ void store_row_swiglu(bf16* h_row, bf16* a_row, int64_t I, const float (&acc)[128],
+                                                 bool store, int cols_valid) {
+    const int t = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+    for (int m = 0; m < kTileN / 64; ++m) {
+        const uint4 gate = row_piece<kHalf>(acc, m), up = row_piece<kHalf>(acc, m + kTileN / 64);
+        const int col = 8 * (4 * m + t);
+        if (!store || col >= cols_valid) continue;
+        float g[8], u[8], y[8];
+        piece_to_f32(g, gate);
+        piece_to_f32(u, up);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y[e] = swiglu_value(g[e], u[e]);
+        *reinterpret_cast<uint4*>(h_row + col) = gate;
+        *reinterpret_cast<uint4*>(h_row + I + col) = up;
+        *reinterpret_cast<uint4*>(a_row + col) = f32_to_piece(y);
+    }
+}
+
+// The SwiGLU backward epilogue of an input-gradient tile da (columns n0 .. of the [M, I] product):
+// the lane's row of dh (gate gradient at dh_row, up gradient at dh_row + I) from da as it would be
+// stored (bf16) and h (at h_row, h_row + I), as swiglu_backward does; da itself is not stored.
+template <int kHalf>
+__device__ __forceinline__ void store_row_swiglu_backward(bf16* dh_row, const bf16* h_row, int64_t I,
+                                                          const float (&acc)[128], bool store, int cols_valid) {
+    const int t = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+    for (int m = 0; m < kTileN / 32; ++m) {
+        const uint4 da = row_piece<kHalf>(acc, m);
+        const int col = 8 * (4 * m + t);
+        if (!store || col >= cols_valid) continue;
+        float d[8], g[8], u[8], dg[8], du[8];
+        piece_to_f32(d, da);
+        piece_to_f32(g, *reinterpret_cast<const uint4*>(h_row + col));
+        piece_to_f32(u, *reinterpret_cast<const uint4*>(h_row + I + col));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) swiglu_grad(g[e], u[e], d[e], dg[e], du[e]);
+        *reinterpret_cast<uint4*>(dh_row + col) = f32_to_piece(dg);
+        *reinterpret_cast<uint4*>(dh_row + I + col) = f32_to_piece(du);
     }
 }
 
@@ -267,7 +342,8 @@ __device__ __forceinline__ Ring setup_ring(const int32_t* offsets, const int32_t
                                            int num_rows) {
     extern __shared__ unsigned char smem_raw[];
     Ring ring;
-    ring.base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
+    ring.base =
+        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) / kAlign * kAlign);
     ring.full = reinterpret_cast<uint64_t*>(ring.base + kRingBytes);
     ring.empty = ring.full + kStages;
     ring.begin = reinterpret_cast<int*>(ring.empty + kStages);
@@ -307,16 +383,32 @@ __device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_exp
 // fastest, so the blocks at work share row tiles and a group's weights in L2); the producer runs on
 // into the next tile's slices while the consumers store the last one, and the ring's stage and
 // phase count on across tiles (slice g of the block's sequence uses stage g % 4).
-template <bool kBackwardInput>
+// Epilogues (RowsOut): plain, out [M][N]; swiglu (forward only), N = I and the weights [E][2I][K]:
+// a tile's B slice is two boxes of 128 rows, gate rows j0 .. j0 + 127 and up rows I + j0 .. (map_b's
+// boxes 128 rows), its columns pairs of I / 128 column tiles, stored as h [M][2I] and a [M][I]
+// (store_row_swiglu); swiglu_backward (input gradient only), N = I: da never stored, dh [M][2I]
+// from it and h (store_row_swiglu_backward).
+enum class RowsEpilogue { plain, swiglu, swiglu_backward };
+
+struct RowsOut {
+    bf16* out;      // plain: out; swiglu: h; swiglu_backward: dh
+    bf16* act;      // swiglu: a
+    const bf16* h;  // swiglu_backward: h
+};
+
+template <bool kBackwardInput, RowsEpilogue kEpi>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_rows_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                                 bf16* out, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
+                              const RowsOut dst, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
+    static_assert(kEpi != RowsEpilogue::swiglu || !kBackwardInput, "the SwiGLU epilogue is the forward's");
+    static_assert(kEpi != RowsEpilogue::swiglu_backward || kBackwardInput, "the SwiGLU gradient is the input's");
+    constexpr int kTileCols = kEpi == RowsEpilogue::swiglu ? kTileN / 2 : kTileN;  // columns of N per tile
     const Ring ring = setup_ring(offsets, nullptr, num_experts, num_rows);
     const int* begin = ring.begin;
     const int* tile_prefix = ring.tile_prefix;
     const int tid = static_cast<int>(threadIdx.x);
 
-    const int col_tiles = (N + kTileN - 1) / kTileN;  // the last one may overhang N (see the store)
+    const int col_tiles = (N + kTileCols - 1) / kTileCols;  // the last one may overhang N (see the store)
     const int num_tiles = tile_prefix[num_experts] * col_tiles;
     const int slices = K / kSliceK;
     const int warpgroup = tid / 128;
@@ -329,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int row_tile = tile / col_tiles;
                 const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
                 const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
-                const int n0 = (tile % col_tiles) * kTileN;
+                const int n0 = (tile % col_tiles) * kTileCols;
                 for (int i = 0; i < slices; ++i, ++g) {
                     uint64_t* full = ring.acquire(g);
                     unsigned char* stage = ring.stage(g);
@@ -339,6 +431,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                         for (int j = 0; j < kTileN / 64; ++j)
                             tma_load_2d(stage + kABytes + j * kMnBoxBytes, &map_b, full, n0 + 64 * j,
                                         expert * K + i * kSliceK);
+                    } else if constexpr (kEpi == RowsEpilogue::swiglu) {  // gate rows, then up rows
+                        tma_load_2d(stage + kABytes, &map_b, full, i * kSliceK, expert * 2 * N + n0);
+                        tma_load_2d(stage + kABytes + kBBytes / 2, &map_b, full, i * kSliceK, expert * 2 * N + N + n0);
                     } else {
                         tma_load_2d(stage + kABytes, &map_b, full, i * kSliceK, expert * N + n0);
                     }
@@ -381,7 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int kk = 0; kk < kSliceK / 16; ++kk) {
                 if constexpr (kBackwardInput)  // 16 K rows of 128 bytes per step
-                    wgmma_m64n256k16<0, 1>(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 2048, kMnBoxBytes));
+                    wgmma_m64n256k16<0, 1>(acc, smem_desc(a_addr + kk * 32),
+                                           smem_desc(b_addr + kk * 2048, kMnBoxBytes));
                 else
                     wgmma_m64n256k16<0, 0>(acc, smem_desc(a_addr + kk * 32), smem_desc(b_addr + kk * 32));
             }
@@ -392,10 +488,22 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (g > 0 && tid % 128 == 0) ring.release(g - 1);
         }
         wgmma_wait<0>();
-        const int n0 = (tile % col_tiles) * kTileN, cols_valid = min(kTileN, N - n0);
-        bf16* out_tile = out + static_cast<int64_t>(row0) * N + n0;
-        store_row_bf16<0>(out_tile + static_cast<int64_t>(r_lo) * N, acc, r_lo < rows_valid, cols_valid);
-        store_row_bf16<2>(out_tile + static_cast<int64_t>(r_hi) * N, acc, r_hi < rows_valid, cols_valid);
+        const int n0 = (tile % col_tiles) * kTileCols, cols_valid = min(kTileCols, N - n0);
+        const int64_t lo = row0 + r_lo, hi = row0 + r_hi;
+        if constexpr (kEpi == RowsEpilogue::plain) {
+            store_row_bf16<0>(dst.out + lo * N + n0, acc, r_lo < rows_valid, cols_valid);
+            store_row_bf16<2>(dst.out + hi * N + n0, acc, r_hi < rows_valid, cols_valid);
+        } else if constexpr (kEpi == RowsEpilogue::swiglu) {
+            store_row_swiglu<0>(dst.out + lo * 2 * N + n0, dst.act + lo * N + n0, N, acc, r_lo < rows_valid,
+                                cols_valid);
+            store_row_swiglu<2>(dst.out + hi * 2 * N + n0, dst.act + hi * N + n0, N, acc, r_hi < rows_valid,
+                                cols_valid);
+        } else {
+            store_row_swiglu_backward<0>(dst.out + lo * 2 * N + n0, dst.h + lo * 2 * N + n0, N, acc, r_lo < rows_valid,
+                                         cols_valid);
+            store_row_swiglu_backward<2>(dst.out + hi * 2 * N + n0, dst.h + hi * 2 * N + n0, N, acc, r_hi < rows_valid,
+                                         cols_valid);
+        }
     }
 }
 
@@ -616,8 +724,7 @@ __device__ __forceinline__ double block_sum_256(double s) {
 }
 
 __global__ void __launch_bounds__(256) sum_parts_kernel(double* block_sums, const double* parts, int64_t n) {
-    const int64_t share = (n + kSumBlocks - 1) / kSumBlocks, first = blockIdx.x * share,
-                  end = min(n, first + share);
+    const int64_t share = (n + kSumBlocks - 1) / kSumBlocks, first = blockIdx.x * share, end = min(n, first + share);
     double s = 0.0;
     for (int64_t i = first + threadIdx.x; i < end; i += 256) s += parts[i];
     s = block_sum_256(s);
@@ -634,8 +741,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
     static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
         void* ptr = nullptr;
         cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-        MF_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                                       &status));
+        MF_CHECK_CUDA(
+            cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status));
         MF_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
                  "grouped matmul (sm90): the driver has no cuTensorMapEncodeTiled");
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
@@ -651,10 +758,9 @@ CUtensorMap tile_map(const bf16* base, int64_t rows, int64_t cols, int box_rows)
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(bf16)};
     const cuuint32_t box[2] = {static_cast<cuuint32_t>(kSliceK), static_cast<cuuint32_t>(box_rows)};
     const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(base), dims,
-                                      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(base), dims, strides,
+                                      box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     MF_CHECK(r == CUDA_SUCCESS, "grouped matmul (sm90): cuTensorMapEncodeTiled failed (", static_cast<int>(r),
              ") for a [", rows, ", ", cols, "] bf16 matrix");
     return map;
@@ -686,24 +792,27 @@ bool sm90_device() {
     return hopper;
 }
 
-// One launch of the row-product kernel: out [M][N] from a [M][K] and the weights [E][N or K][...].
-template <bool kBackwardInput>
-void launch_rows(const char* what, bf16* out, const bf16* a, const bf16* weight, const int32_t* offsets, int64_t M,
-                 int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+// One launch of the row-product kernel: out [M][N] from a [M][K] and the weights [E][N or K][...]
+// (the SwiGLU forward: [E][2N][K]), stored by epilogue kEpi into dst.
+template <bool kBackwardInput, RowsEpilogue kEpi = RowsEpilogue::plain>
+void launch_rows(const char* what, const RowsOut& dst, const bf16* a, const bf16* weight, const int32_t* offsets,
+                 int64_t M, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
+    constexpr int kTileCols = kEpi == RowsEpilogue::swiglu ? kTileN / 2 : kTileN;
     const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
-    const int64_t col_tiles = (N + kTileN - 1) / kTileN;
+    const int64_t col_tiles = (N + kTileCols - 1) / kTileCols;
     MF_CHECK(row_tiles * col_tiles < (int64_t{1} << 31), what, ": ", row_tiles * col_tiles, " tiles is too many");
     if (M == 0 || E == 0) return;
     const int64_t blocks = std::min<int64_t>(persistent_blocks(), row_tiles * col_tiles);
     const CUtensorMap map_a = tile_map(a, M, K, kTileM);
-    const CUtensorMap map_b = kBackwardInput ? tile_map(weight, E * K, N, 64) : tile_map(weight, E * N, K, kTileN);
+    const CUtensorMap map_b = kBackwardInput                 ? tile_map(weight, E * K, N, 64)
+                              : kEpi == RowsEpilogue::swiglu ? tile_map(weight, E * 2 * N, K, kTileN / 2)
+                                                             : tile_map(weight, E * N, K, kTileN);
     const size_t smem = smem_bytes(E);
-    const auto kernel = grouped_rows_wgmma_kernel<kBackwardInput>;
+    const auto kernel = grouped_rows_wgmma_kernel<kBackwardInput, kEpi>;
     MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(map_a, map_b, out, offsets, static_cast<int>(M),
-                                                                      static_cast<int>(E), static_cast<int>(N),
-                                                                      static_cast<int>(K));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
+        map_a, map_b, dst, offsets, static_cast<int>(M), static_cast<int>(E), static_cast<int>(N), static_cast<int>(K));
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -731,7 +840,22 @@ void grouped_matmul_forward_sm90(bf16* out, const bf16* inp, const bf16* weight,
     check_grouped_args("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, C, OC);
     MF_CHECK(grouped_matmul_forward_sm90_supported(C, OC), "grouped_matmul_forward_sm90: needs an sm_90 GPU, C % ",
              kSliceK, " == 0 and OC % ", kStoreCols, " == 0 (C=", C, ", OC=", OC, ")");
-    launch_rows<false>("grouped_matmul_forward_sm90", out, inp, weight, offsets, M, E, OC, C, stream);
+    launch_rows<false>("grouped_matmul_forward_sm90", RowsOut{out, nullptr, nullptr}, inp, weight, offsets, M, E, OC, C,
+                       stream);
+}
+
+bool grouped_matmul_forward_swiglu_sm90_supported(int64_t C, int64_t I) {
+    return grouped_matmul_forward_sm90_supported(C, 2 * I) && I > 0 && I % kStoreCols == 0;
+}
+
+void grouped_matmul_forward_swiglu_sm90(bf16* h, bf16* a, const bf16* inp, const bf16* weight, const int32_t* offsets,
+                                        int64_t M, int64_t E, int64_t C, int64_t I, cudaStream_t stream) {
+    const char* what = "grouped_matmul_forward_swiglu_sm90";
+    check_grouped_args(what, h, inp, weight, offsets, M, E, C, 2 * I);
+    MF_CHECK(M == 0 || E == 0 || a != nullptr, what, ": null a");
+    MF_CHECK(grouped_matmul_forward_swiglu_sm90_supported(C, I), what, ": needs an sm_90 GPU, C % ", kSliceK,
+             " == 0 and I % ", kStoreCols, " == 0 (C=", C, ", I=", I, ")");
+    launch_rows<false, RowsEpilogue::swiglu>(what, RowsOut{h, a, nullptr}, inp, weight, offsets, M, E, I, C, stream);
 }
 
 void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16* weight, const int32_t* offsets,
@@ -740,7 +864,24 @@ void grouped_matmul_backward_input_sm90(bf16* dinp, const bf16* dout, const bf16
     MF_CHECK(grouped_matmul_backward_input_sm90_supported(C, OC),
              "grouped_matmul_backward_input_sm90: needs an sm_90 GPU, OC % ", kSliceK, " == 0 and C % ", kStoreCols,
              " == 0 (C=", C, ", OC=", OC, ")");
-    launch_rows<true>("grouped_matmul_backward_input_sm90", dinp, dout, weight, offsets, M, E, C, OC, stream);
+    launch_rows<true>("grouped_matmul_backward_input_sm90", RowsOut{dinp, nullptr, nullptr}, dout, weight, offsets, M,
+                      E, C, OC, stream);
+}
+
+bool grouped_matmul_backward_swiglu_sm90_supported(int64_t I, int64_t OC) {
+    return grouped_matmul_backward_input_sm90_supported(I, OC);
+}
+
+void grouped_matmul_backward_swiglu_sm90(bf16* dh, const bf16* dout, const bf16* weight, const bf16* h,
+                                         const int32_t* offsets, int64_t M, int64_t E, int64_t I, int64_t OC,
+                                         cudaStream_t stream) {
+    const char* what = "grouped_matmul_backward_swiglu_sm90";
+    check_grouped_args(what, dh, dout, weight, offsets, M, E, I, OC);
+    MF_CHECK(M == 0 || E == 0 || h != nullptr, what, ": null h");
+    MF_CHECK(grouped_matmul_backward_swiglu_sm90_supported(I, OC), what, ": needs an sm_90 GPU, OC % ", kSliceK,
+             " == 0 and I % ", kStoreCols, " == 0 (I=", I, ", OC=", OC, ")");
+    launch_rows<true, RowsEpilogue::swiglu_backward>(what, RowsOut{dh, nullptr, h}, dout, weight, offsets, M, E, I, OC,
+                                                     stream);
 }
 
 // The weight gradient's tiles: E groups of ceil(OC / 128) x ceil(C / 256).
@@ -775,7 +916,8 @@ void grouped_matmul_backward_weight_sm90(void* dweight, DType dweight_dtype, con
     const auto launch = [&](auto* typed) {
         using TW = std::remove_pointer_t<decltype(typed)>;
         const auto kernel = grouped_weight_grad_wgmma_kernel<TW>;
-        MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        MF_CHECK_CUDA(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
         kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
             map_a, map_b, typed, offsets, offsets2, static_cast<int>(M), static_cast<int>(E), static_cast<int>(OC),
             static_cast<int>(C), accumulate, square_sum != nullptr ? static_cast<double*>(squares_scratch) : nullptr);

@@ -30,7 +30,7 @@ __global__ void swiglu_forward_kernel(bf16* out, const bf16* inp, int64_t N, int
         detail::load_f32<kVec>(g, inp + n * 2 * I + i);
         detail::load_f32<kVec>(u, inp + n * 2 * I + I + i);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) y[e] = g[e] / (1.0f + expf(-g[e])) * u[e];
+        for (int e = 0; e < kVec; ++e) y[e] = swiglu_value(g[e], u[e]);
         detail::store_f32<kVec>(out + n * I + i, y);
     }
 }
@@ -48,12 +48,7 @@ __global__ void swiglu_backward_kernel(bf16* dinp, const bf16* dout, const bf16*
         detail::load_f32<kVec>(u, inp + n * 2 * I + I + i);
         detail::load_f32<kVec>(dy, dout + n * I + i);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-            const float sig = 1.0f / (1.0f + expf(-g[e]));
-            const float silu = g[e] * sig;
-            dg[e] = dy[e] * u[e] * (sig * (1.0f + g[e] * (1.0f - sig)));
-            du[e] = dy[e] * silu;
-        }
+        for (int e = 0; e < kVec; ++e) swiglu_grad(g[e], u[e], dy[e], dg[e], du[e]);
         detail::store_f32<kVec>(dinp + n * 2 * I + i, dg);
         detail::store_f32<kVec>(dinp + n * 2 * I + I + i, du);
     }

@@ -11,6 +11,18 @@
 
 namespace mf::cuda {
 
+#ifdef __CUDACC__
+// The formulas, shared by these kernels and the grouped products' fused epilogues
+// (grouped_gemm_sm90.cu), so that a fused pass gives the separate passes' bits.
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ void swiglu_grad(float g, float u, float dy, float& dg, float& du) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    const float silu = g * sig;
+    dg = dy * u * (sig * (1.0f + g * (1.0f - sig)));
+    du = dy * silu;
+}
+#endif
+
 // out [N, I] bf16 (written) from inp [N, 2I] bf16.
 void swiglu_forward(bf16* out, const bf16* inp, int64_t N, int64_t I, cudaStream_t stream);
 
