@@ -873,8 +873,8 @@ void grouped_matmul_swiglu_backward(const Tensor& dh, const Tensor& da, const Te
                                                       ctx().stream);
         return;
     }
-    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false,
-                            true);  // (inp = da: its rows)
+    // (The input gradient reads no input: da stands in for inp's rows.)
+    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false, true);
     swiglu_backward(dh, da, h);
 }
 

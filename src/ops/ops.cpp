@@ -1087,8 +1087,7 @@ void grouped_matmul_swiglu_forward(const Tensor& h, const Tensor& a, const Tenso
                  rows(h) == rows(inp) && rows(a) == rows(inp) && offsets.numel() == E + 1,
              "grouped_matmul_swiglu_forward: h ", shape_str(h.shape()), ", a ", shape_str(a.shape()), ", inp ",
              shape_str(inp.shape()), ", weight ", shape_str(weight.shape()),
-             " (expected [M, 2I], [M, I], [M, C], "
-             "[E, 2I, C])");
+             " (expected [M, 2I], [M, I], [M, C], [E, 2I, C])");
     if (device_of({&h, &a, &inp, &weight, &offsets}) == Device::cuda)
         return cuda_call(&CudaOps::grouped_matmul_swiglu_forward, h, a, inp, weight, offsets, host_offsets);
     grouped_matmul_forward(h, inp, weight, offsets, host_offsets);
@@ -1106,7 +1105,8 @@ void grouped_matmul_swiglu_backward(const Tensor& dh, const Tensor& da, const Te
              " (expected [M, 2I], [M, I], [M, OC], [E, OC, I], [M, 2I])");
     if (device_of({&dh, &da, &dout, &weight, &h, &offsets}) == Device::cuda)
         return cuda_call(&CudaOps::grouped_matmul_swiglu_backward, dh, da, dout, weight, h, offsets, host_offsets);
-    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false);  // (inp = da: its rows)
+    // (The input gradient reads no input: da stands in for inp's rows.)
+    grouped_matmul_backward(da, Tensor(), dout, da, weight, offsets, host_offsets, false);
     swiglu_backward(dh, da, h);
 }
 
