@@ -435,6 +435,11 @@ std::vector<GroupCase> sm90_cases() {
     GroupCase many{130, 64, 256, {}, 1, 1};
     for (int e = 0; e < 130; ++e) many.sizes.push_back(rng() % 3 == 0 ? 0 : static_cast<int32_t>(rng() % 200));
     cases.push_back(many);
+    // Several tiles per block (about 600 row tiles over the 132 blocks of an H200), so that the ring's
+    // stages and phases run on from tile to tile; the cases above give a block one tile or two.
+    GroupCase busy{128, 64, 256, {}};
+    for (int e = 0; e < 128; ++e) busy.sizes.push_back(static_cast<int32_t>(300 + rng() % 500));
+    cases.push_back(busy);
     return cases;
 }
 
