@@ -248,24 +248,6 @@ __device__ __forceinline__ void store_row_bf16(bf16* row, const float (&acc)[128
     }
 }
 
-// 8 bf16 of a piece as floats, and back (round to nearest).
-__device__ __forceinline__ void piece_to_f32(float (&out)[8], const uint4& piece) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&piece);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(pairs[j]);
-        out[2 * j] = f.x;
-        out[2 * j + 1] = f.y;
-    }
-}
-__device__ __forceinline__ uint4 f32_to_piece(const float (&in)[8]) {
-    uint4 piece;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&piece);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(in[2 * j], in[2 * j + 1]);
-    return piece;
-}
-
 // The SwiGLU forward epilogue of a tile whose columns 0 .. 127 are gate columns j0 .. j0 + 127 of h and
 // 128 .. 255 the up columns I + j0 ..: the lane's row of h (gate at h_row, up at h_row + I) and of
 // a = silu(gate) · up (at a_row), computed from h as stored (bf16), as swiglu_forward does.
@@ -279,13 +261,13 @@ __device__ __forceinline__ void store_row_swiglu(bf16* h_row, bf16* a_row, int64
         const int col = 8 * (4 * m + t);
         if (!store || col >= cols_valid) continue;
         float g[8], u[8], y[8];
-        piece_to_f32(g, gate);
-        piece_to_f32(u, up);
+        detail::unpack<8>(g, gate);
+        detail::unpack<8>(u, up);
 #pragma unroll
         for (int e = 0; e < 8; ++e) y[e] = swiglu_value(g[e], u[e]);
         *reinterpret_cast<uint4*>(h_row + col) = gate;
         *reinterpret_cast<uint4*>(h_row + I + col) = up;
-        *reinterpret_cast<uint4*>(a_row + col) = f32_to_piece(y);
+        detail::store_f32<8>(a_row + col, y);
     }
 }
 
@@ -302,13 +284,13 @@ __device__ __forceinline__ void store_row_swiglu_backward(bf16* dh_row, const bf
         const int col = 8 * (4 * m + t);
         if (!store || col >= cols_valid) continue;
         float d[8], g[8], u[8], dg[8], du[8];
-        piece_to_f32(d, da);
-        piece_to_f32(g, *reinterpret_cast<const uint4*>(h_row + col));
-        piece_to_f32(u, *reinterpret_cast<const uint4*>(h_row + I + col));
+        detail::unpack<8>(d, da);
+        detail::load_f32<8>(g, h_row + col);
+        detail::load_f32<8>(u, h_row + I + col);
 #pragma unroll
         for (int e = 0; e < 8; ++e) swiglu_grad(g[e], u[e], d[e], dg[e], du[e]);
-        *reinterpret_cast<uint4*>(dh_row + col) = f32_to_piece(dg);
-        *reinterpret_cast<uint4*>(dh_row + I + col) = f32_to_piece(du);
+        detail::store_f32<8>(dh_row + col, dg);
+        detail::store_f32<8>(dh_row + I + col, du);
     }
 }
 
@@ -389,6 +371,8 @@ __device__ __forceinline__ int group_of_tile(const int* tile_prefix, int num_exp
 // (store_row_swiglu); swiglu_backward (input gradient only), N = I: da never stored, dh [M][2I]
 // from it and h (store_row_swiglu_backward).
 enum class RowsEpilogue { plain, swiglu, swiglu_backward };
+// Columns of N per tile: 256, or 128 pairs for the SwiGLU forward (256 columns of h).
+constexpr int tile_cols(RowsEpilogue epi) { return epi == RowsEpilogue::swiglu ? kTileN / 2 : kTileN; }
 
 struct RowsOut {
     bf16* out;      // plain: out; swiglu: h; swiglu_backward: dh
@@ -402,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                               const RowsOut dst, const int32_t* offsets, int num_rows, int num_experts, int N, int K) {
     static_assert(kEpi != RowsEpilogue::swiglu || !kBackwardInput, "the SwiGLU epilogue is the forward's");
     static_assert(kEpi != RowsEpilogue::swiglu_backward || kBackwardInput, "the SwiGLU gradient is the input's");
-    constexpr int kTileCols = kEpi == RowsEpilogue::swiglu ? kTileN / 2 : kTileN;  // columns of N per tile
+    constexpr int kTileCols = tile_cols(kEpi);
     const Ring ring = setup_ring(offsets, nullptr, num_experts, num_rows);
     const int* begin = ring.begin;
     const int* tile_prefix = ring.tile_prefix;
@@ -797,7 +781,7 @@ bool sm90_device() {
 template <bool kBackwardInput, RowsEpilogue kEpi = RowsEpilogue::plain>
 void launch_rows(const char* what, const RowsOut& dst, const bf16* a, const bf16* weight, const int32_t* offsets,
                  int64_t M, int64_t E, int64_t N, int64_t K, cudaStream_t stream) {
-    constexpr int kTileCols = kEpi == RowsEpilogue::swiglu ? kTileN / 2 : kTileN;
+    constexpr int kTileCols = tile_cols(kEpi);
     const int64_t row_tiles = (M + kTileM - 1) / kTileM + E;  // Σ_e ceil(rows_e / 128) never exceeds this
     MF_CHECK(E <= kSm90MaxGroups, what, ": at most ", kSm90MaxGroups, " groups (E=", E, ")");
     const int64_t col_tiles = (N + kTileCols - 1) / kTileCols;
