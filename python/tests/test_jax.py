@@ -173,10 +173,17 @@ def test_the_reference_twins_match_numpy():
 
 # --- expert_mlp -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,M,sizes", CASES, ids=[c[0] for c in CASES])
-def test_expert_mlp_matches_the_references(where, name, M, sizes):
+# (H, I): narrow widths, and widths the Hopper kernels serve (the gate_up product with the SwiGLU in
+# its epilogue, and its gradient's), with a case of a few hundred rows per group.
+MLP_WIDTHS = [(32, 16), (128, 64)]
+MLP_CASES = CASES + [("long-groups", 1500, [611, 0, 129, 1, 700])]
+
+
+@pytest.mark.parametrize("H,I", MLP_WIDTHS, ids=[f"h{h}i{i}" for h, i in MLP_WIDTHS])
+@pytest.mark.parametrize("name,M,sizes", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_expert_mlp_matches_the_references(where, name, M, sizes, H, I):
     rng = np.random.default_rng(3)
-    E, H, I = len(sizes), 32, 16
+    E = len(sizes)
     x, x64 = where.put(rng.standard_normal((M, H)))
     gu, gu64 = where.put(rng.standard_normal((E, 2 * I, H)) * 0.2)
     dn, dn64 = where.put(rng.standard_normal((E, H, I)) * 0.2)
