@@ -183,7 +183,14 @@ def drive(args) -> int:
         for system in args.systems:
             cmd = [sys.executable, __file__, "--worker", "--systems", system, "--tokens", str(tokens),
                    "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--inner", str(args.inner)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+            except subprocess.TimeoutExpired:
+                rec = dict(bench="J1", system=system, tokens=tokens, status="error",
+                           error=f"the worker did not finish in {args.worker_timeout} s (killed)")
+                results.append(rec)
+                print(json.dumps(rec), flush=True)
+                continue
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
                 rec = dict(bench="J1", system=system, tokens=tokens, status="error",
@@ -209,6 +216,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--inner", type=int, default=5)
+    p.add_argument("--worker-timeout", type=float, default=300.0,
+                   help="seconds a (system, tokens) worker may run before it is killed and recorded as an error")
     p.add_argument("--worker", action="store_true", help="(internal) measure one system at one size here")
     args = p.parse_args()
     for s in args.systems:
