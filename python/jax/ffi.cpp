@@ -338,11 +338,9 @@ ffi::Error grouped_matmul_backward(const Where& where, ffi::AnyBuffer dout, ffi:
 }
 
 // --- expert_mlp: gate_up → SwiGLU → down per group, in the C API's weight layout -------------------
-// gate_up [E, 2I, H] and down [E, H, I] are [E, OC, C] as they are: h = x · gate_upᵀ with
-// a = SwiGLU(h) is one grouped pass (mf_grouped_gemm_swiglu_forward), y = a · downᵀ the grouped
-// forward; backward, dh = SwiGLU'(dy · down, h) is one pass too (da its scratch). Rows past the
-// groups: h, a and y zeroed (the saved h and a hold no stale memory), dx zeroed; da and dh there are
-// never read.
+// gate_up [E, 2I, H] and down [E, H, I] are [E, OC, C] as they are: h = x · gate_upᵀ is the grouped
+// forward, and so is y = a · downᵀ. Rows past the groups: h and y zeroed (so a is 0 there, and the
+// saved h and a hold no stale memory), dx zeroed; da and dh there are never read.
 
 ffi::Error expert_mlp_forward(const Where& where, ffi::AnyBuffer x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                               ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
@@ -355,9 +353,9 @@ ffi::Error expert_mlp_forward(const Where& where, ffi::AnyBuffer x, ffi::AnyBuff
     MF_FFI_RETURN_IF_ERROR(v.status());
     const mf_context* ctx = where.ctx();
     MF_FFI_CALL(op, mf_group_offsets(ctx, toff, ts, rows_of(x)));
-    MF_FFI_CALL(op, mf_grouped_gemm_swiglu_forward(ctx, th, ta, tx, tgu, toff));
+    MF_FFI_CALL(op, mf_grouped_gemm_forward(ctx, th, tx, tgu, toff));
     MF_FFI_CALL(op, mf_zero_rows_past_groups(ctx, th, toff));
-    MF_FFI_CALL(op, mf_zero_rows_past_groups(ctx, ta, toff));
+    MF_FFI_CALL(op, mf_swiglu_forward(ctx, ta, th));
     MF_FFI_CALL(op, mf_grouped_gemm_forward(ctx, ty, ta, tdn, toff));
     MF_FFI_CALL(op, mf_zero_rows_past_groups(ctx, ty, toff));
     return ffi::Error::Success();
@@ -376,8 +374,9 @@ ffi::Error expert_mlp_backward(const Where& where, ffi::AnyBuffer dy, ffi::AnyBu
     const mf_tensor *tddn = v.of(*ddown, "dw_down"), *tda = v.of(*da, "da"), *tdh = v.of(*dh, "dh");
     MF_FFI_RETURN_IF_ERROR(v.status());
     const mf_context* ctx = where.ctx();
-    MF_FFI_CALL(op, mf_grouped_gemm_swiglu_backward(ctx, tdh, tda, tdy, tdn, th, toff));
+    MF_FFI_CALL(op, mf_grouped_gemm_input_grad(ctx, tda, tdy, tdn, toff, 0));
     MF_FFI_CALL(op, mf_grouped_gemm_weight_grad(ctx, tddn, tdy, ta, toff, 0));
+    MF_FFI_CALL(op, mf_swiglu_backward(ctx, tdh, tda, th));
     MF_FFI_CALL(op, mf_grouped_gemm_input_grad(ctx, tdx, tdh, tgu, toff, 0));
     MF_FFI_CALL(op, mf_zero_rows_past_groups(ctx, tdx, toff));
     MF_FFI_CALL(op, mf_grouped_gemm_weight_grad(ctx, tdgu, tdh, tx, toff, 0));

@@ -280,12 +280,8 @@ void moe_block_forward(const Tensor& y, MoeActs& a, const Tensor& x_router, cons
         a.host_offsets.resize(static_cast<size_t>(d.num_experts + 1));
         ops::copy_to_host(a.host_offsets.data(), a.expert_offsets);
     }
-    if (d.act == Activation::swiglu) {
-        ops::grouped_matmul_swiglu_forward(a.h_perm, a.a_perm, a.x_perm, w.gate_up, a.expert_offsets, a.host_offsets);
-    } else {
-        ops::grouped_matmul_forward(a.h_perm, a.x_perm, w.gate_up, a.expert_offsets, a.host_offsets);
-        expert_act_forward(d.act, a.a_perm, a.h_perm);
-    }
+    ops::grouped_matmul_forward(a.h_perm, a.x_perm, w.gate_up, a.expert_offsets, a.host_offsets);
+    expert_act_forward(d.act, a.a_perm, a.h_perm);
     ops::grouped_matmul_forward(a.y_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets);
     ops::moe_unpermute_forward(y, a.y_perm, a.topk_weight, a.pair_row);
 }
@@ -307,16 +303,11 @@ void moe_block_backward(const Tensor& dx_router, const MoeWeights& g, MoeScratch
         const std::span<const int32_t> host[1] = {a.host_offsets};
         const std::span<const std::span<const int32_t>> hosts =
             a.host_offsets.empty() ? std::span<const std::span<const int32_t>>() : host;
-        if (d.act == Activation::swiglu) {
-            ops::grouped_matmul_swiglu_backward(s.dh_perm, s.da_perm, s.dy_perm, w.down, a.h_perm, a.expert_offsets,
-                                                a.host_offsets);
-        } else {
-            ops::grouped_matmul_backward(s.da_perm, Tensor(), s.dy_perm, a.a_perm, w.down, a.expert_offsets,
-                                         a.host_offsets, false);
-            expert_act_backward(d.act, s.dh_perm, s.da_perm, a.h_perm);
-        }
+        ops::grouped_matmul_backward(s.da_perm, Tensor(), s.dy_perm, a.a_perm, w.down, a.expert_offsets, a.host_offsets,
+                                     false);
         ops::grouped_matmul_backward_weight(g.down, s.dy_perm, a.a_perm, {&a.expert_offsets, 1}, hosts, acc,
                                             squares.down);
+        expert_act_backward(d.act, s.dh_perm, s.da_perm, a.h_perm);
         ops::grouped_matmul_backward(s.dx_perm, Tensor(), s.dh_perm, a.x_perm, w.gate_up, a.expert_offsets,
                                      a.host_offsets, false);
         ops::grouped_matmul_backward_weight(g.gate_up, s.dh_perm, a.x_perm, {&a.expert_offsets, 1}, hosts, acc,

@@ -14,13 +14,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -538,7 +541,7 @@ TEST(CudaGroupedGemm, Sm90Parity) {
 // themselves held to the CPU references above and in test_cuda_ops) in the groups' rows, and leave
 // the other rows untouched (NaN poison). Cases: P1's expert (C 2048, I 768), pair tiles that
 // overhang I (I = 136, 8), ragged and empty groups, lead and tail rows, 130 experts, and J1's
-// 16384 rows over 128 experts (several tiles per block).
+// 16384 and 4096 rows over 128 experts (several tiles per block).
 TEST(CudaGroupedGemm, Sm90SwigluEpiloguesEqualSeparatePasses) {
     if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
     std::mt19937 rng(31);
@@ -558,10 +561,14 @@ TEST(CudaGroupedGemm, Sm90SwigluEpiloguesEqualSeparatePasses) {
     cases.push_back(many);
     // J1's middle size (2048 tokens x top-8 over P1's 128 experts, uneven): many tiles per block, so
     // the ring's stages and phases run on across tiles (the cases above give a block one tile or two).
-    Case j1{128, 2048, 768, {}};
+    // And its smallest (512 tokens: 32 rows per expert on average), where most tiles have rows in
+    // one consumer's half only.
     std::lognormal_distribution<double> load(0.0, 0.6);
-    for (int e = 0; e < 128; ++e) j1.sizes.push_back(static_cast<int32_t>(128 * load(rng)));
-    cases.push_back(j1);
+    for (const int mean_rows : {128, 32}) {
+        Case j1{128, 2048, 768, {}};
+        for (int e = 0; e < 128; ++e) j1.sizes.push_back(static_cast<int32_t>(mean_rows * load(rng)));
+        cases.push_back(j1);
+    }
     for (const Case& c : cases) {
         GroupCase g{c.E, c.C, 2 * c.I, c.sizes, c.lead, c.tail};
         const int64_t M = g.rows(), E = c.E, C = c.C, I = c.I;
@@ -617,6 +624,107 @@ TEST(CudaGroupedGemm, Sm90SwigluEpiloguesEqualSeparatePasses) {
     EXPECT_THROW(mf::cuda::grouped_matmul_forward_swiglu_sm90(buf.as<bf16>(), buf.as<bf16>(), buf.as<bf16>(),
                                                               buf.as<bf16>(), buf.as<int32_t>(), 4, 1, 64, 12, nullptr),
                  mf::Error);
+}
+
+// Waits for the legacy stream's work for at most `seconds`; false when it has not finished (a hang).
+bool finished_within(double seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < end) {
+        const cudaError_t status = cudaStreamQuery(nullptr);
+        if (status == cudaSuccess) return true;
+        if (status != cudaErrorNotReady) MF_CHECK_CUDA(status);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+}
+
+// Liveness and repeatability of every sm90 kernel at J1's geometry (P1's experts: 128 of C 2048,
+// I 768; 4096 and 16384 rows, uneven): 200 back-to-back calls of each finish within a deadline and
+// give the first call's bits. A warp whose lanes reach the warpgroup's wgmma instructions apart
+// stalls the warpgroup for good; the SwiGLU backward hung in about one call of 50 here before the
+// consumers rejoined their lanes at every tile (converge() in grouped_gemm_sm90.cu), which a single
+// call (the parity tests) does not show. A hang ends the process at once, saying which kernel,
+// rather than leaving ctest to time out.
+TEST(CudaGroupedGemm, Sm90RepeatedCallsFinishAndRepeat) {
+    if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
+    constexpr int64_t E = 128, C = 2048, I = 768;
+    constexpr int kCalls = 200;
+    constexpr double kDeadlineSeconds = 30.0;  // 200 calls take well under a second
+    std::mt19937 rng(43);
+    std::lognormal_distribution<double> load(0.0, 0.6);
+    DeviceBuffer gu(E * 2 * I * C * 2), dn(E * C * I * 2);
+    fill_random_bf16(gu, E * 2 * I * C, rng);
+    fill_random_bf16(dn, E * C * I, rng);
+    for (const int mean_rows : {32, 128}) {
+        std::vector<int32_t> sizes;
+        for (int e = 0; e < E; ++e) sizes.push_back(static_cast<int32_t>(mean_rows * load(rng)));
+        const GroupCase g{E, C, 2 * I, sizes};
+        const int64_t M = g.rows();
+        const DeviceBuffer d_off = device_copy(g.offsets());
+        DeviceBuffer x(M * C * 2), dy(M * C * 2), hb(M * 2 * I * 2), act(M * I * 2);
+        fill_random_bf16(x, M * C, rng);
+        fill_random_bf16(dy, M * C, rng);
+        fill_random_bf16(hb, M * 2 * I, rng);
+        fill_random_bf16(act, M * I, rng);
+        DeviceBuffer h(M * 2 * I * 2), a(M * I * 2), da(M * I * 2), dh(M * 2 * I * 2), ddn(E * C * I * 2);
+        const int32_t* off = d_off.as<int32_t>();
+        struct Kernel {
+            const char* name;
+            std::function<void()> launch;
+            std::vector<const DeviceBuffer*> outputs;
+        };
+        const std::vector<Kernel> kernels = {
+            {"forward",
+             [&] {
+                 mf::cuda::grouped_matmul_forward_sm90(h.as<bf16>(), x.as<bf16>(), gu.as<bf16>(), off, M, E, C, 2 * I,
+                                                       nullptr);
+             },
+             {&h}},
+            {"input gradient",
+             [&] {
+                 mf::cuda::grouped_matmul_backward_input_sm90(da.as<bf16>(), dy.as<bf16>(), dn.as<bf16>(), off, M, E, I,
+                                                              C, nullptr);
+             },
+             {&da}},
+            {"weight gradient",
+             [&] {
+                 mf::cuda::grouped_matmul_backward_weight_sm90(ddn.as<void>(), mf::DType::bf16, dy.as<bf16>(),
+                                                               act.as<bf16>(), off, M, E, I, C, false, nullptr);
+             },
+             {&ddn}},
+            {"SwiGLU forward",
+             [&] {
+                 mf::cuda::grouped_matmul_forward_swiglu_sm90(h.as<bf16>(), a.as<bf16>(), x.as<bf16>(), gu.as<bf16>(),
+                                                              off, M, E, C, I, nullptr);
+             },
+             {&h, &a}},
+            {"SwiGLU backward",
+             [&] {
+                 mf::cuda::grouped_matmul_backward_swiglu_sm90(dh.as<bf16>(), dy.as<bf16>(), dn.as<bf16>(),
+                                                               hb.as<bf16>(), off, M, E, I, C, nullptr);
+             },
+             {&dh}},
+        };
+        for (const Kernel& k : kernels) {
+            const std::string what = std::string(k.name) + " M=" + std::to_string(M);
+            k.launch();
+            device_sync();
+            std::vector<std::vector<uint16_t>> first;
+            for (const DeviceBuffer* out : k.outputs)
+                first.push_back(download<uint16_t>(out->as<void>(), out->bytes() / 2));
+            for (int call = 0; call < kCalls; ++call) k.launch();
+            if (!finished_within(kDeadlineSeconds)) {
+                std::fprintf(stderr, "FAILED: sm90 %s: %d calls did not finish in %.0f s (a hang); exiting\n",
+                             what.c_str(), kCalls, kDeadlineSeconds);
+                std::fflush(stderr);
+                std::_Exit(1);
+            }
+            for (size_t i = 0; i < k.outputs.size(); ++i)
+                EXPECT_TRUE(download<uint16_t>(k.outputs[i]->as<void>(), k.outputs[i]->bytes() / 2) == first[i])
+                    << what << ": the last of " << kCalls << " calls differs from the first (output " << i << ")";
+            std::printf("  sm90 %-28s %d calls finished, bitwise equal\n", what.c_str(), kCalls + 1);
+        }
+    }
 }
 
 TEST(CudaGroupedGemm, Deterministic) {

@@ -85,9 +85,25 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
                  : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+// Arrives once where `pred` holds: a predicate inside the instruction, not a branch around it, so
+// that the warp does not split (see converge()).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(static_cast<uint32_t>(pred))
+        : "memory");
 }
+// Rejoins the warp's lanes. The wgmma instructions (and bar.sync) are .aligned: every lane of the
+// warp must execute the same instruction together, and PTX leaves that convergence to the program.
+// An epilogue branches per lane (rows and columns stored or not); without a point that rejoins them,
+// the lanes may reach the next tile's wgmma apart, and the warpgroup then waits forever. (The SwiGLU
+// backward, whose epilogue's branches load h, hung in about one call of 50 at J1's geometry with no
+// such point; test Sm90RepeatedCallsFinishAndRepeat runs every kernel 200 times at that geometry.)
+__device__ __forceinline__ void converge() { __syncwarp(); }
 // Waits until the barrier's phase of the given parity has completed (the phase before the first
 // counts as complete, so parity 1 passes at once on a fresh barrier).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -314,9 +330,12 @@ struct Ring {
         mbar_arrive_expect_tx(&full[s], kStageBytes);
         return &full[s];
     }
-    // Consumers: slice g has arrived; slice g is no longer read (one thread per warpgroup).
+    // Consumers: slice g has arrived; slice g is no longer read (every thread of the warpgroup
+    // calls it, thread 0 of the warpgroup arrives).
     __device__ void wait_full(int g) const { mbar_wait(&full[g % kStages], (g / kStages) & 1); }
-    __device__ void release(int g) const { mbar_arrive(&empty[g % kStages]); }
+    __device__ void release(int g) const {
+        mbar_arrive_if(&empty[g % kStages], static_cast<int>(threadIdx.x) % 128 == 0);
+    }
 };
 
 // Carves the ring, initialises its barriers and builds the table(s); ends with a block barrier.
@@ -436,6 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
     int g = 0;
     for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
+        converge();  // after the last tile's epilogue
         const int row_tile = tile / col_tiles;
         const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
         const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
@@ -445,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // warpgroup then has the tensor cores to itself), only the ring's protocol, as below.
             for (int i = 0; i < slices; ++i, ++g) {
                 ring.wait_full(g);
-                if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+                if (g > 0) ring.release(g - 1);
             }
             continue;
         }
@@ -469,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // The slice before is done (within this tile, or the previous tile's last, already
             // waited for): release its stage. The block's very last slice is never waited for.
             wgmma_wait<1>();
-            if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+            if (g > 0) ring.release(g - 1);
         }
         wgmma_wait<0>();
         const int n0 = (tile % col_tiles) * kTileCols, cols_valid = min(kTileCols, N - n0);
@@ -617,6 +637,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int tile = snake_tile(round, grid);
         if (tile >= num_tiles) continue;
         const auto [expert, o0, c0] = weight_tile(tile);
+        converge();  // after the last tile's epilogue
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -633,6 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         reinterpret_cast<uint4*>(stage + box * kMnBoxBytes + valid * 128)[k] = make_uint4(0, 0, 0, 0);
                     }
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    converge();                                       // the loop's trip count differs by lane
                     asm volatile("bar.sync 1, 256;\n" ::: "memory");  // both consumer warpgroups
                 }
                 const uint32_t a_addr = smem_u32(stage) + consumer * kMnBoxBytes;
@@ -644,7 +666,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                            smem_desc(b_addr + kk * 2048, kMnBoxBytes));
                 wgmma_commit();
                 wgmma_wait<1>();
-                if (g > 0 && tid % 128 == 0) ring.release(g - 1);
+                if (g > 0) ring.release(g - 1);
             }
         }
         wgmma_wait<0>();
