@@ -639,17 +639,16 @@ bool finished_within(double seconds) {
 }
 
 // Liveness and repeatability of every sm90 kernel at J1's geometry (P1's experts: 128 of C 2048,
-// I 768; 4096 and 16384 rows, uneven): 200 back-to-back calls of each finish within a deadline and
-// give the first call's bits. A warp whose lanes reach the warpgroup's wgmma instructions apart
-// stalls the warpgroup for good; the SwiGLU backward hung in about one call of 50 here before the
-// consumers rejoined their lanes at every tile (converge() in grouped_gemm_sm90.cu), which a single
-// call (the parity tests) does not show. A hang ends the process at once, saying which kernel,
-// rather than leaving ctest to time out.
+// I 768; about 4900 and 19000 rows, uneven): 1000 back-to-back calls of each finish within a deadline
+// and give the first call's bits. The SwiGLU backward hung here in every run of 1000 calls (often
+// within 200) before the consumer warpgroups met at every tile (warpgroup_sync() in
+// grouped_gemm_sm90.cu); a single call (the parity tests) does not show it. A hang ends the process
+// at once, saying which kernel, rather than leaving ctest to time out.
 TEST(CudaGroupedGemm, Sm90RepeatedCallsFinishAndRepeat) {
     if (!sm90_available()) GTEST_SKIP() << "the wgmma kernel needs an sm_90 GPU";
     constexpr int64_t E = 128, C = 2048, I = 768;
-    constexpr int kCalls = 200;
-    constexpr double kDeadlineSeconds = 30.0;  // 200 calls take well under a second
+    constexpr int kCalls = 1000;
+    constexpr double kDeadlineSeconds = 30.0;  // 1000 calls take about a second
     std::mt19937 rng(43);
     std::lognormal_distribution<double> load(0.0, 0.6);
     DeviceBuffer gu(E * 2 * I * C * 2), dn(E * C * I * 2);

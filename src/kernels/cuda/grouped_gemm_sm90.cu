@@ -97,13 +97,23 @@ __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
         "r"(static_cast<uint32_t>(pred))
         : "memory");
 }
-// Rejoins the warp's lanes. The wgmma instructions (and bar.sync) are .aligned: every lane of the
-// warp must execute the same instruction together, and PTX leaves that convergence to the program.
-// An epilogue branches per lane (rows and columns stored or not); without a point that rejoins them,
-// the lanes may reach the next tile's wgmma apart, and the warpgroup then waits forever. (The SwiGLU
-// backward, whose epilogue's branches load h, hung in about one call of 50 at J1's geometry with no
-// such point; test Sm90RepeatedCallsFinishAndRepeat runs every kernel 200 times at that geometry.)
+// Rejoins the warp's lanes before an .aligned instruction (bar.sync, wgmma) that follows code whose
+// control flow differs by lane (a loop's trip count, an epilogue's stored rows and columns): every
+// lane of the warp must execute such an instruction together.
 __device__ __forceinline__ void converge() { __syncwarp(); }
+// The consumer warpgroup's 128 threads meet (named barrier 2 + consumer; 0 is __syncthreads', 1 the
+// weight gradient's two consumer warpgroups) before each tile's wgmma sequence. Without it the warps of
+// one warpgroup may leave a tile's epilogue far apart, and that hangs the warpgroup: the SwiGLU
+// backward, whose warps with rows to store wait for their loads of h while the warps with none in a
+// group's last tile go straight on, hung within a few hundred calls at J1's geometry (test
+// Sm90RepeatedCallsFinishAndRepeat), with or without its lanes rejoined, with the loads unbranched or
+// bypassing L1; with the loads replaced by arithmetic, or a 20 µs sleep in every warp's epilogue
+// (slow, but alike for all warps), it ran; with this barrier it runs (H200, 2026-12-04: 3 x 1000
+// calls of each kernel at 4888 and 18994 rows).
+__device__ __forceinline__ void warpgroup_sync(int consumer) {
+    converge();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + consumer) : "memory");
+}
 // Waits until the barrier's phase of the given parity has completed (the phase before the first
 // counts as complete, so parity 1 passes at once on a fresh barrier).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -455,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r_lo = consumer * 64 + warp * 16 + lane / 4, r_hi = r_lo + 8;
     int g = 0;
     for (int tile = static_cast<int>(blockIdx.x); tile < num_tiles; tile += static_cast<int>(gridDim.x)) {
-        converge();  // after the last tile's epilogue
+        warpgroup_sync(consumer);  // after the last tile's epilogue
         const int row_tile = tile / col_tiles;
         const int expert = group_of_tile(tile_prefix, num_experts, row_tile);
         const int row0 = begin[expert] + (row_tile - tile_prefix[expert]) * kTileM;
@@ -637,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int tile = snake_tile(round, grid);
         if (tile >= num_tiles) continue;
         const auto [expert, o0, c0] = weight_tile(tile);
-        converge();  // after the last tile's epilogue
+        warpgroup_sync(consumer);  // after the last tile's epilogue
         float acc[128];
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;

@@ -68,6 +68,10 @@ void grouped_matmul_forward_swiglu_sm90(bf16* h, bf16* a, const bf16* inp, const
 // as grouped_matmul_backward_input_sm90 with C = I; da itself is not stored) and dh[M, 2I] =
 // swiglu_backward(da, h) for the rows of the groups (others untouched); needs OC % 64 == 0 and
 // I % 8 == 0.
+// Not used by the MoE block or moeforge.jax: their epilogues run after the tile's products on the
+// same warps, not beside the next tile's, and the separate passes came out faster (expert MLP forward
+// + backward under jit at J1's geometry, H200, 2026-12-04, separate vs one-pass: 1.723 vs 1.766 ms at
+// 2048 tokens, 4.041 vs 4.222 ms at 8192; bench/results/j1_2026-12-04/README.md).
 bool grouped_matmul_backward_swiglu_sm90_supported(int64_t I, int64_t OC);
 void grouped_matmul_backward_swiglu_sm90(bf16* dh, const bf16* dout, const bf16* weight, const bf16* h,
                                          const int32_t* offsets, int64_t M, int64_t E, int64_t I, int64_t OC,
