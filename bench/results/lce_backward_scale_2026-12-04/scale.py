@@ -1,7 +1,7 @@
 # The fused loss backward's scaling of (dh, dw) by dloss: the plain products against one
 # torch._foreach_mul, bitwise and in time, at D1's shapes (P1: 8192 tokens, H 2048, V 151936).
 # Usage (GPU machine, torch): python3 scale.py
-import torch, time
+import torch
 torch.manual_seed(0)
 dw = torch.randn(151936, 2048, device="cuda", dtype=torch.bfloat16)
 dh = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
