@@ -838,6 +838,37 @@ void bind_ops(py::module_& m) {
         "dq"_a, "dk"_a, "dv"_a, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "doc_ids"_a, "batch"_a, "seq_len"_a,
         "num_heads"_a, "num_kv_heads"_a, ctx_arg);
     m.def(
+        "embedding_forward",
+        [](py::object out, py::object ids, py::object wte, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *o = MF_TENSOR(out), *i = MF_TENSOR(ids), *w = MF_TENSOR(wte);
+            call([&] { return mf_embedding_forward(cx, o, i, w); });
+        },
+        "out"_a, "ids"_a, "wte"_a, ctx_arg);
+    m.def(
+        "embedding_backward",
+        [](py::object dwte, py::object dout, py::object ids, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *dw = MF_TENSOR(dwte), *dy = MF_TENSOR(dout), *i = MF_TENSOR(ids);
+            call([&] { return mf_embedding_backward(cx, dw, dy, i); });
+        },
+        "dwte"_a, "dout"_a, "ids"_a, ctx_arg);
+    m.def(
+        "embedding_backward_workspace_bytes",
+        [](int64_t num_rows, int64_t vocab, const std::string& device) {
+            size_t bytes = 0;
+            call([&] {
+                return mf_embedding_backward_workspace_bytes(num_rows, vocab, device == "cuda" ? MF_CUDA : MF_CPU,
+                                                             &bytes);
+            });
+            return bytes;
+        },
+        "num_rows"_a, "vocab"_a, "device"_a = "cpu");
+    m.def(
         "rmsnorm_forward",
         [](py::object out, py::object rstd, py::object inp, py::object weight, float eps, py::object ctx) {
             Args args;
@@ -850,15 +881,15 @@ void bind_ops(py::module_& m) {
     m.def(
         "rmsnorm_backward",
         [](py::object dinp, py::object dweight, py::object dout, py::object inp, py::object weight, py::object rstd,
-           py::object ctx) {
+           bool accumulate_dinp, py::object ctx) {
             Args args;
             ContextArg c;
             const mf_context* cx = c.get(ctx, args);
             const auto *dx = MF_TENSOR(dinp), *dw = MF_TENSOR(dweight), *dy = MF_TENSOR(dout);
             const auto *x = MF_TENSOR(inp), *w = MF_TENSOR(weight), *r = MF_TENSOR(rstd);
-            call([&] { return mf_rmsnorm_backward(cx, dx, dw, dy, x, w, r); });
+            call([&] { return mf_rmsnorm_backward(cx, dx, dw, dy, x, w, r, accumulate_dinp ? 1 : 0); });
         },
-        "dinp"_a, "dweight"_a, "dout"_a, "inp"_a, "weight"_a, "rstd"_a, ctx_arg);
+        "dinp"_a, "dweight"_a, "dout"_a, "inp"_a, "weight"_a, "rstd"_a, "accumulate_dinp"_a = true, ctx_arg);
     m.def(
         "qknorm_rope_forward",
         [](py::object q_out, py::object k_out, py::object q_rstd, py::object k_rstd, py::object q, py::object k,
@@ -894,17 +925,19 @@ void bind_ops(py::module_& m) {
     m.def(
         "lm_head_cross_entropy",
         [](py::object losses, py::object dh, py::object dw, py::object h, py::object w, py::object targets,
-           float grad_scale, const std::string& logits_dtype, py::object ctx) {
+           float grad_scale, const std::string& logits_dtype, bool accumulate, py::object ctx) {
             Args args;
             ContextArg c;
             const mf_context* cx = c.get(ctx, args);
             const auto *l = MF_TENSOR(losses), *tdh = MF_OPTIONAL(dh), *tdw = MF_OPTIONAL(dw);
             const auto *th = MF_TENSOR(h), *tw = MF_TENSOR(w), *t = MF_TENSOR(targets);
             const int32_t ld = dtype_from_name(logits_dtype, "logits_dtype");
-            call([&] { return mf_lm_head_cross_entropy(cx, l, tdh, tdw, th, tw, t, grad_scale, ld); });
+            call([&] {
+                return mf_lm_head_cross_entropy(cx, l, tdh, tdw, th, tw, t, grad_scale, ld, accumulate ? 1 : 0);
+            });
         },
         "losses"_a, "dh"_a, "dw"_a, "h"_a, "w"_a, "targets"_a, "grad_scale"_a = 0.0f, "logits_dtype"_a = "float32",
-        ctx_arg);
+        "accumulate"_a = true, ctx_arg);
     m.def(
         "lm_head_cross_entropy_workspace_bytes",
         [](int64_t num_rows, int64_t vocab, const std::string& logits_dtype, const std::string& device) {
@@ -939,6 +972,16 @@ void bind_ops(py::module_& m) {
             return bytes;
         },
         "num_rows"_a, "top_k"_a, "num_experts"_a, "device"_a = "cpu");
+    m.def(
+        "scale_by",
+        [](py::object x, py::object scale, py::object ctx) {
+            Args args;
+            ContextArg c;
+            const mf_context* cx = c.get(ctx, args);
+            const auto *tx = MF_TENSOR(x), *ts = MF_TENSOR(scale);
+            call([&] { return mf_scale_by(cx, tx, ts); });
+        },
+        "x"_a, "scale"_a, ctx_arg);
     m.def(
         "adamw_update",
         [](py::object param, py::object master, py::object m_, py::object v, py::object grad, float lr, float beta1,

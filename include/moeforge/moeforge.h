@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration here changes meaning or layout. */
-#define MF_API_VERSION 2
+#define MF_API_VERSION 3
 
 typedef enum mf_status {
     MF_OK = 0,
@@ -241,15 +241,30 @@ mf_status mf_attention_backward(const mf_context* ctx, const mf_tensor* dq, cons
                                 const mf_tensor* out, const mf_tensor* lse, const mf_tensor* doc_ids, int64_t batch,
                                 int64_t seq_len, int64_t num_heads, int64_t num_kv_heads);
 
+/* --- token embedding ----------------------------------------------------------------------------
+ * out [N, C] = wte [V, C] rows at ids [N] i32 (f32 on the CPU; bf16 on the GPU); the backward
+ * dwte [V, C] += Σ dout [N, C] rows over the tokens of each id (dwte f32, or bf16 too on the GPU),
+ * deterministic (summed in fp32 in token order, added once). On the CPU an id outside [0, V) is
+ * refused with its position; on the GPU the ids are not read on the host: such an id gives a zero
+ * row and adds nothing (never an out-of-bounds access).                                            */
+mf_status mf_embedding_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* ids,
+                               const mf_tensor* wte);
+mf_status mf_embedding_backward(const mf_context* ctx, const mf_tensor* dwte, const mf_tensor* dout,
+                                const mf_tensor* ids);
+/* The scratch mf_embedding_backward takes for num_rows tokens over vocab words on device_type (0 on
+ * the CPU); a context whose workspace holds this many bytes is used for it.                        */
+mf_status mf_embedding_backward_workspace_bytes(int64_t num_rows, int64_t vocab, int32_t device_type, size_t* bytes);
+
 /* --- RMSNorm ------------------------------------------------------------------------------------
  * out [N, C] = weight · x / sqrt(mean(x²) + eps) (weight [C]; f32 on the CPU; on the GPU bf16
  * activations and an f32 or bf16 weight), rstd [N] f32 (written, kept for the backward).          */
 mf_status mf_rmsnorm_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* rstd, const mf_tensor* inp,
                              const mf_tensor* weight, float eps);
-/* dinp +=, dweight +=. */
+/* dinp +=, dweight +=; or dinp = with accumulate_dinp 0 (its old contents then never read: it may
+ * be uninitialised).                                                                               */
 mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dweight,
                               const mf_tensor* dout, const mf_tensor* inp, const mf_tensor* weight,
-                              const mf_tensor* rstd);
+                              const mf_tensor* rstd, int32_t accumulate_dinp);
 
 /* --- per-head RMSNorm + rotary embedding of the query and key heads (Qwen3's q_norm / k_norm) -----
  * q [N, Hq, D], k [N, Hkv, D] (the projections) -> q_out, k_out (same shapes, written): each head
@@ -273,16 +288,24 @@ mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, co
 /* --- fused LM head + cross-entropy --------------------------------------------------------------
  * losses [N] f32 = CE(h [N, C] · w [V, C]ᵀ, targets [N] i32) per row, the logits never stored
  * whole; a target of -100 is ignored (loss 0), any other must lie in [0, V). With grad_scale != 0 also dh [N, C] += and
- * dw [V, C] += the gradient of grad_scale · Σ losses (either optional). logits_dtype MF_BF16
- * rounds the logits to bf16 before the softmax (a bf16 model's), else MF_F32.                     */
+ * dw [V, C] += the gradient of grad_scale · Σ losses (either optional), or = with accumulate 0 (their
+ * old contents are then never read: they may be uninitialised). logits_dtype MF_BF16 rounds the
+ * logits to bf16 before the softmax (a bf16 model's), else MF_F32.                                */
 mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losses, const mf_tensor* dh,
                                    const mf_tensor* dw, const mf_tensor* h, const mf_tensor* w,
-                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype);
+                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype,
+                                   int32_t accumulate);
 /* The scratch mf_lm_head_cross_entropy takes for num_rows rows over vocab words on device_type (0 on
  * the CPU). A context whose workspace holds this many bytes is used for it: the caller then owns all
  * the op's memory (otherwise moeforge allocates it, once per context, and keeps it).               */
 mf_status mf_lm_head_cross_entropy_workspace_bytes(int64_t num_rows, int64_t vocab, int32_t logits_dtype,
                                                    int32_t device_type, size_t* bytes);
+
+/* --- scaling by a device scalar ------------------------------------------------------------------
+ * x *= scale in place, scale a one-element f32 tensor on x's device read there (no host sync); x f32,
+ * or bf16 on a GPU (the product in fp32, rounded to nearest). A scale of exactly 1 leaves x untouched
+ * and unread (scaling gradients by a loss's incoming gradient, usually 1, then costs a launch).     */
+mf_status mf_scale_by(const mf_context* ctx, const mf_tensor* x, const mf_tensor* scale);
 
 /* --- AdamW --------------------------------------------------------------------------------------
  * torch.optim.AdamW on flat buffers, in place. CPU: param, m, v, grad f32, master NULL. CUDA: param,

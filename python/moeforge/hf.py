@@ -30,6 +30,10 @@ moeforge::rms_norm / moeforge::rms_norm_backward: their classes' forward is repl
 import's default is on (disable() restores it), with the stock forward kept for inputs moeforge does
 not serve (other dtypes or devices).
 
+`enable(model)` also puts that model's input embedding (a plain torch.nn.Embedding) on moeforge:
+moeforge::embedding / moeforge::embedding_backward, whose gradient is a deterministic per-id sum
+(stock for max_norm, scale_grad_by_freq or sparse embeddings).
+
     import moeforge.hf                     # every MoE model created from now on
     moeforge.hf.enable(model)              # one already created
     moeforge.hf.status(model)              # {"experts_implementation": ..., "modules": {...}}
@@ -1276,10 +1280,11 @@ def rms_norm_backward(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dout, x, weight, rstd = dout.detach(), x.detach(), weight.detach(), rstd.detach()
     C = x.shape[-1]
     rows = x.reshape(-1, C)
-    dx = torch.zeros_like(rows)  # (the op adds into both)
-    dweight = torch.zeros(C, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(rows)  # (written: accumulate_dinp=False never reads it)
+    dweight = torch.zeros(C, dtype=torch.float32, device=x.device)  # (the op adds into it)
     if rows.shape[0] > 0:
-        ops.rmsnorm_backward(dx, dweight, dout.reshape(-1, C), rows, weight, rstd, ctx=_context(x))
+        ops.rmsnorm_backward(dx, dweight, dout.reshape(-1, C), rows, weight, rstd, accumulate_dinp=False,
+                             ctx=_context(x))
     return dx.view(x.shape), dweight.to(weight.dtype)
 
 
@@ -1350,6 +1355,103 @@ def _norm_classes_of_module(module_name: str) -> list:
     return [v for v in vars(mod).values() if isinstance(v, type)] if mod is not None else []
 
 
+# --- the input embedding (enable(model): its get_input_embeddings(), a plain torch.nn.Embedding) -------
+
+
+@torch.library.custom_op("moeforge::embedding", mutates_args=())
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """weight's rows at ids (int32 [N]): [N, C]. padding_idx (-1: none) is the row that gets no
+    gradient (torch.nn.Embedding's)."""
+    out = weight.new_empty(ids.shape[0], weight.shape[1])
+    if ids.shape[0] > 0:
+        ops.embedding_forward(out, ids, weight.detach(), ctx=_context(weight))
+    return out
+
+
+@embedding.register_fake
+def _(ids, weight, padding_idx):
+    return weight.new_empty(ids.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("moeforge::embedding_backward", mutates_args=())
+def embedding_backward(dout: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """The weight's gradient (weight: its shape and dtype only): each id's row the sum of its tokens'
+    dout rows in fp32, in token order (deterministic, no atomics); padding_idx's row (>= 0) zero."""
+    dweight = torch.zeros_like(weight)  # (the op adds into it)
+    n = ids.shape[0]
+    if n > 0:
+        workspace = None
+        if weight.is_cuda:  # (the sort's scratch from torch's allocator, so that torch counts it)
+            nbytes = ops.embedding_backward_workspace_bytes(n, weight.shape[0], "cuda")
+            workspace = _bytes_tensor((nbytes + 3) // 4 * 4, weight.device)
+        ops.embedding_backward(dweight, dout.detach(), ids, ctx=_context(weight, workspace))
+    if padding_idx >= 0:
+        dweight[padding_idx].zero_()
+    return dweight
+
+
+@embedding_backward.register_fake
+def _(dout, ids, weight, padding_idx):
+    return torch.empty_like(weight)
+
+
+def _embedding_setup_context(ctx, inputs, output):
+    ids, weight, padding_idx = inputs
+    ctx.save_for_backward(ids, weight)
+    ctx.padding_idx = padding_idx
+
+
+def _embedding_backward(ctx, dout):
+    ids, weight = ctx.saved_tensors
+    if dout is None or not ctx.needs_input_grad[1]:
+        return None, None, None
+    return None, embedding_backward(dout.contiguous(), ids, weight, ctx.padding_idx), None
+
+
+embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
+
+
+def embedding_unsupported_reason(module: torch.nn.Embedding, input_ids: torch.Tensor) -> Optional[str]:
+    """Why this embedding call runs stock, or None when moeforge serves it."""
+    if module.max_norm is not None:
+        return "max_norm (the lookup renormalises the weight in place)"
+    if module.scale_grad_by_freq or module.sparse:
+        return "scale_grad_by_freq or a sparse gradient"
+    if input_ids.dtype not in (torch.int32, torch.int64) or input_ids.device != module.weight.device:
+        return f"{input_ids.dtype} ids on {input_ids.device.type} for a table on {module.weight.device.type}"
+    if module.weight.dtype != _served_dtype(module.weight.device.type):
+        return f"a {module.weight.dtype} table on {module.weight.device.type}"
+    if module.weight.is_cuda and not _HAS_CUDA:
+        return "moeforge was built without CUDA (or sees no GPU)"
+    return None
+
+
+class _Embedding(torch.nn.Embedding):
+    """A model's input embedding on moeforge (its class swapped in place by enable(model): the same
+    parameter, name and ties). The lookup is a gather either way; the gradient is where it pays: a
+    deterministic sorted sum per id instead of torch's sort, scatter and per-segment passes."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (torch.nn.Embedding's name)
+        if embedding_unsupported_reason(self, input) is not None:
+            return super().forward(input)
+        if not input.is_cuda and input.numel() > 0 and not torch.compiler.is_compiling():
+            # (int64 ids past int32 would wrap into the table when narrowed: refused as stock refuses them)
+            lo, hi = int(input.min()), int(input.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise IndexError(f"moeforge.hf embedding: token id {lo if lo < 0 else hi} is outside "
+                                 f"[0, {self.num_embeddings})")
+        ids = input.reshape(-1).to(torch.int32)
+        # (torch.nn.Embedding keeps padding_idx in [0, num_embeddings): a negative one is normalised)
+        out = embedding(ids, self.weight, -1 if self.padding_idx is None else self.padding_idx)
+        return out.view(*input.shape, self.embedding_dim)
+
+
+def _swap_embedding(model: torch.nn.Module) -> None:
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if emb is not None and type(emb) is torch.nn.Embedding:
+        emb.__class__ = _Embedding
+
+
 # --- the fused linear cross-entropy (opt-in: enable(model, fused_loss=True)) -----------------------------
 
 
@@ -1365,16 +1467,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     n = hidden.shape[0]
     scale = 1.0 / float(count)
     losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    dh = torch.zeros_like(hidden)  # (the op adds into both)
-    dw = torch.zeros_like(weight)
-    if n > 0:
-        logits_dtype = "bfloat16" if logits_bf16 else "float32"
-        workspace = None
-        if hidden.device.type == "cuda":  # the loss's scratch from torch's allocator, so that torch counts it
-            nbytes = ops.lm_head_cross_entropy_workspace_bytes(n, weight.shape[0], logits_dtype, "cuda")
-            workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
-        ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale,
-                                  logits_dtype=logits_dtype, ctx=_context(hidden, workspace))
+    if n == 0:
+        return losses.sum() * scale, torch.zeros_like(hidden), torch.zeros_like(weight)
+    # The op writes dh and dw (accumulate=False: never read, so no zero-fill; for P1's LM head a
+    # [151936, 2048] fill and its read by the first chunk's product).
+    dh, dw = torch.empty_like(hidden), torch.empty_like(weight)
+    logits_dtype = "bfloat16" if logits_bf16 else "float32"
+    workspace = None
+    if hidden.device.type == "cuda":  # the loss's scratch from torch's allocator, so that torch counts it
+        nbytes = ops.lm_head_cross_entropy_workspace_bytes(n, weight.shape[0], logits_dtype, "cuda")
+        workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
+    ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale, logits_dtype=logits_dtype,
+                              accumulate=False, ctx=_context(hidden, workspace))
     return losses.sum() * scale, dh, dw
 
 
@@ -1388,15 +1492,33 @@ def _lce_setup_context(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2])
 
 
+@torch.library.custom_op("moeforge::scale_by_", mutates_args=("tensors",))
+def scale_by_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Each tensor *= scale in place (scale: one fp32 element on their device, read there: no host
+    sync). A scale of exactly 1 leaves them untouched and unread."""
+    scale = scale.detach().reshape(1).to(torch.float32)
+    for t in tensors:
+        ops.scale_by(t, scale, ctx=_context(t))
+
+
+@scale_by_.register_fake
+def _(tensors, scale):
+    return None
+
+
 def _lce_backward(ctx, dloss, *_unused):
     if dloss is None:  # (the main output took no part in the loss)
         return _no_grads(ctx)
     dh, dw = ctx.saved_tensors
-    # (dloss is 1 for a loss that is backpropagated as it is: the products are then exact.) One foreach
-    # product (dh and dw share the dtype the op takes hidden and weight in): a plain dw * dloss
-    # broadcasts the 0-d tensor elementwise, not vectorised; for P1's dh and dw (the [151936, 2048] LM
-    # head) the pair took 739 µs that way and 469 µs this way on an H200, with the same bits.
-    dh, dw = torch._foreach_mul([dh, dw], dloss.to(dw.dtype))
+    if torch.compiler.is_compiling():
+        # Traced (the backward of a compiled graph): the functional product, which the compiler fuses.
+        dh, dw = torch._foreach_mul([dh, dw], dloss.to(dw.dtype))
+    else:
+        # Eager: the op's own gradients scaled in place by dloss, which is 1 for a loss backpropagated as
+        # it is (then nothing is read or written: for P1's LM head, [151936, 2048], a 470 µs pass saved on
+        # an H200). The saved outputs are thereby consumed: a second backward through this loss
+        # (retain_graph) is refused by autograd's in-place check rather than given scaled values.
+        scale_by_([dh, dw], dloss)
     return dh, dw, None, None, None
 
 
@@ -1514,7 +1636,7 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
     """Without a model: moeforge becomes the default of models created from now on (what the import
     does): their experts, sparse MoE blocks (FUSED_BLOCKS, through transformers' patch mapping),
     RMSNorm and, where transformers would pick SDPA, attention. With one: that model's experts, blocks,
-    RMSNorm and SDPA attention run on moeforge now, and with fused_loss=True its loss too (the LM head
+    RMSNorm, SDPA attention and input embedding (a plain torch.nn.Embedding) run on moeforge now, and with fused_loss=True its loss too (the LM head
     and cross-entropy fused, the logits never formed; the forward then returns logits=None when given
     labels); fused_loss=False restores its own."""
     global _enabled
@@ -1529,6 +1651,7 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
         return
     _patch_norms({type(m) for m in model.modules()})
     _fuse_blocks(model)
+    _swap_embedding(model)
     setter = getattr(model, "set_experts_implementation", None)
     if callable(setter):
         setter(IMPLEMENTATION)
@@ -1563,7 +1686,8 @@ def is_enabled() -> bool:
 def status(model: torch.nn.Module) -> Dict[str, Any]:
     """What runs where: the model's experts and attention implementations; for each experts module
     and each sparse MoE block (by class) how many there are and whether moeforge serves them (or why
-    not); the RMSNorm classes patched; whether the fused loss is on."""
+    not); the RMSNorm classes patched; whether the fused loss is on and the input embedding is
+    moeforge's."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_experts_implementation", None) if config is not None else None
 
@@ -1589,7 +1713,9 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
     return {"experts_implementation": impl, "default": IMPLEMENTATION if _enabled else "stock",
             "patched": impl == IMPLEMENTATION, "modules": modules, "moe_blocks": blocks, "qknorm_rope": qk,
             "attention": getattr(config, "_attn_implementation", None) if config is not None else None,
-            "rms_norm": norms, "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None}
+            "rms_norm": norms, "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None,
+            "embedding": isinstance(model.get_input_embeddings(), _Embedding)
+            if callable(getattr(model, "get_input_embeddings", None)) else False}
 
 
 enable()

@@ -349,6 +349,58 @@ def test_opcheck_rms_norm(device):
     torch.library.opcheck(torch.ops.moeforge.rms_norm.default, (x, w, 1e-6))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_embedding_equals_stock_and_its_padding_row_gets_no_gradient(device):
+    if device == "cuda" and not CUDA:
+        pytest.skip("no CUDA device (or moeforge built without CUDA)")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, 12, (3, 40), generator=g)  # (12 of 50 ids: every used id repeats)
+    ids[0, 5] = 49
+    dy = torch.randn(3, 40, 32, generator=g)
+    for padding_idx in (None, 3, -2):
+        stock = torch.nn.Embedding(50, 32, padding_idx=padding_idx).to(device, dtype)
+        ours = copy.deepcopy(stock)
+        ours.__class__ = mhf._Embedding
+        results = []
+        for m in (stock, ours):
+            out = m(ids.to(device))
+            out.backward(dy.to(device, dtype))
+            results.append((out.detach(), m.weight.grad.detach()))
+        (ref_out, ref_grad), (out, grad) = results
+        assert torch.equal(out, ref_out)  # (a row copy)
+        assert rel_l2(grad.double(), ref_grad.double()) <= (1e-6 if device == "cpu" else 1e-2)
+        assert grad.abs().sum(1).count_nonzero() == ref_grad.abs().sum(1).count_nonzero()
+        if padding_idx is not None:
+            assert not grad[padding_idx % 50].any()
+    # What it does not serve runs stock, with the same result.
+    clipped = torch.nn.Embedding(50, 32, max_norm=1.0).to(device, dtype)
+    assert mhf.embedding_unsupported_reason(clipped, ids.to(device)) is not None
+
+
+def test_embedding_is_swapped_by_enable_and_refuses_ids_outside_the_table():
+    model = make_model()
+    assert not mhf.status(model)["embedding"]
+    mhf.enable(model)
+    assert mhf.status(model)["embedding"] and isinstance(model.get_input_embeddings(), torch.nn.Embedding)
+    with pytest.raises(IndexError, match="outside"):
+        model.get_input_embeddings()(torch.tensor([[1, 96]]))
+    with pytest.raises(IndexError, match="outside"):
+        model.get_input_embeddings()(torch.tensor([[-1, 2]]))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_opcheck_embedding(device):
+    if device == "cuda" and not CUDA:
+        pytest.skip("no CUDA device (or moeforge built without CUDA)")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(22)
+    ids = torch.randint(0, 20, (30,), generator=g, dtype=torch.int32).to(device)
+    w = torch.randn(20, 16, generator=g).to(device, dtype).requires_grad_()
+    for padding_idx in (-1, 4):
+        torch.library.opcheck(torch.ops.moeforge.embedding.default, (ids, w, padding_idx))
+
+
 def fused_vs_stock(device, dtype, loss_rtol, grad_rel, vocab=96):
     stock = make_model(vocab_size=vocab).to(device, dtype)
     fused = copy.deepcopy(stock)

@@ -519,6 +519,40 @@ def test_rmsnorm_forward_backward():
     want_dx = r[:, None] * (g - xh * (g * xh).mean(1, keepdims=True))
     np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(dw, (dy.astype(np.float64) * xh).sum(0), rtol=1e-4, atol=1e-6)
+    # accumulate_dinp=False writes dx (a NaN-filled buffer never read); the default adds into it.
+    dx2, dw2 = np.full_like(x, np.nan), np.zeros_like(w)
+    ops.rmsnorm_backward(dx2, dw2, dy, x, w, rstd, accumulate_dinp=False)
+    np.testing.assert_array_equal(dx2, dx)
+    np.testing.assert_array_equal(dw2, dw)
+    ops.rmsnorm_backward(dx2, dw2, dy, x, w, rstd)
+    np.testing.assert_allclose(dx2, 2 * dx, rtol=1e-6, atol=1e-7)
+
+
+def test_embedding_forward_backward():
+    rng = np.random.default_rng(13)
+    V, C, N = 11, 8, 30
+    wte, dy = rand(rng, V, C), rand(rng, N, C)
+    ids = rng.integers(0, 5, N).astype(i32)  # (every id used repeats)
+    out = np.full((N, C), np.nan, f32)
+    ops.embedding_forward(out, ids, wte)
+    np.testing.assert_array_equal(out, wte[ids])
+    assert ops.embedding_backward_workspace_bytes(N, V) == 0  # (the CPU takes no scratch)
+    dwte = np.ones((V, C), f32)  # (added into)
+    ops.embedding_backward(dwte, dy, ids)
+    want = np.ones((V, C))
+    np.add.at(want, ids, dy.astype(np.float64))
+    np.testing.assert_allclose(dwte, want, rtol=1e-6, atol=1e-6)
+    bad = ids.copy()
+    bad[7] = V
+    with pytest.raises(moeforge.InvalidArgumentError, match=r"ids\[7\] = 11 is outside"):
+        ops.embedding_forward(out, bad, wte)
+    bad[7] = -1
+    with pytest.raises(moeforge.InvalidArgumentError, match=r"ids\[7\] = -1"):
+        ops.embedding_backward(dwte, dy, bad)
+    with pytest.raises(moeforge.InvalidArgumentError, match="dout"):
+        ops.embedding_backward(dwte, dy[:, :4].copy(), ids)
+    with pytest.raises(moeforge.InvalidArgumentError, match="wte"):
+        ops.embedding_forward(out, ids, wte.reshape(-1))
 
 
 def _rotate(x, cos, sin):
@@ -610,6 +644,39 @@ def test_lm_head_cross_entropy_with_ignored_targets():
     p[targets < 0] = 0
     np.testing.assert_allclose(dh, 0.5 * p @ w.astype(np.float64), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(dw, 0.5 * p.T @ h.astype(np.float64), rtol=1e-4, atol=1e-6)
+    # accumulate=False writes the gradients: outputs full of NaN give what zeroed outputs added into.
+    dh2, dw2 = np.full_like(h, np.nan), np.full_like(w, np.nan)
+    ops.lm_head_cross_entropy(np.zeros(N, f32), dh2, dw2, h, w, targets, grad_scale=0.5, accumulate=False)
+    np.testing.assert_array_equal(dh2, dh)
+    np.testing.assert_array_equal(dw2, dw)
+    # and accumulate=True adds into them.
+    ops.lm_head_cross_entropy(np.zeros(N, f32), dh2, dw2, h, w, targets, grad_scale=0.5)
+    np.testing.assert_allclose(dh2, 2 * dh, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dw2, 2 * dw, rtol=1e-6, atol=1e-7)
+    # No rows: the written dw is zero.
+    dw3 = np.full_like(w, np.nan)
+    ops.lm_head_cross_entropy(np.zeros(0, f32), np.zeros((0, C), f32), dw3, np.zeros((0, C), f32), w,
+                              np.zeros(0, i32), grad_scale=0.5, accumulate=False)
+    assert not dw3.any()
+
+
+def test_scale_by():
+    rng = np.random.default_rng(12)
+    x = rand(rng, 37)
+    for s in (0.5, -3.25, 0.0):
+        y = x.copy()
+        ops.scale_by(y, np.array([s], f32))
+        np.testing.assert_array_equal(y, x * np.float32(s))
+    # A scale of exactly 1 leaves x as it is, bit for bit (a NaN payload included).
+    y = x.copy()
+    y[3] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), f32)[0]
+    before = y.tobytes()
+    ops.scale_by(y, np.array([1.0], f32))
+    assert y.tobytes() == before
+    with pytest.raises(moeforge.InvalidArgumentError, match="scale"):
+        ops.scale_by(x, np.array([1.0, 2.0], f32))
+    with pytest.raises(moeforge.InvalidArgumentError, match="scale"):
+        ops.scale_by(x, np.array([1.0]))  # float64
 
 
 def test_adamw_matches_torch_formula():

@@ -487,6 +487,63 @@ mf_status mf_attention_backward(const mf_context* ctx, const mf_tensor* dq, cons
     });
 }
 
+// --- token embedding -------------------------------------------------------------------------------
+
+namespace {
+
+// ids [N] i32 and a table [V, C]; on the CPU every id's value too.
+void check_ids(const OpCall& call, const Tensor& ids, int64_t V) {
+    if (!mf::capi::on_cpu(ids)) return;
+    const int32_t* p = ids.ptr<int32_t>();
+    for (int64_t n = 0; n < ids.numel(); ++n)
+        if (p[n] < 0 || p[n] >= V)
+            refuse(call.op(), ": ids[", n, "] = ", p[n], " is outside the table's [0, ", V, ")");
+}
+
+// The table's [V, C] (at least one row and one column).
+std::pair<int64_t, int64_t> table_dims(const OpCall& call, const Tensor& table, const char* name) {
+    if (table.ndim() != 2 || table.dim(0) < 1 || table.dim(1) < 1)
+        refuse(call.op(), ": ", name, " is ", mf::shape_str(table.shape()), ", expected [V, C] with V, C >= 1");
+    return {table.dim(0), table.dim(1)};
+}
+
+}  // namespace
+
+mf_status mf_embedding_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* ids,
+                               const mf_tensor* wte) {
+    return guarded([&] {
+        OpCall call("mf_embedding_forward", ctx);
+        const Tensor o = call.tensor(out, "out", Want::act), i = call.tensor(ids, "ids", Want::i32);
+        const Tensor w = call.tensor(wte, "wte", Want::act);
+        const auto [V, C] = table_dims(call, w, "wte");
+        call.rows_of(o, "out", i.numel(), C);
+        check_ids(call, i, V);
+        call.run([&] { mf::ops::embedding_forward(o, i, w); });
+    });
+}
+
+mf_status mf_embedding_backward(const mf_context* ctx, const mf_tensor* dwte, const mf_tensor* dout,
+                                const mf_tensor* ids) {
+    return guarded([&] {
+        OpCall call("mf_embedding_backward", ctx);
+        const Tensor dw = call.tensor(dwte, "dwte", Want::param), i = call.tensor(ids, "ids", Want::i32);
+        const Tensor dy = call.tensor(dout, "dout", Want::act);
+        const auto [V, C] = table_dims(call, dw, "dwte");
+        call.rows_of(dy, "dout", i.numel(), C);
+        check_ids(call, i, V);
+        call.run([&] { mf::ops::embedding_backward(dw, dy, i); });
+    });
+}
+
+mf_status mf_embedding_backward_workspace_bytes(int64_t num_rows, int64_t vocab, int32_t device_type, size_t* bytes) {
+    return guarded([&] {
+        const char* op = "mf_embedding_backward_workspace_bytes";
+        if (num_rows < 0) refuse(op, ": num_rows = ", num_rows, " is negative");
+        if (vocab < 1) refuse(op, ": vocab = ", vocab, " must be at least 1");
+        *bytes = mf::ops::embedding_backward_scratch_bytes(num_rows, vocab, sizing_device(op, device_type, bytes));
+    });
+}
+
 // --- RMSNorm ---------------------------------------------------------------------------------------
 
 mf_status mf_rmsnorm_forward(const mf_context* ctx, const mf_tensor* out, const mf_tensor* rstd, const mf_tensor* inp,
@@ -507,9 +564,11 @@ mf_status mf_rmsnorm_forward(const mf_context* ctx, const mf_tensor* out, const 
 
 mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, const mf_tensor* dweight,
                               const mf_tensor* dout, const mf_tensor* inp, const mf_tensor* weight,
-                              const mf_tensor* rstd) {
+                              const mf_tensor* rstd, int32_t accumulate_dinp) {
     return guarded([&] {
         OpCall call("mf_rmsnorm_backward", ctx);
+        if (accumulate_dinp != 0 && accumulate_dinp != 1)
+            refuse(call.op(), ": accumulate_dinp = ", accumulate_dinp, " must be 0 or 1");
         const Tensor dx = call.tensor(dinp, "dinp", Want::act), dw = call.tensor(dweight, "dweight", Want::param);
         const Tensor dy = call.tensor(dout, "dout", Want::act), x = call.tensor(inp, "inp", Want::act);
         const Tensor w = call.tensor(weight, "weight", Want::param), r = call.tensor(rstd, "rstd", Want::f32);
@@ -520,7 +579,7 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
         call.rows_of(dx, "dinp", rows(x), C);
         call.numel_of(dw, "dweight", C);
         call.numel_of(r, "rstd", rows(x));
-        call.run([&] { mf::ops::rmsnorm_backward(dx, dw, dy, x, w, r); });
+        call.run([&] { mf::ops::rmsnorm_backward(dx, dw, dy, x, w, r, accumulate_dinp == 1); });
     });
 }
 
@@ -607,7 +666,8 @@ mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, co
 
 mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losses, const mf_tensor* dh,
                                    const mf_tensor* dw, const mf_tensor* h, const mf_tensor* w,
-                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype) {
+                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype,
+                                   int32_t accumulate) {
     return guarded([&] {
         OpCall call("mf_lm_head_cross_entropy", ctx);
         const Tensor l = call.tensor(losses, "losses", Want::f32);
@@ -617,6 +677,7 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
             refuse(call.op(), ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
         if (!std::isfinite(grad_scale)) refuse(call.op(), ": grad_scale = ", grad_scale, " is not finite");
+        if (accumulate != 0 && accumulate != 1) refuse(call.op(), ": accumulate = ", accumulate, " must be 0 or 1");
         if (tw.ndim() != 2 || tw.dim(0) < 1)
             refuse(call.op(), ": w is ", mf::shape_str(tw.shape()), ", expected [V, C]");
         const int64_t V = tw.dim(0), C = tw.dim(1), N = rows(th);
@@ -627,7 +688,7 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (tdw.data() != nullptr) call.rows_of(tdw, "dw", V, C);
         call.run([&] {
             mf::ops::lm_head_cross_entropy(l, tdh, tdw, th, tw, t, grad_scale,
-                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32);
+                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, accumulate == 1);
         });
     });
 }
@@ -668,6 +729,16 @@ mf_status mf_moe_permute_indices_workspace_bytes(int64_t num_rows, int64_t top_k
 }
 
 // --- AdamW -----------------------------------------------------------------------------------------
+
+mf_status mf_scale_by(const mf_context* ctx, const mf_tensor* x, const mf_tensor* scale) {
+    return guarded([&] {
+        OpCall call("mf_scale_by", ctx);
+        const Tensor tx = call.tensor(x, "x", Want::param);
+        const Tensor s = call.tensor(scale, "scale", Want::f32);
+        call.numel_of(s, "scale", 1);
+        call.run([&] { mf::ops::scale_by(tx, s); });
+    });
+}
 
 mf_status mf_adamw_update(const mf_context* ctx, const mf_tensor* param, const mf_tensor* master, const mf_tensor* m,
                           const mf_tensor* v, const mf_tensor* grad, const mf_adamw_hyper* hyper) {

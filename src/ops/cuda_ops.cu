@@ -316,16 +316,20 @@ void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& id
                                  ctx().stream);
 }
 
+size_t embedding_backward_scratch_bytes(int64_t N, int64_t V, Device) {
+    return mf::cuda::embedding_backward_scratch_bytes(N, V);
+}
+
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
     const int64_t C = weight.numel(), N = inp.numel() / C;
     mf::cuda::rmsnorm_forward(B(out), F(rstd), B(inp), B(weight), N, C, eps, ctx().stream);
 }
 
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd) {
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dinp) {
     const int64_t C = weight.numel(), N = inp.numel() / C;
     const size_t bytes = mf::cuda::rmsnorm_backward_scratch_bytes(N, C);
-    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, true, defined(dweight) ? dweight.data() : nullptr,
+    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, accumulate_dinp, defined(dweight) ? dweight.data() : nullptr,
                                defined(dweight) ? dweight.dtype() : DType::f32, B(dout), B(inp), B(weight), F(rstd), N,
                                C, ctx().get(bytes), bytes, ctx().stream);
 }
@@ -917,14 +921,14 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dt
 }
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale, DType logits_dtype) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate) {
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     const int64_t chunk = loss_chunk_rows(N, V, logits_dtype);
     const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
                                     defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h),
                                     B(w), I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream,
-                                    logits_dtype);
+                                    logits_dtype, accumulate);
 }
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,
@@ -962,6 +966,10 @@ void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::spa
         items.push_back({xs[i].data(), xs[i].numel(), sums.ptr<double>() + slots[i]});
     mf::cuda::sum_squares_many(items.data(), static_cast<int64_t>(items.size()), xs[0].dtype(),
                                ctx().get(mf::cuda::sum_squares_many_scratch_bytes()), ctx().stream);
+}
+
+void scale_by(const Tensor& x, const Tensor& scale) {
+    mf::cuda::scale_inplace(x.data(), x.dtype(), F(scale), x.numel(), ctx().stream);
 }
 
 bool all_finite(const Tensor& x) {

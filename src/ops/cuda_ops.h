@@ -24,6 +24,7 @@
 #define MF_CUDA_OPS(X)                                                                                                 \
     X(zero) X(copy) X(copy_from_host) X(copy_to_host) X(fill_normal) X(add) X(cast) X(synchronize)                     \
     X(matmul_forward) X(matmul_backward) X(add_bias) X(bias_backward) X(embedding_forward) X(embedding_backward)       \
+    X(embedding_backward_scratch_bytes)                                                                                \
     X(rmsnorm_forward) X(rmsnorm_backward) X(qknorm_rope_forward) X(qknorm_rope_backward) X(rope_forward)              \
     X(qknorm_rope_table_forward) X(qknorm_rope_table_backward) X(rope_backward) X(attention_forward) X(attention_backward) X(swiglu_forward) X(swiglu_backward)                   \
     X(relu2_forward) X(relu2_backward) X(router_sigmoid_forward) X(router_sigmoid_backward)                            \
@@ -41,7 +42,7 @@
     X(gated_rmsnorm_forward) X(gated_rmsnorm_backward)                                                                 \
     X(lm_head_cross_entropy) X(lm_head_cross_entropy_scratch_bytes)                                                    \
     X(moe_permute_indices_scratch_bytes) X(moe_aux_stats_scratch_bytes)                                                \
-    X(adamw_update) X(sum) X(sum_squares) X(all_finite) X(wait_background)
+    X(adamw_update) X(sum) X(sum_squares) X(all_finite) X(scale_by) X(wait_background)
 // clang-format on
 
 namespace mf::ops {

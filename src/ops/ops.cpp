@@ -339,6 +339,12 @@ void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& id
     cpu::embedding_backward(f(dwte), f(dout), i32(ids), ids.numel(), dwte.dim(-1));
 }
 
+size_t embedding_backward_scratch_bytes(int64_t N, int64_t V, Device device) {
+    MF_CHECK(N >= 0 && V >= 1, "embedding_backward_scratch_bytes: N = ", N, ", V = ", V);
+    if (device == Device::cpu) return 0;
+    return cuda_call(&CudaOps::embedding_backward_scratch_bytes, N, V, device);
+}
+
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
     OpScope scope_("rmsnorm_forward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
@@ -349,11 +355,12 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, c
 }
 
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd) {
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dinp) {
     OpScope scope_("rmsnorm_backward");
     const int64_t C = weight.numel(), N = inp.numel() / C;
     if (device_of({&dinp, &dweight, &dout, &inp, &weight, &rstd}) == Device::cuda)
-        return cuda_call(&CudaOps::rmsnorm_backward, dinp, dweight, dout, inp, weight, rstd);
+        return cuda_call(&CudaOps::rmsnorm_backward, dinp, dweight, dout, inp, weight, rstd, accumulate_dinp);
+    if (!accumulate_dinp) zero(dinp);  // (the reference adds into it)
     cpu::rmsnorm_backward(f(dinp), f(dweight), f(dout), f(inp), f(weight), f(rstd), N, C);
 }
 
@@ -1359,14 +1366,19 @@ void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dw
 // --- loss ------------------------------------------------------------------------------------------
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale, DType logits_dtype) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate) {
     OpScope scope_("lm_head_cross_entropy");
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     MF_CHECK(losses.numel() == N && targets.numel() == N && w.dim(1) == C, "lm head shapes");
     MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype ",
              dtype_name(logits_dtype), " (f32 or bf16)");
     if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
-        return cuda_call(&CudaOps::lm_head_cross_entropy, losses, dh, dw, h, w, targets, grad_scale, logits_dtype);
+        return cuda_call(&CudaOps::lm_head_cross_entropy, losses, dh, dw, h, w, targets, grad_scale, logits_dtype,
+                         accumulate);
+    if (!accumulate) {  // (the reference adds into its outputs)
+        zero(dh);
+        zero(dw);
+    }
     cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale,
                                logits_dtype == DType::bf16);
 }
@@ -1411,6 +1423,15 @@ double sum(const Tensor& x) {
     const float* p = f(x);
     for (int64_t i = 0; i < x.numel(); ++i) s += p[i];
     return s;
+}
+
+void scale_by(const Tensor& x, const Tensor& scale) {
+    OpScope scope_("scale_by");
+    MF_CHECK(scale.numel() == 1 && scale.dtype() == DType::f32, "scale_by: the scale is ", dtype_name(scale.dtype()),
+             " ", shape_str(scale.shape()), ", expected one f32");
+    if (device_of({&x, &scale}) == Device::cuda) return cuda_call(&CudaOps::scale_by, x, scale);
+    const float s = scale.ptr<float>()[0];
+    if (s != 1.0f) cpu::scale_inplace(f(x), s, x.numel());
 }
 
 double sum_squares(const Tensor& x) {

@@ -46,10 +46,13 @@ void bias_backward(const Tensor& dbias, const Tensor& dout);
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& wte);
 void embedding_backward(const Tensor& dwte, const Tensor& dout, const Tensor& ids);  // dwte +=
+// The scratch embedding_backward takes for N tokens over V words on `device` (0 on the CPU).
+size_t embedding_backward_scratch_bytes(int64_t N, int64_t V, Device device);
 
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
+// dinp += (or =, never read, when !accumulate_dinp), dweight +=; either may be undefined to skip.
 void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
-                      const Tensor& weight, const Tensor& rstd);  // dinp +=, dweight +=
+                      const Tensor& weight, const Tensor& rstd, bool accumulate_dinp = true);
 
 // q[B,T,Hq·D], k/v[B,T,Hkv·D] (token-major), doc_ids[B·T]; out[B,T,Hq·D], lse[B,Hq,T] (f32).
 // Per-head RMSNorm (weight [D]) then RoPE, on q_raw[N, Hq·D] and k_raw[N, Hkv·D] -> q, k and the
@@ -325,11 +328,13 @@ void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dw
                             int64_t group_size);
 
 // --- loss ------------------------------------------------------------------------------------------
-// losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip).
+// losses[N] f32 written; with grad_scale != 0 also dh[N,C] += and dw[V,C] += (dh/dw undefined to skip),
+// or dh = and dw = when !accumulate (their old contents are then never read: they may be uninitialised).
 // logits_dtype: f32, or bf16 to round the logits to bf16 before the softmax (a bf16 model's
 // logits; on the GPU half the logits traffic and twice the tokens per chunk).
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale, DType logits_dtype = DType::f32);
+                           const Tensor& targets, float grad_scale, DType logits_dtype = DType::f32,
+                           bool accumulate = true);
 // The scratch lm_head_cross_entropy takes for N rows over V words on `device` (0 on the CPU): a caller
 // that hands it this much as the scope's workspace (ExecContext::workspace) owns all its memory.
 size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device device);
@@ -356,6 +361,10 @@ void sum_squares_to(const Tensor& sums, int64_t slot, const Tensor& x);
 // GPU however many there are (the per-tensor passes of a gradient norm are mostly tiny tensors).
 void sum_squares_to(const Tensor& sums, std::span<const int64_t> slots, std::span<const Tensor> xs);
 bool all_finite(const Tensor& x);
+// x *= scale[0] in place (x f32, or bf16 on the GPU: the product in fp32, rounded; scale: one f32 on
+// x's device, read there, no host sync). A scale of exactly 1 leaves x untouched and unread: scaling
+// by a loss's incoming gradient, which is usually 1, then costs a launch.
+void scale_by(const Tensor& x, const Tensor& scale);
 
 // --- execution context -----------------------------------------------------------------------------
 // Where CUDA ops run: a device, a stream and scratch. Every op runs on its calling thread's current

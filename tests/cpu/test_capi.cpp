@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -174,6 +175,42 @@ TEST(CApi, LossWorkspaceBytes) {
     EXPECT_LE(large, (size_t{1} << 30) + (size_t{64} << 20));
 }
 
+TEST(CApi, EmbeddingEqualsTheOpsFunctionsAndRefusesIdsOutsideTheTable) {
+    std::mt19937 rng(8);
+    const int64_t V = 9, C = 6, N = 14;
+    std::vector<float> wte = random_vec(rng, V * C), dy = random_vec(rng, N * C);
+    std::vector<int32_t> ids(N);
+    for (int64_t n = 0; n < N; ++n) ids[n] = static_cast<int32_t>((n * 5) % 4);  // (ids repeat)
+    std::vector<float> out(N * C), ref(N * C), dwte(V * C, 0.5f), ref_dwte(V * C, 0.5f);
+    mf_tensor tout = desc(out, {N, C}), tids = desc(ids, {N}), twte = desc(wte, {V, C}), tdy = desc(dy, {N, C});
+    mf_tensor tdwte = desc(dwte, {V, C});
+    ASSERT_EQ(mf_embedding_forward(nullptr, &tout, &tids, &twte), MF_OK) << mf_last_error();
+    mf::ops::embedding_forward(view(ref, {N, C}), view(ids, {N}), view(wte, {V, C}));
+    EXPECT_EQ(out, ref);
+    ASSERT_EQ(mf_embedding_backward(nullptr, &tdwte, &tdy, &tids), MF_OK) << mf_last_error();
+    mf::ops::embedding_backward(view(ref_dwte, {V, C}), view(dy, {N, C}), view(ids, {N}));
+    EXPECT_EQ(dwte, ref_dwte);
+    size_t bytes = 1;
+    ASSERT_EQ(mf_embedding_backward_workspace_bytes(N, V, MF_CPU, &bytes), MF_OK) << mf_last_error();
+    EXPECT_EQ(bytes, 0u);
+    EXPECT_EQ(mf_embedding_backward_workspace_bytes(N, V, MF_CPU, nullptr), MF_ERR_INVALID_ARGUMENT);
+    // An id outside [0, V) is refused with its position, before anything is read or written.
+    ids[3] = static_cast<int32_t>(V);
+    const std::vector<float> before = dwte;
+    EXPECT_EQ(mf_embedding_backward(nullptr, &tdwte, &tdy, &tids), MF_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(mf_last_error()).find("ids[3] = 9 is outside"), std::string::npos) << mf_last_error();
+    EXPECT_EQ(dwte, before);
+    ids[3] = -2;
+    EXPECT_EQ(mf_embedding_forward(nullptr, &tout, &tids, &twte), MF_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(mf_last_error()).find("ids[3] = -2"), std::string::npos) << mf_last_error();
+    ids[3] = 0;
+    // Shapes: out's rows must be the ids', the table two-dimensional.
+    mf_tensor tshort = desc(out, {N - 1, C}), tflat = desc(wte, {V * C});
+    EXPECT_EQ(mf_embedding_forward(nullptr, &tshort, &tids, &twte), MF_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(mf_embedding_forward(nullptr, &tout, &tids, &tflat), MF_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(mf_last_error()).find("wte"), std::string::npos) << mf_last_error();
+}
+
 TEST(CApi, OpsEqualTheOpsFunctions) {
     std::mt19937 rng(5);
     // RMSNorm forward and backward.
@@ -187,11 +224,19 @@ TEST(CApi, OpsEqualTheOpsFunctions) {
     EXPECT_EQ(rstd, ref_rstd);
     std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f), ref_dx(N * C, 0.0f), ref_dw(C, 0.0f);
     mf_tensor tdx = desc(dx, {N, C}), tdw = desc(dw, {C}), tdy = desc(dy, {N, C});
-    ASSERT_EQ(mf_rmsnorm_backward(nullptr, &tdx, &tdw, &tdy, &tx, &tw, &tr), MF_OK) << mf_last_error();
+    ASSERT_EQ(mf_rmsnorm_backward(nullptr, &tdx, &tdw, &tdy, &tx, &tw, &tr, 1), MF_OK) << mf_last_error();
     mf::ops::rmsnorm_backward(view(ref_dx, {N, C}), view(ref_dw, {C}), view(dy, {N, C}), view(x, {N, C}), view(w, {C}),
                               view(ref_rstd, {N}));
     EXPECT_EQ(dx, ref_dx);
     EXPECT_EQ(dw, ref_dw);
+    // accumulate_dinp 0 writes dinp (its NaNs never read); 2 is refused by name.
+    std::vector<float> dx_w(N * C, std::numeric_limits<float>::quiet_NaN()), dw_w(C, 0.0f);
+    mf_tensor tdx_w = desc(dx_w, {N, C}), tdw_w = desc(dw_w, {C});
+    ASSERT_EQ(mf_rmsnorm_backward(nullptr, &tdx_w, &tdw_w, &tdy, &tx, &tw, &tr, 0), MF_OK) << mf_last_error();
+    EXPECT_EQ(dx_w, ref_dx);
+    EXPECT_EQ(dw_w, ref_dw);
+    EXPECT_EQ(mf_rmsnorm_backward(nullptr, &tdx_w, &tdw_w, &tdy, &tx, &tw, &tr, 2), MF_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(mf_last_error()).find("accumulate_dinp"), std::string::npos) << mf_last_error();
 
     // Grouped GEMM: 3 experts, the middle one empty, ragged rows; and offsets past the rows refused.
     const int64_t E = 3, M = 7, IC = 6, OC = 4;

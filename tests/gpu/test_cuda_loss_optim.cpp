@@ -172,6 +172,53 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
     }
 }
 
+// accumulate = false writes dh and dw: into poisoned (NaN) buffers it gives, bit for bit, what the
+// accumulating form adds into zeroed ones (β = 0 never reads the old contents, over several chunks);
+// with no rows it zero-fills dw.
+TEST(CudaCrossEntropy, WriteModeEqualsAccumulatingIntoZeros) {
+    std::mt19937 rng(31);
+    CublasHandle handle;
+    const CeCase s{37, 64, 1000, 16};
+    const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
+    const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
+    std::vector<int32_t> targets(static_cast<size_t>(s.N));
+    for (size_t n = 0; n < targets.size(); ++n)
+        targets[n] = n % 7 == 3 ? mf::cpu::kIgnoreIndex : static_cast<int32_t>(rng() % s.V);
+    DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_loss(targets.size() * 4);
+    for (const DType dw_dtype : {DType::f32, DType::bf16}) {
+        for (const DType logits_dtype : {DType::f32, DType::bf16}) {
+            const std::string name = std::string("write mode, logits ") + mf::dtype_name(logits_dtype) + " dw " +
+                                     mf::dtype_name(dw_dtype);
+            const size_t dw_bytes = w.size() * mf::dtype_size(dw_dtype), dh_bytes = h.size() * 2;
+            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
+            DeviceBuffer scratch(sb), dh_a(dh_bytes), dw_a(dw_bytes), dh_w(dh_bytes), dw_w(dw_bytes);
+            dh_a.zero();
+            dw_a.zero();
+            dh_w.poison();
+            dw_w.poison();
+            for (const bool accumulate : {true, false}) {
+                mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), (accumulate ? dh_a : dh_w).as<bf16>(),
+                                                (accumulate ? dw_a : dw_w).as<void>(), dw_dtype, d_h.as<bf16>(),
+                                                d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C, s.V, 0.25f,
+                                                scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype, accumulate);
+            }
+            device_sync();
+            EXPECT_EQ(download<uint16_t>(dh_w.as<void>(), h.size()), download<uint16_t>(dh_a.as<void>(), h.size()))
+                << name << " dh";
+            EXPECT_EQ(download<uint8_t>(dw_w.as<void>(), dw_bytes), download<uint8_t>(dw_a.as<void>(), dw_bytes))
+                << name << " dw";
+            // No rows: dw is written with zeros (the gradient of an empty sum).
+            dw_w.poison();
+            mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), dh_w.as<bf16>(), dw_w.as<void>(),
+                                            dw_dtype, d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), 0, s.C, s.V,
+                                            0.25f, scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype, false);
+            device_sync();
+            EXPECT_EQ(download<uint8_t>(dw_w.as<void>(), dw_bytes), std::vector<uint8_t>(dw_bytes, 0))
+                << name << " dw, no rows";
+        }
+    }
+}
+
 TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
     std::mt19937 rng(31);
     CublasHandle handle;
@@ -446,6 +493,27 @@ TEST(CudaReduce, ClipScaleAndScaleInplace) {
             expect_exact(download<float>(d_f.as<float>(offset), x.size()), want_f, "scale_inplace f32");
             expect_exact(download_bf16(d_b.as<bf16>(offset), x.size()), want_b, "scale_inplace bf16");
         }
+    }
+    // Longer than one pass of the grid (the launch caps its blocks): every element still scaled.
+    {
+        const int64_t n = 3'000'003;
+        const std::vector<float> x = random_bf16(rng, static_cast<size_t>(n));
+        std::vector<float> want = x;
+        for (float& v : want) v = round_bf16(v * s);
+        DeviceBuffer d_b = device_bf16(x);
+        mf::cuda::scale_inplace(d_b.as<bf16>(), DType::bf16, d_scale.as<float>(), n, nullptr);
+        device_sync();
+        expect_exact(download_bf16(d_b.as<void>(), x.size()), want, "scale_inplace bf16, 3M elements");
+    }
+    // A scale of exactly 1 leaves the buffer as it was, bit for bit (NaN bit patterns included).
+    upload(d_scale.as<void>(), std::vector<float>{1.0f});
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+        DeviceBuffer d_x(4000 * 4);
+        d_x.poison();
+        mf::cuda::scale_inplace(d_x.as<void>(), dtype, d_scale.as<float>(), 4000, nullptr);
+        device_sync();
+        EXPECT_EQ(download<uint8_t>(d_x.as<void>(), 4000 * 4), std::vector<uint8_t>(4000 * 4, 0xFF))
+            << "scale_inplace by 1, " << mf::dtype_name(dtype);
     }
 }
 

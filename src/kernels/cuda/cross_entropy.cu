@@ -162,17 +162,21 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logit
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
                            void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
-                           DType logits_dtype) {
+                           DType logits_dtype, bool accumulate) {
     MF_CHECK(N >= 0 && C > 0 && V > 0, "lm_head_cross_entropy: bad shape N=", N, " C=", C, " V=", V);
     constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
     MF_CHECK(C <= kIntMax && 2 * V <= kIntMax, "lm_head_cross_entropy: C = ", C, " or V = ", V,
              " too large for cuBLAS int sizes");
     MF_CHECK(chunk > 0 && chunk <= kIntMax, "lm_head_cross_entropy: bad chunk ", chunk);
-    if (N == 0) return;
-    MF_CHECK(handle != nullptr && losses != nullptr && h != nullptr && w != nullptr && targets != nullptr,
-             "lm_head_cross_entropy: null handle or buffer");
     MF_CHECK(dw == nullptr || dw_dtype == DType::f32 || dw_dtype == DType::bf16,
              "lm_head_cross_entropy: dw dtype must be f32 or bf16, got ", dtype_name(dw_dtype));
+    if (N == 0) {  // (no rows: dh is empty, dw's gradient is zero)
+        if (!accumulate && dw != nullptr)
+            MF_CHECK_CUDA(cudaMemsetAsync(dw, 0, static_cast<size_t>(V * C) * dtype_size(dw_dtype), stream));
+        return;
+    }
+    MF_CHECK(handle != nullptr && losses != nullptr && h != nullptr && w != nullptr && targets != nullptr,
+             "lm_head_cross_entropy: null handle or buffer");
     const size_t needed = lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     MF_CHECK(scratch != nullptr && scratch_bytes >= needed, "lm_head_cross_entropy: scratch has ", scratch_bytes,
              " bytes, needs ", needed);
@@ -208,13 +212,13 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
         MF_CHECK_CUDA(cudaGetLastError());
         if (dh != nullptr) {
             // dh_cm (C × rows) += w_cm (C × V) · dlogits_cm (V × rows, ld 2V)
-            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, C, rows, V, w, C, dlogits, ld_dlogits, 1.0f, dh + n0 * C, CUDA_R_16BF,
-                 C, "dh GEMM");
+            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, C, rows, V, w, C, dlogits, ld_dlogits, accumulate ? 1.0f : 0.0f,
+                 dh + n0 * C, CUDA_R_16BF, C, "dh GEMM");
         }
         if (dw != nullptr) {
             // dw_cm (C × V) += h_cm (C × rows) · dlogits_cm (V × rows, ld 2V)ᵀ
-            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, C, V, rows, h_chunk, C, dlogits, ld_dlogits, 1.0f, dw, dw_type, C,
-                 "dw GEMM");
+            gemm(handle, CUBLAS_OP_N, CUBLAS_OP_T, C, V, rows, h_chunk, C, dlogits, ld_dlogits,
+                 accumulate || n0 > 0 ? 1.0f : 0.0f, dw, dw_type, C, "dw GEMM");
         }
     }
 }

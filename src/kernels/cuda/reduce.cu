@@ -7,7 +7,8 @@
 //                 The grouping is the same whether 16-byte loads are used or not, so the bits do
 //                 not depend on the buffer's alignment either.
 //   clip_scale    one thread: norm = sqrt(sumsq), scale = min(1, max_norm / (norm + 1e-6)).
-//   scale_inplace elementwise x *= *scale.
+//   scale_inplace elementwise x *= *scale; a scale of exactly 1 (an identity) leaves x unread: every
+//                 block reads *scale and returns, so the common case costs a launch, not a pass.
 //   reduce_partial_rows   per column, 32 interleaved row groups each summed in ascending row order,
 //                 then the groups added in a fixed order.
 #include <algorithm>
@@ -24,7 +25,6 @@ namespace {
 constexpr int kSumBlocks = 1024;
 constexpr int kSumThreads = 256;
 constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65536;
 
 // ----------------------------------------------------------------------------------------------
 // kernels
@@ -144,6 +144,7 @@ __global__ void clip_scale_kernel(float* scale, float* norm, const double* sumsq
 template <int kVec, typename T>
 __global__ void scale_kernel(T* x, const float* scale, int64_t n) {
     const float s = *scale;
+    if (s == 1.0f) return;  // (x · 1 = x for every x: nothing to do)
     const int64_t num_vec = n / kVec;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < num_vec; i += stride) {
@@ -197,12 +198,16 @@ void launch_sum(double* out, const T* x, int64_t n, bool accumulate, double* par
     MF_CHECK_CUDA(cudaGetLastError());
 }
 
+// At most kScaleBlocks blocks (about one resident wave on Hopper) striding over x: the pass streams as
+// fast as a block per 256 elements would, and the scale-1 case ends after one wave of reads.
+constexpr int64_t kScaleBlocks = 1024;
+
 template <typename T>
 void launch_scale(T* x, const float* scale, int64_t n, cudaStream_t stream) {
     if (n == 0) return;
     const bool vec = aligned_to(16, x);
     const int64_t work = vec ? n / 8 : n;
-    const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kMaxBlocks));
+    const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, kScaleBlocks));
     if (vec) {
         scale_kernel<8><<<blocks, kThreads, 0, stream>>>(x, scale, n);
     } else {

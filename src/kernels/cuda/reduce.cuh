@@ -53,7 +53,7 @@ void sum_values(double* out, const void* x, DType dtype, int64_t n, bool accumul
 void clip_scale(float* scale, float* norm, const double* sumsq, float max_norm, cudaStream_t stream);
 
 // x[i] *= *scale for a flat f32 or bf16 buffer (bf16: product in fp32, rounded to nearest).
-// scale: [in] one float on the device.
+// scale: [in] one float on the device. A scale of exactly 1 leaves x untouched (not even read).
 void scale_inplace(void* x, DType dtype, const float* scale, int64_t n, cudaStream_t stream);
 
 // out[c] = (or += when accumulate) Σ_{r = 0..num_rows-1} partial[r, c] for c < C, summed in fp32 in a
