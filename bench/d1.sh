@@ -18,7 +18,10 @@ FLOPS=${FLOPS:-$("${BUILD:-build}/moeforge" bench "${common[@]:0:8}" --steps 1 -
 [ -n "$FLOPS" ] || FLOPS=0
 # PROFILE=1: each eager system's kernel table of one more step, in $OUT/profile_<n>.txt.
 n=0
-for variant in "" "--compile" "--moeforge-hf --fused-loss" "--moeforge-hf --fused-loss --compile"; do
+# MF_COMPILE=0 leaves out moeforge.hf under torch.compile (no ratio needs it).
+variants=("" "--compile" "--moeforge-hf --fused-loss")
+[ "${MF_COMPILE:-1}" = 1 ] && variants+=("--moeforge-hf --fused-loss --compile")
+for variant in "${variants[@]}"; do
   n=$((n + 1))
   prof=()
   [ "${PROFILE:-0}" = 1 ] && [[ "$variant" != *--compile* ]] && prof=(--profile "$OUT/profile_$n.txt")
