@@ -30,7 +30,8 @@ moeforge::rms_norm / moeforge::rms_norm_backward: their classes' forward is repl
 import's default is on (disable() restores it), with the stock forward kept for inputs moeforge does
 not serve (other dtypes or devices).
 
-`enable(model)` also puts that model's input embedding (a plain torch.nn.Embedding) on moeforge:
+The input embedding (a plain torch.nn.Embedding) of models created while the default is on, and of
+one given to `enable(model)`, runs on moeforge too:
 moeforge::embedding / moeforge::embedding_backward, whose gradient is a deterministic per-id sum
 (stock for max_norm, scale_grad_by_freq or sparse embeddings).
 
@@ -1446,9 +1447,18 @@ class _Embedding(torch.nn.Embedding):
         return out.view(*input.shape, self.embedding_dim)
 
 
+def _input_embedding(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The model's input embedding module, or None where it has none (or says it has none)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def _swap_embedding(model: torch.nn.Module) -> None:
-    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-    if emb is not None and type(emb) is torch.nn.Embedding:
+    emb = _input_embedding(model)
+    if type(emb) is torch.nn.Embedding:
         emb.__class__ = _Embedding
 
 
@@ -1614,6 +1624,7 @@ modeling_utils.AttentionInterface.register(IMPLEMENTATION, attention_forward)
 _masking.AttentionMaskInterface.register(IMPLEMENTATION, attention_mask)
 _stock_default = modeling_utils.PreTrainedModel.get_correct_experts_implementation
 _stock_attention_default = modeling_utils.PreTrainedModel.get_correct_attn_implementation
+_stock_post_init = modeling_utils.PreTrainedModel.post_init
 _enabled = False
 
 
@@ -1632,10 +1643,18 @@ def _attention_default_to_moeforge(self, requested_attention=None, *args, **kwar
     return IMPLEMENTATION if requested_attention is None and chosen == "sdpa" else chosen
 
 
+def _post_init_on_moeforge(self, *args, **kwargs):
+    # (the end of every transformers model's __init__: its input embedding exists by then)
+    result = _stock_post_init(self, *args, **kwargs)
+    _swap_embedding(self)
+    return result
+
+
 def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] = None) -> None:
     """Without a model: moeforge becomes the default of models created from now on (what the import
     does): their experts, sparse MoE blocks (FUSED_BLOCKS, through transformers' patch mapping),
-    RMSNorm and, where transformers would pick SDPA, attention. With one: that model's experts, blocks,
+    RMSNorm, input embedding (a plain torch.nn.Embedding) and, where transformers would pick SDPA,
+    attention. With one: that model's experts, blocks,
     RMSNorm, SDPA attention and input embedding (a plain torch.nn.Embedding) run on moeforge now, and with fused_loss=True its loss too (the LM head
     and cross-entropy fused, the logits never formed; the forward then returns logits=None when given
     labels); fused_loss=False restores its own."""
@@ -1645,6 +1664,7 @@ def enable(model: Optional[torch.nn.Module] = None, fused_loss: Optional[bool] =
             raise ValueError("moeforge.hf.enable: fused_loss is per model: enable(model, fused_loss=True)")
         modeling_utils.PreTrainedModel.get_correct_experts_implementation = _default_to_moeforge
         modeling_utils.PreTrainedModel.get_correct_attn_implementation = _attention_default_to_moeforge
+        modeling_utils.PreTrainedModel.post_init = _post_init_on_moeforge
         _register_block_patches()
         _patch_peft()
         _enabled = True
@@ -1673,6 +1693,7 @@ def disable() -> None:
     global _enabled
     modeling_utils.PreTrainedModel.get_correct_experts_implementation = _stock_default
     modeling_utils.PreTrainedModel.get_correct_attn_implementation = _stock_attention_default
+    modeling_utils.PreTrainedModel.post_init = _stock_post_init
     _unregister_block_patches()
     _unpatch_peft()
     _unpatch_norms()
@@ -1714,8 +1735,7 @@ def status(model: torch.nn.Module) -> Dict[str, Any]:
             "patched": impl == IMPLEMENTATION, "modules": modules, "moe_blocks": blocks, "qknorm_rope": qk,
             "attention": getattr(config, "_attn_implementation", None) if config is not None else None,
             "rms_norm": norms, "fused_loss": getattr(model, "_moeforge_stock_forward", None) is not None,
-            "embedding": isinstance(model.get_input_embeddings(), _Embedding)
-            if callable(getattr(model, "get_input_embeddings", None)) else False}
+            "embedding": isinstance(_input_embedding(model), _Embedding)}
 
 
 enable()

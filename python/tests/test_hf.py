@@ -59,17 +59,20 @@ def rel_l2(a, b):
 
 
 def compare_impls(model, ids, stock, loss_rtol, grad_rel, **inputs):
-    """The model all stock (its experts on `stock`, its sparse MoE blocks and RMSNorms transformers'
-    own) against all on moeforge (experts, blocks and RMSNorms)."""
+    """The model all stock (its experts on `stock`, its sparse MoE blocks, RMSNorms and input embedding
+    transformers' own) against all on moeforge (experts, blocks, RMSNorms and embedding)."""
     mhf._fuse_blocks(model, fuse=False)
     classes = {type(m) for m in model.modules()}
     mhf._unpatch_norms()
+    emb = model.get_input_embeddings()
+    emb_class, emb.__class__ = type(emb), torch.nn.Embedding
     try:
         use(model, stock)
         ref_loss, ref_grads = loss_and_grads(model, ids, **inputs)
     finally:
         mhf._patch_norms(classes)
         mhf._fuse_blocks(model)
+        emb.__class__ = emb_class
     assert any(type(m).forward is mhf._norm_forward for m in model.modules()), "no RMSNorm on moeforge"
     use(model, mhf.IMPLEMENTATION)
     loss, grads = loss_and_grads(model, ids, **inputs)
@@ -91,11 +94,13 @@ def test_the_import_makes_moeforge_the_default_and_an_explicit_choice_wins():
         stock = make_model()
         assert stock.config._experts_implementation != "moeforge"
         assert type(stock.model.norm).forward is not mhf._norm_forward and not mhf.status(stock)["rms_norm"]
+        assert type(stock.get_input_embeddings()) is torch.nn.Embedding and not mhf.status(stock)["embedding"]
     finally:
         mhf.enable()
     model = make_model()
     assert model.config._experts_implementation == "moeforge"
     assert type(model.model.norm).forward is mhf._norm_forward
+    assert mhf.status(model)["embedding"]
 
 
 def test_status_names_the_experts_modules():
@@ -380,6 +385,7 @@ def test_embedding_equals_stock_and_its_padding_row_gets_no_gradient(device):
 
 def test_embedding_is_swapped_by_enable_and_refuses_ids_outside_the_table():
     model = make_model()
+    model.get_input_embeddings().__class__ = torch.nn.Embedding  # (as a model made before the import)
     assert not mhf.status(model)["embedding"]
     mhf.enable(model)
     assert mhf.status(model)["embedding"] and isinstance(model.get_input_embeddings(), torch.nn.Embedding)
