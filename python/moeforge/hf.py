@@ -1365,7 +1365,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int) -> torc
     gradient (torch.nn.Embedding's)."""
     out = weight.new_empty(ids.shape[0], weight.shape[1])
     if ids.shape[0] > 0:
-        ops.embedding_forward(out, ids, weight.detach(), ctx=_context(weight))
+        ops.embedding_forward(out, ids.contiguous(), weight.detach(), ctx=_context(weight))
     return out
 
 
@@ -1385,7 +1385,7 @@ def embedding_backward(dout: torch.Tensor, ids: torch.Tensor, weight: torch.Tens
         if weight.is_cuda:  # (the sort's scratch from torch's allocator, so that torch counts it)
             nbytes = ops.embedding_backward_workspace_bytes(n, weight.shape[0], "cuda")
             workspace = _bytes_tensor((nbytes + 3) // 4 * 4, weight.device)
-        ops.embedding_backward(dweight, dout.detach(), ids, ctx=_context(weight, workspace))
+        ops.embedding_backward(dweight, dout.detach(), ids.contiguous(), ctx=_context(weight, workspace))
     if padding_idx >= 0:
         dweight[padding_idx].zero_()
     return dweight
