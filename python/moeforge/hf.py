@@ -1404,7 +1404,7 @@ def _embedding_setup_context(ctx, inputs, output):
 
 def _embedding_backward(ctx, dout):
     ids, weight = ctx.saved_tensors
-    if dout is None or not ctx.needs_input_grad[1]:
+    if not ctx.needs_input_grad[1]:  # (a frozen table)
         return None, None, None
     return None, embedding_backward(dout.contiguous(), ids, weight, ctx.padding_idx), None
 
@@ -1428,9 +1428,10 @@ def embedding_unsupported_reason(module: torch.nn.Embedding, input_ids: torch.Te
 
 
 class _Embedding(torch.nn.Embedding):
-    """A model's input embedding on moeforge (its class swapped in place by enable(model): the same
-    parameter, name and ties). The lookup is a gather either way; the gradient is where it pays: a
-    deterministic sorted sum per id instead of torch's sort, scatter and per-segment passes."""
+    """A model's input embedding on moeforge (its class swapped in place when the model is made, or by
+    enable(model): the same parameter, name and ties). The lookup is a gather either way; the gradient
+    is where it pays: a deterministic sorted sum per id instead of torch's sort, scatter and
+    per-segment passes."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (torch.nn.Embedding's name)
         if embedding_unsupported_reason(self, input) is not None:

@@ -40,6 +40,12 @@ Device sizing_device(const char* op, int32_t device_type, const size_t* bytes) {
 }
 int64_t cols(const Tensor& t) { return t.ndim() == 0 ? 1 : t.dim(-1); }
 
+// A C boolean argument: 0 or 1, anything else refused by name.
+bool flag(const OpCall& call, const char* name, int32_t value) {
+    if (value != 0 && value != 1) refuse(call.op(), ": ", name, " = ", value, " must be 0 or 1");
+    return value == 1;
+}
+
 // offsets [E + 1] i32 of groups within M rows; on the CPU their values too.
 void check_offsets(const OpCall& call, const Tensor& offsets, int64_t E, int64_t M) {
     call.numel_of(offsets, "offsets", E + 1);
@@ -496,8 +502,7 @@ void check_ids(const OpCall& call, const Tensor& ids, int64_t V) {
     if (!mf::capi::on_cpu(ids)) return;
     const int32_t* p = ids.ptr<int32_t>();
     for (int64_t n = 0; n < ids.numel(); ++n)
-        if (p[n] < 0 || p[n] >= V)
-            refuse(call.op(), ": ids[", n, "] = ", p[n], " is outside the table's [0, ", V, ")");
+        if (p[n] < 0 || p[n] >= V) refuse(call.op(), ": ids[", n, "] = ", p[n], " is outside the table's [0, ", V, ")");
 }
 
 // The table's [V, C] (at least one row and one column).
@@ -567,8 +572,7 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
                               const mf_tensor* rstd, int32_t accumulate_dinp) {
     return guarded([&] {
         OpCall call("mf_rmsnorm_backward", ctx);
-        if (accumulate_dinp != 0 && accumulate_dinp != 1)
-            refuse(call.op(), ": accumulate_dinp = ", accumulate_dinp, " must be 0 or 1");
+        const bool accumulate = flag(call, "accumulate_dinp", accumulate_dinp);
         const Tensor dx = call.tensor(dinp, "dinp", Want::act), dw = call.tensor(dweight, "dweight", Want::param);
         const Tensor dy = call.tensor(dout, "dout", Want::act), x = call.tensor(inp, "inp", Want::act);
         const Tensor w = call.tensor(weight, "weight", Want::param), r = call.tensor(rstd, "rstd", Want::f32);
@@ -579,7 +583,7 @@ mf_status mf_rmsnorm_backward(const mf_context* ctx, const mf_tensor* dinp, cons
         call.rows_of(dx, "dinp", rows(x), C);
         call.numel_of(dw, "dweight", C);
         call.numel_of(r, "rstd", rows(x));
-        call.run([&] { mf::ops::rmsnorm_backward(dx, dw, dy, x, w, r, accumulate_dinp == 1); });
+        call.run([&] { mf::ops::rmsnorm_backward(dx, dw, dy, x, w, r, accumulate); });
     });
 }
 
@@ -677,7 +681,7 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
             refuse(call.op(), ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
         if (!std::isfinite(grad_scale)) refuse(call.op(), ": grad_scale = ", grad_scale, " is not finite");
-        if (accumulate != 0 && accumulate != 1) refuse(call.op(), ": accumulate = ", accumulate, " must be 0 or 1");
+        const bool add = flag(call, "accumulate", accumulate);
         if (tw.ndim() != 2 || tw.dim(0) < 1)
             refuse(call.op(), ": w is ", mf::shape_str(tw.shape()), ", expected [V, C]");
         const int64_t V = tw.dim(0), C = tw.dim(1), N = rows(th);
@@ -688,7 +692,7 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (tdw.data() != nullptr) call.rows_of(tdw, "dw", V, C);
         call.run([&] {
             mf::ops::lm_head_cross_entropy(l, tdh, tdw, th, tw, t, grad_scale,
-                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, accumulate == 1);
+                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, add);
         });
     });
 }

@@ -329,7 +329,8 @@ void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& d
                       const Tensor& weight, const Tensor& rstd, bool accumulate_dinp) {
     const int64_t C = weight.numel(), N = inp.numel() / C;
     const size_t bytes = mf::cuda::rmsnorm_backward_scratch_bytes(N, C);
-    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, accumulate_dinp, defined(dweight) ? dweight.data() : nullptr,
+    mf::cuda::rmsnorm_backward(defined(dinp) ? B(dinp) : nullptr, accumulate_dinp,
+                               defined(dweight) ? dweight.data() : nullptr,
                                defined(dweight) ? dweight.dtype() : DType::f32, B(dout), B(inp), B(weight), F(rstd), N,
                                C, ctx().get(bytes), bytes, ctx().stream);
 }
