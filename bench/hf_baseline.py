@@ -15,6 +15,35 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
+def idle_table(prof, top=30, min_us=5.0):
+    """The profiled step's GPU idle time: the gaps between one kernel's end and the next's start (over
+    all streams), their sum, and the longest, each with the kernels around it and the CPU ops in
+    progress on the launching thread when it ended (what the GPU waited for)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        events = json.load(open(tmp.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    ops = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "cpu_op"]
+    gaps, end, prev = [], None, None
+    for s, e, name in kernels:
+        if end is not None and s - end > min_us:
+            gaps.append((s - end, end, s, prev, name))
+        if end is None or e > end:
+            end, prev = e, name
+    if not kernels:
+        return "\nno kernels recorded\n"
+    span = kernels[-1][1] - kernels[0][0]
+    lines = [f"\nGPU idle (gaps > {min_us} us): {sum(g[0] for g in gaps) / 1e3:.3f} ms in {len(gaps)} gaps "
+             f"over a {span / 1e3:.3f} ms span of kernels\n"]
+    for gap, s, e, before, after in sorted(gaps, reverse=True)[:top]:
+        busy = sorted((o for o in ops if o[0] <= e <= o[1]), key=lambda o: o[1] - o[0], reverse=True)
+        lines.append(f"{gap:9.1f} us  after {before[:60]}\n            before {after[:60]}\n"
+                     f"            cpu: {' > '.join(o[2][:40] for o in busy[:4])}\n")
+    return "".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -84,6 +113,7 @@ def main():
             step()
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90))
+            f.write(idle_table(prof))
     step_s = sum(times) / len(times)
     tps = B * T / step_s
     system = "hf_v5_moeforge_hf" if mhf is not None else "hf_v5"
