@@ -816,6 +816,8 @@ TEST(CudaGroupedGemm, ArgumentErrors) {
 // (log-normal, two experts empty). Every path is timed (median of 20 after 3 warm-ups, CUDA events
 // around the whole call, so the cuBLAS path's offsets read and host issue count), with the dense
 // cuBLASLt GEMM of the same total size as the baseline.
+// MF_BENCH_GROUPED=M:E (e.g. 65536:128) times that one configuration only, and MF_BENCH_SM90_ONLY=1 leaves
+// out the dense baseline and the other paths: scripts/gpu_ncu_grouped.sh profiles the wgmma kernels so.
 
 std::vector<int32_t> bench_offsets(int64_t M, int64_t E, std::mt19937& rng) {
     std::lognormal_distribution<double> load(0.0, 0.6);
@@ -841,8 +843,16 @@ TEST(CudaGroupedGemm, Benchmark) {
         const char* label;
         int64_t C, OC;
     };
-    for (const Config& cfg :
-         {Config{16384, 128}, Config{65536, 64}, Config{65536, 128}, Config{131072, 128}, Config{131072, 64}}) {
+    std::vector<Config> configs = {{16384, 128}, {65536, 64}, {65536, 128}, {131072, 128}, {131072, 64}};
+    if (const char* only = std::getenv("MF_BENCH_GROUPED")) {
+        long long m = 0, e = 0;
+        ASSERT_EQ(std::sscanf(only, "%lld:%lld", &m, &e), 2) << "MF_BENCH_GROUPED=" << only << ": expected M:E";
+        ASSERT_TRUE(m > 0 && e > 11 && m <= (int64_t{1} << 30)) << "MF_BENCH_GROUPED=" << only << ": out of range";
+        configs = {Config{m, e}};
+    }
+    const char* sm90_only_env = std::getenv("MF_BENCH_SM90_ONLY");
+    const bool sm90_only = sm90_only_env != nullptr && std::string(sm90_only_env) == "1";
+    for (const Config& cfg : configs) {
         const int64_t M = cfg.M, E = cfg.E;
         const auto off = bench_offsets(M, E, rng);
         int32_t min_rows = INT32_MAX, max_rows = 0;
@@ -863,15 +873,16 @@ TEST(CudaGroupedGemm, Benchmark) {
             dw32.zero();
             dw16.zero();
             const double flops = 2.0 * M * c.C * c.OC;
-            const double dense = median_us([&] {
+            const double dense = sm90_only ? 0.0 : median_us([&] {
                 mf::cuda::matmul_forward(ctx, out.as<bf16>(), inp.as<bf16>(), dense_w.as<bf16>(), M, c.C, c.OC,
                                          nullptr);
             });
-            std::printf(
-                "BENCH grouped M=%lld E=%lld %-8s C=%-5lld OC=%-5lld dense cuBLASLt same size %8.1f us %6.1f "
-                "TFLOP/s\n",
-                static_cast<long long>(M), static_cast<long long>(E), c.label, static_cast<long long>(c.C),
-                static_cast<long long>(c.OC), dense, flops / dense * 1e-6);
+            if (!sm90_only)
+                std::printf(
+                    "BENCH grouped M=%lld E=%lld %-8s C=%-5lld OC=%-5lld dense cuBLASLt same size %8.1f us %6.1f "
+                    "TFLOP/s\n",
+                    static_cast<long long>(M), static_cast<long long>(E), c.label, static_cast<long long>(c.C),
+                    static_cast<long long>(c.OC), dense, flops / dense * 1e-6);
             if (sm90_available()) {
                 const double fwd = median_us(
                     [&] {
@@ -903,6 +914,7 @@ TEST(CudaGroupedGemm, Benchmark) {
                     flops / bwd_w16 * 1e-6);
             }
             for (const Path& p : kPaths) {
+                if (sm90_only) break;
                 const auto timed = [&](auto&& fn) {
                     try {
                         return median_us(fn, 20, 5000);  // 5 ms of host lead: GPU time
