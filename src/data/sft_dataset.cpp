@@ -50,26 +50,6 @@ SftFormat classify(const json::Value& v) {
     return kinds[0];
 }
 
-std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t vocab_size, bool allow_ignore) {
-    if (!v.is_array()) fail("field \"", field, "\" must be an array of integers, got ", json::kind_name(v.kind()));
-    std::vector<int32_t> out;
-    out.reserve(v.size());
-    for (size_t i = 0; i < v.size(); ++i) {
-        const json::Value& e = v.as_array()[i];
-        if (!e.is_int()) fail("field \"", field, "\"[", i, "] is ", e.dump(), ", expected an integer");
-        const int64_t id = e.as_int();
-        if (allow_ignore && id == kIgnoreIndex) {
-            out.push_back(kIgnoreIndex);
-            continue;
-        }
-        if (id < 0 || id >= vocab_size)
-            fail("field \"", field, "\"[", i, "] = ", id, " is outside the vocabulary [0, ", vocab_size, ")",
-                 allow_ignore ? " and is not -100" : "");
-        out.push_back(static_cast<int32_t>(id));
-    }
-    return out;
-}
-
 const std::string& string_field(const json::Value& obj, const char* field, const std::string& where) {
     const json::Value* v = obj.find(field);
     if (v == nullptr) fail(where, "missing field \"", field, "\"");
@@ -176,10 +156,10 @@ class Reader {
         const json::Value* ids = v.find("input_ids");
         if (ids == nullptr) fail("missing field \"input_ids\"");
         Document d;
-        d.input_ids = read_ids(*ids, "input_ids", opt_.vocab_size, false);
+        d.input_ids = read_token_ids(*ids, "input_ids", opt_.vocab_size, false);
         if (d.input_ids.empty()) fail("field \"input_ids\" is empty");
         if (const json::Value* labels = v.find("labels"); labels != nullptr && !labels->is_null()) {
-            d.labels = read_ids(*labels, "labels", opt_.vocab_size, true);
+            d.labels = read_token_ids(*labels, "labels", opt_.vocab_size, true);
             if (d.labels.size() != d.input_ids.size())
                 fail("\"labels\" has ", d.labels.size(), " entries but \"input_ids\" has ", d.input_ids.size());
         } else {

@@ -7,10 +7,8 @@
 
 namespace mf::data {
 
-namespace {
-
-std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t vocab_size, bool allow_ignore) {
-    if (!v.is_array()) fail("field \"", field, "\" must be an array of integers");
+std::vector<int32_t> read_token_ids(const json::Value& v, const char* field, int64_t vocab_size, bool allow_ignore) {
+    if (!v.is_array()) fail("field \"", field, "\" must be an array of integers, got ", json::kind_name(v.kind()));
     std::vector<int32_t> out;
     out.reserve(v.size());
     for (size_t i = 0; i < v.size(); ++i) {
@@ -29,6 +27,8 @@ std::vector<int32_t> read_ids(const json::Value& v, const char* field, int64_t v
     return out;
 }
 
+namespace {
+
 Document parse_line(const std::string& line, int64_t vocab_size) {
     const json::Value v = json::parse(line, "");  // errors get "FILE:LINE: " from the caller
     if (!v.is_object()) fail("expected a JSON object");
@@ -37,10 +37,10 @@ Document parse_line(const std::string& line, int64_t vocab_size) {
     const json::Value* ids = v.find("input_ids");
     if (ids == nullptr) fail("missing field \"input_ids\"");
     Document d;
-    d.input_ids = read_ids(*ids, "input_ids", vocab_size, false);
+    d.input_ids = read_token_ids(*ids, "input_ids", vocab_size, false);
     if (d.input_ids.empty()) fail("field \"input_ids\" is empty");
     if (const json::Value* labels = v.find("labels"); labels != nullptr && !labels->is_null()) {
-        d.labels = read_ids(*labels, "labels", vocab_size, true);
+        d.labels = read_token_ids(*labels, "labels", vocab_size, true);
         if (d.labels.size() != d.input_ids.size())
             fail("\"labels\" has ", d.labels.size(), " entries but \"input_ids\" has ", d.input_ids.size());
     } else {
