@@ -16,9 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def idle_table(prof, top=30, min_us=5.0):
-    """The profiled step's GPU idle time: the gaps between one kernel's end and the next's start (over
-    all streams), their sum, and the longest, each with the kernels around it and the CPU ops in
-    progress on the launching thread when it ended (what the GPU waited for)."""
+    """The profiled step's GPU idle time: the time from the step's start (the record_function
+    "hf_baseline_step") to its first kernel, with the longest CPU ops that ran in it; then the gaps
+    between one kernel's end and the next's start (over all streams), their sum, and the longest, each
+    with the kernels around it and the CPU ops in progress when it ended (what the GPU waited for)."""
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
@@ -35,8 +36,19 @@ def idle_table(prof, top=30, min_us=5.0):
     if not kernels:
         return "\nno kernels recorded\n"
     span = kernels[-1][1] - kernels[0][0]
-    lines = [f"\nGPU idle (gaps > {min_us} us): {sum(g[0] for g in gaps) / 1e3:.3f} ms in {len(gaps)} gaps "
-             f"over a {span / 1e3:.3f} ms span of kernels\n"]
+    lines = []
+    steps = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+             if e.get("name") == "hf_baseline_step" and e.get("cat") in ("user_annotation", "cpu_op")]
+    if steps:
+        t0, t1, first = steps[0][0], steps[0][1], kernels[0][0]
+        lines.append(f"\nstep {(t1 - t0) / 1e3:.3f} ms (profiled); its first kernel starts {(first - t0) / 1e3:.3f} ms "
+                     f"in, its last kernel ends {(t1 - kernels[-1][1]) / 1e3:.3f} ms before its end\n"
+                     "  the longest CPU ops that started before the first kernel:\n")
+        before = sorted((o for o in ops if t0 <= o[0] < first and o[2] != "hf_baseline_step"),
+                        key=lambda o: o[0] - min(o[1], first))[:12]
+        lines += [f"  {(min(e, first) - s) / 1e3:9.3f} ms  {name[:80]}\n" for s, e, name in before]
+    lines.append(f"\nGPU idle (gaps > {min_us} us): {sum(g[0] for g in gaps) / 1e3:.3f} ms in {len(gaps)} gaps "
+                 f"over a {span / 1e3:.3f} ms span of kernels\n")
     for gap, s, e, before, after in sorted(gaps, reverse=True)[:top]:
         busy = sorted((o for o in ops if o[0] <= e <= o[1]), key=lambda o: o[1] - o[0], reverse=True)
         lines.append(f"{gap:9.1f} us  after {before[:60]}\n            before {after[:60]}\n"
@@ -109,8 +121,10 @@ def main():
             times.append(dt)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import record_function
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
+            with record_function("hf_baseline_step"):
+                step()
         with open(args.profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90))
             f.write(idle_table(prof))
