@@ -2,7 +2,8 @@
 # Issue 23 on the GPU machine, in phases (one device call each; the build stays on the warm machine):
 #   PHASE=build  builds the binary, the Python package and the gpu tests named in TESTS (build-gpu);
 #                runs those tests and the Python test files named in PYTESTS.
-#   PHASE=d1     benchmark D1 (bench/d1.sh; PROFILE=1 adds the eager systems' kernel tables).
+#   PHASE=d1     benchmark D1 (bench/d1.sh; PROFILE=1 adds the eager systems' kernel tables and GPU idle
+#                tables), then bench/hf_op_overhead.py.
 #   PHASE=all    build, the Python tests in PYTESTS_FIRST, D1, then the rest (the order that keeps D1
 #                inside one call's limit when the machine is fresh).
 # googletest comes from .carry/googletest (no package registry there). Logs go to $OUT.
@@ -10,8 +11,8 @@ set -uo pipefail
 OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_d1.log") 2>&1
-TESTS=${TESTS:-"test_cuda_loss_optim test_cuda_ops"}
-PYTESTS=${PYTESTS:-"test_hf test_ops test_gpu"}
+TESTS=${TESTS-"test_cuda_loss_optim test_cuda_ops"}  # (set but empty: none)
+PYTESTS=${PYTESTS-"test_hf test_ops test_gpu"}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -37,12 +38,15 @@ run_tests() {
 }
 d1() {
   PYTHONPATH="$PWD/build-gpu/python" BUILD=build-gpu PROFILE=${PROFILE:-0} bash bench/d1.sh "$OUT"
+  # the host time per eager op call (the step's start waits for it)
+  PYTHONPATH="$PWD/build-gpu/python" timeout 120 python3 bench/hf_op_overhead.py 2>> "$OUT/d1_stderr.log" |
+    tee "$OUT/op_overhead.jsonl"
 }
 
 case "${PHASE:-build}" in
   build) build && run_tests ;;
   d1) d1 ;;
-  all) build && TESTS="" PYTESTS=${PYTESTS_FIRST:-test_hf} run_tests && d1 && PYTESTS=${PYTESTS_REST:-"test_ops test_gpu"} run_tests ;;
+  all) build && TESTS="" PYTESTS=${PYTESTS_FIRST:-test_hf} run_tests && d1 && PYTESTS=${PYTESTS_REST-"test_ops test_gpu"} run_tests ;;
 esac
 # The device tool brings back at most 8 files: the logs but this one, D1's lines and its kernel tables
 # go back in one archive.
