@@ -925,19 +925,21 @@ void bind_ops(py::module_& m) {
     m.def(
         "lm_head_cross_entropy",
         [](py::object losses, py::object dh, py::object dw, py::object h, py::object w, py::object targets,
-           float grad_scale, const std::string& logits_dtype, bool accumulate, py::object ctx) {
+           float grad_scale, const std::string& logits_dtype, bool accumulate, py::object grad_scale_by,
+           py::object ctx) {
             Args args;
             ContextArg c;
             const mf_context* cx = c.get(ctx, args);
             const auto *l = MF_TENSOR(losses), *tdh = MF_OPTIONAL(dh), *tdw = MF_OPTIONAL(dw);
             const auto *th = MF_TENSOR(h), *tw = MF_TENSOR(w), *t = MF_TENSOR(targets);
+            const auto* by = MF_OPTIONAL(grad_scale_by);
             const int32_t ld = dtype_from_name(logits_dtype, "logits_dtype");
             call([&] {
-                return mf_lm_head_cross_entropy(cx, l, tdh, tdw, th, tw, t, grad_scale, ld, accumulate ? 1 : 0);
+                return mf_lm_head_cross_entropy(cx, l, tdh, tdw, th, tw, t, grad_scale, ld, accumulate ? 1 : 0, by);
             });
         },
         "losses"_a, "dh"_a, "dw"_a, "h"_a, "w"_a, "targets"_a, "grad_scale"_a = 0.0f, "logits_dtype"_a = "float32",
-        "accumulate"_a = true, ctx_arg);
+        "accumulate"_a = true, "grad_scale_by"_a = py::none(), ctx_arg);
     m.def(
         "lm_head_cross_entropy_workspace_bytes",
         [](int64_t num_rows, int64_t vocab, const std::string& logits_dtype, const std::string& device) {

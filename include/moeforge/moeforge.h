@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration here changes meaning or layout. */
-#define MF_API_VERSION 3
+#define MF_API_VERSION 4
 
 typedef enum mf_status {
     MF_OK = 0,
@@ -290,11 +290,13 @@ mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, co
  * whole; a target of -100 is ignored (loss 0), any other must lie in [0, V). With grad_scale != 0 also dh [N, C] += and
  * dw [V, C] += the gradient of grad_scale · Σ losses (either optional), or = with accumulate 0 (their
  * old contents are then never read: they may be uninitialised). logits_dtype MF_BF16 rounds the
- * logits to bf16 before the softmax (a bf16 model's), else MF_F32.                                */
+ * logits to bf16 before the softmax (a bf16 model's), else MF_F32. grad_scale_by (optional): one
+ * f32 element on the op's device that multiplies grad_scale, read there (on a GPU by the kernel, so a
+ * scale known only on the device, such as 1 / the count of targets, costs no host sync).           */
 mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losses, const mf_tensor* dh,
                                    const mf_tensor* dw, const mf_tensor* h, const mf_tensor* w,
-                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype,
-                                   int32_t accumulate);
+                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype, int32_t accumulate,
+                                   const mf_tensor* grad_scale_by);
 /* The scratch mf_lm_head_cross_entropy takes for num_rows rows over vocab words on device_type (0 on
  * the CPU). A context whose workspace holds this many bytes is used for it: the caller then owns all
  * the op's memory (otherwise moeforge allocates it, once per context, and keeps it).               */

@@ -660,6 +660,30 @@ def test_lm_head_cross_entropy_with_ignored_targets():
     assert not dw3.any()
 
 
+def test_lm_head_cross_entropy_grad_scale_by():
+    """grad_scale_by (one f32 element on the op's device) multiplies grad_scale: the gradients are those
+    of grad_scale · grad_scale_by[0] · Σ losses, bit for bit those of the host product; the losses are
+    unscaled either way."""
+    rng = np.random.default_rng(11)
+    N, C, V = 7, 10, 29
+    h, w = rand(rng, N, C), rand(rng, V, C)
+    targets = rng.integers(0, V, N).astype(i32)
+    targets[3] = -100
+    count = np.array([N - 1], f32)
+    by = (np.float32(1) / count).astype(f32)
+    outs = []
+    for kwargs in ({"grad_scale": 0.5 * by[0]}, {"grad_scale": 0.5, "grad_scale_by": by}):
+        losses, dh, dw = np.zeros(N, f32), np.full_like(h, np.nan), np.full_like(w, np.nan)
+        ops.lm_head_cross_entropy(losses, dh, dw, h, w, targets, accumulate=False, **kwargs)
+        outs.append((losses, dh, dw))
+    for got, want in zip(outs[1], outs[0]):
+        np.testing.assert_array_equal(got, want)
+    assert np.abs(outs[1][1]).max() > 0
+    for bad, message in ((np.array([1.0, 2.0], f32), "grad_scale_by"), (np.array([2], i32), "grad_scale_by")):
+        with pytest.raises(moeforge.InvalidArgumentError, match=message):
+            ops.lm_head_cross_entropy(np.zeros(N, f32), None, None, h, w, targets, grad_scale=1.0, grad_scale_by=bad)
+
+
 def test_scale_by():
     rng = np.random.default_rng(12)
     x = rand(rng, 37)

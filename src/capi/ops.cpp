@@ -670,14 +670,16 @@ mf_status mf_qknorm_rope_backward(const mf_context* ctx, const mf_tensor* dq, co
 
 mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losses, const mf_tensor* dh,
                                    const mf_tensor* dw, const mf_tensor* h, const mf_tensor* w,
-                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype,
-                                   int32_t accumulate) {
+                                   const mf_tensor* targets, float grad_scale, int32_t logits_dtype, int32_t accumulate,
+                                   const mf_tensor* grad_scale_by) {
     return guarded([&] {
         OpCall call("mf_lm_head_cross_entropy", ctx);
         const Tensor l = call.tensor(losses, "losses", Want::f32);
         const Tensor tdh = call.tensor(dh, "dh", Want::act, true), tdw = call.tensor(dw, "dw", Want::param, true);
         const Tensor th = call.tensor(h, "h", Want::act), tw = call.tensor(w, "w", Want::act);
         const Tensor t = call.tensor(targets, "targets", Want::i32);
+        const Tensor by = call.tensor(grad_scale_by, "grad_scale_by", Want::f32, true);
+        if (by.data() != nullptr) call.numel_of(by, "grad_scale_by", 1);
         if (logits_dtype != MF_F32 && logits_dtype != MF_BF16)
             refuse(call.op(), ": logits_dtype ", logits_dtype, " must be MF_F32 or MF_BF16");
         if (!std::isfinite(grad_scale)) refuse(call.op(), ": grad_scale = ", grad_scale, " is not finite");
@@ -692,7 +694,7 @@ mf_status mf_lm_head_cross_entropy(const mf_context* ctx, const mf_tensor* losse
         if (tdw.data() != nullptr) call.rows_of(tdw, "dw", V, C);
         call.run([&] {
             mf::ops::lm_head_cross_entropy(l, tdh, tdw, th, tw, t, grad_scale,
-                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, add);
+                                           logits_dtype == MF_BF16 ? DType::bf16 : DType::f32, add, by);
         });
     });
 }

@@ -922,14 +922,15 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dt
 }
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate,
+                           const Tensor& grad_scale_by) {
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     const int64_t chunk = loss_chunk_rows(N, V, logits_dtype);
     const size_t bytes = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype);
     mf::cuda::lm_head_cross_entropy(ctx().blas, F(losses), defined(dh) ? B(dh) : nullptr,
                                     defined(dw) ? dw.data() : nullptr, defined(dw) ? dw.dtype() : DType::f32, B(h),
                                     B(w), I(targets), N, C, V, grad_scale, ctx().get(bytes), bytes, chunk, ctx().stream,
-                                    logits_dtype, accumulate);
+                                    logits_dtype, accumulate, defined(grad_scale_by) ? F(grad_scale_by) : nullptr);
 }
 
 void adamw_update(const Tensor& param, const Tensor& master, const Tensor& m, const Tensor& v, const Tensor& grad,

@@ -1366,19 +1366,23 @@ void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dw
 // --- loss ------------------------------------------------------------------------------------------
 
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
-                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate) {
+                           const Tensor& targets, float grad_scale, DType logits_dtype, bool accumulate,
+                           const Tensor& grad_scale_by) {
     OpScope scope_("lm_head_cross_entropy");
     const int64_t N = rows(h), C = h.dim(-1), V = w.dim(0);
     MF_CHECK(losses.numel() == N && targets.numel() == N && w.dim(1) == C, "lm head shapes");
     MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype ",
              dtype_name(logits_dtype), " (f32 or bf16)");
-    if (device_of({&losses, &dh, &dw, &h, &w, &targets}) == Device::cuda)
+    MF_CHECK(!defined(grad_scale_by) || (grad_scale_by.dtype() == DType::f32 && grad_scale_by.numel() == 1),
+             "lm_head_cross_entropy: grad_scale_by must be one f32 element");
+    if (device_of({&losses, &dh, &dw, &h, &w, &targets, &grad_scale_by}) == Device::cuda)
         return cuda_call(&CudaOps::lm_head_cross_entropy, losses, dh, dw, h, w, targets, grad_scale, logits_dtype,
-                         accumulate);
+                         accumulate, grad_scale_by);
     if (!accumulate) {  // (the reference adds into its outputs)
         zero(dh);
         zero(dw);
     }
+    if (defined(grad_scale_by)) grad_scale *= *f(grad_scale_by);  // (the same fp32 product as the kernel's)
     cpu::lm_head_cross_entropy(f(losses), f(dh), f(dw), f(h), f(w), i32(targets), N, C, V, grad_scale,
                                logits_dtype == DType::bf16);
 }

@@ -332,9 +332,11 @@ void gated_rmsnorm_backward(const Tensor& dx, const Tensor& dz, const Tensor& dw
 // or dh = and dw = when !accumulate (their old contents are then never read: they may be uninitialised).
 // logits_dtype: f32, or bf16 to round the logits to bf16 before the softmax (a bf16 model's
 // logits; on the GPU half the logits traffic and twice the tokens per chunk).
+// grad_scale_by (optional): one f32 element on the op's device multiplying grad_scale, read where it
+// lies (on a GPU by the kernel: a scale such as 1 / count known only on the device, without a sync).
 void lm_head_cross_entropy(const Tensor& losses, const Tensor& dh, const Tensor& dw, const Tensor& h, const Tensor& w,
                            const Tensor& targets, float grad_scale, DType logits_dtype = DType::f32,
-                           bool accumulate = true);
+                           bool accumulate = true, const Tensor& grad_scale_by = Tensor());
 // The scratch lm_head_cross_entropy takes for N rows over V words on `device` (0 on the CPU): a caller
 // that hands it this much as the scope's workspace (ExecContext::workspace) owns all its memory.
 size_t lm_head_cross_entropy_scratch_bytes(int64_t N, int64_t V, DType logits_dtype, Device device);

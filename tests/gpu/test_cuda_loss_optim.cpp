@@ -219,6 +219,44 @@ TEST(CudaCrossEntropy, WriteModeEqualsAccumulatingIntoZeros) {
     }
 }
 
+// grad_scale_by, a device factor of grad_scale read by the kernel: the same bits as the host product.
+TEST(CudaCrossEntropy, DeviceScaleEqualsHostProduct) {
+    std::mt19937 rng(29);
+    CublasHandle handle;
+    const CeCase s{37, 64, 1000, 16};
+    const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
+    const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
+    std::vector<int32_t> targets(static_cast<size_t>(s.N));
+    for (size_t n = 0; n < targets.size(); ++n)
+        targets[n] = n % 5 == 1 ? mf::cpu::kIgnoreIndex : static_cast<int32_t>(rng() % s.V);
+    const float by = 1.0f / 29.0f;  // (1 / the count of targets, as moeforge.hf passes it)
+    DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets),
+                 d_by = device_copy(std::vector<float>{by});
+    for (const DType logits_dtype : {DType::f32, DType::bf16}) {
+        const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
+        DeviceBuffer scratch(sb);
+        std::vector<std::vector<uint8_t>> results;
+        for (const bool on_device : {false, true}) {
+            DeviceBuffer d_loss(targets.size() * 4), d_dh(h.size() * 2), d_dw(w.size() * 4);
+            d_dh.poison();
+            d_dw.poison();
+            mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), d_dh.as<bf16>(), d_dw.as<void>(),
+                                            DType::f32, d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C,
+                                            s.V, on_device ? 0.5f : 0.5f * by, scratch.as<void>(), sb, s.chunk, nullptr,
+                                            logits_dtype, false, on_device ? d_by.as<float>() : nullptr);
+            device_sync();
+            std::vector<uint8_t> all = download<uint8_t>(d_loss.as<void>(), targets.size() * 4);
+            for (const DeviceBuffer* b : {&d_dh, &d_dw}) {
+                const std::vector<uint8_t> part =
+                    download<uint8_t>(b->as<void>(), b == &d_dh ? h.size() * 2 : w.size() * 4);
+                all.insert(all.end(), part.begin(), part.end());
+            }
+            results.push_back(std::move(all));
+        }
+        EXPECT_EQ(results[0], results[1]) << "logits " << mf::dtype_name(logits_dtype);
+    }
+}
+
 TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
     std::mt19937 rng(31);
     CublasHandle handle;

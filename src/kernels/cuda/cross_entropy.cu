@@ -49,7 +49,7 @@ __device__ __forceinline__ void combine(float& m, float& s, float other_m, float
 template <int kVec, typename TL>
 __global__ void __launch_bounds__(kThreads)
     cross_entropy_rows_kernel(float* losses, TL* logits, const int32_t* targets, int64_t V, float grad_scale,
-                              bool want_grad) {
+                              const float* grad_scale_by, bool want_grad) {
     __shared__ float shared_m[kThreads / 32];
     __shared__ float shared_s[kThreads / 32];
     const int64_t r = blockIdx.x;
@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreads)
     if (!want_grad) return;
 
     // Pass 2: dlogits in place, tile by tile (see the file comment for why this is race-free).
+    if (grad_scale_by != nullptr) grad_scale *= *grad_scale_by;  // (the device factor: no host sync)
     const float scale = grad_scale / s;
     const int64_t tile = static_cast<int64_t>(blockDim.x) * kVec;
     for (int64_t base = 0; base < V; base += tile) {
@@ -162,7 +163,7 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logit
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
                            void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
-                           DType logits_dtype, bool accumulate) {
+                           DType logits_dtype, bool accumulate, const float* grad_scale_by) {
     MF_CHECK(N >= 0 && C > 0 && V > 0, "lm_head_cross_entropy: bad shape N=", N, " C=", C, " V=", V);
     constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
     MF_CHECK(C <= kIntMax && 2 * V <= kIntMax, "lm_head_cross_entropy: C = ", C, " or V = ", V,
@@ -202,10 +203,10 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
             constexpr int kVec = sizeof(TL) == 4 ? 4 : 8;
             if (vec)
                 cross_entropy_rows_kernel<kVec, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
+                    losses + n0, logits, targets + n0, V, grad_scale, grad_scale_by, want_grad);
             else
                 cross_entropy_rows_kernel<1, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-                    losses + n0, logits, targets + n0, V, grad_scale, want_grad);
+                    losses + n0, logits, targets + n0, V, grad_scale, grad_scale_by, want_grad);
         };
         if (wide) rows_kernel(static_cast<float*>(scratch));
         else rows_kernel(static_cast<bf16*>(scratch));

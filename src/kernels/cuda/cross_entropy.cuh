@@ -35,10 +35,13 @@ size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logit
 // first chunk's dw GEMM and every dh GEMM have β = 0; N = 0 zero-fills dw), so they may be
 // uninitialised, and a caller saves the zero-fill and its read.
 // scratch: lm_head_cross_entropy_scratch_bytes(chunk, V, logits_dtype) bytes, 16-byte aligned.
+// grad_scale_by (may be null): one fp32 value on the device that multiplies grad_scale, read by the
+// kernel (a scale the host does not know, such as 1 / the count of targets, without a sync).
 // CPU reference: cpu::lm_head_cross_entropy with bf16_logits = (logits_dtype == bf16).
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
                            void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
-                           DType logits_dtype = DType::f32, bool accumulate = true);
+                           DType logits_dtype = DType::f32, bool accumulate = true,
+                           const float* grad_scale_by = nullptr);
 
 }  // namespace mf::cuda
