@@ -172,18 +172,29 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
     }
 }
 
+// A case's random bf16 h and w and its targets, every 7th from the 4th ignored (-100).
+struct CeInputs {
+    std::vector<float> h, w;
+    std::vector<int32_t> targets;
+    CeInputs(const CeCase& s, uint32_t seed) {
+        std::mt19937 rng(seed);
+        h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
+        w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
+        targets.resize(static_cast<size_t>(s.N));
+        for (size_t n = 0; n < targets.size(); ++n)
+            targets[n] = n % 7 == 3 ? mf::cpu::kIgnoreIndex : static_cast<int32_t>(rng() % s.V);
+    }
+};
+
 // accumulate = false writes dh and dw: into poisoned (NaN) buffers it gives, bit for bit, what the
 // accumulating form adds into zeroed ones (β = 0 never reads the old contents, over several chunks);
 // with no rows it zero-fills dw.
 TEST(CudaCrossEntropy, WriteModeEqualsAccumulatingIntoZeros) {
-    std::mt19937 rng(31);
     CublasHandle handle;
     const CeCase s{37, 64, 1000, 16};
-    const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
-    const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
-    std::vector<int32_t> targets(static_cast<size_t>(s.N));
-    for (size_t n = 0; n < targets.size(); ++n)
-        targets[n] = n % 7 == 3 ? mf::cpu::kIgnoreIndex : static_cast<int32_t>(rng() % s.V);
+    const CeInputs in(s, 31);
+    const std::vector<float>&h = in.h, &w = in.w;
+    const std::vector<int32_t>& targets = in.targets;
     DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_loss(targets.size() * 4);
     for (const DType dw_dtype : {DType::f32, DType::bf16}) {
         for (const DType logits_dtype : {DType::f32, DType::bf16}) {
@@ -221,15 +232,12 @@ TEST(CudaCrossEntropy, WriteModeEqualsAccumulatingIntoZeros) {
 
 // grad_scale_by, a device factor of grad_scale read by the kernel: the same bits as the host product.
 TEST(CudaCrossEntropy, DeviceScaleEqualsHostProduct) {
-    std::mt19937 rng(29);
     CublasHandle handle;
     const CeCase s{37, 64, 1000, 16};
-    const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
-    const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
-    std::vector<int32_t> targets(static_cast<size_t>(s.N));
-    for (size_t n = 0; n < targets.size(); ++n)
-        targets[n] = n % 5 == 1 ? mf::cpu::kIgnoreIndex : static_cast<int32_t>(rng() % s.V);
-    const float by = 1.0f / 29.0f;  // (1 / the count of targets, as moeforge.hf passes it)
+    const CeInputs in(s, 29);
+    const std::vector<float>&h = in.h, &w = in.w;
+    const std::vector<int32_t>& targets = in.targets;
+    const float by = 1.0f / 31.0f;  // (a reciprocal, as the 1 / count moeforge.hf passes; not a power of 2)
     DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets),
                  d_by = device_copy(std::vector<float>{by});
     for (const DType logits_dtype : {DType::f32, DType::bf16}) {
