@@ -23,7 +23,8 @@ def idle_table(prof, top=30, min_us=5.0):
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
-        events = json.load(open(tmp.name))["traceEvents"]
+        with open(tmp.name) as f:
+            events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                      if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     ops = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") == "cpu_op"]
@@ -120,8 +121,7 @@ def main():
         if i >= args.warmup:
             times.append(dt)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        from torch.profiler import record_function
+        from torch.profiler import ProfilerActivity, profile, record_function
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             with record_function("hf_baseline_step"):
                 step()

@@ -239,10 +239,13 @@ void expect_exact(const std::vector<T>& gpu, const std::vector<T>& ref, const st
 
 constexpr double kPeakBytesPerSecond = 4.3e12;  // measured device-to-device copy on the H200
 
-inline bool bench_enabled() {
-    const char* v = std::getenv("MF_BENCH");
+// Whether the environment variable `name` is set to 1.
+inline bool env_flag(const char* name) {
+    const char* v = std::getenv(name);
     return v != nullptr && std::string(v) == "1";
 }
+
+inline bool bench_enabled() { return env_flag("MF_BENCH"); }
 
 // Median time in microseconds of kIters runs of fn (after 2 warm-ups), timed with CUDA events.
 inline double time_us(const std::function<void()>& fn, int iters = 10) {

@@ -850,8 +850,7 @@ TEST(CudaGroupedGemm, Benchmark) {
         ASSERT_TRUE(m > 0 && e > 11 && m <= (int64_t{1} << 30)) << "MF_BENCH_GROUPED=" << only << ": out of range";
         configs = {Config{m, e}};
     }
-    const char* sm90_only_env = std::getenv("MF_BENCH_SM90_ONLY");
-    const bool sm90_only = sm90_only_env != nullptr && std::string(sm90_only_env) == "1";
+    const bool sm90_only = env_flag("MF_BENCH_SM90_ONLY");
     for (const Config& cfg : configs) {
         const int64_t M = cfg.M, E = cfg.E;
         const auto off = bench_offsets(M, E, rng);
