@@ -1472,8 +1472,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """hidden [N, C], weight [V, C] (the LM head), targets int32 [N] (-100: ignored). Returns the fp32
     scalar loss = Σ_r CE(hidden[r] · weightᵀ, targets[r]) / count (a 0-d tensor: on a GPU it stays
     there, read by the loss kernel, so neither torch.compile nor the host waits on it) and its
-    gradients (d hidden, d weight), computed in the same pass: the [N, V] logits are never stored whole. logits_bf16 rounds
-    the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
+    gradients (d hidden, d weight), computed in the same pass: the [N, V] logits are never stored
+    whole. logits_bf16 rounds the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
     hidden, weight = hidden.detach(), weight.detach()
     n = hidden.shape[0]
     count = count.detach()
