@@ -1470,13 +1470,21 @@ def _swap_embedding(model: torch.nn.Module) -> None:
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, count: torch.Tensor,
                          logits_bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, C], weight [V, C] (the LM head), targets int32 [N] (-100: ignored). Returns the fp32
-    scalar loss = Σ_r CE(hidden[r] · weightᵀ, targets[r]) / count (a 0-d tensor: read inside the op,
-    so that torch.compile sees no .item()) and its gradients (d hidden,
-    d weight), computed in the same pass: the [N, V] logits are never stored whole. logits_bf16 rounds
-    the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
+    scalar loss = Σ_r CE(hidden[r] · weightᵀ, targets[r]) / count (a 0-d tensor: on a GPU it stays
+    there, read by the loss kernel, so neither torch.compile nor the host waits on it) and its
+    gradients (d hidden, d weight), computed in the same pass: the [N, V] logits are never stored
+    whole. logits_bf16 rounds the logits to bf16 before the softmax, as a bf16 model's lm_head output is."""
     hidden, weight = hidden.detach(), weight.detach()
     n = hidden.shape[0]
-    scale = 1.0 / float(count)
+    count = count.detach()
+    if count.device.type == "cuda":
+        # 1 / count stays on the device and the loss kernel reads it there: float(count) would make the
+        # host wait for the whole forward (and a host copy to the device would too).
+        scale_by = torch.reciprocal(count.to(device=hidden.device, dtype=torch.float32)).reshape(1)
+        grad_scale, scale = 1.0, scale_by[0]
+    else:
+        scale_by, grad_scale = None, 1.0 / float(count)
+        scale = grad_scale
     losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     if n == 0:
         return losses.sum() * scale, torch.zeros_like(hidden), torch.zeros_like(weight)
@@ -1488,8 +1496,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if hidden.device.type == "cuda":  # the loss's scratch from torch's allocator, so that torch counts it
         nbytes = ops.lm_head_cross_entropy_workspace_bytes(n, weight.shape[0], logits_dtype, "cuda")
         workspace = torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=hidden.device)
-    ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=scale, logits_dtype=logits_dtype,
-                              accumulate=False, ctx=_context(hidden, workspace))
+    ops.lm_head_cross_entropy(losses, dh, dw, hidden, weight, targets, grad_scale=grad_scale,
+                              logits_dtype=logits_dtype, accumulate=False, grad_scale_by=scale_by,
+                              ctx=_context(hidden, workspace))
     return losses.sum() * scale, dh, dw
 
 
