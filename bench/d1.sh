@@ -18,8 +18,10 @@ FLOPS=${FLOPS:-$("${BUILD:-build}/moeforge" bench "${common[@]:0:8}" --steps 1 -
 [ -n "$FLOPS" ] || FLOPS=0
 # PROFILE=1: each eager system's kernel table of one more step, in $OUT/profile_<n>.txt.
 n=0
-# MF_COMPILE=0 leaves out moeforge.hf under torch.compile (no ratio needs it).
-variants=("" "--compile" "--moeforge-hf --fused-loss")
+# MF_COMPILE=0 leaves out moeforge.hf under torch.compile (no ratio needs it); STOCK=0 leaves out eager
+# stock (for a short run against compiled stock only).
+variants=("--compile" "--moeforge-hf --fused-loss")
+[ "${STOCK:-1}" = 1 ] && variants=("" "${variants[@]}")
 [ "${MF_COMPILE:-1}" = 1 ] && variants+=("--moeforge-hf --fused-loss --compile")
 for variant in "${variants[@]}"; do
   n=$((n + 1))
