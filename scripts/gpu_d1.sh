@@ -3,7 +3,7 @@
 #   PHASE=build  builds the binary, the Python package and the gpu tests named in TESTS (build-gpu);
 #                runs those tests and the Python test files named in PYTESTS.
 #   PHASE=d1     benchmark D1 (bench/d1.sh; PROFILE=1 adds the eager systems' kernel tables and GPU idle
-#                tables), then bench/hf_op_overhead.py.
+#                tables), then bench/hf_op_overhead.py and the loss kernel's benchmark lines.
 #   PHASE=all    build, the Python tests in PYTESTS_FIRST, D1, then the rest (the order that keeps D1
 #                inside one call's limit when the machine is fresh).
 # googletest comes from .carry/googletest (no package registry there). Logs go to $OUT.
@@ -41,6 +41,11 @@ d1() {
   # the host time per eager op call (the step's start waits for it)
   PYTHONPATH="$PWD/build-gpu/python" timeout 120 python3 bench/hf_op_overhead.py 2>> "$OUT/d1_stderr.log" |
     tee "$OUT/op_overhead.jsonl"
+  # the loss kernel alone, each way (where test_cuda_loss_optim is built)
+  if [ -x build-gpu/tests/test_cuda_loss_optim ]; then
+    MF_BENCH=1 timeout 120 build-gpu/tests/test_cuda_loss_optim --gtest_filter='CudaLossOptimBench*' 2>&1 |
+      grep -E "BENCH ce loss|FAILED" | tee "$OUT/bench_ce.log"
+  fi
 }
 
 case "${PHASE:-build}" in
