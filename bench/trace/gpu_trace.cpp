@@ -7,12 +7,12 @@
 // a one-GPU P1 step ran ~4% slower under it, but a 2-process EP=2 P2 step about twice as slow, so
 // read kernel durations from it there, not the EP step's idle time.
 #include <cupti.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <unistd.h>
 
 namespace {
 
@@ -65,8 +65,8 @@ extern "C" int InitializeInjection() {
     g_out = std::fopen(path.c_str(), "w");
     if (g_out == nullptr) return 0;
     if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) return 0;
-    for (CUpti_ActivityKind kind : {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
-                                    CUPTI_ACTIVITY_KIND_MEMSET})
+    for (CUpti_ActivityKind kind :
+         {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY, CUPTI_ACTIVITY_KIND_MEMSET})
         cuptiActivityEnable(kind);
     std::atexit(flush_at_exit);
     return 1;

@@ -71,9 +71,7 @@ int free_loopback_port() {
 
 int status_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
 
@@ -102,13 +100,20 @@ int cmd_launch(const Args& args) {
             if (i + 1 >= options.size()) fail("launch: option --", name, " needs a value");
             value = options[++i];
         }
-        if (name == "nproc-per-node") nproc = parse_count(name, value, 1, 1024);
-        else if (name == "nnodes") nnodes = parse_count(name, value, 1, 65536);
-        else if (name == "node-rank") node_rank = parse_count(name, value, 0, 65535);
-        else if (name == "master-addr") master_addr = value;
-        else if (name == "master-port") master_port = parse_count(name, value, 1, 65535);
-        else if (name == "program") program = value;
-        else fail("launch: unknown option --", name);
+        if (name == "nproc-per-node")
+            nproc = parse_count(name, value, 1, 1024);
+        else if (name == "nnodes")
+            nnodes = parse_count(name, value, 1, 65536);
+        else if (name == "node-rank")
+            node_rank = parse_count(name, value, 0, 65535);
+        else if (name == "master-addr")
+            master_addr = value;
+        else if (name == "master-port")
+            master_port = parse_count(name, value, 1, 65535);
+        else if (name == "program")
+            program = value;
+        else
+            fail("launch: unknown option --", name);
     }
     if (nproc == 0) fail("launch: missing required option --nproc-per-node");
     if (node_rank >= nnodes) fail("launch: --node-rank ", node_rank, " must be below --nnodes ", nnodes);
@@ -117,8 +122,10 @@ int cmd_launch(const Args& args) {
     if (master_addr.empty()) fail("launch: --master-addr is empty");
     if (master_port == 0) {
         const char* env_port = std::getenv("MASTER_PORT");
-        if (env_port != nullptr && env_port[0] != '\0') master_port = parse_count("master-port (MASTER_PORT)", env_port, 1, 65535);
-        else master_port = nnodes == 1 ? free_loopback_port() : 29500;
+        if (env_port != nullptr && env_port[0] != '\0')
+            master_port = parse_count("master-port (MASTER_PORT)", env_port, 1, 65535);
+        else
+            master_port = nnodes == 1 ? free_loopback_port() : 29500;
     }
     if (program.empty()) {
         char self[4096];
@@ -133,8 +140,8 @@ int cmd_launch(const Args& args) {
 
     // Everything the children need is built before fork (no allocation between fork and exec).
     std::vector<std::vector<std::string>> envs(nproc);
-    const char* overridden[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
-                                "MASTER_PORT=", "NCCL_NVLS_ENABLE="};
+    const char* overridden[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",      "LOCAL_WORLD_SIZE=",
+                                "MASTER_ADDR=", "MASTER_PORT=", "NCCL_NVLS_ENABLE="};
     for (int local = 0; local < nproc; ++local) {
         for (char** e = environ; *e != nullptr; ++e) {
             bool keep = true;
@@ -163,7 +170,8 @@ int cmd_launch(const Args& args) {
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
-    struct sigaction old_int {}, old_term {};
+    struct sigaction old_int {
+    }, old_term{};
     ::sigaction(SIGINT, &sa, &old_int);
     ::sigaction(SIGTERM, &sa, &old_term);
     const pid_t launcher = ::getpid();
@@ -195,9 +203,9 @@ int cmd_launch(const Args& args) {
         ++num_running;
     }
 
-    int forwarded = 0;            // how many signals were forwarded
-    int interrupt_signal = 0;     // the first forwarded signal (0: none)
-    double kill_deadline = 0;     // when to SIGKILL the survivors (0: not yet stopping)
+    int forwarded = 0;         // how many signals were forwarded
+    int interrupt_signal = 0;  // the first forwarded signal (0: none)
+    double kill_deadline = 0;  // when to SIGKILL the survivors (0: not yet stopping)
     auto stop_all = [&](int sig, double grace) {
         for (int local = 0; local < nproc; ++local)
             if (running[local]) ::kill(pids[local], sig);
@@ -234,8 +242,10 @@ int cmd_launch(const Args& args) {
             if (code != 0 && interrupt_signal != 0 && code == 128 + interrupt_signal) continue;  // stopped as asked
             if (code != 0 && result == 0) {
                 result = code;
-                std::fprintf(stderr, "moeforge launch: rank %d (local %d, pid %d) exited with status %d; stopping the other ranks\n",
-                             node_rank * nproc + local, local, static_cast<int>(pid), code);
+                std::fprintf(
+                    stderr,
+                    "moeforge launch: rank %d (local %d, pid %d) exited with status %d; stopping the other ranks\n",
+                    node_rank * nproc + local, local, static_cast<int>(pid), code);
                 stop_all(SIGTERM, kGraceSeconds);
             }
         }

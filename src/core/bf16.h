@@ -69,9 +69,9 @@ inline uint16_t f32_to_f16(float value) {
     }
     if (magnitude < 0x33000000u) return sign;  // below half the smallest subnormal (2^-25): +-0
     // Subnormal f16: value / 2^-24 rounded to an integer, ties to even.
-    const uint32_t exponent = magnitude >> 23;                    // 102 .. 112
+    const uint32_t exponent = magnitude >> 23;                      // 102 .. 112
     const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;  // with the implicit bit
-    const uint32_t shift = 126u - exponent;                       // 14 .. 24
+    const uint32_t shift = 126u - exponent;                         // 14 .. 24
     const uint32_t half = 1u << (shift - 1);
     const uint32_t rest = mantissa & ((1u << shift) - 1u);
     uint32_t q = mantissa >> shift;

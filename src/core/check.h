@@ -30,8 +30,7 @@ std::string concat(Args&&... args) {
     return os.str();
 }
 
-[[noreturn]] void throw_error(const char* expr, const char* file, int line, const char* func,
-                              const std::string& msg);
+[[noreturn]] void throw_error(const char* expr, const char* file, int line, const char* func, const std::string& msg);
 
 }  // namespace detail
 
@@ -43,14 +42,12 @@ template <typename... Args>
 
 }  // namespace mf
 
-#define MF_CHECK(cond, ...)                                                                            \
-    do {                                                                                               \
-        static_assert(std::is_same_v<std::remove_cvref_t<decltype(cond)>, bool>,                       \
-                      "MF_CHECK condition must be a bool");                                            \
-        if (!(cond)) [[unlikely]]                                                                      \
-            ::mf::detail::throw_error(#cond, __FILE__, __LINE__, __func__,                             \
-                                      ::mf::detail::concat("" __VA_OPT__(, ) __VA_ARGS__));            \
+#define MF_CHECK(cond, ...)                                                                                            \
+    do {                                                                                                               \
+        static_assert(std::is_same_v<std::remove_cvref_t<decltype(cond)>, bool>, "MF_CHECK condition must be a bool"); \
+        if (!(cond)) [[unlikely]]                                                                                      \
+            ::mf::detail::throw_error(#cond, __FILE__, __LINE__, __func__,                                             \
+                                      ::mf::detail::concat("" __VA_OPT__(, ) __VA_ARGS__));                            \
     } while (0)
 
-#define MF_FAIL(...) \
-    ::mf::detail::throw_error(nullptr, __FILE__, __LINE__, __func__, ::mf::detail::concat(__VA_ARGS__))
+#define MF_FAIL(...) ::mf::detail::throw_error(nullptr, __FILE__, __LINE__, __func__, ::mf::detail::concat(__VA_ARGS__))

@@ -14,22 +14,32 @@ size_t round_up(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignmen
 
 size_t dtype_size(DType dtype) {
     switch (dtype) {
-        case DType::f32: return 4;
-        case DType::bf16: return 2;
-        case DType::i32: return 4;
-        case DType::i64: return 8;
-        case DType::f64: return 8;
+        case DType::f32:
+            return 4;
+        case DType::bf16:
+            return 2;
+        case DType::i32:
+            return 4;
+        case DType::i64:
+            return 8;
+        case DType::f64:
+            return 8;
     }
     return 0;
 }
 
 const char* dtype_name(DType dtype) {
     switch (dtype) {
-        case DType::f32: return "f32";
-        case DType::bf16: return "bf16";
-        case DType::i32: return "i32";
-        case DType::i64: return "i64";
-        case DType::f64: return "f64";
+        case DType::f32:
+            return "f32";
+        case DType::bf16:
+            return "bf16";
+        case DType::i32:
+            return "i32";
+        case DType::i64:
+            return "i64";
+        case DType::f64:
+            return "f64";
     }
     return "?";
 }
@@ -81,8 +91,10 @@ Buffer::~Buffer() { release(); }
 
 void Buffer::release() {
     if (data_ == nullptr) return;
-    if (device_ == Device::cpu) std::free(data_);
-    else device_free(data_);
+    if (device_ == Device::cpu)
+        std::free(data_);
+    else
+        device_free(data_);
     data_ = nullptr;
 }
 
@@ -105,8 +117,10 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
 
 void Buffer::zero() {
     if (data_ == nullptr) return;
-    if (device_ == Device::cpu) std::memset(data_, 0, nbytes_);
-    else device_memset_zero(data_, nbytes_);
+    if (device_ == Device::cpu)
+        std::memset(data_, 0, nbytes_);
+    else
+        device_memset_zero(data_, nbytes_);
 }
 
 Tensor Buffer::as(DType dtype, Shape shape, size_t byte_offset) const {
@@ -134,8 +148,10 @@ Tensor Arena::alloc(DType dtype, Shape shape) {
 Tensor Arena::zeros(DType dtype, Shape shape) {
     Tensor t = alloc(dtype, std::move(shape));
     if (measuring_) return t;
-    if (t.device() == Device::cpu) std::memset(t.data(), 0, t.nbytes());
-    else device_memset_zero(t.data(), t.nbytes());
+    if (t.device() == Device::cpu)
+        std::memset(t.data(), 0, t.nbytes());
+    else
+        device_memset_zero(t.data(), t.nbytes());
     return t;
 }
 

@@ -61,13 +61,21 @@ class Tensor {
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::f32; }
+constexpr DType dtype_of<float>() {
+    return DType::f32;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::i32; }
+constexpr DType dtype_of<int32_t>() {
+    return DType::i32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::i64; }
+constexpr DType dtype_of<int64_t>() {
+    return DType::i64;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::f64; }
+constexpr DType dtype_of<double>() {
+    return DType::f64;
+}
 
 template <typename T>
 T* Tensor::ptr() const {

@@ -4,8 +4,8 @@
 
 namespace mf::data {
 
-Batch make_row_batch(const std::vector<std::vector<int32_t>>& input_ids, const std::vector<std::vector<int32_t>>& labels,
-                     int64_t T, int32_t pad_id) {
+Batch make_row_batch(const std::vector<std::vector<int32_t>>& input_ids,
+                     const std::vector<std::vector<int32_t>>& labels, int64_t T, int32_t pad_id) {
     MF_CHECK(labels.empty() || labels.size() == input_ids.size(), "labels and input_ids differ in row count");
     Batch b;
     b.B = static_cast<int64_t>(input_ids.size());

@@ -36,7 +36,7 @@ struct Batch {
 
 // One document per row, HF's label shift: targets[t] = labels[t + 1], the last position ignored.
 // `labels` may be empty (= input_ids). Rows shorter than T are padded with pad_id (ignored).
-Batch make_row_batch(const std::vector<std::vector<int32_t>>& input_ids, const std::vector<std::vector<int32_t>>& labels,
-                     int64_t T, int32_t pad_id);
+Batch make_row_batch(const std::vector<std::vector<int32_t>>& input_ids,
+                     const std::vector<std::vector<int32_t>>& labels, int64_t T, int32_t pad_id);
 
 }  // namespace mf::data

@@ -90,8 +90,7 @@ class ModelWeights {
     // from `expected`, or its dtype is not a float type.
     void read_f32(std::string_view name, const Shape& expected, float* dst) const;
     // Rows [first_row, first_row + rows) of dimension 0 only (an EP rank's experts of a stacked tensor).
-    void read_f32_rows(std::string_view name, const Shape& expected, int64_t first_row, int64_t rows,
-                       float* dst) const;
+    void read_f32_rows(std::string_view name, const Shape& expected, int64_t first_row, int64_t rows, float* dst) const;
 
  private:
     ModelWeights() = default;

@@ -48,8 +48,7 @@ void check_all_to_all_v_args(int size, std::span<const int64_t> send_counts, std
                              std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets, DType dtype,
                              const char* op) {
     const size_t n = static_cast<size_t>(size);
-    MF_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n &&
-                 recv_offsets.size() == n,
+    MF_CHECK(send_counts.size() == n && send_offsets.size() == n && recv_counts.size() == n && recv_offsets.size() == n,
              op, ": counts and offsets need ", n, " entries each");
     for (size_t p = 0; p < n; ++p) {
         MF_CHECK(send_offsets[p] >= 0 && recv_offsets[p] >= 0, op, ": negative offset for peer ", p);
@@ -69,8 +68,8 @@ void check_broadcast_each_args(std::span<const int64_t> offsets, int size) {
 size_t checked_nbytes(int64_t count, DType dtype, const char* op) {
     MF_CHECK(count >= 0, op, ": negative element count ", count);
     const size_t elem = dtype_size(dtype);
-    MF_CHECK(static_cast<uint64_t>(count) <= std::numeric_limits<size_t>::max() / elem, op, ": element count ",
-             count, " overflows");
+    MF_CHECK(static_cast<uint64_t>(count) <= std::numeric_limits<size_t>::max() / elem, op, ": element count ", count,
+             " overflows");
     return static_cast<size_t>(count) * elem;
 }
 

@@ -77,9 +77,8 @@ class Communicator {
     // counts may be zero; recv_counts[p] must equal p's send_counts[this rank] (checked by the TCP
     // backend, which sends a length with each message). The self entry is a local copy.
     virtual void all_to_all_v(const void* send, std::span<const int64_t> send_counts,
-                              std::span<const int64_t> send_offsets, void* recv,
-                              std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
-                              DType dtype) = 0;
+                              std::span<const int64_t> send_offsets, void* recv, std::span<const int64_t> recv_counts,
+                              std::span<const int64_t> recv_offsets, DType dtype) = 0;
     // all_to_all_v that may overlap what follows: starts the exchange and returns a ticket;
     // all_to_all_v_join(ticket) orders later work after that exchange and every one started before it.
     // The buffers must stay untouched until joined. NCCL runs it on a side stream with its own

@@ -8,10 +8,10 @@
 
 #include "core/check.h"
 
-#define MF_CHECK_NCCL(expr)                                                                          \
-    do {                                                                                             \
-        const ncclResult_t mf_nccl_status_ = (expr);                                                 \
-        if (mf_nccl_status_ != ncclSuccess && mf_nccl_status_ != ncclInProgress) [[unlikely]]        \
-            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                           \
+#define MF_CHECK_NCCL(expr)                                                                                       \
+    do {                                                                                                          \
+        const ncclResult_t mf_nccl_status_ = (expr);                                                              \
+        if (mf_nccl_status_ != ncclSuccess && mf_nccl_status_ != ncclInProgress) [[unlikely]]                     \
+            ::mf::detail::throw_error(#expr, __FILE__, __LINE__, __func__,                                        \
                                       ::mf::detail::concat("NCCL error: ", ncclGetErrorString(mf_nccl_status_))); \
     } while (0)

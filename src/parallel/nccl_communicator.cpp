@@ -26,11 +26,16 @@ namespace {
 
 ncclDataType_t nccl_type(DType dtype) {
     switch (dtype) {
-        case DType::f32: return ncclFloat32;
-        case DType::bf16: return ncclBfloat16;
-        case DType::i32: return ncclInt32;
-        case DType::i64: return ncclInt64;
-        case DType::f64: return ncclFloat64;
+        case DType::f32:
+            return ncclFloat32;
+        case DType::bf16:
+            return ncclBfloat16;
+        case DType::i32:
+            return ncclInt32;
+        case DType::i64:
+            return ncclInt64;
+        case DType::f64:
+            return ncclFloat64;
     }
     MF_FAIL("no NCCL type for dtype ", dtype_name(dtype));
 }
@@ -162,8 +167,9 @@ NcclCommunicator::NcclCommunicator(Rendezvous& rendezvous, double timeout_s, cud
     int count = 0;
     MF_CHECK_CUDA(cudaGetDeviceCount(&count));
     if (want >= count)
-        fail("rank ", env.rank, " (local rank ", env.local_rank, ") needs CUDA device ", want, ", but this machine has ",
-             count, ": start at most ", count, " ranks per node (--nproc-per-node) or set device=cpu");
+        fail("rank ", env.rank, " (local rank ", env.local_rank, ") needs CUDA device ", want,
+             ", but this machine has ", count, ": start at most ", count,
+             " ranks per node (--nproc-per-node) or set device=cpu");
     MF_CHECK_CUDA(cudaSetDevice(want));
     std::string blob;
     if (rank_ == 0) {
@@ -172,7 +178,8 @@ NcclCommunicator::NcclCommunicator(Rendezvous& rendezvous, double timeout_s, cud
         blob.assign(reinterpret_cast<const char*>(&id), sizeof id);
     }
     rendezvous.share_blob(blob);
-    if (blob.size() != sizeof(ncclUniqueId)) fail("rank ", rank_, ": NCCL unique id from rank 0 has ", blob.size(), " bytes");
+    if (blob.size() != sizeof(ncclUniqueId))
+        fail("rank ", rank_, ": NCCL unique id from rank 0 has ", blob.size(), " bytes");
     ncclUniqueId id;
     std::memcpy(&id, blob.data(), sizeof id);
     ncclConfig_t config = nonblocking_config();
@@ -208,10 +215,13 @@ NcclCommunicator::~NcclCommunicator() {
         ncclCommFinalize(comm_);
         const double deadline = net::now_s() + timeout_s_;
         ncclResult_t state = ncclInProgress;
-        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress && net::now_s() < deadline)
+        while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
+               net::now_s() < deadline)
             std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        if (state == ncclSuccess) ncclCommDestroy(comm_);
-        else ncclCommAbort(comm_);
+        if (state == ncclSuccess)
+            ncclCommDestroy(comm_);
+        else
+            ncclCommAbort(comm_);
     }
 }
 
@@ -301,7 +311,8 @@ void NcclCommunicator::all_reduce_sum(void* data, int64_t count, DType dtype) {
         const Tensor narrow(static_cast<uint16_t*>(data) + first, DType::bf16, {n}, Device::cuda);
         const Tensor f32 = wide_.as(DType::f32, {n});
         ops::cast(f32, narrow);
-        MF_CHECK_NCCL(ncclAllReduce(f32.data(), f32.data(), static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream_));
+        MF_CHECK_NCCL(
+            ncclAllReduce(f32.data(), f32.data(), static_cast<size_t>(n), ncclFloat32, ncclSum, comm_, stream_));
         wait_nccl(op);
         ops::cast(narrow, f32);
     }
@@ -372,9 +383,11 @@ void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> s
     for (size_t p = 0; p < n; ++p) {
         const int peer = static_cast<int>(p);
         if (send_counts[p] > 0)
-            MF_CHECK_NCCL(ncclSend(in + send_offsets[p] * elem, static_cast<size_t>(send_counts[p]), type, peer, comm_, stream_));
+            MF_CHECK_NCCL(
+                ncclSend(in + send_offsets[p] * elem, static_cast<size_t>(send_counts[p]), type, peer, comm_, stream_));
         if (recv_counts[p] > 0)
-            MF_CHECK_NCCL(ncclRecv(out + recv_offsets[p] * elem, static_cast<size_t>(recv_counts[p]), type, peer, comm_, stream_));
+            MF_CHECK_NCCL(ncclRecv(out + recv_offsets[p] * elem, static_cast<size_t>(recv_counts[p]), type, peer, comm_,
+                                   stream_));
     }
     MF_CHECK_NCCL(ncclGroupEnd());
     wait_nccl(op);
@@ -425,8 +438,8 @@ void NcclCommunicator::all_reduce_sum_async(void* data, int64_t count, DType dty
     NcclCommunicator& s = side(op);
     if (count == 0) return;
     s.begin(op);
-    MF_CHECK_NCCL(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, s.comm_,
-                                side_stream_));
+    MF_CHECK_NCCL(
+        ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum, s.comm_, side_stream_));
     s.wait_nccl(op);
     async_pending_ = true;
 }

@@ -87,9 +87,8 @@ class NcclCommunicator final : public Communicator {
     // a hung peer surfaces at the next synchronize() of this communicator (its timeout).
     static constexpr uint64_t kExchangeTickets = 256;
     uint64_t all_to_all_v_start(const void* send, std::span<const int64_t> send_counts,
-                                std::span<const int64_t> send_offsets, void* recv,
-                                std::span<const int64_t> recv_counts, std::span<const int64_t> recv_offsets,
-                                DType dtype) override;
+                                std::span<const int64_t> send_offsets, void* recv, std::span<const int64_t> recv_counts,
+                                std::span<const int64_t> recv_offsets, DType dtype) override;
     void all_to_all_v_join(uint64_t ticket) override;
     // Whether all_to_all_v runs over the peer exchange (after the first all_to_all_v; false before).
     bool uses_peer_exchange() const { return peer_ != nullptr; }

@@ -41,8 +41,8 @@ std::vector<Info> gather(NcclCommunicator& comm, const Info& mine) {
         MF_CHECK_CUDA(cudaMemcpy(dev, &mine, sizeof(Info), cudaMemcpyHostToDevice));
         comm.all_gather(dev, static_cast<char*>(dev) + sizeof(Info), sizeof(Info) / 4, DType::i32);
         comm.synchronize();
-        MF_CHECK_CUDA(cudaMemcpy(all.data(), static_cast<char*>(dev) + sizeof(Info), sizeof(Info) * n,
-                                 cudaMemcpyDeviceToHost));
+        MF_CHECK_CUDA(
+            cudaMemcpy(all.data(), static_cast<char*>(dev) + sizeof(Info), sizeof(Info) * n, cudaMemcpyDeviceToHost));
     } catch (...) {
         cudaFree(dev);
         throw;
@@ -57,16 +57,18 @@ size_t slot_from_env(size_t requested) {
     if (env == nullptr || *env == '\0') return PeerExchange::kDefaultSlotBytes;
     char* end = nullptr;
     const long long mb = std::strtoll(env, &end, 10);
-    MF_CHECK(end != env && *end == '\0' && mb > 0 && mb <= (1 << 20), "MOEFORGE_PEER_SLOT_MB: expected a positive "
-             "number of MiB, got '", env, "'");
+    MF_CHECK(end != env && *end == '\0' && mb > 0 && mb <= (1 << 20),
+             "MOEFORGE_PEER_SLOT_MB: expected a positive "
+             "number of MiB, got '",
+             env, "'");
     return static_cast<size_t>(mb) << 20;
 }
 
 PeerExchange::Copies copies_from_env() {
     const char* env = std::getenv("MOEFORGE_PEER_COPY");
     if (env == nullptr || *env == '\0' || std::strcmp(env, "ce") == 0) return PeerExchange::Copies::engines;
-    MF_CHECK(std::strcmp(env, "sm") == 0, "MOEFORGE_PEER_COPY: expected 'ce' (copy engines) or 'sm' (SM kernels), got '",
-             env, "'");
+    MF_CHECK(std::strcmp(env, "sm") == 0,
+             "MOEFORGE_PEER_COPY: expected 'ce' (copy engines) or 'sm' (SM kernels), got '", env, "'");
     return PeerExchange::Copies::kernels;
 }
 
@@ -108,7 +110,8 @@ std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_
     x->sm_copies_ = (copies == Copies::from_env ? copies_from_env() : copies) == Copies::kernels;
     x->timeout_ns_ = static_cast<uint64_t>(std::min(comm.timeout_s(), 1e9) * 1e9);
     if (reach) {
-        MF_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&x->window_), kFlagBytes + static_cast<size_t>(n - 1) * slot));
+        MF_CHECK_CUDA(
+            cudaMalloc(reinterpret_cast<void**>(&x->window_), kFlagBytes + static_cast<size_t>(n - 1) * slot));
         MF_CHECK_CUDA(cudaMemset(x->window_, 0, kFlagBytes));  // the legacy stream: before the gather below
         MF_CHECK_CUDA(cudaIpcGetMemHandle(&mine.window, x->window_));
     }
@@ -128,8 +131,8 @@ std::unique_ptr<PeerExchange> PeerExchange::create(NcclCommunicator& comm, size_
     for (int p = 0; p < n; ++p) {
         if (p == x->rank_) continue;
         void* mapped = nullptr;
-        MF_CHECK_CUDA(cudaIpcOpenMemHandle(&mapped, second[static_cast<size_t>(p)].window,
-                                           cudaIpcMemLazyEnablePeerAccess));
+        MF_CHECK_CUDA(
+            cudaIpcOpenMemHandle(&mapped, second[static_cast<size_t>(p)].window, cudaIpcMemLazyEnablePeerAccess));
         x->peers_[static_cast<size_t>(p)] = static_cast<char*>(mapped);
     }
     return x;
@@ -145,7 +148,8 @@ PeerExchange::~PeerExchange() {
                                 p + 1, nullptr);
         cudaDeviceSynchronize();
         for (int p = 0; p < size_; ++p)
-            if (p != rank_ && peers_[static_cast<size_t>(p)] != nullptr) cudaIpcCloseMemHandle(peers_[static_cast<size_t>(p)]);
+            if (p != rank_ && peers_[static_cast<size_t>(p)] != nullptr)
+                cudaIpcCloseMemHandle(peers_[static_cast<size_t>(p)]);
     }
     if (window_ != nullptr) cudaFree(window_);
     if (error_host_ != nullptr) cudaFreeHost(error_host_);
@@ -178,7 +182,8 @@ void PeerExchange::all_to_all_v(const char* send, std::span<const size_t> send_b
              " bytes but expects ", recv_bytes[me]);
     size_t longest = 0;
     for (int p = 0; p < size_; ++p)
-        if (p != rank_) longest = std::max({longest, send_bytes[static_cast<size_t>(p)], recv_bytes[static_cast<size_t>(p)]});
+        if (p != rank_)
+            longest = std::max({longest, send_bytes[static_cast<size_t>(p)], recv_bytes[static_cast<size_t>(p)]});
     Flags* own = flags(window_);
     std::vector<cuda::CopySpan> spans;
     std::vector<std::pair<int, uint64_t>> posted;  // (peer, round) of this round's sends
@@ -194,11 +199,13 @@ void PeerExchange::all_to_all_v(const char* send, std::span<const size_t> send_b
             if (p == rank_ || send_bytes[i] <= at) continue;
             const uint64_t q = ++sent_[i];
             if (q > 1) cuda::peer_wait(&own->freed[p], q - 1, timeout_ns_, error_device_, p + 1, stream);
-            spans.push_back({slot(peers_[i], p, rank_), send + send_offsets[i] + at, std::min(slot_bytes_, send_bytes[i] - at)});
+            spans.push_back(
+                {slot(peers_[i], p, rank_), send + send_offsets[i] + at, std::min(slot_bytes_, send_bytes[i] - at)});
             posted.emplace_back(p, q);
         }
         copy(spans, stream);
-        for (const auto& [p, q] : posted) cuda::peer_signal(&flags(peers_[static_cast<size_t>(p)])->arrived[rank_], q, stream);
+        for (const auto& [p, q] : posted)
+            cuda::peer_signal(&flags(peers_[static_cast<size_t>(p)])->arrived[rank_], q, stream);
         for (int p = 0; p < size_; ++p) {
             const size_t i = static_cast<size_t>(p);
             if (p == rank_ || recv_bytes[i] <= at) continue;

@@ -88,11 +88,11 @@ class PeerExchange {
     int rank_ = 0, size_ = 1;
     size_t slot_bytes_ = 0;
     uint64_t timeout_ns_ = 0;
-    bool sm_copies_ = false;  // copies by SM kernels (cuda::peer_copy), else by the copy engines
-    char* window_ = nullptr;          // this rank's window
-    std::vector<char*> peers_;        // every rank's window as mapped here (peers_[rank_] = window_)
+    bool sm_copies_ = false;                 // copies by SM kernels (cuda::peer_copy), else by the copy engines
+    char* window_ = nullptr;                 // this rank's window
+    std::vector<char*> peers_;               // every rank's window as mapped here (peers_[rank_] = window_)
     std::vector<uint64_t> sent_, received_;  // rounds sent to / received from each rank so far
-    int* error_host_ = nullptr;       // mapped host word: 0, or 1 + the late rank
+    int* error_host_ = nullptr;              // mapped host word: 0, or 1 + the late rank
     int* error_device_ = nullptr;
 };
 

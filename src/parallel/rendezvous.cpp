@@ -40,7 +40,8 @@ int parse_int(const char* name, const char* value, int lo, int hi) {
     if (text.empty() || text.size() > 10 || text.find_first_not_of("0123456789") != std::string::npos)
         fail("environment variable ", name, "='", text, "': expected an integer in [", lo, ", ", hi, "]");
     const long long v = std::stoll(text);
-    if (v < lo || v > hi) fail("environment variable ", name, "=", text, ": expected an integer in [", lo, ", ", hi, "]");
+    if (v < lo || v > hi)
+        fail("environment variable ", name, "=", text, ": expected an integer in [", lo, ", ", hi, "]");
     return static_cast<int>(v);
 }
 
@@ -97,7 +98,8 @@ void expand_item(const std::string& item, const std::string& whole, std::vector<
         if (comma == std::string::npos) comma = body.size();
         const std::string range = body.substr(start, comma - start);
         const size_t dash = range.find('-');
-        const std::string lo_s = range.substr(0, dash), hi_s = dash == std::string::npos ? lo_s : range.substr(dash + 1);
+        const std::string lo_s = range.substr(0, dash),
+                          hi_s = dash == std::string::npos ? lo_s : range.substr(dash + 1);
         auto digits = [](const std::string& s) {
             return !s.empty() && s.size() <= 9 && s.find_first_not_of("0123456789") == std::string::npos;
         };
@@ -149,7 +151,8 @@ DistEnv dist_env_from(const std::function<const char*(const char*)>& getenv) {
         const std::vector<std::string> hosts = expand_slurm_nodelist(list);
         env.master_addr = hosts.front();
     }
-    if (const char* v = first_set(getenv, "MASTER_PORT", nullptr, &which)) env.master_port = parse_int(which, v, 1, 65535);
+    if (const char* v = first_set(getenv, "MASTER_PORT", nullptr, &which))
+        env.master_port = parse_int(which, v, 1, 65535);
     return env;
 }
 
@@ -168,9 +171,7 @@ DistEnv dist_env_from_process() {
 
 namespace net {
 
-double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 void make_nonblocking(int fd) {
     const int flags = ::fcntl(fd, F_GETFL, 0);
@@ -358,8 +359,7 @@ struct JoinMessage {
 std::string prefixed(int rank, const std::string& msg) { return detail::concat("rank ", rank, ": ", msg); }
 }  // namespace
 
-Rendezvous::Rendezvous(const DistEnv& env, double timeout_s, int* mesh_listen_fd)
-    : env_(env), timeout_s_(timeout_s) {
+Rendezvous::Rendezvous(const DistEnv& env, double timeout_s, int* mesh_listen_fd) : env_(env), timeout_s_(timeout_s) {
     MF_CHECK(timeout_s > 0, "rendezvous timeout must be positive, got ", timeout_s);
     MF_CHECK(env.rank >= 0 && env.rank < env.world_size, "rank ", env.rank, " outside world of ", env.world_size);
     const int n = env.world_size, me = env.rank;
@@ -384,8 +384,8 @@ Rendezvous::Rendezvous(const DistEnv& env, double timeout_s, int* mesh_listen_fd
                             std::string missing;
                             for (int r = 1; r < n; ++r)
                                 if (control_fds_[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-                            fail("timed out after ", seconds_str(timeout_s), " s in rendezvous on ", env.master_addr, ":",
-                                 env.master_port, " waiting for rank(s) ", missing, " (", joined, " of ", n - 1,
+                            fail("timed out after ", seconds_str(timeout_s), " s in rendezvous on ", env.master_addr,
+                                 ":", env.master_port, " waiting for rank(s) ", missing, " (", joined, " of ", n - 1,
                                  " joined)");
                         }
                         JoinMessage join{};
@@ -399,9 +399,11 @@ Rendezvous::Rendezvous(const DistEnv& env, double timeout_s, int* mesh_listen_fd
                         if (join.magic != kJoinMagic || join.rank < 1 || join.rank >= n || join.world_size != n ||
                             control_fds_[join.rank] >= 0) {
                             ::close(fd);
-                            if (join.magic != kJoinMagic) fail("rendezvous: a connection sent a malformed join message");
+                            if (join.magic != kJoinMagic)
+                                fail("rendezvous: a connection sent a malformed join message");
                             if (join.world_size != n)
-                                fail("rendezvous: rank ", join.rank, " has WORLD_SIZE ", join.world_size, ", rank 0 has ", n);
+                                fail("rendezvous: rank ", join.rank, " has WORLD_SIZE ", join.world_size,
+                                     ", rank 0 has ", n);
                             fail("rendezvous: rank ", join.rank, " joined twice or is outside the world of ", n);
                         }
                         control_fds_[join.rank] = fd;

@@ -26,13 +26,20 @@ enum OpCode : uint32_t { kAllReduce = 1, kBroadcast, kAllGather, kAllToAllV, kBa
 
 const char* op_name(uint32_t op) {
     switch (op) {
-        case kAllReduce: return "all_reduce_sum";
-        case kBroadcast: return "broadcast";
-        case kAllGather: return "all_gather";
-        case kAllToAllV: return "all_to_all_v";
-        case kBarrier: return "barrier";
-        case kSplit: return "split";
-        default: return "unknown operation";
+        case kAllReduce:
+            return "all_reduce_sum";
+        case kBroadcast:
+            return "broadcast";
+        case kAllGather:
+            return "all_gather";
+        case kAllToAllV:
+            return "all_to_all_v";
+        case kBarrier:
+            return "barrier";
+        case kSplit:
+            return "split";
+        default:
+            return "unknown operation";
     }
 }
 
@@ -188,7 +195,8 @@ void TcpCommunicator::run_round(std::vector<Transfer>& transfers, const char* op
             int peer = -1;
             for (const Transfer& t : transfers)
                 if (!t.complete() && (peer < 0 || members_[t.peer] < peer)) peer = members_[t.peer];
-            fail("rank ", me, ": timed out after ", seconds_str(timeout), " s waiting for rank ", peer, " in ", where(seq_));
+            fail("rank ", me, ": timed out after ", seconds_str(timeout), " s waiting for rank ", peer, " in ",
+                 where(seq_));
         }
         bool progressed = false;
         for (size_t s = 0; s < fds.size(); ++s) {
@@ -203,8 +211,8 @@ void TcpCommunicator::run_round(std::vector<Transfer>& transfers, const char* op
                 };
                 while (!t.complete()) {
                     const bool in_header = t.done < sizeof(Header);
-                    char* base = in_header ? reinterpret_cast<char*>(&t.header) + t.done
-                                           : t.data + (t.done - sizeof(Header));
+                    char* base =
+                        in_header ? reinterpret_cast<char*>(&t.header) + t.done : t.data + (t.done - sizeof(Header));
                     const size_t want = in_header ? sizeof(Header) - t.done : t.nbytes - (t.done - sizeof(Header));
                     const ssize_t got = t.is_send ? ::send(fd, base, want, MSG_NOSIGNAL) : ::recv(fd, base, want, 0);
                     if (got < 0) {
@@ -358,8 +366,8 @@ void TcpCommunicator::all_to_all_v(const void* send, std::span<const int64_t> se
                                    DType dtype) {
     const char* op = "all_to_all_v";
     check_all_to_all_v_args(size(), send_counts, send_offsets, recv_counts, recv_offsets, dtype, op);
-    MF_CHECK(send_counts[group_rank_] == recv_counts[group_rank_], op, ": this rank sends ",
-             send_counts[group_rank_], " elements to itself but expects ", recv_counts[group_rank_]);
+    MF_CHECK(send_counts[group_rank_] == recv_counts[group_rank_], op, ": this rank sends ", send_counts[group_rank_],
+             " elements to itself but expects ", recv_counts[group_rank_]);
     next_tag();
     const size_t elem = dtype_size(dtype);
     const char* in = static_cast<const char*>(send);

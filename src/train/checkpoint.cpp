@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
-#include <cstring>
-#include <cstdio>
 #include <vector>
 
 #include "io/crc32c.h"
@@ -57,9 +57,8 @@ std::string hex(uint64_t v) {
 
 // The recipe keys a resume must keep: they decide which data each step sees and what is trained.
 constexpr const char* kResumeKeys[][2] = {
-    {"model", nullptr},       {"data", "train"},       {"data", "format"},     {"data", "packing"},
-    {"data", "shuffle"},      {"train", "seq_len"},    {"train", "micro_batch"}, {"train", "grad_accum"},
-    {"seed", nullptr},
+    {"model", nullptr},   {"data", "train"},        {"data", "format"},      {"data", "packing"}, {"data", "shuffle"},
+    {"train", "seq_len"}, {"train", "micro_batch"}, {"train", "grad_accum"}, {"seed", nullptr},
 };
 
 const json::Value* lookup(const json::Value& v, const char* a, const char* b) {
@@ -128,8 +127,7 @@ void verify_state_checksum(const std::string& text, const std::string& where) {
 void verify_shard_checksum(const fs::path& file, const json::Value& checksums, const std::string& where) {
     const std::string name = file.filename().string();
     const json::Value* want = checksums.find(name);
-    if (want == nullptr || !want->is_string())
-        fail(where, ": field \"checksums\" has no entry for ", name);
+    if (want == nullptr || !want->is_string()) fail(where, ": field \"checksums\" has no entry for ", name);
     const io::MappedFile map(file);
     const std::string got = io::crc32c_string(io::crc32c(0, map.data(), map.size()));
     if (got != want->as_string())
@@ -148,8 +146,8 @@ void check_schedule(const json::Value& s, const std::string& where, const Recipe
     const json::Value* old_train = s.find("recipe") != nullptr ? s.find("recipe")->find("train") : nullptr;
     const json::Value* old_steps = old_train != nullptr ? old_train->find("steps") : nullptr;
     fail(where, ": resuming at step ", step, " would change the learning rate of the next step from ", then, " to ",
-         now, " (train.steps ", old_steps != nullptr ? old_steps->dump() : "?", " -> ", recipe.train.steps,
-         "; the ", recipe.optim.schedule,
+         now, " (train.steps ", old_steps != nullptr ? old_steps->dump() : "?", " -> ", recipe.train.steps, "; the ",
+         recipe.optim.schedule,
          " schedule is defined by train.steps, optim.lr and optim.warmup_steps, so changing them restarts or "
          "bends the schedule). Keep them as they were, or pass --force-resume to accept the jump");
 }
@@ -191,14 +189,17 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
                     if (a >= b) continue;
                     const int64_t row = spec.is_expert ? spec.numel / spec.shape[0] : 0;
                     const int64_t global = (spec.is_expert ? spec.expert_first * row : 0) + (a - spec.offset);
-                    tensors.push_back({kStateTensors[k] + spec.name + "@" + std::to_string(global), io::StDType::F32,
-                                       {b - a}, owned[k].data() + at + (a - r.begin)});
+                    tensors.push_back({kStateTensors[k] + spec.name + "@" + std::to_string(global),
+                                       io::StDType::F32,
+                                       {b - a},
+                                       owned[k].data() + at + (a - r.begin)});
                 }
                 at += r.end - r.begin;
             }
         }
-        shard_crc = io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world),
-                                          tensors, {{"format", "moeforge"}});
+        shard_crc =
+            io::write_safetensors(io::AtomicDir::temp_path_for(final_dir, "shards") / shard_file_name(rank, world),
+                                  tensors, {{"format", "moeforge"}});
     }
     // Rank 0 learns every shard's checksum (each rank fills its slot; a CRC is exact in a double).
     std::vector<double> crcs(static_cast<size_t>(world), 0.0);
@@ -215,7 +216,8 @@ void save_checkpoint(const fs::path& root, const CheckpointState& state, model::
     s.set("shards", world);
     json::Value checksums = json::Value::object();
     for (int64_t r = 0; r < world; ++r)
-        checksums.set(shard_file_name(r, world), io::crc32c_string(static_cast<uint32_t>(crcs[static_cast<size_t>(r)])));
+        checksums.set(shard_file_name(r, world),
+                      io::crc32c_string(static_cast<uint32_t>(crcs[static_cast<size_t>(r)])));
     s.set("checksums", std::move(checksums));
     s.set("step", state.step);
     if (state.next_lr >= 0) s.set("next_lr", json::Value(state.next_lr));
@@ -274,7 +276,8 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
     if (version != kCheckpointFormatVersion && version != 2)
         fail(where, ": checkpoint format version ", version, ", this build reads versions 2 and ",
              kCheckpointFormatVersion);
-    if (version >= 3) verify_state_checksum(text, where);
+    if (version >= 3)
+        verify_state_checksum(text, where);
     else if (layout.rank == 0)
         std::printf("resume: %s is a format-2 checkpoint: it carries no checksums, so its files are not verified\n",
                     dir.string().c_str());
@@ -285,11 +288,12 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
     if (int_field("num_params") != model.num_params_total())
         fail(where, ": checkpoint has ", int_field("num_params"), " parameters, the model ", model.num_params_total());
     if ((then_world != layout.world_size || then_ep != layout.ep_size) && layout.rank == 0)
-        std::printf("resume: checkpoint written at world size %lld (EP %lld), continuing at world size %lld (EP %lld); "
-                    "the global batch is now %lld rows per micro-step\n",
-                    static_cast<long long>(then_world), static_cast<long long>(then_ep),
-                    static_cast<long long>(layout.world_size), static_cast<long long>(layout.ep_size),
-                    static_cast<long long>(layout.world_size * recipe.train.micro_batch));
+        std::printf(
+            "resume: checkpoint written at world size %lld (EP %lld), continuing at world size %lld (EP %lld); "
+            "the global batch is now %lld rows per micro-step\n",
+            static_cast<long long>(then_world), static_cast<long long>(then_ep),
+            static_cast<long long>(layout.world_size), static_cast<long long>(layout.ep_size),
+            static_cast<long long>(layout.world_size * recipe.train.micro_batch));
 
     const json::Value now = recipe.to_json();
     const json::Value& then = field("recipe");
@@ -298,8 +302,9 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
         const json::Value* a = lookup(then, key[0], key[1]);
         const json::Value* b = lookup(now, key[0], key[1]);
         const std::string av = a != nullptr ? a->dump() : "(absent)", bv = b != nullptr ? b->dump() : "(absent)";
-        if (av != bv) diffs += std::string(diffs.empty() ? "" : "; ") + key[0] + (key[1] ? std::string(".") + key[1] : "") +
-                               " was " + av + ", now " + bv;
+        if (av != bv)
+            diffs += std::string(diffs.empty() ? "" : "; ") + key[0] + (key[1] ? std::string(".") + key[1] : "") +
+                     " was " + av + ", now " + bv;
     }
     if (!diffs.empty() && !force)
         fail(dir.string(), ": the recipe changed since this checkpoint (", diffs,
@@ -368,8 +373,8 @@ CheckpointState load_checkpoint(const fs::path& dir, const Recipe& recipe, model
             for (const Piece& pc : list) {
                 if (pc.offset != covered)
                     fail(dir.string(), ": ", kStateTensors[k], spec.name, " has ",
-                         pc.offset > covered ? "a gap" : "overlapping pieces", " at element ", std::min(pc.offset, covered),
-                         " (", *pc.file, ")");
+                         pc.offset > covered ? "a gap" : "overlapping pieces", " at element ",
+                         std::min(pc.offset, covered), " (", *pc.file, ")");
                 covered += pc.length;
             }
             if (covered != spec.numel)

@@ -60,13 +60,13 @@ struct CheckpointState {
     int64_t adam_step = 0;
     data::LoaderState loader;
     json::Value recipe;
-    double next_lr = -1;  // the learning rate of step `step` + 1 under the writing run's schedule (< 0: unknown)
+    double next_lr = -1;       // the learning rate of step `step` + 1 under the writing run's schedule (< 0: unknown)
     int64_t best_step = -1;    // checkpoint.keep_best: the step of the best evaluation (-1: none); never pruned
     double best_val_loss = 0;  // its eval loss
 };
 
-// Writes OUT/checkpoints/step-<step> and prunes to the newest `keep` (and state.best_step's). In a multi-process run every
-// rank calls it and writes its shard; rank 0 completes the directory.
+// Writes OUT/checkpoints/step-<step> and prunes to the newest `keep` (and state.best_step's). In a multi-process run
+// every rank calls it and writes its shard; rank 0 completes the directory.
 void save_checkpoint(const std::filesystem::path& root, const CheckpointState& state, model::CausalLM& model,
                      AdamW& adam, int64_t keep, const CheckpointLayout& layout = {}, DistContext* dist = nullptr);
 

@@ -34,8 +34,8 @@
 
 #include "core/tensor.h"
 #include "model/causal_lm.h"
-#include "train/hf_checkpoint.h"
 #include "parallel/communicator.h"
+#include "train/hf_checkpoint.h"
 #include "train/recipe.h"
 
 namespace mf::train {
@@ -123,8 +123,8 @@ class DistContext {
     // Gradient ranges reduced so far in the current sync (per parameter spec).
     std::vector<bool> reduced_;
     bool embedding_gathered_ = false;
-    Buffer square_sums_;               // f64 per parameter spec, on the model's device
-    std::vector<bool> squares_done_;   // per spec: its square sum is in square_sums_ (or on its way)
+    Buffer square_sums_;              // f64 per parameter spec, on the model's device
+    std::vector<bool> squares_done_;  // per spec: its square sum is in square_sums_ (or on its way)
     ops::BackgroundTicket squares_ticket_ = 0;
     void start_square_sums(model::CausalLM& model, const std::vector<size_t>& specs);
     void ensure_square_sums(const model::CausalLM& model);

@@ -29,10 +29,10 @@ std::string expert_piece_name(const std::string& pattern, int64_t expert) {
 }  // namespace
 
 const std::vector<std::string>& tokenizer_file_names() {
-    static const std::vector<std::string> names = {"tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json",
-                                                   "vocab.json",      "merges.txt",            "added_tokens.json",
-                                                   "chat_template.jinja", "generation_config.json",
-                                                   "tiktoken.model",  "tokenization_kimi.py"};
+    static const std::vector<std::string> names = {
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+        "merges.txt",     "added_tokens.json",     "chat_template.jinja",     "generation_config.json",
+        "tiktoken.model", "tokenization_kimi.py"};
     return names;
 }
 
@@ -51,9 +51,9 @@ namespace {
 // One HF checkpoint tensor and where it lives in the flat parameter buffer.
 struct HfTensor {
     std::string name;
-    Shape shape;     // as stored (a reshaped stack: its local experts)
-    int64_t offset;  // elements into the flat buffer
-    size_t spec;     // the parameter it is (part of), an index into the table's specs()
+    Shape shape;            // as stored (a reshaped stack: its local experts)
+    int64_t offset;         // elements into the flat buffer
+    size_t spec;            // the parameter it is (part of), an index into the table's specs()
     bool reshaped = false;  // a stacked tensor stored transposed / interleaved (ParamStorage)
 };
 
@@ -219,10 +219,11 @@ bool is_weight_file_name(const std::string& name) {
            name.substr(11, 4) == "-of-";
 }
 
-void save_hf_model(const fs::path& dir, model::CausalLM& m, const json::Value* raw_config, const fs::path& tokenizer_dir,
-                   size_t max_shard_bytes) {
-    MF_CHECK(!m.expert_shard().sharded(), "save_hf_model: this model holds one expert shard; gather the full "
-                                          "model through a ParamSource (DistContext::export_source)");
+void save_hf_model(const fs::path& dir, model::CausalLM& m, const json::Value* raw_config,
+                   const fs::path& tokenizer_dir, size_t max_shard_bytes) {
+    MF_CHECK(!m.expert_shard().sharded(),
+             "save_hf_model: this model holds one expert shard; gather the full "
+             "model through a ParamSource (DistContext::export_source)");
     std::vector<float> host(static_cast<size_t>(m.num_params()));
     m.get_params_to_host(host.data());
     save_hf_model(dir, m.spec(), host, raw_config, tokenizer_dir, max_shard_bytes);
@@ -231,8 +232,8 @@ void save_hf_model(const fs::path& dir, model::CausalLM& m, const json::Value* r
 void save_hf_model(const fs::path& dir, const model::ModelSpec& cfg, const std::vector<float>& host,
                    const json::Value* raw_config, const fs::path& tokenizer_dir, size_t max_shard_bytes) {
     const int64_t total = model::model_param_table(cfg).total();
-    MF_CHECK(static_cast<int64_t>(host.size()) == total, "save_hf_model: ", host.size(), " parameters given, the model has ",
-             total);
+    MF_CHECK(static_cast<int64_t>(host.size()) == total, "save_hf_model: ", host.size(),
+             " parameters given, the model has ", total);
     const ParamSource source = [&host](int64_t offset, int64_t n, float* out) {
         std::memcpy(out, host.data() + offset, static_cast<size_t>(n) * sizeof(float));
     };

@@ -90,7 +90,7 @@ class AdamW {
         int64_t begin = 0, end = 0;
         int64_t stage = 0;  // CausalLM::param_stage
         int region = 0;
-        int64_t chunk = 0;  // elements per rank
+        int64_t chunk = 0;          // elements per rank
         std::vector<size_t> specs;  // the parameters in it (indices into the table's specs)
         int64_t lo(int r) const { return std::min(end, begin + static_cast<int64_t>(r) * chunk); }
         int64_t hi(int r) const { return std::min(end, lo(r) + chunk); }
@@ -102,13 +102,13 @@ class AdamW {
     model::CausalLM& model_;
     Recipe::Optim optim_;
     int64_t total_;
-    Region regions_[2];  // replicated, experts
-    std::vector<Segment> segments_;  // in buffer order
-    std::vector<Range> owned_;       // this rank's chunk of each segment (none where empty)
+    Region regions_[2];                  // replicated, experts
+    std::vector<Segment> segments_;      // in buffer order
+    std::vector<Range> owned_;           // this rank's chunk of each segment (none where empty)
     std::vector<size_t> owned_segment_;  // the segment of each owned range
     int64_t owned_elems_ = 0;
     DType state_dtype_;
-    Buffer master_, m_, v_;  // [owned_elems_]; master_ empty unless mixed on the GPU
+    Buffer master_, m_, v_;    // [owned_elems_]; master_ empty unless mixed on the GPU
     std::vector<bool> decay_;  // per parameter spec
     int64_t step_ = 0;
 };

@@ -38,9 +38,10 @@ class CheckpointErrors : public ::testing::Test {
         ASSERT_TRUE(fs::exists(good_ / kShard));
     }
     static std::string finetune_cmd(const std::string& out, const std::string& extra) {
-        return test::moeforge_binary() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" +
-               (dir_ / "base").string() + " data.train=" + repo() + "/demo/data/tokens.jsonl out=" +
-               (dir_ / out).string() + " train.seq_len=32 train.micro_batch=2 device=cpu optim.warmup_steps=0 optim.schedule=constant " + extra;
+        return test::moeforge_binary() + " finetune " + repo() +
+               "/demo/tiny_tokens.yaml model=" + (dir_ / "base").string() + " data.train=" + repo() +
+               "/demo/data/tokens.jsonl out=" + (dir_ / out).string() +
+               " train.seq_len=32 train.micro_batch=2 device=cpu optim.warmup_steps=0 optim.schedule=constant " + extra;
     }
     // A copy of the good checkpoint to damage.
     static fs::path copy(const std::string& name) {
@@ -90,7 +91,8 @@ class CheckpointErrors : public ::testing::Test {
         s.set(key, value);
         const std::string dumped = s.dump(2), body = dumped + "\n";
         test::write_file(ckpt / "state.json", dumped.substr(0, dumped.size() - 2) + ",\n  \"state_checksum\": \"" +
-                                                  io::crc32c_string(io::crc32c(0, body.data(), body.size())) + "\"\n}\n");
+                                                  io::crc32c_string(io::crc32c(0, body.data(), body.size())) +
+                                                  "\"\n}\n");
     }
     static fs::path dir_, good_;
 };
@@ -128,7 +130,9 @@ TEST_F(CheckpointErrors, GapsAndOverlapsAreNamed) {
             const int64_t n = x.shape[0];
             norm.assign(static_cast<const float*>(x.data), static_cast<const float*>(x.data) + n);
             x.shape = {n / 2};
-            t.push_back({"param/model.norm.weight@" + std::to_string(n / 2 + 1), io::StDType::F32, {n - n / 2 - 1},
+            t.push_back({"param/model.norm.weight@" + std::to_string(n / 2 + 1),
+                         io::StDType::F32,
+                         {n - n / 2 - 1},
                          norm.data() + n / 2 + 1});
             break;
         }

@@ -87,7 +87,8 @@ struct BadCase {
 
 TEST(Config, RejectsBadValues) {
     const std::vector<BadCase> cases = {
-        {"model_type", json::Value("llama"), false, "unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe, nemotron_h)"},
+        {"model_type", json::Value("llama"), false,
+         "unsupported model_type \"llama\" (supported: qwen3_moe, mixtral, olmoe, qwen2_moe, nemotron_h)"},
         {"vocab_size", json::Value(), true, "missing required field \"vocab_size\""},
         {"hidden_size", json::Value(-8), false, "\"hidden_size\" must be >= 1"},
         {"hidden_size", json::Value("8"), false, "\"hidden_size\" must be an integer, got string"},

@@ -29,8 +29,7 @@ const char* kConfig = R"({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_s
   "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "max_position_embeddings": 4096, "dtype": "float32"})";
 
 std::unique_ptr<model::CausalLM> tiny_model() {
-    auto m =
-        std::make_unique<model::CausalLM>(model::parse_model_config(json::parse(kConfig, "kConfig"), "kConfig"));
+    auto m = std::make_unique<model::CausalLM>(model::parse_model_config(json::parse(kConfig, "kConfig"), "kConfig"));
     m->init_random(11, 0.2f);
     return m;
 }

@@ -29,12 +29,16 @@ class Finetune : public ::testing::Test {
     static void SetUpTestSuite() {
         dir_ = test::temp_dir("e2e");
         std::string out;
-        ASSERT_EQ(test::run_command(bin() + " init --arch qwen3_moe --preset tiny --seed 7 --out " + (dir_ / "base").string(), &out), 0) << out;
+        ASSERT_EQ(test::run_command(
+                      bin() + " init --arch qwen3_moe --preset tiny --seed 7 --out " + (dir_ / "base").string(), &out),
+                  0)
+            << out;
     }
     static std::string finetune(const std::string& name, const std::string& extra = "") {
         std::string out;
-        const std::string cmd = bin() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" + (dir_ / "base").string() +
-                                " data.train=" + repo() + "/demo/data/tokens.jsonl out=" + (dir_ / name).string() +
+        const std::string cmd = bin() + " finetune " + repo() +
+                                "/demo/tiny_tokens.yaml model=" + (dir_ / "base").string() + " data.train=" + repo() +
+                                "/demo/data/tokens.jsonl out=" + (dir_ / name).string() +
                                 " train.steps=30 train.seq_len=64 train.log_every=10 " + extra;
         const int rc = test::run_command(cmd, &out);
         EXPECT_EQ(rc, 0) << cmd << "\n" << out;
@@ -76,8 +80,11 @@ TEST_F(Finetune, OutputIsAnHfDirectoryThatEvaluates) {
     EXPECT_FALSE(fs::exists(dir_ / ("run_eval.tmp-" + std::to_string(::getpid())))) << "temporary directory left";
     std::string before, after;
     const std::string data = dir_.string() + "/heldout.jsonl";
-    test::write_file(data, "{\"input_ids\": [1, 10, 11, 12, 13, 14, 3]}\n{\"input_ids\": [1, 20, 21, 22], \"labels\": [-100, -100, 21, 22]}\n");
-    ASSERT_EQ(test::run_command(bin() + " eval --model " + out.string() + " --data " + data + " --json", &after), 0) << after;
+    test::write_file(data,
+                     "{\"input_ids\": [1, 10, 11, 12, 13, 14, 3]}\n{\"input_ids\": [1, 20, 21, 22], \"labels\": [-100, "
+                     "-100, 21, 22]}\n");
+    ASSERT_EQ(test::run_command(bin() + " eval --model " + out.string() + " --data " + data + " --json", &after), 0)
+        << after;
     const json::Value v = json::parse(after, "eval output");
     EXPECT_EQ(v.find("tokens")->as_int(), 6 + 2);
     for (const char* key : {"loss", "ce_loss", "aux_loss"}) EXPECT_TRUE(v.find(key)->is_number()) << key;
@@ -89,7 +96,8 @@ TEST_F(Finetune, BadInputFailsWithANamedError) {
     std::string out;
     const fs::path bad_data = dir_ / "bad.jsonl";
     test::write_file(bad_data, "{\"input_ids\": [1, 2, 3]}\n{\"input_ids\": [1, 99999]}\n");
-    const std::string base = bin() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" + (dir_ / "base").string() +
+    const std::string base = bin() + " finetune " + repo() +
+                             "/demo/tiny_tokens.yaml model=" + (dir_ / "base").string() +
                              " out=" + (dir_ / "bad_out").string() + " train.steps=6 ";
     EXPECT_NE(test::run_command(base + "data.train=" + bad_data.string(), &out), 0);
     EXPECT_NE(out.find("bad.jsonl:2:"), std::string::npos) << out;

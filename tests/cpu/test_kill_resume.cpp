@@ -1,11 +1,11 @@
 // Crash safety: SIGKILL the trainer at random moments (many land inside checkpoint writes, which
 // happen every step here), restart it with --resume each time, and require that the final
 // metrics and weights equal those of an uninterrupted run, bit for bit (tokens_per_s aside).
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,9 +29,17 @@ namespace {
 std::string repo() { return (fs::path(test::fixtures_dir()) / ".." / "..").lexically_normal().string(); }
 
 std::vector<std::string> finetune_args(const fs::path& base, const fs::path& out) {
-    return {test::moeforge_binary(), "finetune", repo() + "/demo/tiny_tokens.yaml", "model=" + base.string(),
-            "data.train=" + repo() + "/demo/data/tokens.jsonl", "out=" + out.string(), "train.steps=40",
-            "train.seq_len=32", "train.micro_batch=2", "train.log_every=1000", "checkpoint.every=1",
+    return {test::moeforge_binary(),
+            "finetune",
+            repo() + "/demo/tiny_tokens.yaml",
+            "model=" + base.string(),
+            "data.train=" + repo() + "/demo/data/tokens.jsonl",
+            "out=" + out.string(),
+            "train.steps=40",
+            "train.seq_len=32",
+            "train.micro_batch=2",
+            "train.log_every=1000",
+            "checkpoint.every=1",
             "checkpoint.keep=2"};
 }
 
@@ -85,7 +93,10 @@ std::vector<std::string> metrics(const fs::path& file) {
 TEST(KillResume, SurvivesSigkillAnywhere) {
     const fs::path dir = test::temp_dir("kill");
     std::string out;
-    ASSERT_EQ(test::run_command(test::moeforge_binary() + " init --preset tiny --seed 11 --out " + (dir / "base").string(), &out), 0) << out;
+    ASSERT_EQ(test::run_command(
+                  test::moeforge_binary() + " init --preset tiny --seed 11 --out " + (dir / "base").string(), &out),
+              0)
+        << out;
 
     // The reference: one uninterrupted run.
     const fs::path ref = dir / "ref";
@@ -117,13 +128,15 @@ TEST(KillResume, SurvivesSigkillAnywhere) {
             std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
             if (waitpid(pid, &status, WNOHANG) == pid) {
                 ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-                    << "life " << lives << " (pid " << pid << ") " << describe(status) << "\n" << test::read_file(log);
+                    << "life " << lives << " (pid " << pid << ") " << describe(status) << "\n"
+                    << test::read_file(log);
                 break;  // finished before the kill
             }
             kill(pid, SIGKILL);
             const pid_t waited = waitpid(pid, &status, 0);
             ASSERT_EQ(waited, pid) << "waitpid: " << std::strerror(errno);
-            if (WIFSIGNALED(status)) ++kills;
+            if (WIFSIGNALED(status))
+                ++kills;
             else
                 ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
                     << "life " << lives << " (pid " << pid << ") " << describe(status) << " before the kill\n"
@@ -132,12 +145,14 @@ TEST(KillResume, SurvivesSigkillAnywhere) {
         }
         ++cycles;
         EXPECT_EQ(metrics(run / "metrics.jsonl"), ref_metrics) << "cycle " << cycles;
-        EXPECT_TRUE(test::read_file(run / "model.safetensors") == ref_weights) << "cycle " << cycles << ": weights differ";
+        EXPECT_TRUE(test::read_file(run / "model.safetensors") == ref_weights)
+            << "cycle " << cycles << ": weights differ";
         EXPECT_TRUE(fs::exists(run / "config.json"));
         const auto elapsed = std::chrono::steady_clock::now() - t_start;
         ASSERT_LT(elapsed, std::chrono::minutes(8)) << "kill test too slow";
     }
-    std::printf("kill test: %d SIGKILLs survived over %d complete runs, each equal to the uninterrupted run\n", kills, cycles);
+    std::printf("kill test: %d SIGKILLs survived over %d complete runs, each equal to the uninterrupted run\n", kills,
+                cycles);
     RecordProperty("kills", kills);
 }
 

@@ -20,7 +20,9 @@ std::string repo() { return (fs::path(test::fixtures_dir()) / ".." / "..").lexic
 TEST(NonFinite, StopNamesStepAndLayerSkipContinues) {
     const fs::path dir = test::temp_dir("nonfinite");
     std::string out;
-    ASSERT_EQ(test::run_command(test::moeforge_binary() + " init --preset tiny --seed 1 --out " + (dir / "base").string(), &out), 0);
+    ASSERT_EQ(test::run_command(
+                  test::moeforge_binary() + " init --preset tiny --seed 1 --out " + (dir / "base").string(), &out),
+              0);
     {
         json::Value raw;
         auto m = train::load_hf_model(dir / "base", &raw);
@@ -28,9 +30,9 @@ TEST(NonFinite, StopNamesStepAndLayerSkipContinues) {
         fs::create_directories(dir / "nan");
         train::save_hf_model(dir / "nan", *m, &raw, {});
     }
-    const std::string cmd = test::moeforge_binary() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" +
-                            (dir / "nan").string() + " data.train=" + repo() + "/demo/data/tokens.jsonl train.steps=6 " +
-                            "train.seq_len=32 out=";
+    const std::string cmd = test::moeforge_binary() + " finetune " + repo() +
+                            "/demo/tiny_tokens.yaml model=" + (dir / "nan").string() + " data.train=" + repo() +
+                            "/demo/data/tokens.jsonl train.steps=6 " + "train.seq_len=32 out=";
     EXPECT_NE(test::run_command(cmd + (dir / "stop").string(), &out), 0);
     EXPECT_NE(out.find("step 1: non-finite loss"), std::string::npos) << out;
     EXPECT_NE(out.find("layer 2 (self-attention output)"), std::string::npos) << out;
@@ -45,9 +47,12 @@ TEST(NonFinite, StopNamesStepAndLayerSkipContinues) {
 TEST(Resume, RefusesAChangedRecipeUnlessForced) {
     const fs::path dir = test::temp_dir("resume_refuse");
     std::string out;
-    ASSERT_EQ(test::run_command(test::moeforge_binary() + " init --preset tiny --seed 1 --out " + (dir / "base").string(), &out), 0);
-    const std::string cmd = test::moeforge_binary() + " finetune " + repo() + "/demo/tiny_tokens.yaml model=" +
-                            (dir / "base").string() + " data.train=" + repo() + "/demo/data/tokens.jsonl train.steps=6 " +
+    ASSERT_EQ(test::run_command(
+                  test::moeforge_binary() + " init --preset tiny --seed 1 --out " + (dir / "base").string(), &out),
+              0);
+    const std::string cmd = test::moeforge_binary() + " finetune " + repo() +
+                            "/demo/tiny_tokens.yaml model=" + (dir / "base").string() + " data.train=" + repo() +
+                            "/demo/data/tokens.jsonl train.steps=6 " +
                             "train.seq_len=32 checkpoint.every=3 out=" + (dir / "run").string();
     ASSERT_EQ(test::run_command(cmd, &out), 0) << out;
     out.clear();

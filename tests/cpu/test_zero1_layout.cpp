@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "model/causal_lm.h"
-#include "qwen3_config.h"
 #include "ops/ops.h"
+#include "qwen3_config.h"
 #include "train/optimizer.h"
 
 namespace mf {
@@ -54,9 +54,18 @@ class RecordingGroup final : public parallel::Communicator {
 
 // Three layers (the middle one dense), an odd vocabulary so that chunks do not divide evenly.
 test::Qwen3Config config() {
-    return {.vocab_size = 301, .hidden_size = 16, .intermediate_size = 12, .moe_intermediate_size = 6,
-            .num_hidden_layers = 3, .num_attention_heads = 4, .num_key_value_heads = 2, .head_dim = 4,
-            .num_experts = 4, .num_experts_per_tok = 2, .mlp_only_layers = {1}, .max_position_embeddings = 64};
+    return {.vocab_size = 301,
+            .hidden_size = 16,
+            .intermediate_size = 12,
+            .moe_intermediate_size = 6,
+            .num_hidden_layers = 3,
+            .num_attention_heads = 4,
+            .num_key_value_heads = 2,
+            .head_dim = 4,
+            .num_experts = 4,
+            .num_experts_per_tok = 2,
+            .mlp_only_layers = {1},
+            .max_position_embeddings = 64};
 }
 
 TEST(Zero1Layout, EveryStageIsSplitOverTheRanksAndBroadcastInForwardOrder) {

@@ -24,9 +24,9 @@
 namespace mf::test {
 
 struct RankResult {
-    int exit_code = -1;    // -1: killed by the harness after the deadline
-    std::string output;    // what the rank function returned, or the error message
-    double seconds = 0;    // from the fork to the exit
+    int exit_code = -1;  // -1: killed by the harness after the deadline
+    std::string output;  // what the rank function returned, or the error message
+    double seconds = 0;  // from the fork to the exit
 };
 
 // A TCP port on 127.0.0.1 that was free a moment ago.
@@ -54,8 +54,9 @@ using RankFn = std::function<std::string(int rank)>;
 // every other rank has exited.
 inline std::vector<RankResult> run_processes(int n, const RankFn& fn, double deadline_s = 30, int hung_rank = -1) {
     namespace fs = std::filesystem;
-    const fs::path dir = fs::temp_directory_path() / ("mf_dist_" + std::to_string(::getpid()) + "_" +
-                                                      std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+    const fs::path dir =
+        fs::temp_directory_path() / ("mf_dist_" + std::to_string(::getpid()) + "_" +
+                                     std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
     fs::create_directories(dir);
     std::fflush(nullptr);
     const auto start = std::chrono::steady_clock::now();

@@ -5,8 +5,8 @@
 // ranks', expert-major, by source rank within an expert, each source in token order);
 // the owner then writes, per local row, (expert + 1, token, owner + 1, column numbers), and combine
 // must return y[t] = Σ_k w[t, k] · that row of slot k. The weights (0.75, 0.25) and the values
-// (tokens < 64, column codes c mod 32) are chosen so every partial and total sum is exact in bf16, so the comparison is bitwise there too (a
-// swapped slot weight, a row from the wrong owner or a missing destination all change bits).
+// (tokens < 64, column codes c mod 32) are chosen so every partial and total sum is exact in bf16, so the comparison is
+// bitwise there too (a swapped slot weight, a row from the wrong owner or a missing destination all change bits).
 // Routings (E = 6, K = 2): 0 spread; 1 the last rank routes only to its own experts (sends nothing
 // to the peers); 2 everything to rank 0's experts (the others receive nothing, several experts get
 // no rows); 3 heavier (40 tokens per rank).
@@ -131,8 +131,8 @@ inline std::string ep_round_trip(parallel::Communicator& comm, Device device, in
     }
     rank_check(experts_seen == El, name + ": chunks do not cover the local experts");
     const int64_t R = static_cast<int64_t>(row_token.size());
-    rank_check(a.routing.num_local == R, name + ": " + std::to_string(a.routing.num_local) +
-                                             " local rows, expected " + std::to_string(R));
+    rank_check(a.routing.num_local == R,
+               name + ": " + std::to_string(a.routing.num_local) + " local rows, expected " + std::to_string(R));
     const Tensor x_local(a.x_local.data(), act, {R, cols}, device);
     const std::vector<float> got = R > 0 ? round_trip_download(x_local) : std::vector<float>();
     for (int64_t i = 0; i < R * cols; ++i)

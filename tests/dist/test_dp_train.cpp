@@ -17,25 +17,26 @@
 // whole on every rank instead of sharded (dist.shard_optimizer, ZeRO-1), and one resumed from a DP
 // checkpoint. Checkpoints do not depend on the layout: an EP=2 checkpoint equals the one-rank
 // run's, resumes in one process, and a one-rank checkpoint resumes at EP=2, each continuing like the
-// uninterrupted runs. Under EP a rank holds only its experts. Files come from rank 0 only, a rank killed mid-run makes its peer exit non-zero at once (the connection drops),
-// and a rank that stops answering (SIGSTOP) makes its peer exit non-zero after dist.timeout_s.
+// uninterrupted runs. Under EP a rank holds only its experts. Files come from rank 0 only, a rank killed mid-run makes
+// its peer exit non-zero at once (the connection drops), and a rank that stops answering (SIGSTOP) makes its peer exit
+// non-zero after dist.timeout_s.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
 #include "core/json.h"
 #include "dist_test_util.h"
-#include "train_test_util.h"
 #include "io/safetensors.h"
 #include "process_util.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mf;
@@ -236,8 +237,9 @@ TEST_F(DpTrain, CheckpointsResumeAtAnotherWorldAndEpSize) {
         << log;
     test::expect_same_tail(dir_ / "ck_ep2_to_one", dir_ / "ck_ep2", kSteps, 5, kTol);
     // One-rank checkpoint -> EP=2 on two processes.
-    cmd = bin() + " launch --nproc-per-node 2 -- " + finetune_args("ck_one_to_ep2", "train.micro_batch=2 dist.ep_size=2") +
-          " --resume " + one5.string() + " --force-resume";
+    cmd = bin() + " launch --nproc-per-node 2 -- " +
+          finetune_args("ck_one_to_ep2", "train.micro_batch=2 dist.ep_size=2") + " --resume " + one5.string() +
+          " --force-resume";
     ASSERT_EQ(test::run_command(cmd, &log), 0) << log;
     test::expect_same_tail(dir_ / "ck_one_to_ep2", dir_ / "ck_one", kSteps, 5, kTol);
 }
@@ -326,9 +328,8 @@ TEST_F(DpTrain, ExpertParallelMatchesOneRank) {
     EXPECT_LT(adam_mib(log), adam_mib(whole)) << log << "\n" << whole;
     // `moeforge info` plans the same per-rank figures for this layout.
     std::string info;
-    ASSERT_EQ(test::run_command(bin() + " info " + (dir_ / "base").string() +
-                                    " --world 2 --ep-size 2 --device cpu --json",
-                                &info),
+    ASSERT_EQ(test::run_command(
+                  bin() + " info " + (dir_ / "base").string() + " --world 2 --ep-size 2 --device cpu --json", &info),
               0)
         << info;
     const json::Value plan = *json::parse(info, "info").find("per_rank");

@@ -12,7 +12,6 @@
 //   - final weights: relative L2 distance 4e-3 (the test checks that training moved the weights by
 //     more than 10x that, so the bound can fail).
 #include <gtest/gtest.h>
-
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -50,10 +49,10 @@ class GpuParallelTrain : public ::testing::Test {
         }
         dir_ = test::temp_dir("gpu_parallel_train");
         std::string out;
-        ASSERT_EQ(test::run_command(test::bin() + " init --arch qwen3_moe --preset tiny --seed 7 --out " +
-                                        (dir_ / "base").string(),
-                                    &out),
-                  0)
+        ASSERT_EQ(
+            test::run_command(
+                test::bin() + " init --arch qwen3_moe --preset tiny --seed 7 --out " + (dir_ / "base").string(), &out),
+            0)
             << out;
     }
     static std::string args(const std::string& name, const std::string& extra) {
@@ -65,9 +64,9 @@ class GpuParallelTrain : public ::testing::Test {
                extra;
     }
     static std::string run(const std::string& name, int nproc, const std::string& extra, const std::string& tail = "") {
-        const std::string cmd =
-            (nproc > 0 ? test::bin() + " launch --nproc-per-node " + std::to_string(nproc) + " -- " : test::bin() + " ") +
-            args(name, extra) + tail;
+        const std::string cmd = (nproc > 0 ? test::bin() + " launch --nproc-per-node " + std::to_string(nproc) + " -- "
+                                           : test::bin() + " ") +
+                                args(name, extra) + tail;
         std::string out;
         EXPECT_EQ(test::run_command(cmd, &out), 0) << cmd << "\n" << out;
         return out;

@@ -39,17 +39,24 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 TEST(Launch, ChildrenGetTheRankEnvironment) {
     const fs::path dir = temp_dir("launch_env");
     std::string out;
-    const std::string script = "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
-                               "$NCCL_NVLS_ENABLE > " + dir.string() + "/r$RANK";
-    const int rc = run_command("NCCL_NVLS_ENABLE=1 " + launch("--nproc-per-node 3 --master-port 29999 --program /bin/sh -- -c '" + script + "'"), &out);
+    const std::string script =
+        "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+        "$NCCL_NVLS_ENABLE > " +
+        dir.string() + "/r$RANK";
+    const int rc =
+        run_command("NCCL_NVLS_ENABLE=1 " +
+                        launch("--nproc-per-node 3 --master-port 29999 --program /bin/sh -- -c '" + script + "'"),
+                    &out);
     ASSERT_EQ(rc, 0) << out;
     for (int r = 0; r < 3; ++r)
-        EXPECT_EQ(read_file(dir / numbered("r", r)), std::to_string(r) + " 3 " + std::to_string(r) +
-                                                                  " 3 127.0.0.1 29999 0\n");
+        EXPECT_EQ(read_file(dir / numbered("r", r)),
+                  std::to_string(r) + " 3 " + std::to_string(r) + " 3 127.0.0.1 29999 0\n");
 
     // Node 1 of 2: global ranks 2 and 3, local ranks 0 and 1.
     const int rc2 = run_command(launch("--nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 127.0.0.2 "
-                                       "--master-port 1234 --program /bin/sh -- -c '" + script + "'"), &out);
+                                       "--master-port 1234 --program /bin/sh -- -c '" +
+                                       script + "'"),
+                                &out);
     ASSERT_EQ(rc2, 0) << out;
     EXPECT_EQ(read_file(dir / "r2"), "2 4 0 2 127.0.0.2 1234 0\n");
     EXPECT_EQ(read_file(dir / "r3"), "3 4 1 2 127.0.0.2 1234 0\n");
@@ -80,8 +87,10 @@ TEST(Launch, FirstFailureStopsTheOthers) {
 
 TEST(Launch, ForwardsSigterm) {
     const fs::path dir = temp_dir("launch_sig");
-    const std::string script = "trap 'echo term > " + dir.string() + "/got$RANK; exit 7' TERM; "
-                               "echo up > " + dir.string() + "/up$RANK; while true; do sleep 0.05; done";
+    const std::string script = "trap 'echo term > " + dir.string() +
+                               "/got$RANK; exit 7' TERM; "
+                               "echo up > " +
+                               dir.string() + "/up$RANK; while true; do sleep 0.05; done";
     std::fflush(nullptr);
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -138,10 +147,10 @@ TEST(LaunchWorker, AllReduceFromEnvironment) {
 TEST(Launch, WorkersRendezvousFromEnvironment) {
     const fs::path dir = temp_dir("launch_workers");
     std::string out;
-    const int rc = run_command("MF_LAUNCH_WORKER_OUT=" + dir.string() + " " +
-                                   launch("--nproc-per-node 3 --program " + self_binary() +
-                                          " -- --gtest_filter=LaunchWorker.*"),
-                               &out);
+    const int rc =
+        run_command("MF_LAUNCH_WORKER_OUT=" + dir.string() + " " +
+                        launch("--nproc-per-node 3 --program " + self_binary() + " -- --gtest_filter=LaunchWorker.*"),
+                    &out);
     ASSERT_EQ(rc, 0) << out;
     for (int r = 0; r < 3; ++r) EXPECT_EQ(read_file(dir / numbered("w", r)), "3 6 3") << "rank " << r;
     fs::remove_all(dir);

@@ -231,58 +231,62 @@ void check_bytes(const BytePlan& b, const std::vector<uint8_t>& recv, int rank, 
 
 TEST(Nccl, PeerExchangeRoundsAndFallback) {
     const int port = free_port();
-    const auto results = run_processes(2, [&](int rank) -> std::string {
-        if (fewer_than_two_gpus()) return "skip";
-        TwoGpuRank world(rank, port, 60);
-        auto& comm = world.comm;
-        const size_t sizes[4][2][2] = {
-            {{10, 4322}, {3000, 8}},      // uneven rounds both ways
-            {{0, 1000}, {0, 0}},          // one direction only, exactly one slot
-            {{2, 0}, {1002, 64}},         // nothing from rank 0 to rank 1, 2 rounds back
-            {{50000, 12346}, {4, 65536}},
-        };
-        // 1000-byte slots: every piece above 1000 bytes travels in several rounds. Both copy kinds.
-        using Copies = parallel::PeerExchange::Copies;
-        for (const Copies copies : {Copies::engines, Copies::kernels}) {
-            auto x = parallel::PeerExchange::create(comm, 1000, copies);
-            rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
-            cudaStream_t other = nullptr;
-            rank_check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
-            std::vector<BytePlan> plans;
-            std::vector<std::unique_ptr<DeviceVector<uint8_t>>> sends, recvs;
-            for (int round = 0; round < 8; ++round) {  // each shape twice, alternating streams, no wait between
-                plans.push_back(byte_plan(rank, sizes[round % 4], round));
-                const BytePlan& b = plans.back();
-                sends.push_back(std::make_unique<DeviceVector<uint8_t>>(b.send));
-                recvs.push_back(std::make_unique<DeviceVector<uint8_t>>(std::vector<uint8_t>(b.recv_total, 0x55)));
-                x->all_to_all_v(reinterpret_cast<const char*>(sends.back()->ptr), b.sb, b.so,
-                                reinterpret_cast<char*>(recvs.back()->ptr), b.rb, b.ro, round % 2 ? other : nullptr);
+    const auto results = run_processes(
+        2,
+        [&](int rank) -> std::string {
+            if (fewer_than_two_gpus()) return "skip";
+            TwoGpuRank world(rank, port, 60);
+            auto& comm = world.comm;
+            const size_t sizes[4][2][2] = {
+                {{10, 4322}, {3000, 8}},  // uneven rounds both ways
+                {{0, 1000}, {0, 0}},      // one direction only, exactly one slot
+                {{2, 0}, {1002, 64}},     // nothing from rank 0 to rank 1, 2 rounds back
+                {{50000, 12346}, {4, 65536}},
+            };
+            // 1000-byte slots: every piece above 1000 bytes travels in several rounds. Both copy kinds.
+            using Copies = parallel::PeerExchange::Copies;
+            for (const Copies copies : {Copies::engines, Copies::kernels}) {
+                auto x = parallel::PeerExchange::create(comm, 1000, copies);
+                rank_check(x != nullptr, "2 GPUs of one host: the peer exchange should be possible");
+                cudaStream_t other = nullptr;
+                rank_check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking) == cudaSuccess, "stream");
+                std::vector<BytePlan> plans;
+                std::vector<std::unique_ptr<DeviceVector<uint8_t> > > sends, recvs;
+                for (int round = 0; round < 8; ++round) {  // each shape twice, alternating streams, no wait between
+                    plans.push_back(byte_plan(rank, sizes[round % 4], round));
+                    const BytePlan& b = plans.back();
+                    sends.push_back(std::make_unique<DeviceVector<uint8_t> >(b.send));
+                    recvs.push_back(std::make_unique<DeviceVector<uint8_t> >(std::vector<uint8_t>(b.recv_total, 0x55)));
+                    x->all_to_all_v(reinterpret_cast<const char*>(sends.back()->ptr), b.sb, b.so,
+                                    reinterpret_cast<char*>(recvs.back()->ptr), b.rb, b.ro,
+                                    round % 2 ? other : nullptr);
+                }
+                rank_check(cudaDeviceSynchronize() == cudaSuccess, "device");
+                rank_check(x->late_peer() == -1, "no wait gave up");
+                for (int round = 0; round < 8; ++round) check_bytes(plans[round], recvs[round]->host(), rank, round);
+                x.reset();
+                cudaStreamDestroy(other);
             }
-            rank_check(cudaDeviceSynchronize() == cudaSuccess, "device");
-            rank_check(x->late_peer() == -1, "no wait gave up");
-            for (int round = 0; round < 8; ++round) check_bytes(plans[round], recvs[round]->host(), rank, round);
-            x.reset();
-            cudaStreamDestroy(other);
-        }
 
-        // The communicator's all_to_all_v with the peer exchange switched off goes through NCCL and
-        // gives the same bytes (as bf16 elements).
-        ::setenv("MOEFORGE_PEER_EXCHANGE", "0", 1);
-        auto child = comm.split(0, rank);
-        auto& nccl = static_cast<parallel::NcclCommunicator&>(*child);
-        const BytePlan b = byte_plan(rank, sizes[3], 9);
-        DeviceVector<uint8_t> ds(b.send), dr(std::vector<uint8_t>(b.recv_total, 0x55));
-        auto elems = [](const std::vector<size_t>& v) {
-            std::vector<int64_t> out;
-            for (const size_t x : v) out.push_back(static_cast<int64_t>(x / 2));
-            return out;
-        };
-        nccl.all_to_all_v(ds.ptr, elems(b.sb), elems(b.so), dr.ptr, elems(b.rb), elems(b.ro), DType::bf16);
-        nccl.synchronize();
-        rank_check(!nccl.uses_peer_exchange(), "MOEFORGE_PEER_EXCHANGE=0 should keep NCCL");
-        check_bytes(b, dr.host(), rank, 9);
-        return "ok";
-    }, 120);
+            // The communicator's all_to_all_v with the peer exchange switched off goes through NCCL and
+            // gives the same bytes (as bf16 elements).
+            ::setenv("MOEFORGE_PEER_EXCHANGE", "0", 1);
+            auto child = comm.split(0, rank);
+            auto& nccl = static_cast<parallel::NcclCommunicator&>(*child);
+            const BytePlan b = byte_plan(rank, sizes[3], 9);
+            DeviceVector<uint8_t> ds(b.send), dr(std::vector<uint8_t>(b.recv_total, 0x55));
+            auto elems = [](const std::vector<size_t>& v) {
+                std::vector<int64_t> out;
+                for (const size_t x : v) out.push_back(static_cast<int64_t>(x / 2));
+                return out;
+            };
+            nccl.all_to_all_v(ds.ptr, elems(b.sb), elems(b.so), dr.ptr, elems(b.rb), elems(b.ro), DType::bf16);
+            nccl.synchronize();
+            rank_check(!nccl.uses_peer_exchange(), "MOEFORGE_PEER_EXCHANGE=0 should keep NCCL");
+            check_bytes(b, dr.host(), rank, 9);
+            return "ok";
+        },
+        120);
     skip_without_two_gpus(results);
     for (int r = 0; r < 2; ++r) EXPECT_EQ(results[r].exit_code, 0) << "rank " << r << ": " << results[r].output;
 }

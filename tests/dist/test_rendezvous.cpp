@@ -27,8 +27,11 @@ TEST(DistEnv, DefaultsToASingleRank) {
 }
 
 TEST(DistEnv, TorchrunVariables) {
-    const DistEnv env = dist_env_from({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                                       {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29600"}});
+    const DistEnv env = dist_env_from({{"RANK", "5"},
+                                       {"WORLD_SIZE", "8"},
+                                       {"LOCAL_RANK", "1"},
+                                       {"MASTER_ADDR", "10.1.2.3"},
+                                       {"MASTER_PORT", "29600"}});
     EXPECT_EQ(env.rank, 5);
     EXPECT_EQ(env.world_size, 8);
     EXPECT_EQ(env.local_rank, 1);
@@ -37,7 +40,9 @@ TEST(DistEnv, TorchrunVariables) {
 }
 
 TEST(DistEnv, SlurmVariablesAndFirstHostAsMaster) {
-    const DistEnv env = dist_env_from({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "2"},
+    const DistEnv env = dist_env_from({{"SLURM_PROCID", "6"},
+                                       {"SLURM_NTASKS", "16"},
+                                       {"SLURM_LOCALID", "2"},
                                        {"SLURM_JOB_NODELIST", "gpu[07-08,11],login1"}});
     EXPECT_EQ(env.rank, 6);
     EXPECT_EQ(env.world_size, 16);
@@ -47,8 +52,11 @@ TEST(DistEnv, SlurmVariablesAndFirstHostAsMaster) {
 }
 
 TEST(DistEnv, TorchrunVariablesWinOverSlurm) {
-    const DistEnv env = dist_env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"SLURM_PROCID", "9"},
-                                       {"SLURM_NTASKS", "32"}, {"MASTER_ADDR", "host-a"},
+    const DistEnv env = dist_env_from({{"RANK", "1"},
+                                       {"WORLD_SIZE", "2"},
+                                       {"SLURM_PROCID", "9"},
+                                       {"SLURM_NTASKS", "32"},
+                                       {"MASTER_ADDR", "host-a"},
                                        {"SLURM_JOB_NODELIST", "node[01-04]"}});
     EXPECT_EQ(env.rank, 1);
     EXPECT_EQ(env.world_size, 2);

@@ -122,7 +122,8 @@ TEST(AllToAllV, RankCodedDispatchThenCombineIsBitExact) {
             std::vector<int64_t> send(send_total, kSentinel), recv(recv_total, kSentinel);
             for (int p = 0; p < n; ++p)
                 for (int64_t k = 0; k < send_counts[p]; ++k) send[send_offsets[p] + k] = code(me, p, k);
-            comm.all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets, DType::i64);
+            comm.all_to_all_v(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets,
+                              DType::i64);
             for (int p = 0; p < n; ++p) {
                 for (int64_t k = 0; k < recv_counts[p]; ++k)
                     rank_check(recv[recv_offsets[p] + k] == code(p, me, k),
@@ -131,7 +132,8 @@ TEST(AllToAllV, RankCodedDispatchThenCombineIsBitExact) {
             }
             // Combine: the reverse all-to-all returns every element to where it came from.
             std::vector<int64_t> back(send_total, kSentinel);
-            comm.all_to_all_v(recv.data(), recv_counts, recv_offsets, back.data(), send_counts, send_offsets, DType::i64);
+            comm.all_to_all_v(recv.data(), recv_counts, recv_offsets, back.data(), send_counts, send_offsets,
+                              DType::i64);
             rank_check(back == send, "combine did not return the dispatched payload");
 
             // Same routing with 2-byte elements (bf16 bit patterns): offsets scale by the element size.
@@ -305,8 +307,10 @@ TEST(Failures, HungRootOfAllReduce) {
 TEST(Failures, MismatchedCollectivesAndCounts) {
     const auto results = run_ranks(2, 10, [&](Communicator& comm) -> std::string {
         float x = 0;
-        if (comm.rank() == 0) comm.broadcast(&x, 1, DType::f32, 0);
-        else comm.barrier();
+        if (comm.rank() == 0)
+            comm.broadcast(&x, 1, DType::f32, 0);
+        else
+            comm.barrier();
         comm.barrier();  // rank 0's broadcast completes on its own; this barrier then sees rank 1 gone
         return "mismatch not detected";
     });

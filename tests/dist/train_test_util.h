@@ -10,13 +10,13 @@
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/json.h"
@@ -27,9 +27,7 @@
 namespace mf::test {
 
 inline std::string bin() { return moeforge_binary(); }
-inline std::string repo() {
-    return (std::filesystem::path(fixtures_dir()) / ".." / "..").lexically_normal().string();
-}
+inline std::string repo() { return (std::filesystem::path(fixtures_dir()) / ".." / "..").lexically_normal().string(); }
 
 inline std::vector<json::Value> read_metrics(const std::filesystem::path& file) {
     std::vector<json::Value> out;
@@ -70,9 +68,7 @@ inline double rel_l2(const std::map<std::string, std::vector<float>>& a,
     return std::sqrt(diff / norm);
 }
 
-inline bool close_rel(double a, double b, double tol) {
-    return std::fabs(a - b) <= tol * std::max(std::fabs(b), 1e-6);
-}
+inline bool close_rel(double a, double b, double tol) { return std::fabs(a - b) <= tol * std::max(std::fabs(b), 1e-6); }
 // A training checkpoint's state, whole: every shard's "KIND/NAME@OFFSET" pieces put back into
 // "KIND/NAME" tensors (flattened).
 inline std::map<std::string, std::vector<float>> read_checkpoint(const std::filesystem::path& dir) {
@@ -125,8 +121,8 @@ inline void expect_same_training(const std::filesystem::path& a_dir, const std::
 
 // Metrics of steps from+1..steps of `resumed` (resumed at step `from`) against the same steps of
 // `full`, and the final weights.
-inline void expect_same_tail(const std::filesystem::path& resumed_dir, const std::filesystem::path& full_dir,
-                             int steps, int from, TrainTolerance tol) {
+inline void expect_same_tail(const std::filesystem::path& resumed_dir, const std::filesystem::path& full_dir, int steps,
+                             int from, TrainTolerance tol) {
     const auto full = read_metrics(full_dir / "metrics.jsonl");
     const auto resumed = read_metrics(resumed_dir / "metrics.jsonl");
     ASSERT_EQ(full.size(), static_cast<size_t>(steps));

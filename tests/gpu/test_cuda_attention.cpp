@@ -212,28 +212,28 @@ TEST(CudaAttention, ForwardBackwardParity) {
         // The dK/dV kernel's own choice of head splits (several for these small grids), then one block
         // per (key tile, KV head) visiting every query head of the group.
         for (const char* splits : {"", "1"}) {
-        SCOPED_TRACE(std::string("MOEFORGE_ATTENTION_HEAD_SPLITS=") + splits);
-        ScopedEnv env("MOEFORGE_ATTENTION_HEAD_SPLITS", splits);
-        DeviceBuffer d_ws(mf::cuda::attention_backward_workspace_bytes(gs));
-        std::vector<float> first_dq;
-        for (int run = 0; run < 2; ++run) {
-            d_dq.poison();
-            d_dk.poison();
-            d_dv.poison();
-            mf::cuda::attention_backward(d_dq.as<bf16>(), d_dk.as<bf16>(), d_dv.as<bf16>(), d_dout.as<bf16>(),
-                                         d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(), d_out.as<bf16>(),
-                                         d_lse.as<float>(), gpu_docs, gs, d_ws.as<void>(), nullptr);
-            MF_CHECK_CUDA(cudaDeviceSynchronize());
-            const auto dq = download_bf16(d_dq.as<void>(), nq);
-            if (run == 1) {
-                EXPECT_EQ(std::memcmp(dq.data(), first_dq.data(), nq * 4), 0) << "dq differs between runs";
-                break;
+            SCOPED_TRACE(std::string("MOEFORGE_ATTENTION_HEAD_SPLITS=") + splits);
+            ScopedEnv env("MOEFORGE_ATTENTION_HEAD_SPLITS", splits);
+            DeviceBuffer d_ws(mf::cuda::attention_backward_workspace_bytes(gs));
+            std::vector<float> first_dq;
+            for (int run = 0; run < 2; ++run) {
+                d_dq.poison();
+                d_dk.poison();
+                d_dv.poison();
+                mf::cuda::attention_backward(d_dq.as<bf16>(), d_dk.as<bf16>(), d_dv.as<bf16>(), d_dout.as<bf16>(),
+                                             d_q.as<bf16>(), d_k.as<bf16>(), d_v.as<bf16>(), d_out.as<bf16>(),
+                                             d_lse.as<float>(), gpu_docs, gs, d_ws.as<void>(), nullptr);
+                MF_CHECK_CUDA(cudaDeviceSynchronize());
+                const auto dq = download_bf16(d_dq.as<void>(), nq);
+                if (run == 1) {
+                    EXPECT_EQ(std::memcmp(dq.data(), first_dq.data(), nq * 4), 0) << "dq differs between runs";
+                    break;
+                }
+                first_dq = dq;
+                expect_parity("backward dq " + c.label(), dq, ref_dq, naive_dq);
+                expect_parity("backward dk " + c.label(), download_bf16(d_dk.as<void>(), nkv), ref_dk, naive_dk);
+                expect_parity("backward dv " + c.label(), download_bf16(d_dv.as<void>(), nkv), ref_dv, naive_dv);
             }
-            first_dq = dq;
-            expect_parity("backward dq " + c.label(), dq, ref_dq, naive_dq);
-            expect_parity("backward dk " + c.label(), download_bf16(d_dk.as<void>(), nkv), ref_dk, naive_dk);
-            expect_parity("backward dv " + c.label(), download_bf16(d_dv.as<void>(), nkv), ref_dv, naive_dv);
-        }
         }
     }
 }
@@ -245,7 +245,8 @@ TEST(CudnnAttention, ForwardBackwardParity) {
     GTEST_SKIP() << "SKIPPED: built without cuDNN; attention runs on moeforge's kernels only";
 #endif
     std::mt19937 rng(77);
-    const std::vector<Shape> shapes = {{1, 128, 4, 4, 128}, {2, 256, 8, 2, 64}, {1, 384, 4, 1, 128}, {1, 512, 8, 2, 128}};
+    const std::vector<Shape> shapes = {
+        {1, 128, 4, 4, 128}, {2, 256, 8, 2, 64}, {1, 384, 4, 1, 128}, {1, 512, 8, 2, 128}};
     for (const Shape& s : shapes) {
         const mf::cpu::AttentionShape cs{s.B, s.T, s.Hq, s.Hkv, s.D};
         const mf::cuda::AttentionShape gs{s.B, s.T, s.Hq, s.Hkv, s.D};
@@ -276,7 +277,9 @@ TEST(CudnnAttention, ForwardBackwardParity) {
         for (const int variant : {0, 1, 2}) {
             const bool deterministic = variant < 2;
             if (variant == 1 && s.B == 1) continue;
-            SCOPED_TRACE(variant == 0 ? "deterministic backward" : variant == 1 ? "deterministic, sliced" : "dQ-accumulating backward");
+            SCOPED_TRACE(variant == 0   ? "deterministic backward"
+                         : variant == 1 ? "deterministic, sliced"
+                                        : "dQ-accumulating backward");
             ScopedEnv budget("MOEFORGE_CUDNN_ATTENTION_BUDGET", variant == 1 ? "1" : "");
             mf::cuda::set_cudnn_attention_deterministic(deterministic);
             ASSERT_TRUE(mf::cuda::cudnn_attention_serves(gs)) << label << ": cuDNN refused the shape (see stderr)";
@@ -389,8 +392,8 @@ TEST(CudaAttention, Benchmark) {
         DeviceBuffer fws(mf::cuda::cudnn_attention_forward_workspace_bytes(s)),
             bws(mf::cuda::cudnn_attention_backward_workspace_bytes(s));
         const double fwd = median_us([&] {
-            mf::cuda::cudnn_attention_forward(out.as<bf16>(), lse.as<float>(), q.as<bf16>(), k.as<bf16>(),
-                                              v.as<bf16>(), s, fws.as<void>(), nullptr);
+            mf::cuda::cudnn_attention_forward(out.as<bf16>(), lse.as<float>(), q.as<bf16>(), k.as<bf16>(), v.as<bf16>(),
+                                              s, fws.as<void>(), nullptr);
         });
         const double bwd = median_us([&] {
             mf::cuda::cudnn_attention_backward(dq.as<bf16>(), dk.as<bf16>(), dv.as<bf16>(), dout.as<bf16>(),

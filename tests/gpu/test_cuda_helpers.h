@@ -119,7 +119,8 @@ double median_us(Fn&& fn, int reps = 20, int host_lead_us = 0) {
     for (int i = 0; i < reps; ++i) {
         if (host_lead_us > 0)
             MF_CHECK_CUDA(cudaLaunchHostFunc(
-                nullptr, [](void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int*>(us))); },
+                nullptr,
+                [](void* us) { std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int*>(us))); },
                 &host_lead_us));
         MF_CHECK_CUDA(cudaEventRecord(start));
         fn();

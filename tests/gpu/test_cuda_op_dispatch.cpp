@@ -206,8 +206,8 @@ TEST(CudaOpDispatch, HostOffsetsOnlyWhereCublasServes) {
     const char* path = std::getenv("MOEFORGE_GROUPED_GEMM");
     if (prop.major != 9 || (path != nullptr && std::string(path) != "sm90"))
         GTEST_SKIP() << "the sm90 grouped GEMM path needs an sm_90 GPU and MOEFORGE_GROUPED_GEMM unset or sm90";
-    for (const auto& [E, C, OC] : {std::array<int64_t, 3>{128, 2048, 1536}, {128, 768, 2048}, {128, 2688, 1856},
-                                   {128, 1856, 2688}})
+    for (const auto& [E, C, OC] :
+         {std::array<int64_t, 3>{128, 2048, 1536}, {128, 768, 2048}, {128, 2688, 1856}, {128, 1856, 2688}})
         EXPECT_FALSE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, E, C, OC)) << E << " " << C << " " << OC;
     EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, 8, 100, 64)) << "C % 64 != 0: cuBLAS";
     EXPECT_TRUE(mf::ops::grouped_matmul_uses_host_offsets(Device::cuda, 8, 64, 36)) << "OC % 8 != 0: cuBLAS";

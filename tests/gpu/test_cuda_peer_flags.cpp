@@ -41,8 +41,8 @@ TEST_F(CudaPeerFlags, CopyMatchesMemcpy) {
     struct Case {
         size_t src_off, dst_off, bytes;
     };
-    const Case cases[] = {{0, 0, 0},       {0, 0, 16},          {0, 0, 1 << 20},      {16, 32, 48},
-                          {1, 3, 15},      {0, 0, 17},          {5, 0, (1 << 20) + 13}, {0, 7, 1000},
+    const Case cases[] = {{0, 0, 0},        {0, 0, 16}, {0, 0, 1 << 20},        {16, 32, 48},
+                          {1, 3, 15},       {0, 0, 17}, {5, 0, (1 << 20) + 13}, {0, 7, 1000},
                           {32, 48, 1 << 19}};
     for (const Case& c : cases) {
         SCOPED_TRACE("src+" + std::to_string(c.src_off) + " dst+" + std::to_string(c.dst_off) + " bytes " +
@@ -169,31 +169,34 @@ TEST_F(CudaPeerFlags, BenchCopiesBesideGroupedGemm) {
     std::printf("BENCH grouped GEMM (sm90, %lld rows, %lld experts, %lldx%lld) alone: %.3f ms\n",
                 static_cast<long long>(M), static_cast<long long>(E), static_cast<long long>(OC),
                 static_cast<long long>(C), gemm_alone);
-    for (const auto& [what, name] : {std::pair{Side::sm_copy, "SM-kernel copy"}, std::pair{Side::ce_copy, "copy-engine copy"},
-                                     std::pair{Side::flag, "one-thread flag kernel"}}) {
+    for (const auto& [what, name] :
+         {std::pair{Side::sm_copy, "SM-kernel copy"}, std::pair{Side::ce_copy, "copy-engine copy"},
+          std::pair{Side::flag, "one-thread flag kernel"}}) {
         const float alone = run(false, what).second;
         const auto [g, sd] = run(true, what);
-        std::printf("BENCH %-24s (%.0f MB) alone %.3f ms; beside the GEMM: GEMM ends at %.3f ms, side at %.3f ms "
-                    "(%s)\n",
-                    name, what == Side::flag ? 0.0 : copy_bytes / 1e6, alone, g, sd,
-                    sd < g ? "overlapped" : "waited for the GEMM");
+        std::printf(
+            "BENCH %-24s (%.0f MB) alone %.3f ms; beside the GEMM: GEMM ends at %.3f ms, side at %.3f ms "
+            "(%s)\n",
+            name, what == Side::flag ? 0.0 : copy_bytes / 1e6, alone, g, sd,
+            sd < g ? "overlapped" : "waited for the GEMM");
     }
     // Reserving SMs for the side stream: the GEMM alone on fewer SMs, and beside the SM-kernel copy.
     for (const int reserve : {4, 8, 16, 24, 32}) {
         cuda::set_grouped_gemm_sm90_reserved_sms(reserve);
         const float g_alone = run(true, Side::none).first;
         const auto [g, sd] = run(true, Side::sm_copy);
-        std::printf("BENCH reserve %2d SMs: GEMM alone %.3f ms (%+.1f%%); beside the SM-kernel copy GEMM ends at %.3f "
-                    "ms, copy at %.3f ms\n",
-                    reserve, g_alone, 100.0 * (g_alone / gemm_alone - 1), g, sd);
+        std::printf(
+            "BENCH reserve %2d SMs: GEMM alone %.3f ms (%+.1f%%); beside the SM-kernel copy GEMM ends at %.3f "
+            "ms, copy at %.3f ms\n",
+            reserve, g_alone, 100.0 * (g_alone / gemm_alone - 1), g, sd);
     }
     cuda::set_grouped_gemm_sm90_reserved_sms(0);
     for (cudaEvent_t ev : {start, gemm_done, side_done}) cudaEventDestroy(ev);
     cudaStreamDestroy(main_s);
     cudaStreamDestroy(side);
-    for (void* p : {static_cast<void*>(inp), static_cast<void*>(weight), static_cast<void*>(out),
-                    static_cast<void*>(offsets), static_cast<void*>(src), static_cast<void*>(dst),
-                    static_cast<void*>(flag)})
+    for (void* p :
+         {static_cast<void*>(inp), static_cast<void*>(weight), static_cast<void*>(out), static_cast<void*>(offsets),
+          static_cast<void*>(src), static_cast<void*>(dst), static_cast<void*>(flag)})
         cudaFree(p);
 }
 

@@ -7,7 +7,8 @@
 //   p ← p + (−step_size) · (m / (sqrt(v) / bc2_sqrt + eps))
 // with bc1 = 1 − β1^t, bc2_sqrt = sqrt(1 − β2^t), step_size = lr / bc1 computed in double (as
 // Python floats) and cast to fp32 once; everything per element is fp32. Step t starts at 1.
-// Each gradient is first multiplied by p.grad_scale in fp32 (exact when it is 1). Each element is independent, so the update is deterministic.
+// Each gradient is first multiplied by p.grad_scale in fp32 (exact when it is 1). Each element is independent, so the
+// update is deterministic.
 #include "kernels/cpu/adamw.h"
 
 #include <cmath>

@@ -43,7 +43,8 @@ void lm_head_cross_entropy(float* losses, float* dh, float* dw, const float* h, 
         const int64_t rows = std::min(chunk, N - n0);
         matmul_forward(logits.data(), h + n0 * C, w, rows, C, V);
         if (bf16_logits)
-            for (float& x : std::span<float>(logits.data(), static_cast<size_t>(rows * V))) x = bf16_to_f32(f32_to_bf16(x));
+            for (float& x : std::span<float>(logits.data(), static_cast<size_t>(rows * V)))
+                x = bf16_to_f32(f32_to_bf16(x));
         for (int64_t r = 0; r < rows; ++r) {
             float* x = logits.data() + r * V;
             const int32_t target = targets[n0 + r];

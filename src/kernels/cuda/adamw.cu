@@ -20,7 +20,8 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;
 
 struct AdamWConstants {
-    float grad_mul, decay, lerp_weight, one_minus_lerp_weight, beta2, one_minus_beta2, neg_step_size, bias_correction2_sqrt, eps;
+    float grad_mul, decay, lerp_weight, one_minus_lerp_weight, beta2, one_minus_beta2, neg_step_size,
+        bias_correction2_sqrt, eps;
     bool lerp_from_start;
 };
 

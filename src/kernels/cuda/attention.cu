@@ -796,8 +796,8 @@ __global__ void __launch_bounds__(kThreads, 3) attention_backward_dq_kernel(BwdP
         bool full = kv0 + kDqTileKV - 1 <= warp_q0 && warp_q0 + 15 < p.T;
         if (doc != nullptr) {
             const int id = q_doc[warp * 16];
-            const bool same = kv_doc[lane] == id && kv_doc[lane + 32] == id &&
-                              (lane >= 16 || q_doc[warp * 16 + lane] == id);
+            const bool same =
+                kv_doc[lane] == id && kv_doc[lane + 32] == id && (lane >= 16 || q_doc[warp * 16 + lane] == id);
             full = __all_sync(0xffffffffu, same) && full;
         }
 #pragma unroll

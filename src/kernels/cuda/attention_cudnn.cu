@@ -11,8 +11,6 @@
 // reduction node. K and V are handed over as their transposes (strides swapped), as cuDNN's matmul
 // wants them. dQ either accumulates in an fp32 workspace (atomics; the engine's fast path) and is
 // cast by an identity node, or is written straight from the dP-workspace engine (deterministic).
-#include "kernels/cuda/attention_cudnn.cuh"
-
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -30,6 +28,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "kernels/cuda/attention_cudnn.cuh"
 
 #if MOEFORGE_WITH_CUDNN
 #include <cudnn.h>
@@ -65,13 +64,16 @@ namespace {
 }
 
 void check(cudnnStatus_t status, const char* what) {
-    if (status != CUDNN_STATUS_SUCCESS) [[unlikely]] cudnn_fail(status, what);
+    if (status != CUDNN_STATUS_SUCCESS) [[unlikely]]
+        cudnn_fail(status, what);
 }
 
 // An owned backend descriptor.
 class Desc {
  public:
-    explicit Desc(cudnnBackendDescriptorType_t type) { check(cudnnBackendCreateDescriptor(type, &d_), "create descriptor"); }
+    explicit Desc(cudnnBackendDescriptorType_t type) {
+        check(cudnnBackendCreateDescriptor(type, &d_), "create descriptor");
+    }
     ~Desc() {
         if (d_ != nullptr) cudnnBackendDestroyDescriptor(d_);
     }
@@ -99,7 +101,21 @@ using Dims = std::array<int64_t, 4>;
 
 // Tensor uids the variant packs bind (virtual tensors count up from kFirstVirtual).
 enum Uid : int64_t {
-    kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kScale, kLowest, kOne, kDelta, kDQAccum, kFirstVirtual = 100
+    kQ = 1,
+    kK,
+    kV,
+    kO,
+    kStats,
+    kDO,
+    kDQ,
+    kDK,
+    kDV,
+    kScale,
+    kLowest,
+    kOne,
+    kDelta,
+    kDQAccum,
+    kFirstVirtual = 100
 };
 
 // Builds one operation graph and finds an execution plan for it.
@@ -221,7 +237,8 @@ class GraphBuilder {
             bool nondeterministic = false;
             for (int64_t j = 0; j < num_notes; ++j)
                 nondeterministic |= notes[static_cast<size_t>(j)] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
-            const std::string name = "engine " + std::to_string(index) + (nondeterministic ? " (non-deterministic)" : "");
+            const std::string name =
+                "engine " + std::to_string(index) + (nondeterministic ? " (non-deterministic)" : "");
             tried += (tried.empty() ? "" : ", ") + name;
             if (need_deterministic && nondeterministic) continue;
             Desc plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
@@ -238,8 +255,8 @@ class GraphBuilder {
             r.descs = std::move(descs_);
             return r;
         }
-        MF_FAIL("cuDNN has no usable engine for ", what, " (", count, " candidates",
-                tried.empty() ? "" : ": ", tried, need_deterministic ? "; deterministic requested" : "", ")");
+        MF_FAIL("cuDNN has no usable engine for ", what, " (", count, " candidates", tried.empty() ? "" : ": ", tried,
+                need_deterministic ? "; deterministic requested" : "", ")");
     }
 
  private:
@@ -486,10 +503,10 @@ const Plans* plans_for(const AttentionShape& shape, cudnnHandle_t* handle) {
                          static_cast<long long>(p->fwd.workspace), p->bwd.engine.c_str(),
                          static_cast<long long>(p->bwd.workspace), static_cast<long long>(p->bwd_shape.B));
     } catch (const Error& e) {
-        std::fprintf(stderr, "moeforge: attention B=%lld T=%lld Hq=%lld Hkv=%lld D=%lld stays on moeforge's kernels: %s\n",
-                     static_cast<long long>(shape.B), static_cast<long long>(shape.T),
-                     static_cast<long long>(shape.Hq), static_cast<long long>(shape.Hkv),
-                     static_cast<long long>(shape.D), e.what());
+        std::fprintf(stderr,
+                     "moeforge: attention B=%lld T=%lld Hq=%lld Hkv=%lld D=%lld stays on moeforge's kernels: %s\n",
+                     static_cast<long long>(shape.B), static_cast<long long>(shape.T), static_cast<long long>(shape.Hq),
+                     static_cast<long long>(shape.Hkv), static_cast<long long>(shape.D), e.what());
         p.reset();
     }
     return c.plans.emplace(key, std::move(p)).first->second.get();
@@ -536,7 +553,8 @@ size_t cudnn_attention_backward_workspace_bytes(const AttentionShape& shape) {
     cudnnHandle_t handle = nullptr;
     const Plans& p = served_plans(shape, &handle, "attention backward");
     const Layout l(p.bwd_shape);
-    return align256(static_cast<size_t>(p.bwd.workspace)) + l.delta_bytes() + (p.deterministic ? 0 : l.dq_accum_bytes());
+    return align256(static_cast<size_t>(p.bwd.workspace)) + l.delta_bytes() +
+           (p.deterministic ? 0 : l.dq_accum_bytes());
 }
 
 void cudnn_attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
@@ -569,10 +587,19 @@ void cudnn_attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
     for (int64_t b = 0; b < shape.B; b += rows) {
         const int64_t i = b / rows;
         std::vector<int64_t> uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kLowest, kOne, kDelta};
-        std::vector<void*> ptrs = {const_cast<bf16*>(q + i * q_step), const_cast<bf16*>(k + i * kv_step),
-                                   const_cast<bf16*>(v + i * kv_step), const_cast<bf16*>(out + i * q_step),
-                                   const_cast<bf16*>(dout + i * q_step), const_cast<float*>(lse + i * lse_step),
-                                   dq + i * q_step, dk + i * kv_step, dv + i * kv_step, &scale, &lowest, &one, delta};
+        std::vector<void*> ptrs = {const_cast<bf16*>(q + i * q_step),
+                                   const_cast<bf16*>(k + i * kv_step),
+                                   const_cast<bf16*>(v + i * kv_step),
+                                   const_cast<bf16*>(out + i * q_step),
+                                   const_cast<bf16*>(dout + i * q_step),
+                                   const_cast<float*>(lse + i * lse_step),
+                                   dq + i * q_step,
+                                   dk + i * kv_step,
+                                   dv + i * kv_step,
+                                   &scale,
+                                   &lowest,
+                                   &one,
+                                   delta};
         if (!p.deterministic) {
             MF_CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, l.dq_accum_bytes(), stream));
             uids.push_back(kDQAccum);

@@ -24,9 +24,13 @@ __global__ void add_bf16_kernel(bf16* out, const bf16* a, const bf16* b, int64_t
 template <typename T>
 __device__ float to_float(T v);
 template <>
-__device__ float to_float<float>(float v) { return v; }
+__device__ float to_float<float>(float v) {
+    return v;
+}
 template <>
-__device__ float to_float<bf16>(bf16 v) { return __bfloat162float(v); }
+__device__ float to_float<bf16>(bf16 v) {
+    return __bfloat162float(v);
+}
 
 template <typename T>
 __global__ void count_nonfinite_kernel(unsigned long long* count, const T* x, int64_t n) {
@@ -71,8 +75,10 @@ __global__ void fill_normal_kernel(T* x, int64_t n, uint64_t seed, float mean, f
         const float u1 = (static_cast<float>(h >> 40) + 1.0f) / 16777217.0f;  // (0, 1]
         const float u2 = static_cast<float>((h >> 16) & 0xFFFFFF) / 16777216.0f;
         const float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
-        if constexpr (std::is_same_v<T, float>) x[i] = mean + std * z;
-        else x[i] = __float2bfloat16_rn(mean + std * z);
+        if constexpr (std::is_same_v<T, float>)
+            x[i] = mean + std * z;
+        else
+            x[i] = __float2bfloat16_rn(mean + std * z);
     }
 }
 

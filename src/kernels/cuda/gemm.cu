@@ -16,7 +16,6 @@
 #include "kernels/cuda/cublas_check.cuh"
 #include "kernels/cuda/gemm.cuh"
 
-
 namespace mf::cuda {
 
 // ---------------------------------------------------------------------------------------------

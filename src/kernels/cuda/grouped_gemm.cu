@@ -352,7 +352,6 @@ void set_smem_limit(Kernel kernel, size_t bytes) {
     MF_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-
 void launch_rows(bool b_k_major, bf16* out, const bf16* a, const bf16* b, const int32_t* offsets, int64_t M, int64_t E,
                  int64_t N, int64_t K, bool accumulate, cudaStream_t stream) {
     const int64_t row_tiles = (M + kBlockM - 1) / kBlockM + E;  // Σ_e ceil(rows_e / 128) never exceeds this

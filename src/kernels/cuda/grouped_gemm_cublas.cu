@@ -42,7 +42,6 @@
 #include "kernels/cuda/cublas_check.cuh"
 #include "kernels/cuda/grouped_gemm_cublas.cuh"
 
-
 namespace mf::cuda {
 
 namespace {
@@ -182,7 +181,6 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // argument checks and offsets
 
-
 // The offsets on the host (the caller's copy, or read from the device: one stream sync), clamped
 // like the own kernel clamps them: each to [0, M], then to the running maximum, so they are
 // non-decreasing and in range (valid offsets are unchanged).
@@ -195,8 +193,8 @@ void read_offsets(GroupedGemmCublas::State& s, const int32_t* offsets, std::span
         wait_for_stream(stream);  // bounded by dist.timeout_s in a multi-process run (core/tensor.h)
         src = s.host_offsets;
     } else {
-        MF_CHECK(static_cast<int64_t>(host_offsets.size()) == E + 1, "grouped_matmul (cuBLAS): ",
-                 host_offsets.size(), " host offsets for ", E, " groups (need E + 1)");
+        MF_CHECK(static_cast<int64_t>(host_offsets.size()) == E + 1, "grouped_matmul (cuBLAS): ", host_offsets.size(),
+                 " host offsets for ", E, " groups (need E + 1)");
     }
     s.begin.resize(static_cast<size_t>(E + 1));
     int64_t running = 0;
@@ -272,8 +270,9 @@ void shape_layouts(const Plan& plan, Product product, const GroupProduct& g) {
 const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType_t d_type, const GroupProduct& g,
                       bool exact) {
     GroupProduct shape = g;
-    if (!exact) (product == Product::backward_weight ? shape.k : shape.n) =
-        row_bucket(product == Product::backward_weight ? g.k : g.n);
+    if (!exact)
+        (product == Product::backward_weight ? shape.k : shape.n) =
+            row_bucket(product == Product::backward_weight ? g.k : g.n);
     const PlanKey key{static_cast<int>(product) + (exact ? kNumProducts : 0), shape.m, shape.n, shape.k,
                       static_cast<int>(d_type)};
     if (auto it = s.plans.find(key); it != s.plans.end()) return it->second;
@@ -286,10 +285,10 @@ const Plan& find_plan(GroupedGemmCublas::State& s, Product product, cudaDataType
             if (plan != nullptr) destroy_layouts(*plan);
         }
     } guard{&plan};
-    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, ta ? shape.k : shape.m, ta ? shape.m : shape.k,
-                                               shape.lda));
-    MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, tb ? shape.n : shape.k, tb ? shape.k : shape.n,
-                                               shape.ldb));
+    MF_CHECK_CUBLAS(
+        cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_16BF, ta ? shape.k : shape.m, ta ? shape.m : shape.k, shape.lda));
+    MF_CHECK_CUBLAS(
+        cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_16BF, tb ? shape.n : shape.k, tb ? shape.k : shape.n, shape.ldb));
     MF_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&plan.d, d_type, shape.m, shape.n, shape.ldd));
     cublasLtMatmulHeuristicResult_t heuristic{};
     int found = 0;
@@ -363,8 +362,7 @@ void grouped_matmul_forward_cublas(GroupedGemmCublas& ctx, bf16* out, const bf16
 
 void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, const bf16* dout, const bf16* weight,
                                           const int32_t* offsets, int64_t M, int64_t E, int64_t C, int64_t OC,
-                                          bool accumulate, cudaStream_t stream,
-                                          std::span<const int32_t> host_offsets) {
+                                          bool accumulate, cudaStream_t stream, std::span<const int32_t> host_offsets) {
     check_grouped_args("grouped_matmul_backward_input_cublas", dinp, dout, weight, offsets, M, E, C, OC);
     if (M == 0 || E == 0 || C == 0) return;
     GroupedGemmCublas::State& s = ctx.state();
@@ -388,8 +386,8 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
 
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
-                                           int64_t OC, cudaStream_t stream,
-                                           std::span<const int32_t> host_offsets, bool accumulate) {
+                                           int64_t OC, cudaStream_t stream, std::span<const int32_t> host_offsets,
+                                           bool accumulate) {
     check_grouped_args("grouped_matmul_backward_weight_cublas", dweight, dout, inp, offsets, M, E, C, OC);
     MF_CHECK(dweight_dtype == DType::f32 || dweight_dtype == DType::bf16,
              "grouped_matmul_backward_weight_cublas: dweight must be f32 or bf16, got ", dtype_name(dweight_dtype));

@@ -68,7 +68,7 @@ void grouped_matmul_backward_input_cublas(GroupedGemmCublas& ctx, bf16* dinp, co
 // zeroing dweight and accumulating, bit for bit, without the zeroing pass or the read.
 void grouped_matmul_backward_weight_cublas(GroupedGemmCublas& ctx, void* dweight, DType dweight_dtype, const bf16* dout,
                                            const bf16* inp, const int32_t* offsets, int64_t M, int64_t E, int64_t C,
-                                           int64_t OC, cudaStream_t stream,
-                                           std::span<const int32_t> host_offsets = {}, bool accumulate = true);
+                                           int64_t OC, cudaStream_t stream, std::span<const int32_t> host_offsets = {},
+                                           bool accumulate = true);
 
 }  // namespace mf::cuda

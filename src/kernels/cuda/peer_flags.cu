@@ -103,8 +103,7 @@ void peer_copy(std::span<const CopySpan> spans, cudaStream_t stream) {
     flush();
 }
 
-void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* error, int code,
-               cudaStream_t stream) {
+void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* error, int code, cudaStream_t stream) {
     peer_wait_kernel<<<1, 1, 0, stream>>>(flag, target, timeout_ns, error, code);
     MF_CHECK_CUDA(cudaGetLastError());
 }

@@ -19,8 +19,7 @@ namespace mf::cuda {
 // wait stored one first (error: host memory mapped into the device, which the host polls) and
 // returns, so the stream moves on and the host reports the late peer. A wait that finds *error
 // already set returns at once (one late peer does not cost one timeout per pending wait).
-void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* error, int code,
-               cudaStream_t stream);
+void peer_wait(const uint64_t* flag, uint64_t target, uint64_t timeout_ns, int* error, int code, cudaStream_t stream);
 
 // *flag = value (flag may be a peer GPU's memory) once everything before it on `stream` is done,
 // with a system-scope fence and release store, so a peer that sees the value sees those writes.

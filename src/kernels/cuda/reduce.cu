@@ -90,8 +90,10 @@ __global__ void sum_squares_many_partial_kernel(double* partial, const __grid_co
     int lo = 0, hi = batch.count - 1;  // the item whose block range holds blockIdx.x
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (batch.first[mid] <= static_cast<int>(blockIdx.x)) lo = mid;
-        else hi = mid - 1;
+        if (batch.first[mid] <= static_cast<int>(blockIdx.x))
+            lo = mid;
+        else
+            hi = mid - 1;
     }
     const int b = static_cast<int>(blockIdx.x) - batch.first[lo];
     const int64_t n = batch.n[lo];
@@ -119,7 +121,8 @@ __global__ void sum_squares_many_partial_kernel(double* partial, const __grid_co
 __global__ void sum_squares_many_final_kernel(const double* partial, const __grid_constant__ SumBatch batch) {
     const int i = static_cast<int>(blockIdx.x);
     const int blocks = batch.first[i + 1] - batch.first[i];
-    const double v = static_cast<int>(threadIdx.x) < blocks ? partial[static_cast<int64_t>(i) * kSumBlocks + threadIdx.x] : 0.0;
+    const double v =
+        static_cast<int>(threadIdx.x) < blocks ? partial[static_cast<int64_t>(i) * kSumBlocks + threadIdx.x] : 0.0;
     const double total = block_sum_double<kSumBlocks>(v);
     if (threadIdx.x == 0) *batch.out[i] = total;
 }
@@ -271,7 +274,8 @@ void sum_squares_many(const SumSquaresItem* items, int64_t count, DType dtype, v
                 sum_squares_many_partial_kernel<float>
                     <<<batch.first[batch.count], kSumThreads, 0, stream>>>(partial, batch);
             else
-                sum_squares_many_partial_kernel<bf16><<<batch.first[batch.count], kSumThreads, 0, stream>>>(partial, batch);
+                sum_squares_many_partial_kernel<bf16>
+                    <<<batch.first[batch.count], kSumThreads, 0, stream>>>(partial, batch);
             MF_CHECK_CUDA(cudaGetLastError());
         }
         sum_squares_many_final_kernel<<<batch.count, kSumBlocks, 0, stream>>>(partial, batch);
