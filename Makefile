@@ -7,7 +7,7 @@ ifeq ($(CI),true)
 CMAKE_FLAGS += -DMOEFORGE_WERROR=ON -DMOEFORGE_PYTHON=ON
 endif
 
-.PHONY: deps configure build demo python test test-gpu format clean
+.PHONY: deps configure build demo python test test-gpu format format-check clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -33,8 +33,13 @@ test: build
 test-gpu: build
 	@cd $(BUILD) && ctest --output-on-failure -L gpu
 
+# C++ and CUDA sources in .clang-format's style; CI checks it (format-check, Debian 12's clang-format 14).
+FORMAT_FILES = $(shell find src tests bench -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 format:
-	@find src tests bench -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | xargs clang-format -i
+	@clang-format -i $(FORMAT_FILES)
+
+format-check: deps
+	@clang-format --dry-run -Werror $(FORMAT_FILES)
 
 clean:
 	rm -rf $(BUILD) $(BUILD).cmake.log

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the build needs, idempotently: a C++20 compiler, CMake >= 3.24 and GoogleTest; and for
-# the Python package and its tests, Debian's python3 with pybind11, numpy and pytest (apt).
+# the Python package and its tests, Debian's python3 with pybind11, numpy and pytest (apt); in CI,
+# clang-format.
 # Nothing is installed when everything is already there. The CUDA toolkit is optional: where
 # /usr/local/cuda/bin/nvcc exists the CUDA backend is built too.
 set -euo pipefail
@@ -15,6 +16,8 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
 [ -f /usr/lib/cmake/pybind11/pybind11Config.cmake ] || need+=(pybind11-dev python3-dev)
 /usr/bin/python3 -c "import numpy" >/dev/null 2>&1 || need+=(python3-numpy)
 /usr/bin/python3 -c "import pytest" >/dev/null 2>&1 || need+=(python3-pytest)
+# CI checks the sources' format (make format-check).
+if [ "${CI:-}" = true ]; then command -v clang-format >/dev/null 2>&1 || need+=(clang-format); fi
 
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 echo "install-deps: installing ${need[*]}"
