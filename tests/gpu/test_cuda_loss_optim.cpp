@@ -91,13 +91,14 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
          {CeCase{37, 64, 1000, 16}, CeCase{20, 40, 999, 64}, CeCase{64, 128, 4096, 64}, CeCase{5, 32, 8, 2},
           // one chunk of 300 rows
           CeCase{300, 32, 520, 300}}) {
-        for (const auto& [dw_dtype, logits_dtype] : {std::pair{DType::f32, DType::f32}, std::pair{DType::bf16, DType::f32},
-                                                     std::pair{DType::bf16, DType::bf16}}) {
+        for (const auto& [dw_dtype, logits_dtype] :
+             {std::pair{DType::f32, DType::f32}, std::pair{DType::bf16, DType::f32},
+              std::pair{DType::bf16, DType::bf16}}) {
             const bool bf16_logits = logits_dtype == DType::bf16;
             const std::string name = std::string("cross_entropy logits ") + mf::dtype_name(logits_dtype) + " dw " +
-                                     mf::dtype_name(dw_dtype) +
-                                     " N=" + std::to_string(s.N) + " C=" + std::to_string(s.C) +
-                                     " V=" + std::to_string(s.V) + " chunk=" + std::to_string(s.chunk);
+                                     mf::dtype_name(dw_dtype) + " N=" + std::to_string(s.N) +
+                                     " C=" + std::to_string(s.C) + " V=" + std::to_string(s.V) +
+                                     " chunk=" + std::to_string(s.chunk);
             const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
             const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
             std::vector<int32_t> targets(static_cast<size_t>(s.N));
@@ -198,8 +199,8 @@ TEST(CudaCrossEntropy, WriteModeEqualsAccumulatingIntoZeros) {
     DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_loss(targets.size() * 4);
     for (const DType dw_dtype : {DType::f32, DType::bf16}) {
         for (const DType logits_dtype : {DType::f32, DType::bf16}) {
-            const std::string name = std::string("write mode, logits ") + mf::dtype_name(logits_dtype) + " dw " +
-                                     mf::dtype_name(dw_dtype);
+            const std::string name =
+                std::string("write mode, logits ") + mf::dtype_name(logits_dtype) + " dw " + mf::dtype_name(dw_dtype);
             const size_t dw_bytes = w.size() * mf::dtype_size(dw_dtype), dh_bytes = h.size() * 2;
             const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
             DeviceBuffer scratch(sb), dh_a(dh_bytes), dw_a(dw_bytes), dh_w(dh_bytes), dw_w(dw_bytes);
@@ -473,21 +474,23 @@ TEST(CudaReduce, SumSquaresManyEqualsOneAtATimeBitForBit) {
             std::vector<float> x = random_f32(rng, static_cast<size_t>(n), -2.0f, 2.0f);
             bufs.emplace_back((static_cast<size_t>(n) + 1) * elem);
             char* p = static_cast<char*>(bufs.back().as<void>()) + offset * elem;
-            if (dtype == DType::f32) upload(p, x);
-            else upload_bf16(p, round_bf16(x));
+            if (dtype == DType::f32)
+                upload(p, x);
+            else
+                upload_bf16(p, round_bf16(x));
             items.push_back({p, n, outs.as<double>() + i});
         }
         mf::cuda::sum_squares_many(items.data(), count, dtype, many_scratch.as<void>(), nullptr);
         device_sync();
         const std::vector<double> many = download<double>(outs.as<void>(), static_cast<size_t>(count));
         for (int i = 0; i < count; ++i) {
-            mf::cuda::sum_squares(one.as<double>(), items[static_cast<size_t>(i)].x, dtype, items[static_cast<size_t>(i)].n,
-                                  false, scratch.as<void>(), nullptr);
+            mf::cuda::sum_squares(one.as<double>(), items[static_cast<size_t>(i)].x, dtype,
+                                  items[static_cast<size_t>(i)].n, false, scratch.as<void>(), nullptr);
             device_sync();
             const double ref = download<double>(one.as<void>(), 1)[0];
             EXPECT_EQ(std::memcmp(&ref, &many[static_cast<size_t>(i)], sizeof ref), 0)
-                << mf::dtype_name(dtype) << " item " << i << " n=" << items[static_cast<size_t>(i)].n << ": " << many[static_cast<size_t>(i)]
-                << " vs " << ref;
+                << mf::dtype_name(dtype) << " item " << i << " n=" << items[static_cast<size_t>(i)].n << ": "
+                << many[static_cast<size_t>(i)] << " vs " << ref;
         }
     }
 }
@@ -586,23 +589,25 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
         dw.zero();
         const double flops = 2.0 * N * C * V;
         for (const auto& [chunk, logits_type] :
-             {std::pair{int64_t{441}, DType::f32}, std::pair{int64_t{1664}, DType::f32}, std::pair{int64_t{4096}, DType::f32},
-              std::pair{int64_t{2048}, DType::bf16}, std::pair{int64_t{2731}, DType::bf16},
-              std::pair{int64_t{4096}, DType::bf16}, std::pair{int64_t{8192}, DType::bf16}}) {
+             {std::pair{int64_t{441}, DType::f32}, std::pair{int64_t{1664}, DType::f32},
+              std::pair{int64_t{4096}, DType::f32}, std::pair{int64_t{2048}, DType::bf16},
+              std::pair{int64_t{2731}, DType::bf16}, std::pair{int64_t{4096}, DType::bf16},
+              std::pair{int64_t{8192}, DType::bf16}}) {
             const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(chunk, V, logits_type);
             DeviceBuffer scratch(sb);
             for (const DType dw_type : {DType::f32, DType::bf16}) {
                 const double us = time_us(
                     [&] {
                         mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), dh.as<bf16>(), dw.as<void>(),
-                                                        dw_type, h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C,
-                                                        V, 1.0f / N, scratch.as<void>(), sb, chunk, nullptr, logits_type);
+                                                        dw_type, h.as<bf16>(), w.as<bf16>(), d_t.as<int32_t>(), N, C, V,
+                                                        1.0f / N, scratch.as<void>(), sb, chunk, nullptr, logits_type);
                     },
                     5);
-                std::printf("BENCH lm_head_cross_entropy fwd+bwd N=8192 V=151936 chunk %5lld logits %-4s dw %-4s %10.1f us"
-                            "  %8.1f TFLOP/s (3 GEMMs + loss kernel)\n",
-                            static_cast<long long>(chunk), mf::dtype_name(logits_type), mf::dtype_name(dw_type), us,
-                            3 * flops / (us * 1e-6) / 1e12);
+                std::printf(
+                    "BENCH lm_head_cross_entropy fwd+bwd N=8192 V=151936 chunk %5lld logits %-4s dw %-4s %10.1f us"
+                    "  %8.1f TFLOP/s (3 GEMMs + loss kernel)\n",
+                    static_cast<long long>(chunk), mf::dtype_name(logits_type), mf::dtype_name(dw_type), us,
+                    3 * flops / (us * 1e-6) / 1e12);
             }
         }
     }

@@ -155,15 +155,15 @@ void gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op_b,
 
 size_t lm_head_cross_entropy_scratch_bytes(int64_t chunk, int64_t V, DType logits_dtype) {
     MF_CHECK(chunk > 0 && V > 0, "lm_head_cross_entropy: bad chunk ", chunk, " or V ", V);
-    MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16, "lm_head_cross_entropy: logits dtype must be f32 or bf16, got ",
-             dtype_name(logits_dtype));
+    MF_CHECK(logits_dtype == DType::f32 || logits_dtype == DType::bf16,
+             "lm_head_cross_entropy: logits dtype must be f32 or bf16, got ", dtype_name(logits_dtype));
     return static_cast<size_t>(chunk * V) * dtype_size(logits_dtype);
 }
 
 void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void* dw, DType dw_dtype, const bf16* h,
                            const bf16* w, const int32_t* targets, int64_t N, int64_t C, int64_t V, float grad_scale,
-                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream,
-                           DType logits_dtype, bool accumulate, const float* grad_scale_by) {
+                           void* scratch, size_t scratch_bytes, int64_t chunk, cudaStream_t stream, DType logits_dtype,
+                           bool accumulate, const float* grad_scale_by) {
     MF_CHECK(N >= 0 && C > 0 && V > 0, "lm_head_cross_entropy: bad shape N=", N, " C=", C, " V=", V);
     constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
     MF_CHECK(C <= kIntMax && 2 * V <= kIntMax, "lm_head_cross_entropy: C = ", C, " or V = ", V,
@@ -208,8 +208,10 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
                 cross_entropy_rows_kernel<1, TL><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
                     losses + n0, logits, targets + n0, V, grad_scale, grad_scale_by, want_grad);
         };
-        if (wide) rows_kernel(static_cast<float*>(scratch));
-        else rows_kernel(static_cast<bf16*>(scratch));
+        if (wide)
+            rows_kernel(static_cast<float*>(scratch));
+        else
+            rows_kernel(static_cast<bf16*>(scratch));
         MF_CHECK_CUDA(cudaGetLastError());
         if (dh != nullptr) {
             // dh_cm (C × rows) += w_cm (C × V) · dlogits_cm (V × rows, ld 2V)
