@@ -6,6 +6,9 @@
 # L2 and DRAM throughput (% of peak and bytes/s), SM throughput and the tensor pipe's activity. Prints
 # the median of each kernel's launches per (size, case, kernel) and the benchmark's own timing lines.
 # Logs go to $OUT (ncu_<M>_<E>.csv, bench_<M>_<E>.log, ncu_grouped.txt).
+# STALLS=1 instead: where the warps wait (ncu's warp-state, scheduler and memory sections, one launch
+# each) for the gate_up forward and bf16 weight gradient at STALLS_CONFIG (default 16384:128, 2048
+# tokens), in $OUT/stalls_<kernel>.txt.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-gpu_out}")
 mkdir -p "$OUT"
@@ -34,6 +37,21 @@ for m in "${want[@]}"; do
   if grep -q "^$base " "$OUT/ncu_query.txt"; then metrics+=("$m"); else echo "ncu has no metric $base (left out)"; fi
 done
 list=$(IFS=,; echo "${metrics[*]}")
+
+if [ "${STALLS:-0}" = 1 ]; then
+  # The benchmark's launches per kernel name, in order: gate_up's 23 (3 warm-ups + 20), then down's;
+  # the weight gradient's in fp32, then bf16. So: the first timed gate_up forward, bf16 weight gradient.
+  for spec in grouped_rows_wgmma_kernel:3 grouped_weight_grad_wgmma_kernel:26; do
+    kernel=${spec%%:*} skip=${spec##*:}
+    MF_BENCH=1 MF_BENCH_SM90_ONLY=1 MF_BENCH_GROUPED=${STALLS_CONFIG:-16384:128} timeout 300 "$NCU" \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
+      -k "regex:$kernel" --launch-skip "$skip" --launch-count 1 \
+      build-gpu/tests/test_cuda_grouped_gemm --gtest_filter='*Benchmark' > "$OUT/stalls_$kernel.txt" 2>&1
+    echo "ncu stalls $kernel rc $?"
+    sed -n '/Section: Warp State Statistics/,/Section: /p' "$OUT/stalls_$kernel.txt" | head -40
+  done
+  exit 0
+fi
 
 for cfg in $CONFIGS; do
   tag=${cfg/:/_}
