@@ -39,8 +39,9 @@ done
 list=$(IFS=,; echo "${metrics[*]}")
 
 if [ "${STALLS:-0}" = 1 ]; then
-  # The benchmark's launches per kernel name, in order: gate_up's 23 (3 warm-ups + 20), then down's;
-  # the weight gradient's in fp32, then bf16. So: the first timed gate_up forward, bf16 weight gradient.
+  # The benchmark launches each product 23 times (3 warm-ups + 20), gate_up's before down's: the rows
+  # kernel's forward, then its input gradient; the weight gradient's fp32, then bf16. So launch 3 of
+  # each name is the first timed gate_up forward, launch 26 the first timed gate_up bf16 weight gradient.
   for spec in grouped_rows_wgmma_kernel:3 grouped_weight_grad_wgmma_kernel:26; do
     kernel=${spec%%:*} skip=${spec##*:}
     MF_BENCH=1 MF_BENCH_SM90_ONLY=1 MF_BENCH_GROUPED=${STALLS_CONFIG:-16384:128} timeout 300 "$NCU" \
