@@ -23,21 +23,6 @@ if [ ! -x build-gpu/tests/test_cuda_grouped_gemm ]; then
     { grep -E "error" -A5 "$OUT/build.log" | head -40; exit 1; }
 fi
 
-# The metrics this ncu knows (names differ between versions: the missing ones are left out, and said).
-want=(gpu__time_duration.sum lts__throughput.avg.pct_of_peak_sustained_elapsed lts__t_bytes.sum.per_second
-      dram__throughput.avg.pct_of_peak_sustained_elapsed dram__bytes_read.sum.per_second
-      sm__throughput.avg.pct_of_peak_sustained_elapsed
-      sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
-      sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed
-      sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_elapsed)
-"$NCU" --query-metrics > "$OUT/ncu_query.txt" 2>&1
-metrics=()
-for m in "${want[@]}"; do
-  base=${m%%.*}
-  if grep -q "^$base " "$OUT/ncu_query.txt"; then metrics+=("$m"); else echo "ncu has no metric $base (left out)"; fi
-done
-list=$(IFS=,; echo "${metrics[*]}")
-
 if [ "${STALLS:-0}" = 1 ]; then
   # The benchmark launches each product 23 times (3 warm-ups + 20), gate_up's before down's: the rows
   # kernel's forward, then its input gradient; the weight gradient's fp32, then bf16. So launch 3 of
@@ -53,6 +38,21 @@ if [ "${STALLS:-0}" = 1 ]; then
   done
   exit 0
 fi
+
+# The metrics this ncu knows (names differ between versions: the missing ones are left out, and said).
+want=(gpu__time_duration.sum lts__throughput.avg.pct_of_peak_sustained_elapsed lts__t_bytes.sum.per_second
+      dram__throughput.avg.pct_of_peak_sustained_elapsed dram__bytes_read.sum.per_second
+      sm__throughput.avg.pct_of_peak_sustained_elapsed
+      sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+      sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed
+      sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_elapsed)
+"$NCU" --query-metrics > "$OUT/ncu_query.txt" 2>&1
+metrics=()
+for m in "${want[@]}"; do
+  base=${m%%.*}
+  if grep -q "^$base " "$OUT/ncu_query.txt"; then metrics+=("$m"); else echo "ncu has no metric $base (left out)"; fi
+done
+list=$(IFS=,; echo "${metrics[*]}")
 
 for cfg in $CONFIGS; do
   tag=${cfg/:/_}
