@@ -68,12 +68,15 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--moeforge-hf", action="store_true", help="import moeforge.hf before the model is made")
     ap.add_argument("--fused-loss", action="store_true", help="with --moeforge-hf: enable(model, fused_loss=True)")
+    ap.add_argument("--eager-dispatcher", action="store_true",
+                    help="with --moeforge-hf: every eager op call through torch's dispatcher (no eager twins)")
     ap.add_argument("--profile", help="write a torch.profiler table of one more step (CUDA time per kernel) here")
     ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
     args = ap.parse_args()
     mhf = None
     if args.moeforge_hf:
         import moeforge.hf as mhf  # (the one line a user adds)
+        mhf.EAGER_FAST_PATH = not args.eager_dispatcher  # (the twins, unless --eager-dispatcher)
 
     with open(args.config) as f:
         cfg = json.load(f)
@@ -133,6 +136,8 @@ def main():
     system = "hf_v5_moeforge_hf" if mhf is not None else "hf_v5"
     if args.fused_loss:
         system += "_fused_loss"
+    if args.eager_dispatcher:
+        system += "_dispatcher"
     if args.compile:
         system += "_compile"
     extra = {} if mhf is None else {"moeforge_hf_status": mhf.status(model)}

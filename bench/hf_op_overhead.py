@@ -4,7 +4,8 @@ of each step the GPU waits for the CPU, so every microsecond an op spends in Pyt
 step time. On tiny GPU tensors (kernels of a few microseconds, so that the loop is bound by the host),
 the mean time per call over --calls calls, for RMSNorm (rows x 2048, bf16) each way:
   stock       transformers' Qwen3MoeRMSNorm forward (eager torch ops)
-  custom_op   moeforge.hf.rms_norm (torch.library.custom_op with register_autograd), as moeforge.hf runs it
+  custom_op   moeforge.hf.rms_norm (torch.library.custom_op with register_autograd), through the dispatcher
+  eager_twin  moeforge.hf's eager call of it (the op's twin autograd.Function: what moeforge.hf runs)
   function    the same implementation under a plain torch.autograd.Function (no dispatcher round trip)
   native      ops.rmsnorm_forward alone (pybind11, the C API and the launch; forward only)
 forward only, then forward + backward (y.sum().backward(), whose own cost every row shares).
@@ -64,6 +65,7 @@ def main():
     ways = {
         "stock": lambda: stock_forward(norm, x),
         "custom_op": lambda: mhf.rms_norm(x, weight, eps)[0],
+        "eager_twin": lambda: mhf._call(mhf.rms_norm, x, weight, eps)[0],
     }
     if impl is not None:
         ways["function"] = lambda: Function.apply(x, weight, eps)[0]

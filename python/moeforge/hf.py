@@ -10,9 +10,10 @@ top_k_weights)`; its work is two torch custom ops over moeforge's C API:
     moeforge::experts_backward  the explicit backward: every gradient from its own kernel,
                                 deterministic (no atomics), no W + BA or other weight copies
 
-registered with `register_fake` (shapes for torch.compile) and `register_autograd`, so eager mode,
-autograd and `torch.compile(fullgraph=True)` all see one opaque op. CUDA tensors run on torch's
-current stream; CPU tensors on moeforge's fp32 reference kernels.
+registered with `register_fake` (shapes for torch.compile) and `register_autograd`, so autograd and
+`torch.compile(fullgraph=True)` see one opaque op; eager calls skip the dispatcher's round trip through
+each op's twin autograd.Function (the same implementation, setup_context and backward; see "eager
+calls"). CUDA tensors run on torch's current stream; CPU tensors on moeforge's fp32 reference kernels.
 
 Served, bf16 on a GPU or fp32 on the CPU, with transformers' layout flags honoured:
   - gated SwiGLU experts (transformers' default gate, SiLU): gate_up_proj [E, 2I, H] (gate rows first)
@@ -90,6 +91,57 @@ def _context(t: torch.Tensor, workspace: Optional[torch.Tensor] = None) -> Optio
 def _no_grads(ctx) -> tuple:
     """An op's backward result when its main output got no gradient: None for every input."""
     return (None,) * len(ctx.needs_input_grad)
+
+
+# --- eager calls ---------------------------------------------------------------------------------------
+# In eager mode a call of a custom op goes through torch's dispatcher: the op's autograd kernel builds a
+# Python autograd.Function per call and redispatches below autograd to the implementation. That round
+# trip is ~40 us of host time per call (bench/hf_op_overhead.py: 99 us per RMSNorm forward against 59
+# for the same implementation under a plain autograd.Function), and at the start of a training step,
+# where the GPU waits for the host, it shows in the step time. So eager calls take the short way: each
+# op with an autograd formula has a twin autograd.Function with the same forward (the op's own
+# implementation), setup_context and backward, and each backward op is called as its implementation;
+# under torch.compile (and for tensor subclasses: fake, functional, distributed tensors) the op itself
+# is called, as before, so graphs still see one opaque op with its fake kernel.
+EAGER_FAST_PATH = False  # (opt-in until the GPU machine has run test_hf on it; bench/d1.sh measures both)
+_eager: dict = {}  # op -> the callable an eager call runs instead
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _call(op, *args):
+    """op(*args), the short way in eager mode (see above)."""
+    if EAGER_FAST_PATH and not torch.compiler.is_compiling():
+        fast = _eager.get(op)
+        if fast is not None and all(type(a) in _PLAIN_TENSORS for a in args if isinstance(a, torch.Tensor)):
+            return fast(*args)
+    return op(*args)
+
+
+def _register_autograd(op, backward, setup_context) -> None:
+    """op.register_autograd(backward, setup_context), and the op's eager twin (where torch's CustomOpDef
+    keeps the undecorated implementation, `_init_fn`; without it every call goes through the op)."""
+    op.register_autograd(backward, setup_context=setup_context)
+    impl = getattr(op, "_init_fn", None)
+    if impl is None:
+        return
+
+    def forward(*args):
+        return impl(*args)
+
+    # (named after the op: autograd's node for it is "EagerTwin_<op>Backward", in profiles and graphs)
+    twin = type(f"EagerTwin_{getattr(op, '_name', 'op')}", (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+    })
+    _eager[op] = twin.apply
+
+
+def _register_eager(op) -> None:
+    """An op without an autograd formula (a backward): eager calls run its implementation directly."""
+    impl = getattr(op, "_init_fn", None)
+    if impl is not None:
+        _eager[op] = impl
 
 
 def _bytes_tensor(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -291,6 +343,9 @@ def _(dout, hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row,
             hidden.new_empty(E, H) if with_b_down else hidden.new_empty(0))
 
 
+_register_eager(experts_backward)
+
+
 def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     hidden, _, top_k_weights, w_up, w_down, b_up, b_down, activation, alpha, limit, transposed = inputs
@@ -304,14 +359,14 @@ def _backward(ctx, dout, *_unused):
         return _no_grads(ctx)
     hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
     with_b_up, with_b_down, activation, alpha, limit, transposed = ctx.options
-    dx, dw, dw_up, dw_down, db_up, db_down = experts_backward(
-        dout.contiguous(), hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm,
+    dx, dw, dw_up, dw_down, db_up, db_down = _call(
+        experts_backward, dout.contiguous(), hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm,
         with_b_up, with_b_down, activation, alpha, limit, transposed)
     return (dx, None, dw, dw_up, dw_down, db_up if with_b_up else None, db_down if with_b_down else None, None, None,
             None, None)
 
 
-experts.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(experts, _backward, _setup_context)
 
 # --- the experts function ------------------------------------------------------------------------------
 
@@ -444,9 +499,9 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     activation, alpha, limit, w_up, w_down, b_up, b_down = plan
     index, weights = _valid_routing(top_k_index, top_k_weights, w_up.shape[0])
     contiguous = (lambda t: None if t is None else t.contiguous())  # (no copies for ordinary parameters)
-    out = experts(hidden_states.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(),
-                  contiguous(b_up), contiguous(b_down), activation, alpha, limit,
-                  bool(getattr(module, "is_transposed", False)))[0]
+    out = _call(experts, hidden_states.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(),
+                contiguous(b_up), contiguous(b_down), activation, alpha, limit,
+                bool(getattr(module, "is_transposed", False)))[0]
     return out.to(hidden_states.dtype)
 
 
@@ -588,6 +643,9 @@ def _(dout, hidden, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, off
             like(a_up), like(b_up), like(a_down), like(b_down)]
 
 
+_register_eager(experts_lora_backward)
+
+
 def _lora_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     hidden, _, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down = inputs[:9]
@@ -602,7 +660,7 @@ def _lora_backward(ctx, dout, *_unused):
         return _no_grads(ctx)
     saved = ctx.saved_tensors
     need = ctx.needs_input_grad
-    grads = experts_lora_backward(dout.contiguous(), *saved, *ctx.options, need[3], need[4])
+    grads = _call(experts_lora_backward, dout.contiguous(), *saved, *ctx.options, need[3], need[4])
     present = lambda g, want: g if want and g.numel() > 0 else None  # noqa: E731
     dx, dw, dw_up, dw_down, da_up, db_up, da_down, db_down = grads
     return (dx, None, dw, present(dw_up, need[3]), present(dw_down, need[4]), present(da_up, need[5]),
@@ -610,7 +668,7 @@ def _lora_backward(ctx, dout, *_unused):
             None)
 
 
-experts_lora.register_autograd(_lora_backward, setup_context=_lora_setup_context)
+_register_autograd(experts_lora, _lora_backward, _lora_setup_context)
 
 try:
     from peft.tuners.lora.layer import ParamWrapper as _ParamWrapper
@@ -674,8 +732,8 @@ def _param_wrapper_forward(self, x, *args, **kwargs):
     a_up, b_up, s_up = factors.get(up_name, (None, None, 0.0))
     a_down, b_down, s_down = factors.get("down_proj", (None, None, 0.0))
     index, weights = _valid_routing(*routing, w_up.shape[0])
-    out = experts_lora(x.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(), a_up, b_up, a_down,
-                       b_down, s_up, s_down, activation, alpha, limit)[0]
+    out = _call(experts_lora, x.contiguous(), index, weights, w_up.contiguous(), w_down.contiguous(), a_up, b_up,
+                a_down, b_down, s_up, s_down, activation, alpha, limit)[0]
     return out.to(x.dtype)
 
 
@@ -757,6 +815,9 @@ def _(dy, x, router, gate_up, down, correction_bias, acts, top_k, norm_topk_prob
     return torch.empty_like(x), torch.empty_like(router), torch.empty_like(gate_up), torch.empty_like(down)
 
 
+_register_eager(moe_block_backward)
+
+
 def _block_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     x, router, gate_up, down, correction_bias = inputs[:5]
@@ -768,11 +829,11 @@ def _block_backward(ctx, dy, *_unused):
     if dy is None:  # (the main output took no part in the loss)
         return _no_grads(ctx)
     x, router, gate_up, down, correction_bias, acts = ctx.saved_tensors
-    grads = moe_block_backward(dy.contiguous(), x, router, gate_up, down, correction_bias, acts, *ctx.options)
+    grads = _call(moe_block_backward, dy.contiguous(), x, router, gate_up, down, correction_bias, acts, *ctx.options)
     return (*grads, None, None, None, None, None, None, None)
 
 
-moe_block.register_autograd(_block_backward, setup_context=_block_setup_context)
+_register_autograd(moe_block, _block_backward, _block_setup_context)
 
 try:  # (transformers' record of which module outputs a forward collects: router logits for the aux loss)
     from transformers.utils.output_capturing import _active_collector
@@ -861,8 +922,8 @@ class _FusedMoeBlock:
         (weight, bias, *router_options), w_up, w_down = plan
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        y = moe_block(x.contiguous(), weight.contiguous(), w_up.contiguous(), w_down.contiguous(),
-                      None if bias is None else bias.contiguous(), *router_options)[0]
+        y = _call(moe_block, x.contiguous(), weight.contiguous(), w_up.contiguous(), w_down.contiguous(),
+                  None if bias is None else bias.contiguous(), *router_options)[0]
         shared = FUSED_BLOCKS[type(self).__name__][3]
         if shared == "gated_shared_expert":  # Qwen2-MoE
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -927,6 +988,9 @@ def _(dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, cos, sin):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)
 
 
+_register_eager(qknorm_rope_backward)
+
+
 def _qknorm_rope_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     q, k, q_weight, k_weight, cos, sin, _ = inputs
@@ -939,12 +1003,12 @@ def _qknorm_rope_backward(ctx, dq_out, dk_out, *_unused):
     q, k, q_weight, k_weight, q_rstd, k_rstd, cos, sin = ctx.saved_tensors
     dq_out = torch.zeros_like(q) if dq_out is None else dq_out.contiguous()
     dk_out = torch.zeros_like(k) if dk_out is None else dk_out.contiguous()
-    dq, dk, dq_weight, dk_weight = qknorm_rope_backward(dq_out, dk_out, q, k, q_weight, k_weight, q_rstd, k_rstd, cos,
-                                                        sin)
+    dq, dk, dq_weight, dk_weight = _call(qknorm_rope_backward, dq_out, dk_out, q, k, q_weight, k_weight, q_rstd,
+                                         k_rstd, cos, sin)
     return dq, dk, dq_weight, dk_weight, None, None, None
 
 
-qknorm_rope.register_autograd(_qknorm_rope_backward, setup_context=_qknorm_rope_setup_context)
+_register_autograd(qknorm_rope, _qknorm_rope_backward, _qknorm_rope_setup_context)
 
 
 def qknorm_rope_unsupported_reason(module: torch.nn.Module, hidden_states: torch.Tensor,
@@ -994,8 +1058,8 @@ class _FusedQKNormRopeAttention:
         cos, sin = (t.expand(B, T, D).reshape(B * T, D) for t in position_embeddings)
         q = self.q_proj(hidden_states).reshape(B * T, -1, D)
         k = self.k_proj(hidden_states).reshape(B * T, -1, D)
-        q, k = qknorm_rope(q.contiguous(), k.contiguous(), self.q_norm.weight, self.k_norm.weight, cos.contiguous(),
-                           sin.contiguous(), float(self.q_norm.variance_epsilon))[:2]
+        q, k = _call(qknorm_rope, q.contiguous(), k.contiguous(), self.q_norm.weight, self.k_norm.weight,
+                     cos.contiguous(), sin.contiguous(), float(self.q_norm.variance_epsilon))[:2]
         query_states = q.view(B, T, -1, D).transpose(1, 2)
         key_states = k.view(B, T, -1, D).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)
@@ -1125,6 +1189,9 @@ def _(dout, q, k, v, out, lse, doc_ids):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_register_eager(attention_backward)
+
+
 def _attention_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     q, k, v, doc_ids = inputs
@@ -1135,10 +1202,10 @@ def _attention_backward(ctx, dout, *_unused):
     if dout is None:  # (the main output took no part in the loss)
         return _no_grads(ctx)
     q, k, v, out, lse, doc_ids = ctx.saved_tensors
-    return (*attention_backward(dout.contiguous(), q, k, v, out, lse, doc_ids), None)
+    return (*_call(attention_backward, dout.contiguous(), q, k, v, out, lse, doc_ids), None)
 
 
-attention.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+_register_autograd(attention, _attention_backward, _attention_setup_context)
 
 from transformers import masking_utils as _masking  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as _sdpa  # noqa: E402
@@ -1246,8 +1313,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if reason is not None:
         _report(type(module).__name__, reason, "torch's SDPA")
         return _sdpa(module, query, key, value, _document_mask(docs), dropout=dropout, scaling=scaling, **kwargs)
-    out, _ = attention(query.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
-                       value.transpose(1, 2).contiguous(), docs.contiguous())
+    out, _ = _call(attention, query.transpose(1, 2).contiguous(), key.transpose(1, 2).contiguous(),
+                   value.transpose(1, 2).contiguous(), docs.contiguous())
     return out, None
 
 
@@ -1294,6 +1361,9 @@ def _(dout, x, weight, rstd):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
+_register_eager(rms_norm_backward)
+
+
 def _rms_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients made for the outputs the loss never reads)
     x, weight, _ = inputs
@@ -1304,11 +1374,11 @@ def _rms_backward(ctx, dout, *_unused):
     if dout is None:  # (the main output took no part in the loss)
         return _no_grads(ctx)
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = rms_norm_backward(dout.contiguous(), x, weight, rstd)
+    dx, dweight = _call(rms_norm_backward, dout.contiguous(), x, weight, rstd)
     return dx, dweight, None
 
 
-rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+_register_autograd(rms_norm, _rms_backward, _rms_setup_context)
 
 # The RMSNorm classes whose forward is weight · x / sqrt(mean(x²) + eps) over the last dimension with
 # the epsilon in `variance_epsilon` (transformers' MoE families; each checked against its stock
@@ -1334,7 +1404,7 @@ def norm_unsupported_reason(module: torch.nn.Module, x: torch.Tensor) -> Optiona
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if norm_unsupported_reason(self, hidden_states) is not None:
         return _stock_norm_forwards[type(self)](self, hidden_states)
-    return rms_norm(hidden_states.contiguous(), self.weight, float(self.variance_epsilon))[0]
+    return _call(rms_norm, hidden_states.contiguous(), self.weight, float(self.variance_epsilon))[0]
 
 
 def _patch_norms(classes) -> None:
@@ -1396,6 +1466,9 @@ def _(dout, ids, weight, padding_idx):
     return torch.empty_like(weight)
 
 
+_register_eager(embedding_backward)
+
+
 def _embedding_setup_context(ctx, inputs, output):
     ids, weight, padding_idx = inputs
     ctx.save_for_backward(ids, weight)
@@ -1406,10 +1479,10 @@ def _embedding_backward(ctx, dout):
     ids, weight = ctx.saved_tensors
     if not ctx.needs_input_grad[1]:  # (a frozen table)
         return None, None, None
-    return None, embedding_backward(dout.contiguous(), ids, weight, ctx.padding_idx), None
+    return None, _call(embedding_backward, dout.contiguous(), ids, weight, ctx.padding_idx), None
 
 
-embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
+_register_autograd(embedding, _embedding_backward, _embedding_setup_context)
 
 
 def embedding_unsupported_reason(module: torch.nn.Embedding, input_ids: torch.Tensor) -> Optional[str]:
@@ -1444,7 +1517,7 @@ class _Embedding(torch.nn.Embedding):
                                  f"[0, {self.num_embeddings})")
         ids = input.reshape(-1).to(torch.int32)
         # (torch.nn.Embedding keeps padding_idx in [0, num_embeddings): a negative one is normalised)
-        out = embedding(ids, self.weight, -1 if self.padding_idx is None else self.padding_idx)
+        out = _call(embedding, ids, self.weight, -1 if self.padding_idx is None else self.padding_idx)
         return out.view(*input.shape, self.embedding_dim)
 
 
@@ -1538,11 +1611,11 @@ def _lce_backward(ctx, dloss, *_unused):
         # it is (then nothing is read or written: for P1's LM head, [151936, 2048], a 470 µs pass saved on
         # an H200). The saved outputs are thereby consumed: a second backward through this loss
         # (retain_graph) is refused by autograd's in-place check rather than given scaled values.
-        scale_by_([dh, dw], dloss)
+        scale_by_([dh, dw], dloss)  # (through the dispatcher: it bumps their version counters)
     return dh, dw, None, None, None
 
 
-linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup_context)
+_register_autograd(linear_cross_entropy, _lce_backward, _lce_setup_context)
 
 
 class _HiddenHead(torch.nn.Linear):
@@ -1605,8 +1678,8 @@ def _enable_fused_loss(model: torch.nn.Module) -> None:
         targets = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.int32).contiguous()
         count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
         count = torch.as_tensor(count).detach()
-        loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]).contiguous(), head.weight, targets, count,
-                                    head.weight.dtype == torch.bfloat16)[0]
+        loss = _call(linear_cross_entropy, hidden.reshape(-1, hidden.shape[-1]).contiguous(), head.weight, targets,
+                     count, head.weight.dtype == torch.bfloat16)[0]
         aux = getattr(out, "aux_loss", None)
         if aux is not None and kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
             loss = loss + getattr(model.config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)

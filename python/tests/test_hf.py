@@ -904,3 +904,52 @@ def test_lora_experts_round_trip_through_peft(tmp_path):
     finally:
         mhf.enable()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def autograd_node_names(t) -> set:
+    """The class names of the autograd nodes t's graph reaches."""
+    names, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [nxt for nxt, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("fused_blocks", [True, False])
+def test_eager_twins_equal_the_dispatcher_bitwise(device, fused_blocks, monkeypatch):
+    """Eager calls run each op's twin autograd.Function (its implementation, setup_context and
+    backward without the dispatcher's round trip): the graph holds the twins' nodes and none of the
+    dispatcher's, and loss and every gradient equal those of the calls through the dispatcher bit for
+    bit (the same kernels in the same order). Packed documents (moeforge's attention), the fused
+    loss, the embedding, RMSNorm and qknorm_rope; the fused sparse MoE block or the experts op."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = make_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = model.to(device, dtype)
+    mhf.enable(model, fused_loss=True)
+    if not fused_blocks:
+        mhf._fuse_blocks(model, fuse=False)
+    ids, labels, extra = attention_inputs("packed", device=device)
+    runs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(mhf, "EAGER_FAST_PATH", fast)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels, **extra).loss
+        nodes = autograd_node_names(loss)
+        loss.backward()
+        runs[fast] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, nodes
+    experts = "moe_block" if fused_blocks else "experts"
+    want = {f"EagerTwin_{op}Backward" for op in ("embedding", "rms_norm", "qknorm_rope", "attention",
+                                                  "linear_cross_entropy", experts)}
+    assert {n for n in runs[True][2] if n.startswith("EagerTwin_")} == want, runs[True][2]
+    assert not any(n.startswith("GeneratedBackwardFor_moeforge") for n in runs[True][2]), runs[True][2]
+    assert not any(n.startswith("EagerTwin_") for n in runs[False][2]), runs[False][2]
+    assert any(n.startswith("GeneratedBackwardFor_moeforge") for n in runs[False][2]), runs[False][2]
+    assert torch.equal(runs[True][0], runs[False][0]), (runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys() and len(runs[True][1]) == len(list(model.parameters()))
+    for n, g in runs[True][1].items():
+        assert torch.equal(g, runs[False][1][n]), n
