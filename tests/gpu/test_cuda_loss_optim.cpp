@@ -3,7 +3,8 @@
 // (kernels/cpu/adamw.h; bit for bit, see adamw.cu), and the reductions behind gradient clipping
 // (kernels/cpu/reduce.h). Tolerances: test_cuda_common.h; for the cross-entropy gradients the naive
 // computation is the fp64 one with dlogits rounded to bf16 and the result stored in its dtype.
-// MF_BENCH=1 adds figures at 16384 tokens, hidden 2048, vocabulary 151936, and 2^28 parameters.
+// MF_BENCH=1 adds figures at 8192 tokens, hidden 2048, vocabulary 151936, and 2^28 parameters, and
+// the loss kernel alone each way (staged and streaming; lines "BENCH ce loss").
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
 
@@ -84,6 +85,88 @@ void naive_ce_grads(std::vector<float>& loss, std::vector<float>& dh, std::vecto
     }
 }
 
+// A case's expected results, from dh0 / dw0: the CPU reference, the naive computation
+// (naive_ce_grads) and the largest |logit| in fp64 (for the bf16-logits loss tolerance).
+struct CeExpected {
+    std::vector<float> loss, dh, dw, loss_naive, dh_naive, dw_naive;
+    double max_logit = 0.0;
+};
+
+CeExpected expected_ce(const CeCase& s, const std::vector<float>& h, const std::vector<float>& w,
+                       const std::vector<int32_t>& targets, const std::vector<float>& dh0,
+                       const std::vector<float>& dw0, DType dw_dtype, DType logits_dtype, float grad_scale) {
+    const bool bf16_logits = logits_dtype == DType::bf16;
+    CeExpected e;
+    e.loss.resize(static_cast<size_t>(s.N));
+    e.dh = dh0;
+    e.dw = dw0;
+    mf::cpu::lm_head_cross_entropy(e.loss.data(), e.dh.data(), e.dw.data(), h.data(), w.data(), targets.data(), s.N,
+                                   s.C, s.V, grad_scale, bf16_logits);
+    e.dh_naive = dh0;
+    e.dw_naive = dw0;
+    naive_ce_grads(e.loss_naive, e.dh_naive, e.dw_naive, dw_dtype == DType::bf16, bf16_logits, h, w, targets, s,
+                   grad_scale);
+    for (int64_t n = 0; n < s.N; ++n)
+        for (int64_t v = 0; v < s.V; ++v) {
+            double acc = 0;
+            for (int64_t c = 0; c < s.C; ++c) acc += static_cast<double>(h[n * s.C + c]) * w[v * s.C + c];
+            e.max_logit = std::max(e.max_logit, std::fabs(acc));
+        }
+    return e;
+}
+
+// The GPU op's losses, dh and dw for a case: dh0 / dw0 accumulated into (dw in dw_dtype), chunks of
+// s.chunk rows, poisoned scratch and losses. with_grads = false passes no dh and dw (losses only).
+struct CeOutputs {
+    std::vector<float> loss, dh, dw;
+};
+
+CeOutputs run_ce(cublasHandle_t handle, const CeCase& s, const std::vector<float>& h, const std::vector<float>& w,
+                 const std::vector<int32_t>& targets, const std::vector<float>& dh0, const std::vector<float>& dw0,
+                 DType dw_dtype, DType logits_dtype, float grad_scale, bool with_grads = true) {
+    const bool dw_f32 = dw_dtype == DType::f32;
+    DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets), d_dh = device_bf16(dh0),
+                 d_loss(targets.size() * 4), d_dw(w.size() * 4);
+    upload_grad(d_dw.as<void>(), dw0, dw_f32);
+    const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
+    DeviceBuffer scratch(sb);
+    scratch.poison();
+    d_loss.poison();
+    mf::cuda::lm_head_cross_entropy(handle, d_loss.as<float>(), with_grads ? d_dh.as<bf16>() : nullptr,
+                                    with_grads ? d_dw.as<void>() : nullptr, dw_dtype, d_h.as<bf16>(), d_w.as<bf16>(),
+                                    d_t.as<int32_t>(), s.N, s.C, s.V, grad_scale, scratch.as<void>(), sb, s.chunk,
+                                    nullptr, logits_dtype);
+    device_sync();
+    CeOutputs out;
+    out.loss = download<float>(d_loss.as<void>(), targets.size());
+    if (with_grads) {
+        out.dh = download_bf16(d_dh.as<void>(), h.size());
+        out.dw = download_grad(d_dw.as<void>(), w.size(), dw_f32);
+    }
+    return out;
+}
+
+// GPU results against the CPU reference. Losses: fp32 logits, the same fp32 math in another order
+// (tolerance from the fp32 scale alone). bf16 logits: besides that, a logit may round to the
+// neighbouring bf16 value under another fp32 summation order, moving a loss by at most one bf16 step
+// of the largest logit (2^-8 relative); every loss must also be that close to the fp64-then-bf16 one.
+// dh and dw: the reduction rule against the naive computation.
+void expect_ce_matches(const CeOutputs& gpu, const CeExpected& ref, bool bf16_logits, const std::string& name) {
+    if (!bf16_logits) {
+        expect_reduction(gpu.loss, ref.loss, ref.loss, name + " loss");
+    } else {
+        const double tol = std::ldexp(ref.max_logit, -8) + 1e-5;
+        for (size_t i = 0; i < gpu.loss.size(); ++i) {
+            EXPECT_LE(std::fabs(static_cast<double>(gpu.loss[i]) - ref.loss[i]), tol) << name << " loss " << i;
+            EXPECT_LE(std::fabs(static_cast<double>(gpu.loss[i]) - ref.loss_naive[i]), tol) << name << " loss " << i;
+        }
+        std::printf("  %-48s n=%-9zu within one bf16 step of the largest logit (%.3g)\n", (name + " loss").c_str(),
+                    gpu.loss.size(), tol);
+    }
+    expect_reduction(gpu.dh, ref.dh, ref.dh_naive, name + " dh");
+    expect_reduction(gpu.dw, ref.dw, ref.dw_naive, name + " dw");
+}
+
 TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
     std::mt19937 rng(30);
     CublasHandle handle;
@@ -112,63 +195,13 @@ TEST(CudaCrossEntropy, LossAndGradientsMatchCpu) {
             std::vector<float> dw0 = random_f32(rng, w.size(), -0.01f, 0.01f);
             if (dw_dtype == DType::bf16) dw0 = round_bf16(dw0);
 
-            std::vector<float> loss_ref(static_cast<size_t>(s.N)), dh_ref = dh0, dw_ref = dw0;
-            mf::cpu::lm_head_cross_entropy(loss_ref.data(), dh_ref.data(), dw_ref.data(), h.data(), w.data(),
-                                           targets.data(), s.N, s.C, s.V, grad_scale, bf16_logits);
-            std::vector<float> loss_naive, dh_naive = dh0, dw_naive = dw0;
-            naive_ce_grads(loss_naive, dh_naive, dw_naive, dw_dtype == DType::bf16, bf16_logits, h, w, targets, s,
-                           grad_scale);
-
-            DeviceBuffer d_h = device_bf16(h), d_w = device_bf16(w), d_t = device_copy(targets),
-                         d_dh = device_bf16(dh0), d_loss(loss_ref.size() * 4), d_dw(w.size() * 4);
-            if (dw_dtype == DType::f32) {
-                upload(d_dw.as<void>(), dw0);
-            } else {
-                upload_bf16(d_dw.as<void>(), dw0);
-            }
-            const size_t sb = mf::cuda::lm_head_cross_entropy_scratch_bytes(s.chunk, s.V, logits_dtype);
-            DeviceBuffer scratch(sb);
-            scratch.poison();
-            d_loss.poison();
-            mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), d_dh.as<bf16>(), d_dw.as<void>(),
-                                            dw_dtype, d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C, s.V,
-                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype);
-            device_sync();
-            const std::vector<float> loss = download<float>(d_loss.as<void>(), loss_ref.size());
-            // fp32 logits: the same fp32 math in another order (tolerance from the fp32 scale alone).
-            // bf16 logits: besides that, a logit may round to the neighbouring bf16 value under
-            // another fp32 summation order, moving a loss by at most one bf16 step of the largest
-            // logit (2^-8 relative); every loss must also be that close to the fp64-then-bf16 one.
-            if (!bf16_logits) {
-                expect_reduction(loss, loss_ref, loss_ref, name + " loss");
-            } else {
-                double max_logit = 0;
-                for (int64_t n = 0; n < s.N; ++n)
-                    for (int64_t v = 0; v < s.V; ++v) {
-                        double acc = 0;
-                        for (int64_t c = 0; c < s.C; ++c) acc += static_cast<double>(h[n * s.C + c]) * w[v * s.C + c];
-                        max_logit = std::max(max_logit, std::fabs(acc));
-                    }
-                const double tol = std::ldexp(max_logit, -8) + 1e-5;
-                for (size_t i = 0; i < loss.size(); ++i) {
-                    EXPECT_LE(std::fabs(static_cast<double>(loss[i]) - loss_ref[i]), tol) << name << " loss " << i;
-                    EXPECT_LE(std::fabs(static_cast<double>(loss[i]) - loss_naive[i]), tol) << name << " loss " << i;
-                }
-                std::printf("  %-48s n=%-9zu within one bf16 step of the largest logit (%.3g)\n",
-                            (name + " loss").c_str(), loss.size(), tol);
-            }
-            expect_reduction(download_bf16(d_dh.as<void>(), h.size()), dh_ref, dh_naive, name + " dh");
-            const std::vector<float> dw = dw_dtype == DType::f32 ? download<float>(d_dw.as<void>(), w.size())
-                                                                 : download_bf16(d_dw.as<void>(), w.size());
-            expect_reduction(dw, dw_ref, dw_naive, name + " dw");
-
+            const CeExpected ref = expected_ce(s, h, w, targets, dh0, dw0, dw_dtype, logits_dtype, grad_scale);
+            const CeOutputs gpu = run_ce(handle.get(), s, h, w, targets, dh0, dw0, dw_dtype, logits_dtype, grad_scale);
+            expect_ce_matches(gpu, ref, bf16_logits, name);
             // Loss only (no gradients): the same losses.
-            d_loss.poison();
-            mf::cuda::lm_head_cross_entropy(handle.get(), d_loss.as<float>(), nullptr, nullptr, dw_dtype,
-                                            d_h.as<bf16>(), d_w.as<bf16>(), d_t.as<int32_t>(), s.N, s.C, s.V,
-                                            grad_scale, scratch.as<void>(), sb, s.chunk, nullptr, logits_dtype);
-            device_sync();
-            expect_exact(download<float>(d_loss.as<void>(), loss.size()), loss, name + " loss-only run");
+            const CeOutputs loss_only =
+                run_ce(handle.get(), s, h, w, targets, dh0, dw0, dw_dtype, logits_dtype, grad_scale, false);
+            expect_exact(loss_only.loss, gpu.loss, name + " loss-only run");
         }
     }
 }
@@ -288,6 +321,268 @@ TEST(CudaCrossEntropy, OutOfRangeTargetGivesNanLossAndNoGradient) {
     EXPECT_TRUE(std::isnan(loss[2]));
     expect_exact(download_bf16(d_dh.as<void>(), N * C), std::vector<float>(N * C, 0.0f), "ce invalid targets dh");
     expect_exact(download<float>(d_dw.as<void>(), V * C), std::vector<float>(V * C, 0.0f), "ce invalid targets dw");
+}
+
+// Sets MOEFORGE_CE_KERNEL (the loss kernel's override, cross_entropy.cuh) for a scope, nullptr
+// unsetting it, and puts back what was there.
+class ScopedCeKernel {
+ public:
+    explicit ScopedCeKernel(const char* value) {
+        const char* old = std::getenv(kName);
+        had_old_ = old != nullptr;
+        if (had_old_) old_ = old;
+        set(value);
+    }
+    ~ScopedCeKernel() { set(had_old_ ? old_.c_str() : nullptr); }
+    ScopedCeKernel(const ScopedCeKernel&) = delete;
+    ScopedCeKernel& operator=(const ScopedCeKernel&) = delete;
+
+ private:
+    static constexpr const char* kName = "MOEFORGE_CE_KERNEL";
+    static void set(const char* value) {
+        if (value != nullptr)
+            setenv(kName, value, 1);
+        else
+            unsetenv(kName);
+    }
+    bool had_old_ = false;
+    std::string old_;
+};
+
+mf::cuda::CrossEntropyLossKernel loss_kernel_for(const char* env, int64_t V, DType logits_dtype) {
+    ScopedCeKernel scoped(env);
+    return mf::cuda::cross_entropy_loss_kernel(V, logits_dtype);
+}
+
+// max |a − b| <= the reduction rule's tolerance for (ref, naive): two GPU results, each checked
+// against ref, also within that tolerance of each other.
+void expect_within_reduction_tolerance(const std::vector<float>& a, const std::vector<float>& b,
+                                       const std::vector<float>& ref, const std::vector<float>& naive,
+                                       const std::string& what) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    double naive_err = 0.0, max_ref = 1.0, worst = 0.0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
+        max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+    }
+    const double tol = 2.0 * naive_err + std::ldexp(max_ref, -16);
+    size_t bad = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        const double err = std::fabs(static_cast<double>(a[i]) - b[i]);
+        if (!(err <= tol)) ++bad;
+        if (!std::isnan(err)) worst = std::max(worst, err);
+    }
+    EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << a.size() << " elements differ by more than " << tol;
+    std::printf("  %-48s n=%-9zu max|diff| %.3g (tol %.3g)\n", what.c_str(), a.size(), worst, tol);
+}
+
+// The staged loss kernel at every cluster size (1, 2, 4 and 8 slices a row, for bf16 and fp32
+// logits; last slices shorter than the others where V allows) and the streaming kernel, each against
+// the CPU reference, and against each other: the same logits (one deterministic GEMM), summed in
+// another order, so losses within the fp32 reduction tolerance and dh / dw within the tolerance
+// against the CPU. Targets: one ignored, the row's last logit, the first of the last slice, the last
+// of the first slice, one at random; two chunks (4 rows and 1).
+TEST(CudaCrossEntropy, StagedAndStreamingKernelsMatchCpuAndEachOther) {
+    std::mt19937 rng(38);
+    CublasHandle handle;
+    struct SliceCase {
+        DType logits_dtype;
+        int64_t V;
+        int num_slices;
+    };
+    for (const SliceCase& c :
+         {SliceCase{DType::bf16, 20000, 1}, SliceCase{DType::bf16, 40000, 2}, SliceCase{DType::bf16, 79992, 4},
+          SliceCase{DType::bf16, 150000, 8}, SliceCase{DType::f32, 10000, 1}, SliceCase{DType::f32, 20000, 2},
+          SliceCase{DType::f32, 39996, 4}, SliceCase{DType::f32, 79996, 8}}) {
+        const CeCase s{5, 32, c.V, 4};
+        const bool bf16_logits = c.logits_dtype == DType::bf16;
+        const DType dw_dtype = bf16_logits ? DType::bf16 : DType::f32;
+        const mf::cuda::CrossEntropyLossKernel staged = loss_kernel_for("staged", c.V, c.logits_dtype);
+        const std::string name = std::string("ce logits ") + mf::dtype_name(c.logits_dtype) +
+                                 " V=" + std::to_string(c.V) + " slices=" + std::to_string(staged.num_slices);
+        ASSERT_TRUE(staged.staged) << name;
+        EXPECT_EQ(staged.num_slices, c.num_slices) << name;
+        EXPECT_EQ(loss_kernel_for(nullptr, c.V, c.logits_dtype).staged, mf::cuda::kCrossEntropyStagedByDefault)
+            << name << ": automatic choice";
+        EXPECT_EQ(loss_kernel_for("", c.V, c.logits_dtype).staged, mf::cuda::kCrossEntropyStagedByDefault)
+            << name << ": empty = automatic";
+        EXPECT_FALSE(loss_kernel_for("streaming", c.V, c.logits_dtype).staged) << name;
+        const int64_t slice = staged.slice_elements, last_begin = (staged.num_slices - 1) * slice;
+        std::printf("  %s: slices of %lld logits, the last %lld\n", name.c_str(), static_cast<long long>(slice),
+                    static_cast<long long>(c.V - last_begin));
+
+        const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
+        const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
+        const std::vector<int32_t> targets = {
+            mf::cpu::kIgnoreIndex, static_cast<int32_t>(c.V - 1), static_cast<int32_t>(last_begin),
+            static_cast<int32_t>(std::min(slice, c.V) - 1), static_cast<int32_t>(rng() % c.V)};
+        const float grad_scale = 0.25f;  // 1 / the four counted targets
+        const std::vector<float> dh0 = random_bf16(rng, h.size(), -0.01f, 0.01f);
+        std::vector<float> dw0 = random_f32(rng, w.size(), -0.01f, 0.01f);
+        if (dw_dtype == DType::bf16) dw0 = round_bf16(dw0);
+        const CeExpected ref = expected_ce(s, h, w, targets, dh0, dw0, dw_dtype, c.logits_dtype, grad_scale);
+
+        std::vector<CeOutputs> outs;
+        for (const char* kernel : {"streaming", "staged"}) {
+            ScopedCeKernel scoped(kernel);
+            const std::string run = name + " " + kernel;
+            outs.push_back(run_ce(handle.get(), s, h, w, targets, dh0, dw0, dw_dtype, c.logits_dtype, grad_scale));
+            expect_ce_matches(outs.back(), ref, bf16_logits, run);
+            // The ignored row: loss 0 and a zero dlogits row (dh's row 0 is dh0's, bit for bit).
+            EXPECT_EQ(outs.back().loss[0], 0.0f) << run;
+            expect_exact(std::vector<float>(outs.back().dh.begin(), outs.back().dh.begin() + s.C),
+                         std::vector<float>(dh0.begin(), dh0.begin() + s.C), run + " ignored row's dh");
+            // Loss only (no gradients, the row never written): the same losses.
+            const CeOutputs loss_only =
+                run_ce(handle.get(), s, h, w, targets, dh0, dw0, dw_dtype, c.logits_dtype, grad_scale, false);
+            expect_exact(loss_only.loss, outs.back().loss, run + " loss-only run");
+        }
+        expect_reduction(outs[1].loss, outs[0].loss, outs[0].loss, name + " staged vs streaming loss");
+        expect_within_reduction_tolerance(outs[1].dh, outs[0].dh, ref.dh, ref.dh_naive,
+                                          name + " staged vs streaming dh");
+        expect_within_reduction_tolerance(outs[1].dw, outs[0].dw, ref.dw, ref.dw_naive,
+                                          name + " staged vs streaming dw");
+    }
+}
+
+// MOEFORGE_CE_KERNEL=staged where the staged kernel does not apply (V not a multiple of the 16-byte
+// vector; rows longer than 8 slices of 47 KiB, as fp32 V = 151936 and bf16 V = 200000 are) runs the
+// streaming kernel: a fallback, not an error. The same bits as MOEFORGE_CE_KERNEL=streaming, and the
+// CPU reference's numbers.
+TEST(CudaCrossEntropy, ForcedStagedFallsBackToStreamingWhereItDoesNotApply) {
+    std::mt19937 rng(39);
+    CublasHandle handle;
+    for (const auto& [logits_dtype, V] :
+         {std::pair{DType::bf16, int64_t{20001}}, std::pair{DType::f32, int64_t{10002}},
+          std::pair{DType::f32, int64_t{151936}}, std::pair{DType::bf16, int64_t{200000}}}) {
+        const CeCase s{3, 32, V, 3};
+        const bool bf16_logits = logits_dtype == DType::bf16;
+        const std::string name =
+            std::string("ce forced staged, logits ") + mf::dtype_name(logits_dtype) + " V=" + std::to_string(V);
+        EXPECT_FALSE(loss_kernel_for("staged", V, logits_dtype).staged) << name;
+        EXPECT_FALSE(loss_kernel_for(nullptr, V, logits_dtype).staged) << name;
+        const std::vector<float> h = random_bf16(rng, static_cast<size_t>(s.N * s.C));
+        const std::vector<float> w = random_bf16(rng, static_cast<size_t>(s.V * s.C));
+        const std::vector<int32_t> targets = {static_cast<int32_t>(V - 1), mf::cpu::kIgnoreIndex,
+                                              static_cast<int32_t>(rng() % V)};
+        const std::vector<float> dh0(h.size(), 0.0f), dw0(w.size(), 0.0f);
+        const CeExpected ref = expected_ce(s, h, w, targets, dh0, dw0, DType::f32, logits_dtype, 0.5f);
+        std::vector<CeOutputs> outs;
+        for (const char* kernel : {"staged", "streaming"}) {
+            ScopedCeKernel scoped(kernel);
+            outs.push_back(run_ce(handle.get(), s, h, w, targets, dh0, dw0, DType::f32, logits_dtype, 0.5f));
+        }
+        expect_ce_matches(outs[0], ref, bf16_logits, name);
+        expect_exact(outs[0].loss, outs[1].loss, name + " loss = streaming's");
+        expect_exact(outs[0].dh, outs[1].dh, name + " dh = streaming's");
+        expect_exact(outs[0].dw, outs[1].dw, name + " dw = streaming's");
+    }
+}
+
+// cross_entropy_loss_rows on logits given directly (the entry the benchmark times), both kernels and
+// an unaligned row start (which streams, one element at a time): the losses against fp64 on the host
+// (the reduction rule), the bf16 dlogits over the rows' first bytes within 2^-7 relative of fp64 (half
+// a bf16 step, at most 2^-8, plus the fp32 sums' error), an ignored and an out-of-range target (loss
+// 0 / NaN, a zero dlogits row), and want_grad = false leaving the logits as they were, bit for bit.
+TEST(CudaCrossEntropy, LossRowsEntryWritesDlogitsOverTheLogits) {
+    std::mt19937 rng(40);
+    const int64_t rows = 4;
+    for (const auto& [logits_dtype, V] : {std::pair{DType::bf16, int64_t{40000}}, std::pair{DType::f32, int64_t{20000}},
+                                          std::pair{DType::bf16, int64_t{1000}}}) {
+        const size_t elem = mf::dtype_size(logits_dtype), n = static_cast<size_t>(rows * V);
+        std::vector<float> x = random_f32(rng, n, -4.0f, 4.0f);
+        if (logits_dtype == DType::bf16) x = round_bf16(x);
+        const std::vector<int32_t> targets = {static_cast<int32_t>(V - 1), mf::cpu::kIgnoreIndex,
+                                              static_cast<int32_t>(rng() % V), static_cast<int32_t>(V)};
+        const float grad_scale = 0.5f;
+        std::vector<double> loss_ref(rows, 0.0), dlogits_ref(n, 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int32_t t = targets[static_cast<size_t>(r)];
+            if (t < 0 || t >= V) continue;
+            const float* row = x.data() + r * V;
+            double m = -1e300, sum = 0.0;
+            for (int64_t v = 0; v < V; ++v) m = std::max(m, static_cast<double>(row[v]));
+            for (int64_t v = 0; v < V; ++v) sum += std::exp(row[v] - m);
+            loss_ref[static_cast<size_t>(r)] = m + std::log(sum) - row[t];
+            for (int64_t v = 0; v < V; ++v)
+                dlogits_ref[static_cast<size_t>(r * V + v)] =
+                    grad_scale * (std::exp(row[v] - m) / sum - (v == t ? 1.0 : 0.0));
+        }
+        DeviceBuffer d_t = device_copy(targets), d_loss(rows * 4), d_x((n + 1) * elem);
+        for (const auto& [kernel, offset] :
+             {std::pair{"staged", 0}, std::pair{"streaming", 0}, std::pair{"staged", 1}}) {
+            ScopedCeKernel scoped(kernel);
+            const std::string name = std::string("ce loss rows ") + kernel + " logits " + mf::dtype_name(logits_dtype) +
+                                     " V=" + std::to_string(V) + (offset != 0 ? " unaligned" : "");
+            void* xp = static_cast<char*>(d_x.as<void>()) + offset * elem;
+            upload_grad(xp, x, logits_dtype == DType::f32);
+            const std::vector<uint8_t> before = download<uint8_t>(xp, n * elem);
+            // Losses only: the logits untouched.
+            d_loss.poison();
+            mf::cuda::cross_entropy_loss_rows(d_loss.as<float>(), xp, logits_dtype, d_t.as<int32_t>(), rows, V,
+                                              grad_scale, nullptr, false, nullptr);
+            device_sync();
+            const std::vector<float> loss_only = download<float>(d_loss.as<void>(), rows);
+            EXPECT_EQ(download<uint8_t>(xp, n * elem), before) << name << ": want_grad = false wrote the logits";
+            // With the gradient.
+            d_loss.poison();
+            mf::cuda::cross_entropy_loss_rows(d_loss.as<float>(), xp, logits_dtype, d_t.as<int32_t>(), rows, V,
+                                              grad_scale, nullptr, true, nullptr);
+            device_sync();
+            const std::vector<float> loss = download<float>(d_loss.as<void>(), rows);
+            expect_exact(loss_only, loss, name + " loss-only run");
+            EXPECT_EQ(loss[1], 0.0f) << name;
+            EXPECT_TRUE(std::isnan(loss[3])) << name;
+            // The rows with a target: an fp32 sum against fp64 (naive = ref).
+            const std::vector<float> counted = {loss[0], loss[2]},
+                                     counted_ref = {static_cast<float>(loss_ref[0]), static_cast<float>(loss_ref[2])};
+            expect_reduction(counted, counted_ref, counted_ref, name + " loss");
+            const int64_t stride = V * static_cast<int64_t>(elem) / 2;  // bf16 elements between dlogits rows
+            std::vector<float> dlogits, want;
+            for (int64_t r = 0; r < rows; ++r) {
+                const std::vector<float> row = download_bf16(static_cast<bf16*>(xp) + r * stride, V);
+                dlogits.insert(dlogits.end(), row.begin(), row.end());
+                for (int64_t v = 0; v < V; ++v) want.push_back(static_cast<float>(dlogits_ref[r * V + v]));
+            }
+            expect_elementwise(dlogits, want, 1e-12, 1.0 / 128, name + " dlogits");
+        }
+    }
+}
+
+// An unknown MOEFORGE_CE_KERNEL value is an error naming the variable and the value, from the
+// choice, the loss entry and the fused op (before any work).
+TEST(CudaCrossEntropy, UnknownKernelOverrideThrowsNamingIt) {
+    ScopedCeKernel scoped("fastest");
+    const auto expect_named = [](const std::function<void()>& call, const char* what) {
+        try {
+            call();
+            ADD_FAILURE() << what << ": no error";
+        } catch (const mf::Error& e) {
+            const std::string message = e.what();
+            EXPECT_NE(message.find("MOEFORGE_CE_KERNEL"), std::string::npos) << what << ": " << message;
+            EXPECT_NE(message.find("fastest"), std::string::npos) << what << ": " << message;
+        }
+    };
+    expect_named([] { mf::cuda::cross_entropy_loss_kernel(1000, DType::bf16); }, "cross_entropy_loss_kernel");
+    const int64_t N = 2, C = 16, V = 64;
+    DeviceBuffer h(N * C * 2), w(V * C * 2), t(N * 4), loss(N * 4), scratch(N * V * 4);
+    h.zero();
+    w.zero();
+    t.zero();
+    expect_named(
+        [&] {
+            mf::cuda::cross_entropy_loss_rows(loss.as<float>(), scratch.as<void>(), DType::f32, t.as<int32_t>(), N, V,
+                                              1.0f, nullptr, true, nullptr);
+        },
+        "cross_entropy_loss_rows");
+    CublasHandle handle;
+    expect_named(
+        [&] {
+            mf::cuda::lm_head_cross_entropy(handle.get(), loss.as<float>(), nullptr, nullptr, DType::f32, h.as<bf16>(),
+                                            w.as<bf16>(), t.as<int32_t>(), N, C, V, 1.0f, scratch.as<void>(),
+                                            scratch.bytes(), N, nullptr);
+        },
+        "lm_head_cross_entropy");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -569,6 +864,86 @@ TEST(CudaReduce, ClipScaleAndScaleInplace) {
 // ---------------------------------------------------------------------------------------------
 // benchmarks (MF_BENCH=1)
 
+// Median time in microseconds of `iters` runs of fn (after 2 warm-ups), each after an untimed
+// `setup` on the same stream; CUDA events around fn alone.
+double time_after_setup_us(const std::function<void()>& setup, const std::function<void()>& fn, int iters = 10) {
+    for (int i = 0; i < 2; ++i) {
+        setup();
+        fn();
+    }
+    device_sync();
+    cudaEvent_t start, stop;
+    MF_CHECK_CUDA(cudaEventCreate(&start));
+    MF_CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<float> ms(static_cast<size_t>(iters));
+    for (int i = 0; i < iters; ++i) {
+        setup();
+        MF_CHECK_CUDA(cudaEventRecord(start));
+        fn();
+        MF_CHECK_CUDA(cudaEventRecord(stop));
+        MF_CHECK_CUDA(cudaEventSynchronize(stop));
+        MF_CHECK_CUDA(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
+    }
+    MF_CHECK_CUDA(cudaEventDestroy(start));
+    MF_CHECK_CUDA(cudaEventDestroy(stop));
+    std::sort(ms.begin(), ms.end());
+    return 1000.0 * ms[ms.size() / 2];
+}
+
+// The loss kernel alone at V = 151936 (cross_entropy_loss_rows), streaming and staged
+// (MOEFORGE_CE_KERNEL), on chunks of logits as the fused op runs them: bf16 2731 and 8192 rows, fp32
+// 1664 (where staged does not apply and the line says the streaming kernel ran). The logits are
+// restored from a pristine copy before each timed run (the kernel overwrites them). GB/s counts one
+// read of the logits and one write of the bf16 dlogits.
+void bench_loss_kernel(std::mt19937& rng) {
+    const int64_t V = 151936, max_rows = 8192;
+    std::vector<int32_t> targets(static_cast<size_t>(max_rows));
+    for (auto& t : targets) t = static_cast<int32_t>(rng() % V);
+    DeviceBuffer d_t = device_copy(targets), loss(max_rows * 4);
+    const size_t tile = size_t{1} << 22;  // logits: a random pattern in [-2, 2), repeated
+    const std::vector<float> pattern = random_bf16(rng, tile, -2.0f, 2.0f);
+    for (const auto& [rows, logits_type] :
+         {std::pair{int64_t{2731}, DType::bf16}, std::pair{int64_t{8192}, DType::bf16},
+          std::pair{int64_t{1664}, DType::f32}}) {
+        const size_t n = static_cast<size_t>(rows * V), elem = mf::dtype_size(logits_type);
+        DeviceBuffer pristine(n * elem), logits(n * elem);
+        for (size_t at = 0; at < n; at += tile) {
+            const std::vector<float> part(pattern.begin(),
+                                          pattern.begin() + static_cast<ptrdiff_t>(std::min(tile, n - at)));
+            upload_grad(pristine.as<char>(at * elem), part, logits_type == DType::f32);
+        }
+        double streaming_us = 0.0;
+        for (const char* kernel : {"streaming", "staged"}) {
+            ScopedCeKernel scoped(kernel);
+            const mf::cuda::CrossEntropyLossKernel ran = mf::cuda::cross_entropy_loss_kernel(V, logits_type);
+            const double us = time_after_setup_us(
+                [&] {
+                    MF_CHECK_CUDA(
+                        cudaMemcpyAsync(logits.as<void>(), pristine.as<void>(), n * elem, cudaMemcpyDeviceToDevice));
+                },
+                [&] {
+                    mf::cuda::cross_entropy_loss_rows(loss.as<float>(), logits.as<void>(), logits_type,
+                                                      d_t.as<int32_t>(), rows, V, 1.0f / static_cast<float>(rows),
+                                                      nullptr, true, nullptr);
+                });
+            if (ran.staged) {
+                std::printf(
+                    "BENCH ce loss %-9s rows %5lld V %lld logits %-4s %10.1f us  %8.1f GB/s  (%d slices of %lld; %.2fx "
+                    "streaming)\n",
+                    ran.name(), static_cast<long long>(rows), static_cast<long long>(V), mf::dtype_name(logits_type),
+                    us, static_cast<double>(n) * static_cast<double>(elem + 2) / (us * 1e-6) / 1e9, ran.num_slices,
+                    static_cast<long long>(ran.slice_elements), streaming_us / us);
+            } else {
+                std::printf(
+                    "BENCH ce loss %-9s rows %5lld V %lld logits %-4s %10.1f us  %8.1f GB/s  (MOEFORGE_CE_KERNEL=%s)\n",
+                    ran.name(), static_cast<long long>(rows), static_cast<long long>(V), mf::dtype_name(logits_type),
+                    us, static_cast<double>(n) * static_cast<double>(elem + 2) / (us * 1e-6) / 1e9, kernel);
+            }
+            if (std::string(kernel) == "streaming") streaming_us = us;
+        }
+    }
+}
+
 TEST(CudaLossOptimBench, Qwen3MoeShapes) {
     if (!bench_enabled()) GTEST_SKIP() << "set MF_BENCH=1 for the benchmark";
     std::mt19937 rng(37);
@@ -611,6 +986,7 @@ TEST(CudaLossOptimBench, Qwen3MoeShapes) {
             }
         }
     }
+    bench_loss_kernel(rng);
     {
         const int64_t n = int64_t{1} << 28;
         const size_t sz = static_cast<size_t>(n);

@@ -44,4 +44,34 @@ void lm_head_cross_entropy(cublasHandle_t handle, float* losses, bf16* dh, void*
                            DType logits_dtype = DType::f32, bool accumulate = true,
                            const float* grad_scale_by = nullptr);
 
+// The loss kernel alone (step 2 of lm_head_cross_entropy, which calls it per chunk), on logits already
+// computed: losses [rows] fp32 (written); logits [rows, V] fp32 or bf16 (logits_dtype), overwritten,
+// when want_grad, by dlogits[r, v] = grad_scale · (softmax(logits[r])[v] − [v == targets[r]]) as bf16
+// rows at the start of each row's own bytes (bf16 row stride V · dtype_size(logits_dtype) / 2); an
+// ignored (-100) or out-of-range target gives loss 0 or NaN and a zero dlogits row. want_grad = false
+// leaves the logits as they were. grad_scale_by: as for lm_head_cross_entropy. The kernel is the one
+// cross_entropy_loss_kernel names (for a 16-byte aligned `logits`; any other alignment streams).
+void cross_entropy_loss_rows(float* losses, void* logits, DType logits_dtype, const int32_t* targets, int64_t rows,
+                             int64_t V, float grad_scale, const float* grad_scale_by, bool want_grad,
+                             cudaStream_t stream);
+
+// Which loss kernel runs on rows of V logits of logits_dtype (16-byte aligned), with the environment as
+// it is now (MOEFORGE_CE_KERNEL: unset or empty = automatic, "staged", "streaming"; any other value
+// throws). staged: each row in num_slices slices (1, 2, 4 or 8) of slice_elements logits (the last may
+// be shorter), one CTA each, a thread-block cluster per row; streaming: one block per row,
+// num_slices = 1, slice_elements = V. "staged" picks staged wherever a row fits in 8 slices of 47 KiB
+// and V is a multiple of the 16-byte vector, streaming elsewhere; automatic does the same when
+// kCrossEntropyStagedByDefault, else streams.
+struct CrossEntropyLossKernel {
+    bool staged;
+    int num_slices;
+    int64_t slice_elements;
+    const char* name() const { return staged ? "staged" : "streaming"; }
+};
+CrossEntropyLossKernel cross_entropy_loss_kernel(int64_t V, DType logits_dtype);
+
+// The automatic choice: false (streaming) until the staged kernel has been timed against it on the
+// GPU (test_cuda_loss_optim's `BENCH ce loss` lines, MF_BENCH=1).
+inline constexpr bool kCrossEntropyStagedByDefault = false;
+
 }  // namespace mf::cuda
