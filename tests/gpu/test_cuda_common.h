@@ -189,22 +189,26 @@ inline void expect_close_f32(const std::vector<float>& gpu, const std::vector<fl
     expect_elementwise(gpu, ref, 1e-5, 1e-5, what);
 }
 
-// The reduction rule: max|gpu − ref| <= 2·max|naive − ref| + 2^-16·max(1, max|ref|).
-inline void expect_reduction(const std::vector<float>& gpu, const std::vector<float>& ref,
-                             const std::vector<float>& naive, const std::string& what) {
-    ASSERT_EQ(gpu.size(), ref.size()) << what;
-    ASSERT_EQ(naive.size(), ref.size()) << what;
-    double naive_err = 0.0, max_ref = 1.0, worst = 0.0;
+// The reduction rule's tolerance: 2·max|naive − ref| + 2^-16·max(1, max|ref|).
+inline double reduction_tolerance(const std::vector<float>& ref, const std::vector<float>& naive) {
+    double naive_err = 0.0, max_ref = 1.0;
     for (size_t i = 0; i < ref.size(); ++i) {
         naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
         max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
     }
-    const double tol = 2.0 * naive_err + std::ldexp(max_ref, -16);
+    return 2.0 * naive_err + std::ldexp(max_ref, -16);
+}
+
+// max|gpu − want| <= tol, elementwise (the first failures named).
+inline void expect_within(const std::vector<float>& gpu, const std::vector<float>& want, double tol,
+                          const std::string& what) {
+    ASSERT_EQ(gpu.size(), want.size()) << what;
+    double worst = 0.0;
     size_t bad = 0;
     for (size_t i = 0; i < gpu.size(); ++i) {
-        const double err = std::fabs(static_cast<double>(gpu[i]) - ref[i]);
+        const double err = std::fabs(static_cast<double>(gpu[i]) - want[i]);
         if (!(err <= tol)) {
-            if (bad < 5) ADD_FAILURE() << what << ": element " << i << " gpu " << gpu[i] << " ref " << ref[i];
+            if (bad < 5) ADD_FAILURE() << what << ": element " << i << " gpu " << gpu[i] << " want " << want[i];
             ++bad;
         } else {
             worst = std::max(worst, err);
@@ -212,6 +216,13 @@ inline void expect_reduction(const std::vector<float>& gpu, const std::vector<fl
     }
     EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << gpu.size() << " elements above tolerance " << tol;
     std::printf("  %-48s n=%-9zu max|err| %.3g (tol %.3g)\n", what.c_str(), gpu.size(), worst, tol);
+}
+
+// The reduction rule: max|gpu − ref| <= 2·max|naive − ref| + 2^-16·max(1, max|ref|).
+inline void expect_reduction(const std::vector<float>& gpu, const std::vector<float>& ref,
+                             const std::vector<float>& naive, const std::string& what) {
+    ASSERT_EQ(naive.size(), ref.size()) << what;
+    expect_within(gpu, ref, reduction_tolerance(ref, naive), what);
 }
 
 // The rule for an output stored as bf16: naive = ref rounded to bf16.
@@ -247,15 +258,20 @@ inline bool env_flag(const char* name) {
 
 inline bool bench_enabled() { return env_flag("MF_BENCH"); }
 
-// Median time in microseconds of kIters runs of fn (after 2 warm-ups), timed with CUDA events.
-inline double time_us(const std::function<void()>& fn, int iters = 10) {
-    for (int i = 0; i < 2; ++i) fn();
+// Median time in microseconds of `iters` runs of fn (after 2 warm-ups), each after an untimed
+// `setup` (if given) on the same stream; CUDA events around fn alone.
+inline double time_us_after(const std::function<void()>& setup, const std::function<void()>& fn, int iters = 10) {
+    for (int i = 0; i < 2; ++i) {
+        if (setup) setup();
+        fn();
+    }
     device_sync();
     cudaEvent_t start, stop;
     MF_CHECK_CUDA(cudaEventCreate(&start));
     MF_CHECK_CUDA(cudaEventCreate(&stop));
     std::vector<float> ms(static_cast<size_t>(iters));
     for (int i = 0; i < iters; ++i) {
+        if (setup) setup();
         MF_CHECK_CUDA(cudaEventRecord(start));
         fn();
         MF_CHECK_CUDA(cudaEventRecord(stop));
@@ -267,6 +283,9 @@ inline double time_us(const std::function<void()>& fn, int iters = 10) {
     std::sort(ms.begin(), ms.end());
     return 1000.0 * ms[ms.size() / 2];
 }
+
+// Median time in microseconds of `iters` runs of fn (after 2 warm-ups), timed with CUDA events.
+inline double time_us(const std::function<void()>& fn, int iters = 10) { return time_us_after(nullptr, fn, iters); }
 
 inline void report_bandwidth(const char* name, double us, double bytes) {
     const double gbps = bytes / (us * 1e-6) / 1e9;

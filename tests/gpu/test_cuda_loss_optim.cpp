@@ -354,28 +354,6 @@ mf::cuda::CrossEntropyLossKernel loss_kernel_for(const char* env, int64_t V, DTy
     return mf::cuda::cross_entropy_loss_kernel(V, logits_dtype);
 }
 
-// max |a − b| <= the reduction rule's tolerance for (ref, naive): two GPU results, each checked
-// against ref, also within that tolerance of each other.
-void expect_within_reduction_tolerance(const std::vector<float>& a, const std::vector<float>& b,
-                                       const std::vector<float>& ref, const std::vector<float>& naive,
-                                       const std::string& what) {
-    ASSERT_EQ(a.size(), b.size()) << what;
-    double naive_err = 0.0, max_ref = 1.0, worst = 0.0;
-    for (size_t i = 0; i < ref.size(); ++i) {
-        naive_err = std::max(naive_err, std::fabs(static_cast<double>(naive[i]) - ref[i]));
-        max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
-    }
-    const double tol = 2.0 * naive_err + std::ldexp(max_ref, -16);
-    size_t bad = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        const double err = std::fabs(static_cast<double>(a[i]) - b[i]);
-        if (!(err <= tol)) ++bad;
-        if (!std::isnan(err)) worst = std::max(worst, err);
-    }
-    EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << a.size() << " elements differ by more than " << tol;
-    std::printf("  %-48s n=%-9zu max|diff| %.3g (tol %.3g)\n", what.c_str(), a.size(), worst, tol);
-}
-
 // The staged loss kernel at every cluster size (1, 2, 4 and 8 slices a row, for bf16 and fp32
 // logits; last slices shorter than the others where V allows) and the streaming kernel, each against
 // the CPU reference, and against each other: the same logits (one deterministic GEMM), summed in
@@ -438,10 +416,10 @@ TEST(CudaCrossEntropy, StagedAndStreamingKernelsMatchCpuAndEachOther) {
             expect_exact(loss_only.loss, outs.back().loss, run + " loss-only run");
         }
         expect_reduction(outs[1].loss, outs[0].loss, outs[0].loss, name + " staged vs streaming loss");
-        expect_within_reduction_tolerance(outs[1].dh, outs[0].dh, ref.dh, ref.dh_naive,
-                                          name + " staged vs streaming dh");
-        expect_within_reduction_tolerance(outs[1].dw, outs[0].dw, ref.dw, ref.dw_naive,
-                                          name + " staged vs streaming dw");
+        expect_within(outs[1].dh, outs[0].dh, reduction_tolerance(ref.dh, ref.dh_naive),
+                      name + " staged vs streaming dh");
+        expect_within(outs[1].dw, outs[0].dw, reduction_tolerance(ref.dw, ref.dw_naive),
+                      name + " staged vs streaming dw");
     }
 }
 
@@ -864,32 +842,6 @@ TEST(CudaReduce, ClipScaleAndScaleInplace) {
 // ---------------------------------------------------------------------------------------------
 // benchmarks (MF_BENCH=1)
 
-// Median time in microseconds of `iters` runs of fn (after 2 warm-ups), each after an untimed
-// `setup` on the same stream; CUDA events around fn alone.
-double time_after_setup_us(const std::function<void()>& setup, const std::function<void()>& fn, int iters = 10) {
-    for (int i = 0; i < 2; ++i) {
-        setup();
-        fn();
-    }
-    device_sync();
-    cudaEvent_t start, stop;
-    MF_CHECK_CUDA(cudaEventCreate(&start));
-    MF_CHECK_CUDA(cudaEventCreate(&stop));
-    std::vector<float> ms(static_cast<size_t>(iters));
-    for (int i = 0; i < iters; ++i) {
-        setup();
-        MF_CHECK_CUDA(cudaEventRecord(start));
-        fn();
-        MF_CHECK_CUDA(cudaEventRecord(stop));
-        MF_CHECK_CUDA(cudaEventSynchronize(stop));
-        MF_CHECK_CUDA(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
-    }
-    MF_CHECK_CUDA(cudaEventDestroy(start));
-    MF_CHECK_CUDA(cudaEventDestroy(stop));
-    std::sort(ms.begin(), ms.end());
-    return 1000.0 * ms[ms.size() / 2];
-}
-
 // The loss kernel alone at V = 151936 (cross_entropy_loss_rows), streaming and staged
 // (MOEFORGE_CE_KERNEL), on chunks of logits as the fused op runs them: bf16 2731 and 8192 rows, fp32
 // 1664 (where staged does not apply and the line says the streaming kernel ran). The logits are
@@ -916,7 +868,7 @@ void bench_loss_kernel(std::mt19937& rng) {
         for (const char* kernel : {"streaming", "staged"}) {
             ScopedCeKernel scoped(kernel);
             const mf::cuda::CrossEntropyLossKernel ran = mf::cuda::cross_entropy_loss_kernel(V, logits_type);
-            const double us = time_after_setup_us(
+            const double us = time_us_after(
                 [&] {
                     MF_CHECK_CUDA(
                         cudaMemcpyAsync(logits.as<void>(), pristine.as<void>(), n * elem, cudaMemcpyDeviceToDevice));

@@ -36,6 +36,7 @@
 
 #include "core/cuda_check.h"
 #include "kernels/cuda/cross_entropy.cuh"
+#include "kernels/cuda/mbarrier_sm90.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 
 namespace mf::cuda {
@@ -185,28 +186,8 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// --- staged kernel helpers: mbarriers and the 1-D bulk copy (sm_90) -----------------------------
+// --- staged kernel helpers: the 1-D bulk copy (sm_90; its mbarriers: mbarrier_sm90.cuh) -----------
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-// Arrives once and expects `bytes` of asynchronous copies to complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-// Waits until the barrier's phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
-}
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's shared memory,
 // completing on `bar`.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

@@ -29,6 +29,7 @@
 #include "core/cuda_check.h"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/cuda/grouped_gemm_sm90.cuh"
+#include "kernels/cuda/mbarrier_sm90.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/swiglu.cuh"
 
@@ -77,14 +78,6 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-// Arrives once and expects `bytes` of asynchronous copies to complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
 // Arrives once where `pred` holds: a predicate inside the instruction, not a branch around it, so
 // that the warp does not split (see converge()).
 __device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
@@ -113,19 +106,6 @@ __device__ __forceinline__ void converge() { __syncwarp(); }
 __device__ __forceinline__ void warpgroup_sync(int consumer) {
     converge();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + consumer) : "memory");
-}
-// Waits until the barrier's phase of the given parity has completed (the phase before the first
-// counts as complete, so parity 1 passes at once on a fresh barrier).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(smem_u32(bar)),
-        "r"(parity)
-        : "memory");
 }
 
 // A 2-D tile of `map` at (c0 innermost, c1) into shared memory, completing on `bar`.
