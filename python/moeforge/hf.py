@@ -45,6 +45,7 @@ moeforge::embedding / moeforge::embedding_backward, whose gradient is a determin
 import functools
 import logging
 import math
+import os
 import sys
 from typing import Any, Dict, Optional
 
@@ -103,7 +104,8 @@ def _no_grads(ctx) -> tuple:
 # implementation), setup_context and backward, and each backward op is called as its implementation;
 # under torch.compile (and for tensor subclasses: fake, functional, distributed tensors) the op itself
 # is called, as before, so graphs still see one opaque op with its fake kernel.
-EAGER_FAST_PATH = False  # (opt-in until the GPU machine has run test_hf on it; bench/d1.sh measures both)
+# (off unless MOEFORGE_HF_EAGER_TWINS=1 until the GPU machine has run test_hf with it; bench/d1.sh measures both)
+EAGER_FAST_PATH = os.environ.get("MOEFORGE_HF_EAGER_TWINS", "0") == "1"
 _eager: dict = {}  # op -> the callable an eager call runs instead
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -360,8 +362,8 @@ def _backward(ctx, dout, *_unused):
     hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm = ctx.saved_tensors
     with_b_up, with_b_down, activation, alpha, limit, transposed = ctx.options
     dx, dw, dw_up, dw_down, db_up, db_down = _call(
-        experts_backward, dout.contiguous(), hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row, h_perm, y_perm,
-        with_b_up, with_b_down, activation, alpha, limit, transposed)
+        experts_backward, dout.contiguous(), hidden, top_k_weights, w_up, w_down, offsets, sorted_pair, pair_row,
+        h_perm, y_perm, with_b_up, with_b_down, activation, alpha, limit, transposed)
     return (dx, None, dw, dw_up, dw_down, db_up if with_b_up else None, db_down if with_b_down else None, None, None,
             None, None)
 
