@@ -255,11 +255,16 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// One warp per token; kMaxK bounds the per-slot dot-product registers.
+// One warp per token; kMaxK bounds the per-slot dot-product registers. For each piece of dout, the
+// token's rows of y_perm are loaded in chunks of 8 that are in flight together before any product
+// is stored (a load after each store: 251 us for 8192 tokens x 8 x 2048 on an H100, 66% of DRAM);
+// the loads precede the stores in program order, so dy_perm may even be y_perm. Each slot's dot
+// product is summed in the same order either way.
 template <int kVec, int kMaxK>
 __global__ void __launch_bounds__(kThreads)
     unpermute_backward_kernel(bf16* dy_perm, float* dtopk_weight, const bf16* dout, const bf16* y_perm,
                               const float* topk_weight, const int32_t* pair_row, int64_t N, int K, int64_t H) {
+    constexpr int kChunk = kMaxK < 8 ? kMaxK : 8;
     const int lane = threadIdx.x % 32;
     const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
     if (t >= N) return;  // whole warp
@@ -283,16 +288,23 @@ __global__ void __launch_bounds__(kThreads)
         float g[kVec];
         detail::load_f32<kVec>(g, dout + t * H + c);
 #pragma unroll
-        for (int k = 0; k < kMaxK; ++k) {
-            if (rows[k] < 0) continue;
-            float y[kVec], d[kVec];
-            detail::load_f32<kVec>(y, y_perm + rows[k] * H + c);
+        for (int k0 = 0; k0 < kMaxK; k0 += kChunk) {
+            float y[kChunk][kVec];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-                dot[k] += g[e] * y[e];
-                d[e] = w[k] * g[e];
+            for (int j = 0; j < kChunk; ++j)
+                if (rows[k0 + j] >= 0) detail::load_f32<kVec>(y[j], y_perm + rows[k0 + j] * H + c);
+#pragma unroll
+            for (int j = 0; j < kChunk; ++j) {
+                const int k = k0 + j;
+                if (rows[k] < 0) continue;
+                float d[kVec];
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) {
+                    dot[k] += g[e] * y[j][e];
+                    d[e] = w[k] * g[e];
+                }
+                detail::store_f32<kVec>(dy_perm + rows[k] * H + c, d);
             }
-            detail::store_f32<kVec>(dy_perm + rows[k] * H + c, d);
         }
     }
 #pragma unroll
