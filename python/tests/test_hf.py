@@ -942,9 +942,11 @@ def test_eager_twins_equal_the_dispatcher_bitwise(device, fused_blocks, monkeypa
         nodes = autograd_node_names(loss)
         loss.backward()
         runs[fast] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, nodes
-    experts = "moe_block" if fused_blocks else "experts"
-    want = {f"EagerTwin_{op}Backward" for op in ("embedding", "rms_norm", "qknorm_rope", "attention",
-                                                  "linear_cross_entropy", experts)}
+    # (_fuse_blocks swaps the sparse MoE blocks and the attentions (q/k norm + rotary embedding as one op)
+    # together: unfused, the experts op serves the experts and the q/k norms run as RMSNorm ops)
+    fused = ("moe_block", "qknorm_rope") if fused_blocks else ("experts",)
+    want = {f"EagerTwin_{op}Backward"
+            for op in ("embedding", "rms_norm", "attention", "linear_cross_entropy", *fused)}
     assert {n for n in runs[True][2] if n.startswith("EagerTwin_")} == want, runs[True][2]
     assert not any(n.startswith("GeneratedBackwardFor_moeforge") for n in runs[True][2]), runs[True][2]
     assert not any(n.startswith("EagerTwin_") for n in runs[False][2]), runs[False][2]
