@@ -23,7 +23,9 @@ n=0
 variants=("--compile" "--moeforge-hf --fused-loss")
 [ "${STOCK:-1}" = 1 ] && variants=("" "${variants[@]}")
 [ "${MF_COMPILE:-1}" = 1 ] && variants+=("--moeforge-hf --fused-loss --compile")
-# DISPATCHER=1 adds moeforge.hf with every eager op call through torch's dispatcher (no eager twins).
+# TWINS=1 / DISPATCHER=1 add moeforge.hf with every eager op call through the ops' twins / through torch's
+# dispatcher (whatever moeforge.hf's default, EAGER_FAST_PATH, is).
+[ "${TWINS:-0}" = 1 ] && variants+=("--moeforge-hf --fused-loss --eager-twins")
 [ "${DISPATCHER:-0}" = 1 ] && variants+=("--moeforge-hf --fused-loss --eager-dispatcher")
 for variant in "${variants[@]}"; do
   n=$((n + 1))

@@ -68,15 +68,19 @@ def main():
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--moeforge-hf", action="store_true", help="import moeforge.hf before the model is made")
     ap.add_argument("--fused-loss", action="store_true", help="with --moeforge-hf: enable(model, fused_loss=True)")
-    ap.add_argument("--eager-dispatcher", action="store_true",
-                    help="with --moeforge-hf: every eager op call through torch's dispatcher (no eager twins)")
+    eager = ap.add_mutually_exclusive_group()
+    eager.add_argument("--eager-twins", action="store_true",
+                       help="with --moeforge-hf: eager op calls through the ops' twins (whatever the default)")
+    eager.add_argument("--eager-dispatcher", action="store_true",
+                       help="with --moeforge-hf: every eager op call through torch's dispatcher (no eager twins)")
     ap.add_argument("--profile", help="write a torch.profiler table of one more step (CUDA time per kernel) here")
     ap.add_argument("--flops-per-token", type=float, required=True, help="the same formula as moeforge (BENCHMARKS.md)")
     args = ap.parse_args()
     mhf = None
     if args.moeforge_hf:
         import moeforge.hf as mhf  # (the one line a user adds)
-        mhf.EAGER_FAST_PATH = not args.eager_dispatcher  # (the twins, unless --eager-dispatcher)
+        if args.eager_twins or args.eager_dispatcher:  # (else moeforge.hf's default)
+            mhf.EAGER_FAST_PATH = args.eager_twins
 
     with open(args.config) as f:
         cfg = json.load(f)
@@ -136,8 +140,8 @@ def main():
     system = "hf_v5_moeforge_hf" if mhf is not None else "hf_v5"
     if args.fused_loss:
         system += "_fused_loss"
-    if args.eager_dispatcher:
-        system += "_dispatcher"
+    if args.eager_twins or args.eager_dispatcher:
+        system += "_twins" if args.eager_twins else "_dispatcher"
     if args.compile:
         system += "_compile"
     extra = {} if mhf is None else {"moeforge_hf_status": mhf.status(model)}

@@ -72,6 +72,7 @@ def main():
     native = lambda: ops.rmsnorm_forward(out, rstd, x.detach(), weight.detach(), eps=eps,  # noqa: E731
                                          ctx=mhf._context(x))
     for name, fn in ways.items():
+        mhf.EAGER_FAST_PATH = name == "eager_twin"  # (_call takes the twin only with it on)
         fwd = per_call_us(fn, args.calls)
         both = per_call_us(lambda: fn().sum().backward(), args.calls // 4)
         print(json.dumps({"op": "rms_norm", "way": name, "rows": args.rows, "forward_us": round(fwd, 2),
