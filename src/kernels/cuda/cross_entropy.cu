@@ -245,10 +245,14 @@ __device__ __forceinline__ void zero_bf16(bf16* d, int len) {
     for (int i = threadIdx.x * kVec; i < len; i += kStagedThreads * kVec) store_bf16<kVec>(d + i, zeros);
 }
 
-// Pass 1 of the staged kernel: the thread's running (max, Σ exp) over its vectors of the slice in
-// shared memory, piece by piece as the copies land.
+// Pass 1 of the staged kernel: the thread's (max, Σ exp(x − max)) over its vectors of the slice in
+// shared memory: the max piece by piece as the copies land, then the sum over the same vectors in a
+// second walk of shared memory. Every exp is then independent of the others; the online update runs
+// each exp through the running sum (a chain of ~30 cycles a logit), and with it the staged kernel
+// took 830 us at 2731 rows of V = 151936 (H100) where its DRAM traffic alone needs about 500.
 template <int kVec, typename TL>
 __device__ __forceinline__ void reduce_slice(float& m, float& s, const TL* xs, int len, uint64_t* loaded) {
+    m = -INFINITY;
     for (int p = 0; p < kLoadPieces; ++p) {
         int piece_begin, piece_end;
         piece_range<kVec>(len, p, piece_begin, piece_end);
@@ -258,7 +262,21 @@ __device__ __forceinline__ void reduce_slice(float& m, float& s, const TL* xs, i
         for (int i = piece_begin + threadIdx.x * kVec; i < piece_end; i += kStagedThreads * kVec) {
             float f[kVec];
             detail::load_f32<kVec>(f, xs + i);
-            online_update<kVec>(m, s, f);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) m = fmaxf(m, f[e]);
+        }
+    }
+    s = 0.0f;
+    if (m == -INFINITY) return;  // (no logits here, or only -inf ones: the empty pair, which combine() skips)
+    for (int p = 0; p < kLoadPieces; ++p) {
+        int piece_begin, piece_end;
+        piece_range<kVec>(len, p, piece_begin, piece_end);
+#pragma unroll 4
+        for (int i = piece_begin + threadIdx.x * kVec; i < piece_end; i += kStagedThreads * kVec) {
+            float f[kVec];
+            detail::load_f32<kVec>(f, xs + i);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) s += __expf(f[e] - m);
         }
     }
 }
