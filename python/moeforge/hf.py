@@ -105,7 +105,10 @@ def _no_grads(ctx) -> tuple:
 # under torch.compile (and for tensor subclasses: fake, functional, distributed tensors) the op itself
 # is called, as before, so graphs still see one opaque op with its fake kernel.
 # (off unless MOEFORGE_HF_EAGER_TWINS=1 until the GPU machine has run test_hf with it; bench/d1.sh measures both)
-EAGER_FAST_PATH = os.environ.get("MOEFORGE_HF_EAGER_TWINS", "0") == "1"
+_twins_env = os.environ.get("MOEFORGE_HF_EAGER_TWINS", "")
+if _twins_env not in ("", "0", "1"):
+    raise ValueError(f"moeforge.hf: MOEFORGE_HF_EAGER_TWINS must be 0 or 1, got {_twins_env!r}")
+EAGER_FAST_PATH = _twins_env == "1"
 _eager: dict = {}  # op -> the callable an eager call runs instead
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
