@@ -1,7 +1,7 @@
 // Fused LM head + cross-entropy, CUDA. Per chunk of rows tokens [n0, n0 + rows):
 //   1. logits[rows, V] fp32 (or bf16) = h[chunk] · wᵀ      cublasGemmEx, bf16 in, fp32 accumulation
-//   2. the loss kernel (cross_entropy_loss_rows): per row a running (max, Σ exp) per thread (online
-//      softmax, one exp per logit), combined in a fixed order; loss = max + log Σ − logit[target];
+//   2. the loss kernel (cross_entropy_loss_rows): per row a (max, Σ exp) per thread (one exp per
+//      logit), combined in a fixed order; loss = max + log Σ − logit[target];
 //      then dlogits = grad_scale · (exp(x − max) / Σ − [v == target]) as bf16 over the row's own
 //      storage (bf16 row stride 2V over fp32 logits, V over bf16 ones). The per-logit exps are the
 //      hardware approximation (__expf: ex2.approx, a few 1e-7 relative for arguments <= 0, far below
@@ -10,14 +10,16 @@
 //      staged, where the row fits in 1, 2, 4 or 8 slices of at most kMaxSliceBytes (V a multiple of
 //        the 16-byte vector; every bf16 vocabulary up to 192512, fp32 up to 96256): a thread-block
 //        cluster per row, one CTA per slice. A CTA copies its slice global -> shared once (bulk
-//        asynchronous copies completing on mbarriers), reduces it from shared memory to one (max, Σ)
-//        pair, and publishes it; after a cluster barrier every CTA combines the cluster's pairs
-//        through distributed shared memory in rank order (all CTAs hold the same bits), then writes
-//        its slice's dlogits from shared memory. DRAM traffic: one read and one write of the row.
+//        asynchronous copies completing on mbarriers), reduces it from shared memory (each thread's
+//        max, then its Σ exp(x − max)) to one (max, Σ) pair, and publishes it; after a cluster
+//        barrier every CTA combines the cluster's pairs through distributed shared memory in rank
+//        order (all CTAs hold the same bits), then writes its slice's dlogits from shared memory.
+//        DRAM traffic: one read and one write of the row.
 //      streaming, every other row: one block per row reads the row twice (a 304 KB bf16 row misses
-//        L2 the second time). Pass 2 walks the row in tiles of blockDim·kVec logits, each tile read
-//        into registers, then a __syncthreads, then written; the bf16 of logits [b, b + T) lands on
-//        the bytes of fp32 logits [b/2, (b + T)/2) (bf16 logits: on their own bytes), all already read.
+//        L2 the second time), each thread's (max, Σ) an online update. Pass 2 walks the row in tiles
+//        of blockDim·kVec logits, each tile read into registers, then a __syncthreads, then written;
+//        the bf16 of logits [b, b + T) lands on the bytes of fp32 logits [b/2, (b + T)/2) (bf16
+//        logits: on their own bytes), all already read.
 //      MOEFORGE_CE_KERNEL = staged | streaming overrides the choice at every call (staged still
 //      streams where it does not apply); unset or empty: kCrossEntropyStagedByDefault says which.
 //   3. dh[chunk] += dlogits · w,  dw += dlogitsᵀ · h[chunk]   cublasGemmEx, fp32 accumulation.
